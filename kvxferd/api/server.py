@@ -1,0 +1,119 @@
+"""Run a sidecar: the engine API on a Unix socket (0600) and the peer API on TCP, one loop.
+
+We bind both sockets ourselves (uvicorn would make the Unix socket 0666) and handle SIGINT and
+SIGTERM once for both servers. When both listen, one line goes to stdout:
+``kvxferd ready engine_socket=PATH peer=HOST:PORT engine_id=ID epoch=N``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+
+import uvicorn
+
+from kvxferd.api.engine import engine_app
+from kvxferd.api.peer import peer_app
+from kvxferd.config import Config
+from kvxferd.errors import ConfigError
+from kvxferd.sidecar.service import Sidecar
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that leaves signal handling to us (two servers share one process)."""
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
+        return contextlib.nullcontext()
+
+
+def bind_unix(path: str) -> socket.socket:
+    """Bind a 0600 Unix stream socket at ``path``, replacing a stale socket file."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise ConfigError(f"engine_socket: {path} exists and is not a socket")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"engine_socket: cannot bind {path}: {exc.strerror}") from exc
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    return sock
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """Bind a TCP listening socket (port 0 picks a free one)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"peer_port: cannot bind {host}:{port}: {exc.strerror}") from exc
+    sock.listen(1024)
+    return sock
+
+
+async def serve(config: Config) -> None:
+    """Run until SIGINT/SIGTERM; then stop accepting, finish, release everything."""
+    engine_sock = bind_unix(config.engine_socket)
+    try:
+        peer_sock = bind_tcp(config.peer_host, config.peer_port)
+    except BaseException:
+        engine_sock.close()
+        os.unlink(config.engine_socket)
+        raise
+    sidecar = Sidecar(config)
+    port = peer_sock.getsockname()[1]
+    sidecar.peer_address = f"{config.advertised_host}:{port}"
+    level = config.log_level.lower()
+    servers = [
+        (_Server(uvicorn.Config(engine_app(sidecar), log_level=level, access_log=False,
+                                lifespan="off")), engine_sock),
+        (_Server(uvicorn.Config(peer_app(sidecar), log_level=level, access_log=False,
+                                lifespan="off")), peer_sock),
+    ]  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    sidecar.start()
+    tasks = [asyncio.create_task(srv.serve(sockets=[sock])) for srv, sock in servers]
+    try:
+        while not all(srv.started for srv, _ in servers):
+            if any(t.done() for t in tasks):
+                break
+            await asyncio.sleep(0.01)
+        print(
+            f"kvxferd ready engine_socket={config.engine_socket} peer={sidecar.peer_address} "
+            f"engine_id={sidecar.engine_id} epoch={sidecar.epoch}",
+            flush=True,
+        )
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+    finally:
+        for srv, _ in servers:
+            srv.should_exit = True
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await sidecar.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        engine_sock.close()
+        peer_sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(config.engine_socket)
+        print("kvxferd stopped", file=sys.stderr, flush=True)

@@ -1,0 +1,135 @@
+"""The sidecar's configuration: one typed, frozen object, loaded once at the edge.
+
+Sources, later wins: built-in defaults < ``KVXFERD_*`` environment variables < CLI flags. Nothing
+below the CLI reads ``os.environ``; the object is passed down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, get_type_hints
+
+from kvxferd.errors import ConfigError
+
+ENV_PREFIX = "KVXFERD_"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """Settings of one ``kvxferd serve`` process (one engine rank)."""
+
+    engine_socket: str = "/tmp/kvxferd.sock"
+    """Unix socket of the engine API (created 0600)."""
+    peer_host: str = "127.0.0.1"
+    """Address the peer API binds to."""
+    peer_port: int = 0
+    """TCP port of the peer API; 0 picks a free one."""
+    advertise_host: str = ""
+    """Host other sidecars use to reach this one; empty = peer_host."""
+    peer_token: str = field(default="", repr=False)
+    """Shared secret: bearer token of the peer API and HMAC key of tickets."""
+    engine_id: str = ""
+    """Identity of the engine rank; empty = generated at start."""
+    backends: tuple[str, ...] = ("UCX",)
+    """NIXL backends to create."""
+    progress_thread: bool = True
+    """Run NIXL's UCX progress thread (needed to deliver notifications promptly)."""
+    default_lease_s: float = 30.0
+    """Lease of a hold when the engine gives none."""
+    max_lease_s: float = 600.0
+    """Upper bound of any lease or heartbeat extension."""
+    claim_s: float = 30.0
+    """How long a claim pins a hold while the decode side reads."""
+    pull_deadline_s: float = 30.0
+    """Default deadline of a pull."""
+    handshake_timeout_s: float = 5.0
+    """Bound on one handshake or claim HTTP call."""
+    log_level: str = "info"
+    """Logging level name."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.peer_port <= 65535:
+            raise ConfigError(f"peer_port: {self.peer_port} is not a TCP port")
+        for name in ("default_lease_s", "max_lease_s", "claim_s", "pull_deadline_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.default_lease_s > self.max_lease_s:
+            raise ConfigError("default_lease_s: larger than max_lease_s")
+        if not self.backends:
+            raise ConfigError("backends: at least one NIXL backend is needed")
+
+    @property
+    def advertised_host(self) -> str:
+        """Host to put in tickets and handshakes."""
+        return self.advertise_host or self.peer_host
+
+
+def load_config(
+    overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+) -> Config:
+    """A Config from ``KVXFERD_<FIELD>`` env vars, then ``overrides`` (None values skipped)."""
+    env = os.environ if env is None else env
+    hints = get_type_hints(Config)
+    values: dict[str, Any] = {}
+    for f in fields(Config):
+        raw = env.get(ENV_PREFIX + f.name.upper())
+        if raw is not None and raw != "":
+            values[f.name] = _parse(f.name, hints[f.name], raw)
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key not in hints:
+            raise ConfigError(f"{key}: unknown setting")
+        values[key] = value
+    try:
+        return Config(**values)
+    except TypeError as exc:  # pragma: no cover - guarded by the key check above
+        raise ConfigError(str(exc)) from exc
+
+
+def replace(config: Config, **changes: Any) -> Config:
+    """A copy of ``config`` with some fields changed (validated again)."""
+    return dataclasses.replace(config, **changes)
+
+
+def env_help() -> list[tuple[str, str]]:
+    """(env var, meaning) for every setting, for ``--help`` and the operations doc."""
+    docs = _field_docs()
+    return [(ENV_PREFIX + f.name.upper(), docs.get(f.name, "")) for f in fields(Config)]
+
+
+def _parse(name: str, kind: Any, raw: str) -> Any:
+    try:
+        if kind is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        if kind == tuple[str, ...]:
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+        return raw
+    except ValueError:
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}: cannot parse {raw!r}") from None
+
+
+def _field_docs() -> dict[str, str]:
+    """Attribute docstrings of Config, read from its source (kept next to each field)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(Config))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)
+    return docs

@@ -1,0 +1,158 @@
+"""The one exception tree of kvxferd.
+
+Everything kvxferd raises on purpose derives from :class:`KvxferdError`. Foreign errors (NIXL,
+httpx, msgspec) are translated at the module that talks to them, ``raise ... from exc``.
+
+    KvxferdError
+    ├── ConfigError                 a flag, env var or config file is wrong
+    ├── ManifestError               a manifest is inconsistent (names the field)
+    │   └── UnsupportedModelError   the planner cannot lay out this HF config
+    ├── BlockIdError                block ids out of range or for the wrong group (names the field)
+    ├── MemoryRegionError           a region cannot be created, mapped or sized
+    ├── TransportError              a NIXL call failed
+    │   ├── RegistrationError       registering or deregistering memory failed
+    │   ├── PeerDisconnectedError   the remote agent went away mid-transfer
+    │   ├── TransferFailedError     a posted transfer ended in error
+    │   ├── TransferTimeoutError    a transfer did not finish before its deadline
+    │   ├── TransportLookupError    NIXL found no such remote agent, registration or prepped list
+    │   └── DescriptorError         descriptor lists or indices rejected (shape, length, range)
+    ├── HandshakeError              a peer could not be reached or answered nonsense
+    │   └── IncompatiblePeerError   the peer's manifest disagrees (lists the fields)
+    ├── HoldError                   hold/ticket problems on the prefill side
+    │   ├── UnknownHoldError        no such hold (never existed, or already released)
+    │   ├── HoldExpiredError        the hold's lease ran out; its blocks may be reused
+    │   └── HoldRequestError        a hold/claim/heartbeat argument is invalid (names the field)
+    │       └── DuplicateHoldError  the request id already has a live hold
+    ├── AuthError                   a peer presented a wrong or missing token
+    ├── PullError                   a pull did not move every byte it promised (has a reason)
+    └── StateError                  a pull/hold state moved backward or out of a terminal state
+"""
+
+from __future__ import annotations
+
+
+class KvxferdError(Exception):
+    """Base of every error kvxferd raises on purpose."""
+
+
+class ConfigError(KvxferdError):
+    """A flag, environment variable or config file value is wrong."""
+
+
+class ManifestError(KvxferdError):
+    """A manifest (or planner input) is inconsistent; ``field`` names the offending path."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class UnsupportedModelError(ManifestError):
+    """The planner does not know how to lay out this model configuration."""
+
+
+class BlockIdError(KvxferdError):
+    """Block ids that are out of range, duplicated, or given for the wrong group."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class MemoryRegionError(KvxferdError):
+    """A memory region cannot be created, mapped or has the wrong size."""
+
+
+class TransportError(KvxferdError):
+    """A NIXL operation failed."""
+
+
+class RegistrationError(TransportError):
+    """Registering or deregistering memory with NIXL failed."""
+
+
+class PeerDisconnectedError(TransportError):
+    """The remote agent disconnected (or was never reachable) during a transfer."""
+
+
+class TransferFailedError(TransportError):
+    """A posted transfer finished in an error state."""
+
+
+class TransferTimeoutError(TransportError):
+    """A transfer did not complete before its deadline."""
+
+
+class TransportLookupError(TransportError):
+    """NIXL found no such remote agent, registration covering the descriptors, or prepped list."""
+
+
+class DescriptorError(TransportError):
+    """Descriptor lists or indices were rejected: bad shape, length mismatch or out of range."""
+
+
+class HandshakeError(KvxferdError):
+    """A peer could not be reached for a handshake, or answered something unusable."""
+
+
+class IncompatiblePeerError(HandshakeError):
+    """Two manifests cannot exchange blocks; ``fields`` lists every disagreement."""
+
+    def __init__(self, fields: dict[str, tuple[object, object]]) -> None:
+        detail = "; ".join(f"{k}: local={a!r} remote={b!r}" for k, b, a in _triples(fields))
+        super().__init__(f"incompatible peer: {detail}")
+        self.fields = fields
+
+
+def _triples(fields: dict[str, tuple[object, object]]) -> list[tuple[str, object, object]]:
+    return [(k, remote, local) for k, (local, remote) in fields.items()]
+
+
+class HoldError(KvxferdError):
+    """A hold (prefill-side pin of blocks) problem."""
+
+
+class UnknownHoldError(HoldError):
+    """No hold with that id exists (it never did, or it was already released)."""
+
+
+class HoldExpiredError(HoldError):
+    """The hold's lease ran out; its blocks may already be reused."""
+
+
+class HoldRequestError(HoldError):
+    """A hold, claim or heartbeat argument is invalid; ``field`` names it."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class DuplicateHoldError(HoldRequestError):
+    """The request id already has a live hold (``field`` is ``request_id``)."""
+
+
+class AuthError(KvxferdError):
+    """A peer presented a missing or wrong bearer token."""
+
+
+class PullError(KvxferdError):
+    """A pull failed; ``reason`` is a short machine-readable code."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class StateError(KvxferdError):
+    """A state machine was asked to move backward or out of a terminal state (a bug)."""
+
+    def __init__(self, current: object, new: object, reason: str) -> None:
+        super().__init__(f"{current!r} -> {new!r}: {reason}")
+        self.current = current
+        self.new = new
+        self.reason = reason

@@ -1,0 +1,98 @@
+"""Prometheus metrics of one sidecar, built against an injected registry.
+
+Names follow ``kvxferd_<subsystem>_<what>_<unit>``; every label has a small fixed value set (no
+request, hold or peer ids as labels).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from kvxferd import __version__
+
+# Seconds: from a 4 KiB loopback READ (~10 us) to a stuck multi-GB pull.
+_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+            2.5, 5.0, 10.0, 30.0)  # fmt: skip
+_DESCRIPTORS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+_GBPS = (0.1, 0.5, 1, 2, 4, 8, 12, 16, 25, 50, 100, 200, 400)
+
+PHASES = ("handshake", "claim", "post", "wire", "notify", "total")
+"""Pull phases timed by kvxferd_pull_phase_duration_seconds."""
+BYTE_KINDS = ("kv", "state")
+"""kv: attention K/V bytes; state: Mamba conv/SSM bytes."""
+
+
+class Metrics:
+    """All metric objects of a sidecar; pass ``registry`` to isolate (tests, several sidecars)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.transfer_bytes = Counter(
+            "kvxferd_transfer_bytes", "Bytes pulled into this rank", ["kind"], registry=r
+        )
+        self.transfer_duration = Histogram(
+            "kvxferd_transfer_duration_seconds",
+            "Wall time of one NIXL READ from post to completion",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.phase_duration = Histogram(
+            "kvxferd_pull_phase_duration_seconds",
+            "Time spent in each phase of a pull",
+            ["phase"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.transfer_descriptors = Histogram(
+            "kvxferd_transfer_descriptors",
+            "Descriptors posted per READ",
+            buckets=_DESCRIPTORS,
+            registry=r,
+        )
+        self.transfer_throughput = Histogram(
+            "kvxferd_transfer_throughput_gigabytes_per_second",
+            "Effective GB/s of each READ (bytes / wall time)",
+            buckets=_GBPS,
+            registry=r,
+        )
+        self.pulls = Counter("kvxferd_pulls", "Pulls finished, by outcome", ["outcome"], registry=r)
+        self.pull_failures = Counter(
+            "kvxferd_pull_failures", "Failed pulls by reason", ["reason"], registry=r
+        )
+        self.pulls_in_flight = Gauge(
+            "kvxferd_pulls_in_flight", "Pulls accepted and not yet finished", registry=r
+        )
+        self.holds_active = Gauge(
+            "kvxferd_holds_active", "Holds currently pinning blocks", registry=r
+        )
+        self.holds_created = Counter("kvxferd_holds_created", "Holds created", registry=r)
+        self.holds_released = Counter(
+            "kvxferd_holds_released", "Holds released, by reason", ["reason"], registry=r
+        )
+        self.lease_headroom = Histogram(
+            "kvxferd_hold_lease_headroom_seconds",
+            "Lease time left when a hold was claimed (low values: leases too short)",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.handshakes = Counter(
+            "kvxferd_handshakes", "Handshakes by outcome", ["outcome"], registry=r
+        )
+        self.peers = Gauge("kvxferd_peers", "Remote peers with loaded NIXL metadata", registry=r)
+        self.peer_epochs = Counter(
+            "kvxferd_peer_epochs_seen", "Distinct (engine, epoch) pairs handshaken", registry=r
+        )
+        self.nixl_handles = Gauge(
+            "kvxferd_nixl_handles", "Live NIXL transfer and descriptor-list handles", registry=r
+        )
+        self.info = Info("kvxferd_build", "Version and NIXL backend in use", registry=r)
+        self.info.info({"version": __version__, "backend": ""})
+        for kind in BYTE_KINDS:
+            self.transfer_bytes.labels(kind)
+        for phase in PHASES:
+            self.phase_duration.labels(phase)
+
+    def set_backend(self, backend: str) -> None:
+        """Record which NIXL backend carries transfers."""
+        self.info.info({"version": __version__, "backend": backend})

@@ -1,0 +1,299 @@
+"""Pulls on the decode side: handshake, claim, plan, one NIXL READ per prefill rank, notify.
+
+A pull moves forward through PullState and ends DONE only when every READ of every source rank
+completed; anything else ends FAILED with a reason code, never DONE (fail closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvxferd import descriptors
+from kvxferd.errors import (
+    AuthError,
+    BlockIdError,
+    HandshakeError,
+    HoldExpiredError,
+    IncompatiblePeerError,
+    KvxferdError,
+    PeerDisconnectedError,
+    PullError,
+    TransferTimeoutError,
+    UnknownHoldError,
+)
+from kvxferd.sidecar.states import PullState
+from kvxferd.wire import ClaimRequest, PullRequest, PullStatus, Ticket
+
+if TYPE_CHECKING:
+    from kvxferd.sidecar.peers import Peer
+    from kvxferd.sidecar.service import Sidecar
+
+log = logging.getLogger(__name__)
+
+_KEEP_FINISHED = 4096  # finished pulls remembered for status queries
+
+# Exception type -> failure reason code (checked in order; subclasses first).
+_REASONS: list[tuple[type[BaseException], str]] = [
+    (HoldExpiredError, "hold_expired"),
+    (UnknownHoldError, "unknown_hold"),
+    (AuthError, "auth"),
+    (IncompatiblePeerError, "incompatible"),
+    (HandshakeError, "handshake"),
+    (PeerDisconnectedError, "peer_disconnected"),
+    (TransferTimeoutError, "deadline"),
+    (TimeoutError, "deadline"),
+    (BlockIdError, "block_ids"),
+    (PullError, "pull"),
+    (KvxferdError, "transfer"),
+]
+
+
+@dataclass
+class Pull:
+    """One pull's record; ``done`` is set when it reaches DONE or FAILED."""
+
+    pull_id: str
+    request: PullRequest
+    started: float = field(default_factory=time.monotonic)
+    state: PullState = PullState.PENDING
+    reason: str = ""
+    detail: str = ""
+    kv_bytes: int = 0
+    state_bytes: int = 0
+    descriptors: int = 0
+    duration_s: float = 0.0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def advance(self, new: PullState) -> None:
+        """Move forward (never back, never out of DONE/FAILED)."""
+        if self.state in (PullState.DONE, PullState.FAILED) or new < self.state:
+            return
+        self.state = new
+
+    def status(self) -> PullStatus:
+        """The wire view."""
+        return PullStatus(
+            pull_id=self.pull_id,
+            state=self.state.wire_name,
+            reason=self.reason,
+            detail=self.detail,
+            kv_bytes=self.kv_bytes,
+            state_bytes=self.state_bytes,
+            descriptors=self.descriptors,
+            duration_s=self.duration_s,
+        )
+
+
+class PullRunner:
+    """Starts pulls as tasks and remembers their outcome (bounded)."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self._sidecar = sidecar
+        self._pulls: OrderedDict[str, Pull] = OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, req: PullRequest) -> Pull:
+        """Validate ``req`` synchronously (4xx to the engine), then run it in the background."""
+        _validate(req, self._sidecar)
+        pull = Pull(pull_id=secrets.token_hex(8), request=req)
+        self._pulls[pull.pull_id] = pull
+        while len(self._pulls) > _KEEP_FINISHED:
+            oldest = next(iter(self._pulls.values()))
+            if not oldest.done.is_set():
+                break
+            self._pulls.popitem(last=False)
+        self._sidecar.metrics.pulls_in_flight.inc()
+        task = asyncio.create_task(self._run(pull), name=f"pull-{pull.pull_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return pull
+
+    async def status(self, pull_id: str, wait_s: float) -> PullStatus:
+        """Status of a pull, long-polling up to ``wait_s`` for it to finish."""
+        pull = self._pulls.get(pull_id)
+        if pull is None:
+            raise UnknownHoldError(f"no pull {pull_id!r}")
+        if wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pull.done.wait(), wait_s)
+        return pull.status()
+
+    async def close(self) -> None:
+        """Cancel running pulls (they end FAILED)."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self, pull: Pull) -> None:
+        sc = self._sidecar
+        req = pull.request
+        deadline = time.monotonic() + req.deadline_s
+        try:
+            async with asyncio.timeout(req.deadline_s):
+                local = sc.manifest
+                assert local is not None
+                ranks = descriptors.source_ranks(local, len(req.tickets))
+                await asyncio.gather(
+                    *(self._read_from(pull, req.tickets[r], deadline) for r in ranks)
+                )
+            pull.advance(PullState.DONE)
+            sc.metrics.pulls.labels("done").inc()
+        except asyncio.CancelledError:
+            self._fail(pull, "cancelled", "sidecar shutting down")
+            raise
+        except BaseException as exc:  # every failure path ends FAILED with a reason
+            reason = next((r for t, r in _REASONS if isinstance(exc, t)), "internal")
+            self._fail(pull, reason, str(exc) or type(exc).__name__)
+            if reason != "internal":
+                log.warning("pull %s failed: %s: %s", pull.pull_id, reason, exc)
+            else:
+                log.exception("pull %s failed unexpectedly", pull.pull_id)
+        finally:
+            pull.duration_s = time.monotonic() - pull.started
+            sc.metrics.phase_duration.labels("total").observe(pull.duration_s)
+            sc.metrics.pulls_in_flight.dec()
+            pull.done.set()
+
+    def _fail(self, pull: Pull, reason: str, detail: str) -> None:
+        pull.state = PullState.FAILED
+        pull.reason, pull.detail = reason, detail
+        self._sidecar.metrics.pulls.labels("failed").inc()
+        self._sidecar.metrics.pull_failures.labels(reason).inc()
+
+    async def _read_from(self, pull: Pull, ticket: Ticket, deadline: float) -> None:
+        """Handshake with, claim at, and read from one prefill rank."""
+        sc = self._sidecar
+        local = sc.manifest
+        assert local is not None
+        m = sc.metrics
+        pull.advance(PullState.HANDSHAKING)
+        t0 = time.monotonic()
+        peer = await sc.peers.get(ticket.peer, ticket.engine_id, ticket.epoch)
+        m.phase_duration.labels("handshake").observe(time.monotonic() - t0)
+
+        pull.advance(PullState.CLAIMING)
+        t0 = time.monotonic()
+        claim = await sc.peers.claim(
+            ticket.peer,
+            ClaimRequest(
+                ticket=ticket,
+                reader=sc.agent.name,
+                reader_tp_size=local.tp_size,
+                claim_s=max(0.001, deadline - time.monotonic()),
+            ),
+        )
+        m.phase_duration.labels("claim").observe(time.monotonic() - t0)
+        m.lease_headroom.observe(max(0.0, ticket.expires_at - time.time()))
+        del claim
+
+        local_ids, remote_ids = _pairs(pull.request.block_ids, ticket.block_ids)
+        plan = descriptors.plan_read(local, peer.manifest, local_ids, remote_ids)
+        pull.advance(PullState.TRANSFERRING)
+        notif = ticket.hold_id.encode()
+        if plan.num_descriptors == 0:
+            # Nothing to read from this rank (all blocks skipped): still release its hold.
+            await asyncio.to_thread(sc.agent.send_notif, peer.agent_name, notif)
+            return
+        await self._transfer(pull, peer, plan, notif, deadline)
+
+    async def _transfer(
+        self, pull: Pull, peer: Peer, plan: descriptors.ReadPlan, notif: bytes, deadline: float
+    ) -> None:
+        sc = self._sidecar
+        bases = np.asarray(sc.region_bases, dtype=np.int64)
+        rbases = np.asarray(peer.region_bases, dtype=np.int64)
+        local_addr = bases[plan.local_region] + plan.local_offset
+        remote_addr = rbases[plan.remote_region] + plan.remote_offset
+        t0 = time.monotonic()
+        try:
+            transfer = await asyncio.to_thread(
+                sc.agent.read, peer.agent_name, local_addr, remote_addr, plan.length, notif
+            )
+        except PeerDisconnectedError:
+            await sc.peers.forget(peer.address)
+            raise
+        try:
+            posted = time.monotonic()
+            await asyncio.to_thread(transfer.wait, max(0.0, deadline - time.monotonic()))
+            wire_s = time.monotonic() - posted
+        except PeerDisconnectedError:
+            await sc.peers.forget(peer.address)
+            raise
+        finally:
+            await asyncio.to_thread(transfer.release)
+        m = sc.metrics
+        total = int(plan.kv_bytes + plan.state_bytes)
+        m.phase_duration.labels("post").observe(posted - t0)
+        m.phase_duration.labels("wire").observe(wire_s)
+        m.transfer_duration.observe(time.monotonic() - t0)
+        m.transfer_descriptors.observe(plan.num_descriptors)
+        m.transfer_bytes.labels("kv").inc(plan.kv_bytes)
+        m.transfer_bytes.labels("state").inc(plan.state_bytes)
+        if wire_s > 0:
+            m.transfer_throughput.observe(total / wire_s / 1e9)
+        pull.kv_bytes += int(plan.kv_bytes)
+        pull.state_bytes += int(plan.state_bytes)
+        pull.descriptors += int(plan.num_descriptors)
+
+
+def _pairs(
+    local: list[list[int]], remote: list[list[int]]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per group, the (local, remote) ids to move: pairs whose local id is -1 are skipped."""
+    out_l, out_r = [], []
+    for lo, re in zip(local, remote, strict=True):
+        lo_a = np.asarray(lo, dtype=np.int64)
+        re_a = np.asarray(re, dtype=np.int64)
+        keep = lo_a >= 0
+        out_l.append(lo_a[keep])
+        out_r.append(re_a[keep])
+    return out_l, out_r
+
+
+def _validate(req: PullRequest, sidecar: Sidecar) -> None:
+    """Shape checks an engine gets back as a 422 naming the field."""
+    local = sidecar.manifest
+    assert local is not None
+    if not req.tickets:
+        raise BlockIdError("tickets", "at least one ticket is needed")
+    tp = req.tickets[0].tp_size
+    for i, t in enumerate(req.tickets):
+        if t.tp_size != tp or t.tp_rank != i:
+            raise BlockIdError(
+                f"tickets[{i}]", f"expected rank {i} of {tp}, got rank {t.tp_rank} of {t.tp_size}"
+            )
+        if t.block_ids != req.tickets[0].block_ids:
+            raise BlockIdError(f"tickets[{i}].block_ids", "differs from tickets[0].block_ids")
+    if len(req.tickets) != tp:
+        raise BlockIdError("tickets", f"{len(req.tickets)} tickets for prefill TP {tp}")
+    remote = req.tickets[0].block_ids
+    if len(req.block_ids) != len(local.groups):
+        raise BlockIdError(
+            "block_ids", f"{len(req.block_ids)} groups given, the manifest has {len(local.groups)}"
+        )
+    if len(remote) != len(local.groups):
+        raise BlockIdError(
+            "tickets[0].block_ids",
+            f"{len(remote)} groups in the ticket, the manifest has {len(local.groups)}",
+        )
+    for g, (lo, re) in enumerate(zip(req.block_ids, remote, strict=True)):
+        if len(lo) != len(re):
+            raise BlockIdError(f"block_ids[{g}]", f"{len(lo)} local ids for {len(re)} ticket ids")
+        for k, b in enumerate(lo):
+            if b < -1 or b >= local.num_blocks:
+                raise BlockIdError(
+                    f"block_ids[{g}][{k}]", f"{b} is outside 0..{local.num_blocks - 1} (or -1)"
+                )
+    if req.deadline_s <= 0:
+        raise BlockIdError("deadline_s", "must be > 0")
