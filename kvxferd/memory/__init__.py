@@ -1,0 +1,25 @@
+"""Memory regions the sidecar maps: POSIX shared memory (DRAM) and CUDA IPC (VRAM)."""
+
+from kvxferd.memory.cuda_ipc import CudaIpcHandle, CudaIpcRegion
+from kvxferd.memory.region import (
+    MAX_NAME_LEN,
+    MemKind,
+    RegionSource,
+    check_region_name,
+    check_region_size,
+)
+from kvxferd.memory.shm import SHM_DIR, SharedMemoryRegion
+from kvxferd.memory.spec import open_region
+
+__all__ = [
+    "MAX_NAME_LEN",
+    "SHM_DIR",
+    "CudaIpcHandle",
+    "CudaIpcRegion",
+    "MemKind",
+    "RegionSource",
+    "SharedMemoryRegion",
+    "check_region_name",
+    "check_region_size",
+    "open_region",
+]

@@ -1,0 +1,27 @@
+"""The NIXL transport: the only package that imports ``nixl``.
+
+:class:`Agent` registers regions, exchanges metadata, posts READs (plain or prepped) and
+carries notifications; :class:`Transfer` is one posted READ.
+"""
+
+from kvxferd.transport.agent import Agent, SyncMode
+from kvxferd.transport.descs import as_indices, as_xfer_table, check_pairs
+from kvxferd.transport.nixl_errors import is_nixl_error, nixl_errors
+from kvxferd.transport.prepped import PreppedList
+from kvxferd.transport.registration import LiveHandles, Registration
+from kvxferd.transport.transfer import Transfer, TransferState
+
+__all__ = [
+    "Agent",
+    "LiveHandles",
+    "PreppedList",
+    "Registration",
+    "SyncMode",
+    "Transfer",
+    "TransferState",
+    "as_indices",
+    "as_xfer_table",
+    "check_pairs",
+    "is_nixl_error",
+    "nixl_errors",
+]
