@@ -50,8 +50,9 @@ def _raise_for(resp: httpx.Response) -> None:
         body = ErrorBody(error="HTTPError", detail=resp.text[:500])
     kind = getattr(errors, body.error, None)
     if isinstance(kind, type) and issubclass(kind, errors.KvxferdError):
-        if issubclass(kind, errors.ManifestError | errors.BlockIdError):
-            exc: Exception = kind(body.field, body.detail)
+        if issubclass(kind, errors.ManifestError | errors.BlockIdError | errors.HoldRequestError):
+            reason = body.detail.removeprefix(f"{body.field}: ")
+            exc: Exception = kind(body.field, reason)
         elif issubclass(kind, errors.IncompatiblePeerError | errors.PullError):
             exc = SidecarError(resp.status_code, body)
         else:

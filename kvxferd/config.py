@@ -129,7 +129,11 @@ def _field_docs() -> dict[str, str]:
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:], strict=False):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = str(nxt.value.value)
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
+            docs[node.target.id] = str(nxt.value.value)
     return docs

@@ -218,7 +218,11 @@ class PullRunner:
         t0 = time.monotonic()
         try:
             transfer = await asyncio.to_thread(
-                sc.agent.read, peer.agent_name, local_addr, remote_addr, plan.length, notif
+                sc.agent.read,
+                peer.agent_name,
+                (local_addr, plan.length),
+                (remote_addr, plan.length),
+                notif,
             )
         except PeerDisconnectedError:
             await sc.peers.forget(peer.address)

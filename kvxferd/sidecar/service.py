@@ -260,7 +260,7 @@ class Sidecar:
             engine_id=self.engine_id,
             epoch=self.epoch,
             agent_name=self.agent.name,
-            agent_metadata=self.agent.metadata(),
+            agent_metadata=self.agent.get_agent_metadata(),
             manifest=manifest,
             region_bases=self._bases,
         )
@@ -308,7 +308,8 @@ class Sidecar:
                     self._after_release()
                 if self.holds.claimed:
                     delay = _NOTIF_FAST_S
-            self.metrics.nixl_handles.set(self.agent.live_handles())
+            live = self.agent.live_handles()
+            self.metrics.nixl_handles.set(live.transfers + live.prepped)
             await asyncio.sleep(delay)
 
 

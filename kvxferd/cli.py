@@ -1,0 +1,50 @@
+"""The ``kvxferd`` command: ``layout`` (inspect a model's KV layout) and ``serve`` (the sidecar).
+
+Errors end the command with exit status 2 and one line on stderr: ``kvxferd: error: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvxferd import __version__
+from kvxferd.errors import KvxferdError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KvxferdError as exc:
+        print(f"kvxferd: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvxferd",
+        description="KV-cache transfer daemon for disaggregated prefill/decode serving.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvxferd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from kvxferd.commands import layout, serve
+
+    layout.add_parser(sub)
+    serve.add_parser(sub)
+    return parser
+
+
+def setup_logging(level: str) -> None:
+    """Plain %-style logging to stderr for the daemon commands."""
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )

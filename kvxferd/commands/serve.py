@@ -1,0 +1,78 @@
+"""``kvxferd serve``: run the sidecar of one engine rank."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from kvxferd.config import env_help, load_config
+from kvxferd.errors import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register the subcommand."""
+    env_lines = "\n".join(f"  {name:32s} {doc}" for name, doc in env_help())
+    p = sub.add_parser(
+        "serve",
+        help="run the sidecar of one engine rank",
+        description="Run a kvxferd sidecar: the engine API on a Unix socket (0600) and the peer "
+        "API (handshake, claims, /metrics, /healthz, /readyz) on TCP.",
+        epilog="Every setting can also come from the environment (flags win):\n" + env_lines,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--engine-socket", metavar="PATH", help="engine API Unix socket path")
+    p.add_argument("--peer-host", metavar="HOST", help="peer API bind address")
+    p.add_argument("--peer-port", type=int, metavar="N", help="peer API TCP port (0 = any free)")
+    p.add_argument("--advertise-host", metavar="HOST", help="host other sidecars use for us")
+    p.add_argument(
+        "--peer-token-file",
+        metavar="PATH",
+        help="file holding the shared peer secret (else KVXFERD_PEER_TOKEN)",
+    )
+    p.add_argument("--engine-id", metavar="ID", help="engine rank identity (default: random)")
+    p.add_argument("--backend", action="append", dest="backends", metavar="NAME",
+                   help="NIXL backend (repeatable; default UCX)")  # fmt: skip
+    p.add_argument("--lease", type=float, dest="default_lease_s", metavar="S",
+                   help="default hold lease in seconds")  # fmt: skip
+    p.add_argument("--max-lease", type=float, dest="max_lease_s", metavar="S",
+                   help="longest lease or extension in seconds")  # fmt: skip
+    p.add_argument("--pull-deadline", type=float, dest="pull_deadline_s", metavar="S",
+                   help="default pull deadline in seconds")  # fmt: skip
+    p.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning, error")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the config (env, then flags) and serve until SIGINT/SIGTERM."""
+    from kvxferd.api.server import serve
+    from kvxferd.cli import setup_logging
+
+    token = None
+    if args.peer_token_file:
+        try:
+            with open(args.peer_token_file, encoding="utf-8") as fh:
+                token = fh.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"--peer-token-file: {exc.strerror}: {args.peer_token_file}") from exc
+    config = load_config(
+        {
+            "engine_socket": args.engine_socket,
+            "peer_host": args.peer_host,
+            "peer_port": args.peer_port,
+            "advertise_host": args.advertise_host,
+            "peer_token": token,
+            "engine_id": args.engine_id,
+            "backends": tuple(args.backends) if args.backends else None,
+            "default_lease_s": args.default_lease_s,
+            "max_lease_s": args.max_lease_s,
+            "pull_deadline_s": args.pull_deadline_s,
+            "log_level": args.log_level,
+        }
+    )
+    if not config.peer_token:
+        raise ConfigError(
+            "no peer token: set KVXFERD_PEER_TOKEN or --peer-token-file (peers must authenticate)"
+        )
+    setup_logging(config.log_level)
+    asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,45 @@
+"""Descriptor math over a manifest: dual views, id mapping, TP slicing, coalescing.
+
+Pure and numpy-vectorised: no I/O, no NIXL, no addresses. Every descriptor is a (region index,
+byte offset from the region base, length) triple; the transport adds base addresses.
+"""
+
+from kvxferd.descriptors.coalesce import coalesce, merge_runs
+from kvxferd.descriptors.geometry import check_block_ids, check_geometry, kernel_ids
+from kvxferd.descriptors.mapping import (
+    ReadGeometry,
+    compare_manifests,
+    plan_read,
+    read_geometry,
+)
+from kvxferd.descriptors.plan import ReadPlan
+from kvxferd.descriptors.reference import reference_descriptor_count
+from kvxferd.descriptors.tpslice import (
+    expected_readers,
+    owned_units,
+    source_ranks,
+    unit_holders,
+)
+from kvxferd.descriptors.views import DescriptorView, Views, build_views, desc_ids
+
+__all__ = [
+    "DescriptorView",
+    "ReadGeometry",
+    "ReadPlan",
+    "Views",
+    "build_views",
+    "check_block_ids",
+    "check_geometry",
+    "coalesce",
+    "compare_manifests",
+    "desc_ids",
+    "expected_readers",
+    "kernel_ids",
+    "merge_runs",
+    "owned_units",
+    "plan_read",
+    "read_geometry",
+    "reference_descriptor_count",
+    "source_ranks",
+    "unit_holders",
+]

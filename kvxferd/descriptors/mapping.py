@@ -1,0 +1,184 @@
+"""Map a request's block ids onto descriptor pairs: which remote bytes land where locally.
+
+``plan_read`` is the heart of a pull: for each group it pairs the local and remote logical block
+ids, expands attention ids to kernel blocks, and places every piece of every layer (only the TP
+units this remote rank serves to this local rank) at its byte offset on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxferd.descriptors.coalesce import coalesce as coalesce_plan
+from kvxferd.descriptors.geometry import (
+    check_geometry,
+    check_request_ids,
+    family,
+    kernel_ids,
+    kernel_ratio,
+    layer_parts,
+    part_field,
+)
+from kvxferd.descriptors.pieces import Pieces, pair_pieces
+from kvxferd.descriptors.plan import ReadPlan
+from kvxferd.descriptors.tpslice import check_units, read_units
+from kvxferd.errors import BlockIdError, IncompatiblePeerError, ManifestError
+from kvxferd.wire import AttentionLayer, Manifest
+
+_ATTN_FIELDS = ("index", "total_kv_heads", "head_size", "dtype", "head_layout")
+_MAMBA_FIELDS = ("index", "mamba_type", "conv_dtype", "ssm_dtype", "conv_layout")
+_GROUP_FIELDS = ("kind", "block_size", "kernel_block_size", "sliding_window")
+_PART_FIELDS = ("name", "units_total", "unit_bytes")
+
+
+def _check_remote(remote: Manifest) -> None:
+    """Geometry and TP-unit checks of the peer's manifest, its fields prefixed ``remote.``."""
+    try:
+        check_geometry(remote)
+        check_units(remote)
+    except ManifestError as exc:
+        raise ManifestError(f"remote.{exc.field}", exc.reason) from exc
+
+
+def compare_manifests(local: Manifest, remote: Manifest) -> dict[str, tuple[object, object]]:
+    """Every field where two ranks' manifests disagree in a way that forbids exchanging blocks.
+
+    Values are ``(local, remote)``. Empty means compatible. Pool sizes, regions, K/V order and
+    packing may differ; group structure, head geometry, dtypes and block sizes may not, and
+    under heterogeneous TP a part that is not ``sliceable`` may not need a slice (reported as
+    ``<part>.sliceable``). A manifest that breaks the TP ownership rule raises ManifestError.
+    """
+    diff: dict[str, tuple[object, object]] = {}
+
+    def cmp(field: str, a: object, b: object) -> None:
+        if a != b:
+            diff[field] = (a, b)
+
+    cmp("version", local.version, remote.version)
+    if diff:
+        return diff
+    cmp("groups", len(local.groups), len(remote.groups))
+    for g, (lg, rg) in enumerate(zip(local.groups, remote.groups, strict=False)):
+        gf = f"groups[{g}]"
+        for f in _GROUP_FIELDS:
+            cmp(f"{gf}.{f}", getattr(lg, f), getattr(rg, f))
+        cmp(f"{gf}.layers", len(lg.layers), len(rg.layers))
+        for i, (ll, rl) in enumerate(zip(lg.layers, rg.layers, strict=False)):
+            lf = f"{gf}.layers[{i}]"
+            if type(ll) is not type(rl):
+                cmp(f"{lf}.type", type(ll).__name__, type(rl).__name__)
+                continue
+            fields = _ATTN_FIELDS if isinstance(ll, AttentionLayer) else _MAMBA_FIELDS
+            for f in fields:
+                cmp(f"{lf}.{f}", getattr(ll, f), getattr(rl, f))
+            lparts, rparts = layer_parts(ll), layer_parts(rl)
+            cmp(f"{lf}.conv", len(lparts) - 1, len(rparts) - 1)
+            for (name, lp), (_n, rp) in zip(lparts, rparts, strict=False):
+                for f in _PART_FIELDS:
+                    cmp(f"{lf}.{name}.{f}", getattr(lp, f), getattr(rp, f))
+    if diff:
+        return diff
+    check_units(local)
+    _check_remote(remote)
+    ltp, rtp = (local.tp_size, local.tp_rank), (remote.tp_size, remote.tp_rank)
+    for g, lg in enumerate(local.groups):
+        for i, (ll, rl) in enumerate(zip(lg.layers, remote.groups[g].layers, strict=True)):
+            for (name, lp), (_n, rp) in zip(layer_parts(ll), layer_parts(rl), strict=True):
+                if read_units(lp, rp, ltp, rtp)[2]:
+                    diff[f"{part_field(g, i, name)}.sliceable"] = (lp.sliceable, rp.sliceable)
+    return diff
+
+
+@dataclass(frozen=True, eq=False)
+class ReadGeometry:
+    """All of reading from one remote rank that does not depend on the request.
+
+    Built (and validated) once per peer by :func:`read_geometry`, e.g. at handshake; then
+    :meth:`plan` maps each request with numpy only.
+    """
+
+    local_blocks: int
+    remote_blocks: int
+    ratios: tuple[int, ...]
+    is_attention: tuple[bool, ...]
+    pieces: tuple[Pieces, ...]
+
+    def plan(
+        self,
+        local_ids: Sequence[np.ndarray],
+        remote_ids: Sequence[np.ndarray],
+        *,
+        coalesce: bool = True,
+    ) -> ReadPlan:
+        """The descriptor pairs of one request (see :func:`plan_read`)."""
+        n = len(self.ratios)
+        lids = check_request_ids(self.local_blocks, n, local_ids, "block_ids")
+        rids = check_request_ids(self.remote_blocks, n, remote_ids, "remote_block_ids")
+        cols: list[list[np.ndarray]] = [[] for _ in range(5)]
+        kv_bytes = state_bytes = 0
+        for g, (a, b) in enumerate(zip(lids, rids, strict=True)):
+            if a.size != b.size:
+                raise BlockIdError(
+                    f"remote_block_ids[{g}]", f"{b.size} remote ids for {a.size} in block_ids[{g}]"
+                )
+            p = self.pieces[g]
+            if a.size == 0 or p.length.size == 0:
+                continue
+            kl, kr = kernel_ids(a, self.ratios[g]), kernel_ids(b, self.ratios[g])
+            cols[0].append(np.repeat(p.local_region, kl.size))
+            cols[1].append((p.local_offset[:, None] + p.local_stride[:, None] * kl).ravel())
+            cols[2].append(np.repeat(p.remote_region, kl.size))
+            cols[3].append((p.remote_offset[:, None] + p.remote_stride[:, None] * kr).ravel())
+            cols[4].append(np.repeat(p.length, kl.size))
+            if self.is_attention[g]:
+                kv_bytes += p.bytes_per_unit * kl.size
+            else:
+                state_bytes += p.bytes_per_unit * kl.size
+        if not cols[0]:
+            return ReadPlan.empty()
+        lreg, loff, rreg, roff, ln = (np.concatenate(c) for c in cols)
+        plan = ReadPlan(lreg, loff, rreg, roff, ln, kv_bytes, state_bytes)
+        return coalesce_plan(plan) if coalesce else plan
+
+
+def read_geometry(local: Manifest, remote: Manifest) -> ReadGeometry:
+    """Validate a (local rank, remote rank) pair and precompute its per-block-unit pieces.
+
+    Raises :class:`IncompatiblePeerError` (with :func:`compare_manifests`' fields) or
+    :class:`ManifestError` (a ``remote.`` prefix names the peer's manifest).
+    """
+    check_geometry(local)
+    _check_remote(remote)
+    diff = compare_manifests(local, remote)
+    if diff:
+        raise IncompatiblePeerError(diff)
+    groups = local.groups
+    return ReadGeometry(
+        local_blocks=local.num_blocks,
+        remote_blocks=remote.num_blocks,
+        ratios=tuple(kernel_ratio(gr, f"groups[{g}]") for g, gr in enumerate(groups)),
+        is_attention=tuple(family(gr) == "attention" for gr in groups),
+        pieces=tuple(pair_pieces(local, remote, g) for g in range(len(groups))),
+    )
+
+
+def plan_read(
+    local: Manifest,
+    remote: Manifest,
+    local_ids: Sequence[np.ndarray],
+    remote_ids: Sequence[np.ndarray],
+    *,
+    coalesce: bool = True,
+) -> ReadPlan:
+    """The descriptor pairs this local rank READs from this remote rank for one request.
+
+    ``local_ids[g][k]`` (logical block ids of group ``g``) receives ``remote_ids[g][k]``. Only
+    the TP units this remote rank serves are included, so the plan may be empty. Raises
+    :class:`IncompatiblePeerError`, :class:`BlockIdError` (field ``block_ids[g][k]`` or
+    ``remote_block_ids[g][k]``) or :class:`ManifestError`. A caller that maps many requests
+    against one peer keeps :func:`read_geometry` and calls its ``plan`` instead.
+    """
+    return read_geometry(local, remote).plan(local_ids, remote_ids, coalesce=coalesce)

@@ -1,0 +1,472 @@
+"""HoldTable: leases, claims, notifications, the reaper and the released feed.
+
+A fake clock drives time; nothing sleeps. The central property: every hold is released exactly
+once whatever the interleaving, and no hold outlives its deadline once the reaper has run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvxferd.errors import (
+    BlockIdError,
+    ConfigError,
+    DuplicateHoldError,
+    HoldExpiredError,
+    HoldRequestError,
+    UnknownHoldError,
+)
+from kvxferd.sidecar.holds import HoldTable, NotifyOutcome, check_block_ids
+from kvxferd.sidecar.states import HoldState
+from kvxferd.wire import Group, HoldRequest, Manifest, Region
+
+NUM_BLOCKS = 16
+
+
+class FakeClock:
+    """Time that moves only when the test says so."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def manifest(num_groups=2):
+    groups = [Group(kind="full_attention", block_size=16, kernel_block_size=16, layers=[])]
+    return Manifest(
+        model="m",
+        num_blocks=NUM_BLOCKS,
+        regions=[Region(name="r", size_bytes=1, num_blocks=NUM_BLOCKS, page_bytes=1)],
+        groups=groups * num_groups,
+    )
+
+
+def table(clock=None, **kw):
+    kw = {"default_lease_s": 30.0, "max_lease_s": 100.0, "max_claim_s": 60.0, **kw}
+    return HoldTable(manifest(), clock=clock or FakeClock(), **kw)
+
+
+def req(request_id="r1", block_ids=None, lease_s=None, num_tokens=32):
+    return HoldRequest(
+        request_id=request_id,
+        block_ids=[[1, 2], [3]] if block_ids is None else block_ids,
+        num_tokens=num_tokens,
+        lease_s=lease_s,
+    )
+
+
+# -- hold ----------------------------------------------------------------------------------------
+
+
+def test_hold_pins_blocks_under_a_lease():
+    clock = FakeClock(50.0)
+    t = table(clock)
+    a = t.hold(req("a"))
+    b = t.hold(req("b", lease_s=5.0))
+    c = t.hold(req("c", lease_s=1e6))
+    assert len({a.hold_id, b.hold_id, c.hold_id}) == 3
+    assert (a.expires_at, b.expires_at, c.expires_at) == (80.0, 55.0, 150.0)  # default, own, cap
+    assert a.state is HoldState.HELD and a.block_ids == [[1, 2], [3]] and a.num_tokens == 32
+    assert t.get(a.hold_id) is a and t.find_request("b") is b and a.hold_id in t
+    assert (len(t), t.active, t.counters.held) == (3, 3, 3)
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "field"),
+    [
+        ([[1, NUM_BLOCKS], [3]], "block_ids[0][1]"),
+        ([[1, 2], [-1]], "block_ids[1][0]"),
+        ([[1, 2, 1], [3]], "block_ids[0][2]"),
+        ([[1, 2]], "block_ids"),
+        ([[1], [2], [3]], "block_ids"),
+    ],
+)
+def test_bad_block_ids_name_the_field(block_ids, field):
+    t = table()
+    with pytest.raises(BlockIdError) as err:
+        t.hold(req(block_ids=block_ids))
+    assert err.value.field == field
+    assert len(t) == 0 and t.counters.held == 0
+
+
+def test_same_block_in_two_groups_and_empty_groups_are_fine():
+    t = table()
+    assert t.hold(req(block_ids=[[4], [4]])).block_ids == [[4], [4]]
+    assert t.hold(req("r2", block_ids=[[], []])).block_ids == [[], []]
+
+
+def test_skip_marker_is_accepted_only_when_asked():
+    check_block_ids([[-1, 3, -1]], 1, NUM_BLOCKS, allow_skip=True)
+    with pytest.raises(BlockIdError, match=r"local\[0\]\[0\]"):
+        check_block_ids([[-1, 3]], 1, NUM_BLOCKS, field="local")
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (req(lease_s=0.0), "lease_s"),
+        (req(lease_s=-1.0), "lease_s"),
+        (req(lease_s=math.nan), "lease_s"),
+        (req(lease_s=math.inf), "lease_s"),
+        (req(num_tokens=-1), "num_tokens"),
+    ],
+)
+def test_bad_hold_arguments_name_the_field(request_, field):
+    with pytest.raises(HoldRequestError) as err:
+        table().hold(request_)
+    assert err.value.field == field
+
+
+def test_a_request_id_has_at_most_one_live_hold():
+    clock = FakeClock()
+    t = table(clock)
+    first = t.hold(req("r1", lease_s=10))
+    with pytest.raises(DuplicateHoldError, match=first.hold_id) as err:
+        t.hold(req("r1"))
+    assert err.value.field == "request_id"
+    t.abort(first.hold_id)
+    second = t.hold(req("r1", lease_s=10))
+    # Past its deadline (reaper not run yet): it expires now and the new hold is accepted.
+    clock.t += 10
+    third = t.hold(req("r1"))
+    assert second.reason == "expired" and t.find_request("r1") is third
+
+
+def test_table_configuration_is_checked():
+    with pytest.raises(ConfigError, match="default_lease_s"):
+        table(default_lease_s=200.0)
+    with pytest.raises(ConfigError, match="max_claim_s"):
+        table(max_claim_s=0)
+
+
+# -- claim ---------------------------------------------------------------------------------------
+
+
+def test_claim_pins_the_hold_for_at_least_claim_s():
+    clock = FakeClock(0.0)
+    t = table(clock)
+    hold = t.hold(req(lease_s=10.0))
+    clock.t = 4.0
+    grant = t.claim(hold.hold_id, "reader-a", claim_s=20.0, expected_readers=2)
+    assert grant.hold_id == hold.hold_id and grant.hold is hold
+    assert (grant.expires_at, grant.expected_readers, grant.headroom_s) == (24.0, 2, 6.0)
+    assert hold.state is HoldState.CLAIMED and hold.readers == {"reader-a"}
+    # A shorter claim never shortens the deadline; a second reader joins the same hold.
+    grant = t.claim(hold.hold_id, "reader-b", claim_s=1.0, expected_readers=1)
+    assert (grant.expires_at, grant.expected_readers) == (24.0, 2)
+    assert hold.readers == {"reader-a", "reader-b"}
+    # claim_s is capped.
+    assert t.claim(hold.hold_id, "reader-a", claim_s=1e9).expires_at == 4.0 + 60.0
+    assert (t.counters.claimed, t.counters.claims, t.claimed) == (1, 3, 1)
+
+
+def test_claim_of_an_unknown_hold():
+    t = table()
+    with pytest.raises(UnknownHoldError, match="no such hold"):
+        t.claim("nope", "reader", 5.0)
+
+
+def test_claim_after_the_lease_ended_fails_even_before_the_reaper_runs():
+    clock = FakeClock(0.0)
+    t = table(clock)
+    hold = t.hold(req(lease_s=10.0))
+    clock.t = 10.0  # the lease ends exactly now
+    with pytest.raises(HoldExpiredError, match=hold.hold_id):
+        t.claim(hold.hold_id, "reader", 5.0)
+    assert hold.state is HoldState.RELEASED and hold.reason == "expired"
+    with pytest.raises(HoldExpiredError):  # still "expired", not a second release
+        t.claim(hold.hold_id, "reader", 5.0)
+    assert t.reap(now=100.0) == []
+    feed = t.released_since(0)
+    assert [(r.hold_id, r.reason) for r in feed.holds] == [(hold.hold_id, "expired")]
+    assert t.counters.released == {"notified": 0, "expired": 1, "aborted": 0}
+
+
+def test_claim_of_a_released_hold_says_why():
+    t = table()
+    hold = t.hold(req())
+    assert t.notify(hold.hold_id, "reader") is NotifyOutcome.RELEASED
+    with pytest.raises(UnknownHoldError, match=r"already released \(notified\)"):
+        t.claim(hold.hold_id, "reader", 5.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(claim_s=0.0), "claim_s"),
+        (dict(claim_s=math.nan), "claim_s"),
+        (dict(reader=""), "reader"),
+        (dict(expected_readers=0), "expected_readers"),
+    ],
+)
+def test_bad_claim_arguments_name_the_field(kwargs, field):
+    t = table()
+    hold = t.hold(req())
+    args = dict(reader="reader", claim_s=5.0, expected_readers=1) | kwargs
+    with pytest.raises(HoldRequestError) as err:
+        t.claim(hold.hold_id, **args)
+    assert err.value.field == field
+    assert hold.state is HoldState.HELD
+
+
+# -- notify / abort ------------------------------------------------------------------------------
+
+
+def test_hold_is_released_when_every_expected_reader_notified():
+    t = table()
+    hold = t.hold(req())
+    t.claim(hold.hold_id, "d0", 5.0, expected_readers=2)
+    t.claim(hold.hold_id, "d1", 5.0, expected_readers=2)
+    assert t.notify(hold.hold_id, "d0") is NotifyOutcome.COUNTED
+    assert t.notify(hold.hold_id, "d0") is NotifyOutcome.DUPLICATE
+    assert hold.state is HoldState.CLAIMED
+    assert t.notify(hold.hold_id, "d1") is NotifyOutcome.RELEASED
+    assert hold.state is HoldState.RELEASED and hold.reason == "notified"
+    assert t.notify(hold.hold_id, "d1") is NotifyOutcome.UNKNOWN
+    assert t.notify("bogus", "d1") is NotifyOutcome.UNKNOWN
+    c = t.counters
+    assert (c.notifications, c.notifications_duplicate, c.notifications_unknown) == (2, 1, 2)
+    assert c.released["notified"] == 1 and len(t) == 0 and t.claimed == 0
+
+
+def test_notification_without_claim_releases_a_single_reader_hold():
+    """A full prefix hit on the decode side reads nothing but still notifies."""
+    t = table()
+    hold = t.hold(req("req-9"))
+    assert t.notify_request("req-9", "d0") is NotifyOutcome.RELEASED
+    assert hold.reason == "notified"
+    assert t.notify_request("req-9", "d0") is NotifyOutcome.UNKNOWN
+
+
+def test_notification_after_the_deadline_releases_as_expired():
+    clock = FakeClock(0.0)
+    t = table(clock)
+    hold = t.hold(req(lease_s=3.0))
+    clock.t = 3.5
+    assert t.notify(hold.hold_id, "d0") is NotifyOutcome.EXPIRED
+    assert hold.reason == "expired" and t.counters.released["expired"] == 1
+
+
+def test_abort():
+    clock = FakeClock(0.0)
+    t = table(clock)
+    a = t.hold(req("a"))
+    record = t.abort(a.hold_id)
+    assert (record.hold_id, record.request_id, record.reason) == (a.hold_id, "a", "aborted")
+    assert record.block_ids == [[1, 2], [3]]
+    with pytest.raises(UnknownHoldError, match=r"already released \(aborted\)"):
+        t.abort(a.hold_id)
+    with pytest.raises(UnknownHoldError):
+        t.abort("never")
+    b = t.hold(req("b", lease_s=1.0))
+    clock.t = 2.0
+    assert t.abort(b.hold_id).reason == "expired"  # its lease had already ended
+    assert t.counters.released == {"notified": 0, "expired": 1, "aborted": 1}
+
+
+# -- heartbeat -----------------------------------------------------------------------------------
+
+
+def test_heartbeat_extends_live_holds_and_reports_missing_ones():
+    clock = FakeClock(0.0)
+    t = table(clock)
+    a = t.hold(req("a", lease_s=10.0))
+    b = t.hold(req("b", lease_s=2.0))
+    c = t.hold(req("c", lease_s=50.0))
+    t.abort(c.hold_id)
+    clock.t = 5.0
+    extended, missing = t.heartbeat([a.hold_id, b.hold_id, c.hold_id, "x", a.hold_id], 20.0)
+    assert extended == [a.hold_id] and missing == [b.hold_id, c.hold_id, "x"]
+    assert a.expires_at == 25.0
+    assert b.reason == "expired"  # overdue: released, never revived
+    # Never shortens; capped by max_lease_s.
+    assert t.heartbeat([a.hold_id], 1.0) == ([a.hold_id], [])
+    assert a.expires_at == 25.0
+    t.heartbeat([a.hold_id], 1e9)
+    assert a.expires_at == 105.0
+    with pytest.raises(HoldRequestError) as err:
+        t.heartbeat([a.hold_id], -1.0)
+    assert err.value.field == "extend_s"
+
+
+# -- reaper --------------------------------------------------------------------------------------
+
+
+def test_reap_releases_in_deadline_order_not_insertion_order():
+    clock = FakeClock(0.0)
+    t = table(clock)
+    holds = {n: t.hold(req(n, lease_s=lease)) for n, lease in (("a", 30), ("b", 10), ("c", 20))}
+    assert t.next_deadline() == 10.0
+    assert t.reap(now=9.99) == []
+    released = t.reap(now=100.0)
+    assert [r.request_id for r in released] == ["b", "c", "a"]
+    assert all(h.reason == "expired" for h in holds.values())
+    assert t.next_deadline() is None and len(t) == 0
+
+
+def test_extended_and_claimed_holds_expire_at_their_new_deadline():
+    clock = FakeClock(0.0)
+    t = table(clock)
+    a = t.hold(req("a", lease_s=5.0))
+    b = t.hold(req("b", lease_s=6.0))
+    t.heartbeat([a.hold_id], 20.0)  # a: 20
+    t.claim(b.hold_id, "d0", 12.0)  # b: 12
+    assert t.next_deadline() == 12.0  # stale heap entries (5, 6) skipped
+    assert t.reap(now=11.0) == []
+    assert [r.request_id for r in t.reap(now=12.0)] == ["b"]
+    assert t.next_deadline() == 20.0
+    t.abort(a.hold_id)
+    assert t.next_deadline() is None
+    assert t.reap(now=1e9) == []
+
+
+def test_heap_stays_bounded_under_many_extensions():
+    clock = FakeClock(0.0)
+    t = table(clock)
+    hold = t.hold(req(lease_s=1.0))
+    for i in range(1000):
+        clock.t = i * 0.5
+        t.heartbeat([hold.hold_id], 1.0)
+    assert len(t._heap) <= 2 * len(t) + 65
+    assert t.next_deadline() == hold.expires_at == 999 * 0.5 + 1.0
+
+
+# -- released feed -------------------------------------------------------------------------------
+
+
+def test_released_feed_is_cursor_addressed():
+    t = table()
+    ids = [t.hold(req(f"r{i}")).hold_id for i in range(5)]
+    assert t.released_since(0).holds == [] and t.released_since(0).cursor == 0
+    for hold_id in ids[:3]:
+        t.abort(hold_id)
+    feed = t.released_since(0)
+    assert [r.hold_id for r in feed.holds] == ids[:3] and feed.cursor == 3
+    assert t.released_since(feed.cursor).holds == []
+    t.notify(ids[3], "d0")
+    page = t.released_since(feed.cursor)
+    assert [(r.hold_id, r.reason) for r in page.holds] == [(ids[3], "notified")]
+    assert page.cursor == 4
+    limited = t.released_since(0, limit=2)
+    assert [r.hold_id for r in limited.holds] == ids[:2] and limited.cursor == 2
+    # A cursor from before a sidecar restart (beyond the newest) starts from the oldest kept.
+    assert len(t.released_since(99).holds) == 4
+    with pytest.raises(HoldRequestError):
+        t.released_since(-1)
+
+
+def test_released_feed_is_bounded_and_overrun_is_logged(caplog):
+    t = table(released_log_size=3)
+    ids = [t.hold(req(f"r{i}")).hold_id for i in range(5)]
+    for hold_id in ids:
+        t.abort(hold_id)
+    feed = t.released_since(0)
+    assert [r.hold_id for r in feed.holds] == ids[2:] and feed.cursor == 5
+    assert "overran: 2 releases" in caplog.text
+    # Evicted entries no longer explain themselves; kept ones do.
+    with pytest.raises(UnknownHoldError, match="no such hold"):
+        t.claim(ids[0], "d", 1.0)
+    with pytest.raises(UnknownHoldError, match="already released"):
+        t.claim(ids[4], "d", 1.0)
+
+
+# -- property: released exactly once -------------------------------------------------------------
+
+READERS = ("d0", "d1", "d2")
+
+
+class HoldInterleavings(RuleBasedStateMachine):
+    """Random hold/claim/notify/abort/heartbeat/reap/tick sequences against a fake clock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock(0.0)
+        self.table = HoldTable(
+            manifest(),
+            clock=self.clock,
+            default_lease_s=5.0,
+            max_lease_s=20.0,
+            max_claim_s=8.0,
+        )
+        self.created: list[str] = []
+        self.released: dict[str, str] = {}
+        self.cursor = 0
+        self.requests = 0
+
+    def _pick(self, i: int) -> str:
+        return self.created[i] if i < len(self.created) else f"bogus-{i}"
+
+    @rule(lease=st.none() | st.floats(0.5, 30.0))
+    def hold(self, lease):
+        self.requests += 1
+        hold = self.table.hold(req(f"q{self.requests}", lease_s=lease))
+        self.created.append(hold.hold_id)
+
+    @rule(i=st.integers(0, 40), reader=st.sampled_from(READERS), claim_s=st.floats(0.1, 15.0),
+          readers=st.integers(1, 3))  # fmt: skip
+    def claim(self, i, reader, claim_s, readers):
+        hold_id = self._pick(i)
+        overdue = hold_id in self.table and self.table.get(hold_id).expires_at <= self.clock.t
+        try:
+            grant = self.table.claim(hold_id, reader, claim_s, readers)
+        except HoldExpiredError:
+            assert hold_id in self.created
+            return
+        except UnknownHoldError:
+            assert hold_id not in self.table
+            return
+        assert not overdue, "an overdue hold was claimed"
+        assert grant.expires_at >= self.clock.t + min(claim_s, 8.0)
+
+    @rule(i=st.integers(0, 40), reader=st.sampled_from(READERS))
+    def notify(self, i, reader):
+        self.table.notify(self._pick(i), reader)
+
+    @rule(i=st.integers(0, 40))
+    def abort(self, i):
+        try:
+            self.table.abort(self._pick(i))
+        except UnknownHoldError:
+            assert self._pick(i) not in self.table
+
+    @rule(picks=st.lists(st.integers(0, 40), max_size=4), extend=st.floats(0.1, 30.0))
+    def heartbeat(self, picks, extend):
+        extended, missing = self.table.heartbeat([self._pick(i) for i in picks], extend)
+        assert all(self.table.get(h).expires_at > self.clock.t for h in extended)
+        assert not any(h in self.table for h in missing)
+
+    @rule()
+    def reap(self):
+        self.table.reap()
+        assert all(h.expires_at > self.clock.t for h in self.table.live())
+        deadline = self.table.next_deadline()
+        live = [h.expires_at for h in self.table.live()]
+        assert deadline == (min(live) if live else None)
+
+    @rule(dt=st.floats(0.0, 10.0))
+    def tick(self, dt):
+        self.clock.t += dt
+
+    @invariant()
+    def every_hold_released_at_most_once_and_none_lost(self):
+        feed = self.table.released_since(self.cursor)
+        for record in feed.holds:
+            assert record.hold_id not in self.released, "released twice"
+            self.released[record.hold_id] = record.reason
+        self.cursor = feed.cursor
+        live = {h.hold_id for h in self.table.live()}
+        assert live.isdisjoint(self.released)
+        assert live | self.released.keys() == set(self.created)
+        assert sum(self.table.counters.released.values()) == len(self.released)
+        assert self.table.claimed == sum(h.state is HoldState.CLAIMED for h in self.table.live())
+
+
+TestHoldInterleavings = HoldInterleavings.TestCase
+TestHoldInterleavings.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
