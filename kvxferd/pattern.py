@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxferd.descriptors import owned_units
 from kvxferd.errors import BlockIdError, ManifestError, MemoryRegionError
 from kvxferd.wire import AttentionLayer, Layer, Manifest, Part
 
@@ -167,28 +168,16 @@ def _parts(layer: Layer) -> list[Part]:
 def _global_units(part: Part, tp_rank: int, tp_size: int, where: str) -> np.ndarray:
     """Global TP unit index of each of this rank's local units of ``part``.
 
-    Sharded (units_total % tp_size == 0): rank r holds [r*n, (r+1)*n), n = units_total/tp_size.
-    Replicated (tp_size % units_total == 0): rank r holds unit r*units_total//tp_size.
-    Unsliceable parts are the rank's own units, indexed locally (usually one unit, index 0).
+    The ownership rule is the descriptors' (``owned_units``); unsliceable parts are the rank's
+    own units, indexed locally (usually one unit, index 0).
     """
     local = np.arange(part.units, dtype=np.int64)
     if not part.sliceable:
         return local
-    if part.units_total % tp_size == 0:
-        per_rank = part.units_total // tp_size
-        if part.units != per_rank:
-            raise ManifestError(
-                f"{where}.units", f"{part.units} != units_total/tp_size = {per_rank}"
-            )
-        return tp_rank * per_rank + local
-    if tp_size % part.units_total == 0:
-        if part.units != 1:
-            raise ManifestError(f"{where}.units", f"{part.units} != 1 for a replicated unit")
-        return local + tp_rank * part.units_total // tp_size
-    raise ManifestError(
-        f"{where}.units_total",
-        f"{part.units_total} units cannot be split over tp_size {tp_size}",
-    )
+    owned = owned_units(part.units_total, tp_size, tp_rank, f"{where}.units_total")
+    if len(owned) != part.units:
+        raise ManifestError(f"{where}.units", f"{part.units} != {len(owned)} owned units")
+    return np.arange(owned.start, owned.stop, dtype=np.int64)
 
 
 def _content(
