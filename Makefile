@@ -26,7 +26,7 @@ test: lint
 	$(VENV)/bin/pytest
 
 demo: setup
-	$(VENV)/bin/kvxferd layout --config granite-4.0-h-tiny --tokens 8192
+	$(VENV)/bin/kvxferd demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

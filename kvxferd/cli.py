@@ -38,6 +38,15 @@ def _parser() -> argparse.ArgumentParser:
 
     layout.add_parser(sub)
     serve.add_parser(sub)
+    from kvxferd.commands import proxy
+
+    proxy.add_parser(sub)
+    from kvxferd.commands import demo
+
+    demo.add_parser(sub)
+    from kvxferd.commands import sim
+
+    sim.add_parser(sub)
     return parser
 
 

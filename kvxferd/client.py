@@ -1,12 +1,24 @@
 """Engine-side client of the sidecar's engine API (httpx over the Unix socket).
 
-``EngineClient`` (sync) and ``AsyncEngineClient`` take and return wire Structs; an error answer
-raises the kvxferd exception the sidecar raised (same class name), with the offending field.
+``EngineClient`` (sync) and ``AsyncEngineClient`` take and return wire Structs. Both are thin
+drivers of one I/O-free core: each operation is a ``_Call`` (what to send, what the answer
+decodes to), and multi-step operations (``wait_pull``) are generators of calls, so the two
+classes cannot drift apart.
+
+An error answer raises the kvxferd exception the sidecar raised (same class, same ``field``)
+when it can be rebuilt, else ``SidecarError``. Every exception raised here carries ``status``
+(the HTTP status, None when no answer came) and ``body`` (the sidecar's ErrorBody).
 """
 
 from __future__ import annotations
 
+import inspect
+import socket
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -29,45 +41,166 @@ from kvxferd.wire import (
 
 T = TypeVar("T")
 _BASE = "http://kvxferd"
+POLL_SLICE_S = 30.0
+"""Longest single long-poll of wait_pull (the sidecar cuts ``wait`` at 60 s anyway)."""
+_POLL_MARGIN_S = 10.0  # HTTP timeout of a long poll beyond its wait
+_FINAL = ("done", "failed")
 
 
 class SidecarError(errors.KvxferdError):
-    """The sidecar answered an error we have no more specific class for."""
+    """The sidecar answered an error no kvxferd class rebuilds (or an unusable answer)."""
 
-    def __init__(self, status: int, body: ErrorBody) -> None:
-        super().__init__(f"{status} {body.error}: {body.detail}")
+    def __init__(self, status: int | None, body: ErrorBody) -> None:
+        prefix = f"{status} " if status is not None else ""
+        super().__init__(f"{prefix}{body.error}: {body.detail}")
         self.status = status
         self.body = body
         self.field = body.field
 
 
-def _raise_for(resp: httpx.Response) -> None:
-    if resp.status_code < 400:
-        return
+class SidecarUnreachableError(SidecarError):
+    """No answer: the socket is missing, the connection failed or timed out."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(None, ErrorBody(error="Unreachable", detail=detail))
+
+
+# ------------------------------------------------------------------------------ the I/O-free core
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One HTTP exchange: the request to send and the Struct its answer decodes to."""
+
+    method: str
+    path: str
+    answer: type | None = None
+    body: Any = None
+    params: dict[str, Any] | None = None
+    timeout_s: float | None = None
+
+    def request_args(self) -> dict[str, Any]:
+        """Keyword arguments of ``httpx.Client.request`` after method and url."""
+        args: dict[str, Any] = {}
+        if self.body is not None:
+            args["content"] = msgspec.json.encode(self.body)
+            args["headers"] = {"Content-Type": "application/json"}
+        if self.params is not None:
+            args["params"] = self.params
+        if self.timeout_s is not None:
+            args["timeout"] = self.timeout_s
+        return args
+
+    def result(self, resp: httpx.Response) -> Any:
+        """The decoded answer, or the error it carries raised."""
+        if resp.status_code >= 400:
+            raise error_for(resp.status_code, _error_body(resp))
+        if self.answer is None:
+            return None
+        try:
+            return msgspec.json.decode(resp.content, type=self.answer)
+        except msgspec.MsgspecError as exc:
+            body = ErrorBody(error="DecodeError", detail=f"unusable {self.answer.__name__}: {exc}")
+            raise error_for(resp.status_code, body) from None
+
+
+def _register(manifest: Manifest, regions: list[AnyRegionSpec]) -> _Call:
+    req = RegisterRequest(manifest=manifest, regions=regions)
+    return _Call("POST", "/v1/register", RegisterResponse, req)
+
+
+def _hold(req: HoldRequest) -> _Call:
+    return _Call("POST", "/v1/holds", Ticket, req)
+
+
+def _abort(hold_id: str) -> _Call:
+    return _Call("POST", "/v1/holds/abort", None, AbortHoldRequest(hold_id=hold_id))
+
+
+def _pull(req: PullRequest) -> _Call:
+    return _Call("POST", "/v1/pulls", PullAccepted, req)
+
+
+def _pull_status(pull_id: str, wait_s: float) -> _Call:
+    wait_s = max(0.0, wait_s)
+    path = f"/v1/pulls/{quote(pull_id, safe='')}"
+    return _Call("GET", path, PullStatus, params={"wait": wait_s},
+                 timeout_s=wait_s + _POLL_MARGIN_S)  # fmt: skip
+
+
+def _released(cursor: int) -> _Call:
+    return _Call("GET", "/v1/released", ReleasedHolds, params={"cursor": cursor})
+
+
+def _wait_pull(
+    pull_id: str, timeout_s: float, clock: Callable[[], float] = time.monotonic
+) -> Generator[_Call, PullStatus, PullStatus]:
+    """Long-poll a pull in slices until it is done or failed, or ``timeout_s`` has passed."""
+    end = clock() + timeout_s
+    while True:
+        left = end - clock()
+        status = yield _pull_status(pull_id, min(left, POLL_SLICE_S))
+        if status.state in _FINAL or end - clock() <= 0:
+            return status
+
+
+def _error_body(resp: httpx.Response) -> ErrorBody:
     try:
-        body = msgspec.json.decode(resp.content, type=ErrorBody)
+        return msgspec.json.decode(resp.content, type=ErrorBody)
     except msgspec.MsgspecError:
-        body = ErrorBody(error="HTTPError", detail=resp.text[:500])
-    kind = getattr(errors, body.error, None)
-    if isinstance(kind, type) and issubclass(kind, errors.KvxferdError):
-        if issubclass(kind, errors.ManifestError | errors.BlockIdError | errors.HoldRequestError):
-            reason = body.detail.removeprefix(f"{body.field}: ")
-            exc: Exception = kind(body.field, reason)
-        elif issubclass(kind, errors.IncompatiblePeerError | errors.PullError):
-            exc = SidecarError(resp.status_code, body)
-        else:
-            exc = kind(body.detail)
-        raise exc
-    raise SidecarError(resp.status_code, body)
+        return ErrorBody(error="HTTPError", detail=resp.text[:500])
 
 
-def _decode(resp: httpx.Response, kind: type[T]) -> T:
-    _raise_for(resp)
-    return msgspec.json.decode(resp.content, type=kind)
+def _kvxferd_errors() -> dict[str, type[errors.KvxferdError]]:
+    out: dict[str, type[errors.KvxferdError]] = {}
+    todo: list[type[errors.KvxferdError]] = [errors.KvxferdError]
+    while todo:
+        cls = todo.pop()
+        out[cls.__name__] = cls
+        todo.extend(cls.__subclasses__())
+    return {name: cls for name, cls in out.items() if cls.__module__ == errors.__name__}
 
 
-def _json(value: Any) -> dict[str, Any]:
-    return {"content": msgspec.json.encode(value), "headers": {"Content-Type": "application/json"}}
+_BY_NAME = _kvxferd_errors()
+
+
+def error_for(status: int, body: ErrorBody) -> errors.KvxferdError:
+    """The exception an error answer stands for: the sidecar's own class when the body rebuilds
+    it (message-only classes and the ``(field, reason)`` ones), else SidecarError."""
+    kind = _BY_NAME.get(body.error)
+    exc = _rebuild(kind, body) if kind is not None else None
+    if exc is None:
+        exc = SidecarError(status, body)
+    exc.status = status  # type: ignore[attr-defined]
+    exc.body = body  # type: ignore[attr-defined]
+    return exc
+
+
+def _rebuild(kind: type[errors.KvxferdError], body: ErrorBody) -> errors.KvxferdError | None:
+    if kind.__init__ is errors.KvxferdError.__init__:
+        return kind(body.detail)
+    if list(inspect.signature(kind.__init__).parameters)[1:] == ["field", "reason"]:
+        return kind(body.field, body.detail.removeprefix(f"{body.field}: "))  # type: ignore[call-arg]
+    return None
+
+
+def _close_abandoned_sockets(exc: BaseException) -> None:
+    """Close the socket a failed connect left in its frames: httpcore's sync Unix-socket connect
+    does not close it on failure, leaving the descriptor to the garbage collector (which warns)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        tb = cur.__traceback__
+        while tb is not None:
+            for value in tb.tb_frame.f_locals.values():
+                if isinstance(value, socket.socket):
+                    value.close()
+            tb = tb.tb_next
+        cur = cur.__cause__ or cur.__context__
+
+
+# ------------------------------------------------------------------------------ the two drivers
 
 
 class EngineClient:
@@ -89,47 +222,53 @@ class EngineClient:
         self.close()
 
     def register(self, manifest: Manifest, regions: list[AnyRegionSpec]) -> RegisterResponse:
-        """Register the KV manifest and where each region's memory is."""
-        req = RegisterRequest(manifest=manifest, regions=regions)
-        return _decode(self._http.post("/v1/register", **_json(req)), RegisterResponse)
+        """Register the KV manifest and where each region's memory is (once)."""
+        return self._send(_register(manifest, regions))  # type: ignore[no-any-return]
 
     def hold(self, req: HoldRequest) -> Ticket:
         """Pin blocks of a prefilled request; returns its ticket."""
-        return _decode(self._http.post("/v1/holds", **_json(req)), Ticket)
+        return self._send(_hold(req))  # type: ignore[no-any-return]
 
     def abort(self, hold_id: str) -> None:
         """Give up a hold."""
-        _raise_for(self._http.post("/v1/holds/abort", **_json(AbortHoldRequest(hold_id=hold_id))))
+        self._send(_abort(hold_id))
 
     def pull(self, req: PullRequest) -> PullAccepted:
         """Start a pull."""
-        return _decode(self._http.post("/v1/pulls", **_json(req)), PullAccepted)
+        return self._send(_pull(req))  # type: ignore[no-any-return]
 
     def pull_status(self, pull_id: str, wait_s: float = 0.0) -> PullStatus:
-        """A pull's status, long-polling up to ``wait_s``."""
-        resp = self._http.get(
-            f"/v1/pulls/{pull_id}", params={"wait": wait_s}, timeout=wait_s + 10.0
-        )
-        return _decode(resp, PullStatus)
+        """A pull's status, long-polling up to ``wait_s`` (the sidecar cuts it at 60 s)."""
+        return self._send(_pull_status(pull_id, wait_s))  # type: ignore[no-any-return]
 
     def wait_pull(self, pull_id: str, timeout_s: float) -> PullStatus:
-        """Block until a pull is done or failed (or ``timeout_s`` passed); returns its status."""
-        import time
-
-        end = time.monotonic() + timeout_s
-        while True:
-            left = end - time.monotonic()
-            status = self.pull_status(pull_id, wait_s=max(0.0, min(left, 30.0)))
-            if status.state in ("done", "failed") or left <= 0:
-                return status
+        """The pull's status once done or failed, or its latest after ``timeout_s``."""
+        return self._drive(_wait_pull(pull_id, timeout_s))
 
     def released(self, cursor: int = 0) -> ReleasedHolds:
         """Holds released since ``cursor``."""
-        return _decode(self._http.get("/v1/released", params={"cursor": cursor}), ReleasedHolds)
+        return self._send(_released(cursor))  # type: ignore[no-any-return]
+
+    def _send(self, call: _Call) -> Any:
+        try:
+            resp = self._http.request(call.method, call.path, **call.request_args())
+        except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.ConnectError):
+                _close_abandoned_sockets(exc)
+            raise SidecarUnreachableError(f"{call.method} {call.path}: {exc!r}") from exc
+        return call.result(resp)
+
+    def _drive(self, steps: Generator[_Call, Any, T]) -> T:
+        try:
+            call = next(steps)
+            while True:
+                call = steps.send(self._send(call))
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 class AsyncEngineClient:
-    """asyncio client; same methods as EngineClient, awaitable."""
+    """asyncio client; the same methods as EngineClient, awaitable."""
 
     def __init__(self, socket_path: str, timeout_s: float = 30.0) -> None:
         self._http = httpx.AsyncClient(
@@ -147,31 +286,44 @@ class AsyncEngineClient:
         await self.aclose()
 
     async def register(self, manifest: Manifest, regions: list[AnyRegionSpec]) -> RegisterResponse:
-        """Register the KV manifest and where each region's memory is."""
-        req = RegisterRequest(manifest=manifest, regions=regions)
-        return _decode(await self._http.post("/v1/register", **_json(req)), RegisterResponse)
+        """Register the KV manifest and where each region's memory is (once)."""
+        return await self._send(_register(manifest, regions))  # type: ignore[no-any-return]
 
     async def hold(self, req: HoldRequest) -> Ticket:
         """Pin blocks of a prefilled request; returns its ticket."""
-        return _decode(await self._http.post("/v1/holds", **_json(req)), Ticket)
+        return await self._send(_hold(req))  # type: ignore[no-any-return]
 
     async def abort(self, hold_id: str) -> None:
         """Give up a hold."""
-        body = _json(AbortHoldRequest(hold_id=hold_id))
-        _raise_for(await self._http.post("/v1/holds/abort", **body))
+        await self._send(_abort(hold_id))
 
     async def pull(self, req: PullRequest) -> PullAccepted:
         """Start a pull."""
-        return _decode(await self._http.post("/v1/pulls", **_json(req)), PullAccepted)
+        return await self._send(_pull(req))  # type: ignore[no-any-return]
 
     async def pull_status(self, pull_id: str, wait_s: float = 0.0) -> PullStatus:
-        """A pull's status, long-polling up to ``wait_s``."""
-        resp = await self._http.get(
-            f"/v1/pulls/{pull_id}", params={"wait": wait_s}, timeout=wait_s + 10.0
-        )
-        return _decode(resp, PullStatus)
+        """A pull's status, long-polling up to ``wait_s`` (the sidecar cuts it at 60 s)."""
+        return await self._send(_pull_status(pull_id, wait_s))  # type: ignore[no-any-return]
+
+    async def wait_pull(self, pull_id: str, timeout_s: float) -> PullStatus:
+        """The pull's status once done or failed, or its latest after ``timeout_s``."""
+        return await self._drive(_wait_pull(pull_id, timeout_s))
 
     async def released(self, cursor: int = 0) -> ReleasedHolds:
         """Holds released since ``cursor``."""
-        resp = await self._http.get("/v1/released", params={"cursor": cursor})
-        return _decode(resp, ReleasedHolds)
+        return await self._send(_released(cursor))  # type: ignore[no-any-return]
+
+    async def _send(self, call: _Call) -> Any:
+        try:
+            resp = await self._http.request(call.method, call.path, **call.request_args())
+        except httpx.HTTPError as exc:
+            raise SidecarUnreachableError(f"{call.method} {call.path}: {exc!r}") from exc
+        return call.result(resp)
+
+    async def _drive(self, steps: Generator[_Call, Any, T]) -> T:
+        try:
+            call = next(steps)
+            while True:
+                call = steps.send(await self._send(call))
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]

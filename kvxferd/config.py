@@ -35,8 +35,10 @@ class Config:
     """Identity of the engine rank; empty = generated at start."""
     backends: tuple[str, ...] = ("UCX",)
     """NIXL backends to create."""
-    progress_thread: bool = True
-    """Run NIXL's UCX progress thread (needed to deliver notifications promptly)."""
+    progress_thread: bool = False
+    """Run NIXL's UCX progress thread. Off by default: nixl 1.5's thread busy-polls a whole core
+    even when idle; the sidecar's notification poller drives progress instead (every 1 ms while
+    a hold is claimed)."""
     default_lease_s: float = 30.0
     """Lease of a hold when the engine gives none."""
     max_lease_s: float = 600.0

@@ -25,7 +25,11 @@ httpx, msgspec) are translated at the module that talks to them, ``raise ... fro
     │       └── DuplicateHoldError  the request id already has a live hold
     ├── AuthError                   a peer presented a wrong or missing token
     ├── PullError                   a pull did not move every byte it promised (has a reason)
-    └── StateError                  a pull/hold state moved backward or out of a terminal state
+    ├── StateError                  a pull/hold state moved backward or out of a terminal state
+    ├── InvalidRequestError         an OpenAI-style HTTP request is invalid (names the field)
+    │   └── UnknownModelError       the request names a model this server does not serve
+    ├── PoolExhaustedError          a (simulated) engine has too few free KV blocks right now
+    └── StartupError                a child process (sidecar, sim) did not become ready
 """
 
 from __future__ import annotations
@@ -156,3 +160,24 @@ class StateError(KvxferdError):
         self.current = current
         self.new = new
         self.reason = reason
+
+
+class InvalidRequestError(KvxferdError):
+    """An OpenAI-style request (completion, chat) is invalid; ``field`` names the culprit."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class UnknownModelError(InvalidRequestError):
+    """The request's ``model`` is not the one this server serves (HTTP 404)."""
+
+
+class PoolExhaustedError(KvxferdError):
+    """Too few free KV blocks for a request right now (HTTP 503; a retry may succeed)."""
+
+
+class StartupError(KvxferdError):
+    """A child process (sidecar, simulated engine) exited or timed out before its ready line."""

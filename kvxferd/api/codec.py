@@ -1,7 +1,9 @@
 """msgspec at the HTTP edge: typed request decoding, Struct responses, errors as ErrorBody.
 
 FastAPI cannot build models from msgspec Structs, so handlers take the raw body and decode it
-here; a decode failure becomes a 422 naming the offending field (msgspec's ``$.path``).
+here. A body that is not JSON is a 400; a body of the wrong shape is a 422 whose ErrorBody
+``field`` is the offending path (``block_ids[0][1]``, ``manifest.regions[0].size_bytes``) and
+whose ``detail`` is ``"<field>: <what is wrong>"``, the field named once.
 """
 
 from __future__ import annotations
@@ -33,12 +35,16 @@ _STATUS: list[tuple[type[Exception], int]] = [
     (errors.BlockIdError, 422),
     (errors.ManifestError, 422),
     (errors.MemoryRegionError, 422),
-    (errors.ConfigError, 400),
+    (errors.ConfigError, 409),  # at request time: the sidecar's state forbids it
     (errors.HandshakeError, 502),
     (errors.TransportError, 502),
     (errors.KvxferdError, 400),
 ]
-_FIELD = re.compile(r"at `\$\.?([^`]*)`")
+_AT = re.compile(r"^(?P<message>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.DOTALL)
+_NAMED = [
+    (re.compile(r"^Object contains unknown field `(?P<name>[^`]+)`$"), "unknown field"),
+    (re.compile(r"^Object missing required field `(?P<name>[^`]+)`$"), "missing required field"),
+]
 
 
 class StructResponse(Response):
@@ -68,12 +74,24 @@ async def decode(request: Request, kind: type[T]) -> T:
     try:
         return decoder.decode(body)  # type: ignore[no-any-return]
     except msgspec.ValidationError as exc:
-        match = _FIELD.search(str(exc))
-        field = match.group(1) if match else ""
-        body = ErrorBody(error="ValidationError", detail=str(exc), field=field)
-        raise HTTPProblem(422, body) from None
+        raise HTTPProblem(422, validation_body(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise HTTPProblem(400, ErrorBody(error="DecodeError", detail=str(exc))) from None
+
+
+def validation_body(message: str) -> ErrorBody:
+    """ErrorBody of a msgspec validation message: the JSON path as ``field``, named once."""
+    match = _AT.match(message)
+    assert match is not None  # the pattern matches any string
+    text, path = match["message"], match["path"] or ""
+    for pattern, reason in _NAMED:
+        named = pattern.match(text)
+        if named:
+            path = f"{path}.{named['name']}" if path else named["name"]
+            text = reason
+            break
+    detail = f"{path}: {text}" if path else text
+    return ErrorBody(error="ValidationError", detail=detail, field=path)
 
 
 def problem_for(exc: Exception) -> HTTPProblem:

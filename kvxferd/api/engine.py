@@ -2,73 +2,126 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+import msgspec
+from fastapi import FastAPI
 
-from kvxferd.api.codec import HTTPProblem, StructResponse, decode, problem_response
-from kvxferd.errors import KvxferdError
-from kvxferd.wire import AbortHoldRequest, HoldRequest, PullRequest, RegisterRequest
+from kvxferd.api.codec import StructResponse
+from kvxferd.api.openapi import HEALTH, document, install_openapi
+from kvxferd.api.operations import Gate, Operation, Query, mount
+from kvxferd.wire import (
+    AbortHoldRequest,
+    HoldRequest,
+    PullAccepted,
+    PullRequest,
+    PullStatus,
+    RegisterRequest,
+    RegisterResponse,
+    ReleasedHolds,
+    Ticket,
+)
 
 if TYPE_CHECKING:
     from kvxferd.sidecar.service import Sidecar
 
+TITLE = "kvxferd engine API"
+DESCRIPTION = (
+    "What an engine rank asks of its own sidecar, over a Unix socket (0600, local only, no "
+    "token): register the KV pool once, hold prefilled blocks for a decode side (a Ticket), "
+    "pull a ticket's blocks into local blocks, and follow the feed of released holds to free "
+    "blocks. Every 4xx/5xx body is an ErrorBody."
+)
 MAX_WAIT_S = 60.0
-"""Upper bound of a pull-status long poll."""
+"""Upper bound of a pull-status long poll; a larger ``wait`` is cut to it."""
+
+
+async def register(sidecar: Sidecar, req: RegisterRequest) -> RegisterResponse:
+    """Register the engine's manifest and memory regions (once per sidecar epoch).
+
+    Each region is mapped and registered with NIXL once. A second registration answers 409;
+    restart the sidecar to change the layout.
+    """
+    return await sidecar.register(req)
+
+
+async def hold(sidecar: Sidecar, req: HoldRequest) -> Ticket:
+    """Pin a prefilled request's blocks under a lease; returns the Ticket a decode side pulls with.
+
+    The blocks stay pinned until the reader's NIXL notification, the end of the lease, or an
+    abort; each hold shows up exactly once in the released feed.
+    """
+    return sidecar.hold(req)
+
+
+async def abort(sidecar: Sidecar, req: AbortHoldRequest) -> None:
+    """Give up a hold (request cancelled); its blocks show up in the released feed."""
+    sidecar.abort(req)
+
+
+async def pull(sidecar: Sidecar, req: PullRequest) -> PullAccepted:
+    """Start reading a request's blocks from its prefill ranks into local blocks.
+
+    The request is checked before it is accepted (4xx naming the field); the transfer runs in
+    the background: poll its status with the returned pull id.
+    """
+    return await sidecar.start_pull(req)
+
+
+async def pull_status(sidecar: Sidecar, pull_id: str, wait: float) -> PullStatus:
+    """A pull's state; ``wait`` long-polls until it is done or failed (cut to MAX_WAIT_S)."""
+    return await sidecar.pull_status(pull_id, min(wait, MAX_WAIT_S))
+
+
+async def released(sidecar: Sidecar, cursor: int) -> ReleasedHolds:
+    """Holds released since ``cursor`` (notified, expired or aborted): free their blocks."""
+    return sidecar.released_since(cursor)
+
+
+async def healthz(sidecar: Sidecar) -> dict[str, Any]:
+    """Liveness: the process answers."""
+    return {"status": "ok"}
+
+
+WAIT = Query(
+    "wait",
+    Annotated[float, msgspec.Meta(ge=0)],
+    0.0,
+    f"Seconds to wait for the pull to finish; larger values are cut to {MAX_WAIT_S:g}.",
+)
+CURSOR = Query(
+    "cursor",
+    Annotated[int, msgspec.Meta(ge=0)],
+    0,
+    "The cursor of the previous answer; 0 reads the feed from its start.",
+)
+
+OPERATIONS = [
+    Operation("POST", "/v1/register", register, RegisterRequest, RegisterResponse,
+              errors=(400, 409, 422, 500, 502)),
+    Operation("POST", "/v1/holds", hold, HoldRequest, Ticket,
+              errors=(400, 409, 422, 500, 503), needs_engine=True),
+    Operation("POST", "/v1/holds/abort", abort, AbortHoldRequest, None, status=204,
+              errors=(400, 404, 410, 422, 500, 503), needs_engine=True),
+    Operation("POST", "/v1/pulls", pull, PullRequest, PullAccepted, status=202,
+              errors=(400, 422, 500, 503), needs_engine=True),
+    Operation("GET", "/v1/pulls/{pull_id}", pull_status, None, PullStatus, query=(WAIT,),
+              errors=(404, 422, 500)),
+    Operation("GET", "/v1/released", released, None, ReleasedHolds, query=(CURSOR,),
+              errors=(422, 500, 503), needs_engine=True),
+    Operation("GET", "/healthz", healthz, None, HEALTH),
+]  # fmt: skip
+"""The route table: served by engine_app, documented by engine_document."""
+
+
+def engine_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the engine API."""
+    return document(TITLE, DESCRIPTION, OPERATIONS)
 
 
 def engine_app(sidecar: Sidecar) -> FastAPI:
-    """The FastAPI app an engine rank talks to."""
-    app = FastAPI(title="kvxferd engine API", version="1", default_response_class=StructResponse)
-    _install_error_handlers(app)
-
-    @app.post("/v1/register")
-    async def register(request: Request) -> Response:
-        """Register the engine's manifest and memory regions (once per sidecar epoch)."""
-        return StructResponse(await sidecar.register(await decode(request, RegisterRequest)))
-
-    @app.post("/v1/holds")
-    async def hold(request: Request) -> Response:
-        """Pin a prefilled request's blocks; returns the Ticket a decode side pulls with."""
-        return StructResponse(sidecar.hold(await decode(request, HoldRequest)))
-
-    @app.post("/v1/holds/abort")
-    async def abort(request: Request) -> Response:
-        """Give up a hold; its blocks show up in the released feed."""
-        sidecar.abort(await decode(request, AbortHoldRequest))
-        return Response(status_code=204)
-
-    @app.post("/v1/pulls", status_code=202)
-    async def pull(request: Request) -> Response:
-        """Start reading a ticket's blocks into local blocks; returns a pull id."""
-        accepted = await sidecar.start_pull(await decode(request, PullRequest))
-        return StructResponse(accepted, status_code=202)
-
-    @app.get("/v1/pulls/{pull_id}")
-    async def pull_status(pull_id: str, wait: float = 0.0) -> Response:
-        """A pull's state; ``wait`` long-polls (bounded) until it is done or failed."""
-        return StructResponse(await sidecar.pull_status(pull_id, min(max(wait, 0.0), MAX_WAIT_S)))
-
-    @app.get("/v1/released")
-    async def released(cursor: int = 0) -> Response:
-        """Holds released since ``cursor`` (notified, expired or aborted): free their blocks."""
-        return StructResponse(sidecar.released_since(cursor))
-
-    @app.get("/healthz")
-    async def healthz() -> Response:
-        """Liveness: the process answers."""
-        return StructResponse({"status": "ok"})
-
+    """The FastAPI app an engine rank talks to (its OpenAPI document at /openapi.json)."""
+    app = FastAPI(title=TITLE, version="1", default_response_class=StructResponse)
+    mount(app, OPERATIONS, sidecar, Gate(ready=lambda: sidecar.ready))
+    install_openapi(app, engine_document)
     return app
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    """Every kvxferd error becomes its 4xx/5xx ErrorBody; nothing takes the daemon down."""
-
-    async def handle(_: Request, exc: Exception) -> Response:
-        return problem_response(exc)
-
-    app.add_exception_handler(HTTPProblem, handle)
-    app.add_exception_handler(KvxferdError, handle)
-    app.add_exception_handler(Exception, handle)

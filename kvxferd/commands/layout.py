@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -16,6 +15,7 @@ from kvxferd.layout import (
     load_hf_config,
     plan_manifest,
     preset_names,
+    request_blocks,
     summarize,
 )
 from kvxferd.wire import Manifest
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
     )
     probe = plan_manifest(hf, options)
-    need = _blocks_per_group(probe, args.tokens)
+    need = request_blocks(probe, args.tokens)
     # Plan again with a pool just big enough for the request (block 0 stays the null block).
     manifest = plan_manifest(hf, _with_blocks(options, sum(need) + 1))
     summary = summarize(manifest)
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
 def request_cost(manifest: Manifest, tokens: int) -> RequestCost:
     """Bytes and descriptors of moving a ``tokens``-token request between two equal engines."""
-    need = _blocks_per_group(manifest, tokens)
+    need = request_blocks(manifest, tokens)
     ids, start = [], 1
     for n in need:
         ids.append(np.arange(start, start + n, dtype=np.int64))
@@ -104,20 +104,6 @@ def request_cost(manifest: Manifest, tokens: int) -> RequestCost:
         descriptors_uncoalesced=int(flat.num_descriptors),
         per_layer_descriptors=int(descriptors.reference_descriptor_count(manifest, ids)),
     )
-
-
-def _blocks_per_group(m: Manifest, tokens: int) -> list[int]:
-    """Blocks a request of ``tokens`` occupies in each group (mamba: the one state block;
-    sliding window: only the blocks the window still needs)."""
-    out = []
-    for g in m.groups:
-        if g.kind == "mamba":
-            out.append(1)
-        elif g.kind == "sliding_window" and g.sliding_window:
-            out.append(min(math.ceil(tokens / g.block_size), g.sliding_window // g.block_size + 2))
-        else:
-            out.append(math.ceil(tokens / g.block_size))
-    return out
 
 
 def _with_blocks(options: PlanOptions, num_blocks: int) -> PlanOptions:

@@ -1,4 +1,4 @@
-"""Descriptor count of vLLM's NixlConnector scheme, the baseline our counts are compared to.
+"""vLLM's NixlConnector descriptor scheme: the baseline our counts and throughput are compared to.
 
 vLLM addresses each attention layer per kernel block with separate K and V descriptors, and
 each mamba layer per logical block with one descriptor per conv section plus one for the SSM
@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvxferd.descriptors.geometry import kernel_ratio
-from kvxferd.errors import BlockIdError
-from kvxferd.wire import AttentionLayer, Manifest
+import numpy as np
+
+from kvxferd.descriptors.geometry import check_request_ids, kernel_ids, kernel_ratio, part_field
+from kvxferd.descriptors.mapping import read_geometry
+from kvxferd.descriptors.plan import ReadPlan
+from kvxferd.errors import BlockIdError, ManifestError
+from kvxferd.wire import AttentionLayer, Layer, Manifest, Part
 
 
 def reference_descriptor_count(manifest: Manifest, block_ids_per_group: Sequence) -> int:
@@ -33,3 +37,84 @@ def reference_descriptor_count(manifest: Manifest, block_ids_per_group: Sequence
                 per_block += 2
         total += per_block * len(ids)
     return total
+
+
+def _extent(part: Part, field: str) -> int:
+    """Bytes of one block unit of a part, which vLLM addresses as one contiguous range."""
+    if part.units > 1 and part.unit_stride != part.unit_bytes:
+        raise ManifestError(field, "the reference scheme needs contiguous TP units")
+    return part.units * part.unit_bytes
+
+
+def _ranges(layer: Layer, g: int, i: int) -> list[tuple[int, int, int]]:
+    """``(offset, length, block_stride)`` of each descriptor vLLM uses per block unit."""
+    if isinstance(layer, AttentionLayer):
+        return [
+            (p.offset, _extent(p, part_field(g, i, n)), p.block_stride)
+            for n, p in (("k", layer.k), ("v", layer.v))
+        ]
+    conv = [
+        (p.offset, _extent(p, part_field(g, i, f"conv[{j}]")), p.block_stride)
+        for j, p in enumerate(layer.conv)
+    ]
+    ssm = (layer.ssm.offset, _extent(layer.ssm, part_field(g, i, "ssm")), layer.ssm.block_stride)
+    if layer.conv_layout == "DS":
+        return [*conv, ssm]
+    # The whole conv state is one tensor: one descriptor from its first to its last byte.
+    start = min(o for o, _n, _s in conv)
+    end = max(o + n for o, n, _s in conv)
+    return [(start, end - start, conv[0][2]), ssm]
+
+
+def reference_plan(
+    local: Manifest,
+    remote: Manifest,
+    local_ids: Sequence[np.ndarray],
+    remote_ids: Sequence[np.ndarray],
+) -> ReadPlan:
+    """The descriptor pairs of vLLM's scheme for one request (equal TP size and rank only).
+
+    Moves exactly the bytes :func:`~kvxferd.descriptors.plan_read` moves, in
+    :func:`reference_descriptor_count` descriptors, never merged. Used by benchmarks to drive
+    the baseline scheme through NIXL; raises like ``plan_read``, and ManifestError for unequal TP.
+    """
+    if (local.tp_size, local.tp_rank) != (remote.tp_size, remote.tp_rank):
+        raise ManifestError(
+            "tp_size",
+            f"reference scheme is built for equal ranks, got local {local.tp_rank}/"
+            f"{local.tp_size} and remote {remote.tp_rank}/{remote.tp_size}",
+        )
+    geo = read_geometry(local, remote)  # compatibility checks, as for a real pull
+    n = len(local.groups)
+    lids = check_request_ids(local.num_blocks, n, local_ids, "block_ids")
+    rids = check_request_ids(remote.num_blocks, n, remote_ids, "remote_block_ids")
+    cols: list[list[np.ndarray]] = [[] for _ in range(5)]
+    kv_bytes = state_bytes = 0
+    for g, (a, b) in enumerate(zip(lids, rids, strict=True)):
+        if a.size != b.size:
+            raise BlockIdError(
+                f"remote_block_ids[{g}]", f"{b.size} remote ids for {a.size} in block_ids[{g}]"
+            )
+        rows = []
+        layers = zip(local.groups[g].layers, remote.groups[g].layers, strict=True)
+        for i, (ll, rl) in enumerate(layers):
+            for lr, rr in zip(_ranges(ll, g, i), _ranges(rl, g, i), strict=True):
+                rows.append((ll.region, lr[0], lr[2], rl.region, rr[0], rr[2], lr[1]))
+        if a.size == 0 or not rows:
+            continue
+        t = np.asarray(rows, dtype=np.int64).T
+        kl, kr = kernel_ids(a, geo.ratios[g]), kernel_ids(b, geo.ratios[g])
+        cols[0].append(np.repeat(t[0], kl.size))
+        cols[1].append((t[1][:, None] + t[2][:, None] * kl[None, :]).ravel())
+        cols[2].append(np.repeat(t[3], kl.size))
+        cols[3].append((t[4][:, None] + t[5][:, None] * kr[None, :]).ravel())
+        cols[4].append(np.repeat(t[6], kl.size))
+        moved = int(t[6].sum()) * kl.size
+        if geo.is_attention[g]:
+            kv_bytes += moved
+        else:
+            state_bytes += moved
+    if not cols[0]:
+        return ReadPlan.empty()
+    lreg, loff, rreg, roff, ln = (np.concatenate(c) for c in cols)
+    return ReadPlan(lreg, loff, rreg, roff, ln, kv_bytes, state_bytes)

@@ -18,6 +18,7 @@ from kvxferd.layout.derived import (
     mamba_state_bytes,
     page_bytes,
     region_slots,
+    request_blocks,
     summarize,
 )
 from kvxferd.layout.manifest import validate_manifest
@@ -41,6 +42,7 @@ __all__ = [
     "plan_manifest",
     "preset_names",
     "region_slots",
+    "request_blocks",
     "summarize",
     "validate_manifest",
 ]

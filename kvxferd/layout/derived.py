@@ -69,6 +69,20 @@ def mamba_padding_fraction(m: Manifest) -> float:
     return mamba_padding_bytes(m) / sum(mamba_state_bytes(layers[0]))
 
 
+def request_blocks(m: Manifest, tokens: int) -> list[int]:
+    """Logical blocks a request of ``tokens`` tokens occupies in each group: the one state
+    block for mamba, only the blocks the window still needs for sliding window, else all."""
+    out = []
+    for g in m.groups:
+        if g.kind == "mamba":
+            out.append(1)
+        elif g.kind == "sliding_window" and g.sliding_window:
+            out.append(min(math.ceil(tokens / g.block_size), g.sliding_window // g.block_size + 2))
+        else:
+            out.append(math.ceil(tokens / g.block_size))
+    return out
+
+
 def kv_cache_tokens(m: Manifest) -> int:
     """Tokens the pool holds per sequence as vLLM logs it: blocks // groups * min block size."""
     return m.num_blocks // len(m.groups) * min(g.block_size for g in m.groups)

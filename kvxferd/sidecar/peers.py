@@ -82,25 +82,35 @@ class PeerTable:
         return self._peers.get(address)
 
     async def get(self, address: str, engine_id: str, epoch: int) -> Peer:
-        """The peer at ``address`` for this engine epoch, handshaking if needed."""
+        """The peer at ``address`` for this engine epoch, handshaking if needed.
+
+        A ticket that names another (engine, epoch) than the cached one handshakes again: if
+        the peer changed (restarted) the old entry is dropped; if it did not, the ticket is
+        stale and fails without disturbing the cached peer (pulls may be reading from it).
+        """
         lock = self._locks.setdefault(address, asyncio.Lock())
         async with lock:
-            peer = self._peers.get(address)
-            if peer is not None and (peer.engine_id, peer.epoch) == (engine_id, epoch):
-                return peer
-            if peer is not None:
+            cached = self._peers.get(address)
+            if cached is not None and (cached.engine_id, cached.epoch) == (engine_id, epoch):
+                return cached
+            peer = await self._handshake(address)
+            same = cached is not None and (cached.engine_id, cached.epoch) == (
+                peer.engine_id,
+                peer.epoch,
+            )
+            if cached is not None and not same:
                 log.info(
-                    "peer %s changed (%s/%d -> %s/%d); re-handshaking",
+                    "peer %s changed (%s/%d -> %s/%d); re-handshaken",
                     address,
+                    cached.engine_id,
+                    cached.epoch,
                     peer.engine_id,
                     peer.epoch,
-                    engine_id,
-                    epoch,
                 )
                 await self.forget(address)
-            peer = await self._handshake(address)
             if (peer.engine_id, peer.epoch) != (engine_id, epoch):
-                await self._remove_agent(peer.agent_name)
+                if not same:  # the cached entry keeps this agent when the peer did not change
+                    await self._remove_agent(peer.agent_name)
                 self._count("stale_ticket")
                 raise HandshakeError(
                     f"peer {address} is engine {peer.engine_id} epoch {peer.epoch}, the ticket "
@@ -183,9 +193,10 @@ class PeerTable:
 
 def _remote_error(address: str, resp: httpx.Response) -> Exception:
     """Translate a peer's error answer into our exception type."""
+    error = body_field = ""
     try:
         body = msgspec.json.decode(resp.content, type=ErrorBody)
-        detail = body.detail
+        detail, error, body_field = body.detail, body.error, body.field
     except msgspec.MsgspecError:
         detail = resp.text[:200]
     if resp.status_code == 404:
@@ -194,6 +205,9 @@ def _remote_error(address: str, resp: httpx.Response) -> Exception:
         return HoldExpiredError(f"peer {address}: {detail}")
     if resp.status_code == 401:
         return AuthError(f"peer {address} rejected our token: {detail}")
-    if resp.status_code == 409:
-        return HandshakeError(f"peer {address} finds us incompatible: {detail}")
+    if resp.status_code == 409 and error == "IncompatiblePeerError":
+        # The peer compared manifests and names the disagreeing fields (comma-separated).
+        exc = IncompatiblePeerError({f: (None, None) for f in body_field.split(",") if f})
+        exc.args = (f"peer {address} finds us incompatible: {detail}",)
+        return exc
     return HandshakeError(f"peer {address} answered {resp.status_code}: {detail}")

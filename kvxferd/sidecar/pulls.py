@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+from msgspec import structs
 
 from kvxferd import descriptors
 from kvxferd.errors import (
@@ -31,7 +32,7 @@ from kvxferd.errors import (
     UnknownHoldError,
 )
 from kvxferd.sidecar.states import PullState
-from kvxferd.wire import ClaimRequest, PullRequest, PullStatus, Ticket
+from kvxferd.wire import ClaimRequest, Manifest, PullRequest, PullStatus, Ticket
 
 if TYPE_CHECKING:
     from kvxferd.sidecar.peers import Peer
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _KEEP_FINISHED = 4096  # finished pulls remembered for status queries
+_KEEP_GEOMETRIES = 256  # per-peer read geometries cached (keyed by peer epoch)
 
 # Exception type -> failure reason code (checked in order; subclasses first).
 _REASONS: list[tuple[type[BaseException], str]] = [
@@ -100,6 +102,24 @@ class PullRunner:
         self._sidecar = sidecar
         self._pulls: OrderedDict[str, Pull] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._geometries: OrderedDict[tuple[str, str, int], descriptors.ReadGeometry] = (
+            OrderedDict()
+        )
+
+    def _geometry(self, peer: Peer) -> descriptors.ReadGeometry:
+        """Per-peer read geometry (checks and per-layer work done once per peer epoch)."""
+        key = (peer.address, peer.engine_id, peer.epoch)
+        geometry = self._geometries.get(key)
+        if geometry is None:
+            local = self._sidecar.manifest
+            assert local is not None
+            geometry = descriptors.read_geometry(local, peer.manifest)
+            self._geometries[key] = geometry
+            while len(self._geometries) > _KEEP_GEOMETRIES:
+                self._geometries.popitem(last=False)
+        else:
+            self._geometries.move_to_end(key)
+        return geometry
 
     def start(self, req: PullRequest) -> Pull:
         """Validate ``req`` synchronously (4xx to the engine), then run it in the background."""
@@ -144,15 +164,21 @@ class PullRunner:
                 local = sc.manifest
                 assert local is not None
                 ranks = descriptors.source_ranks(local, len(req.tickets))
-                await asyncio.gather(
-                    *(self._read_from(pull, req.tickets[r], deadline) for r in ranks)
-                )
+                # A TaskGroup, not gather: one failed read cancels its siblings, so no READ is
+                # still running (and no handle still live) once the pull reports FAILED.
+                async with asyncio.TaskGroup() as group:
+                    for r in ranks:
+                        group.create_task(self._read_from(pull, req.tickets[r], deadline))
+                    for r in unread_ranks(local, len(req.tickets)):
+                        group.create_task(self._release_unread(req.tickets[r]))
             pull.advance(PullState.DONE)
             sc.metrics.pulls.labels("done").inc()
         except asyncio.CancelledError:
             self._fail(pull, "cancelled", "sidecar shutting down")
             raise
         except BaseException as exc:  # every failure path ends FAILED with a reason
+            while isinstance(exc, BaseExceptionGroup):  # the TaskGroup's; its first cause
+                exc = exc.exceptions[0]
             reason = next((r for t, r in _REASONS if isinstance(exc, t)), "internal")
             self._fail(pull, reason, str(exc) or type(exc).__name__)
             if reason != "internal":
@@ -198,7 +224,7 @@ class PullRunner:
         del claim
 
         local_ids, remote_ids = _pairs(pull.request.block_ids, ticket.block_ids)
-        plan = descriptors.plan_read(local, peer.manifest, local_ids, remote_ids)
+        plan = self._geometry(peer).plan(local_ids, remote_ids)
         pull.advance(PullState.TRANSFERRING)
         notif = ticket.hold_id.encode()
         if plan.num_descriptors == 0:
@@ -206,6 +232,24 @@ class PullRunner:
             await asyncio.to_thread(sc.agent.send_notif, peer.agent_name, notif)
             return
         await self._transfer(pull, peer, plan, notif, deadline)
+
+    async def _release_unread(self, ticket: Ticket) -> None:
+        """Notify a prefill rank that no decode rank reads, releasing its hold before expiry.
+
+        Its units are all replicas read from other ranks, so this pull's bytes do not depend on
+        it: a failure is logged (the hold then expires), never fatal.
+        """
+        sc = self._sidecar
+        try:
+            peer = await sc.peers.get(ticket.peer, ticket.engine_id, ticket.epoch)
+            await asyncio.to_thread(sc.agent.send_notif, peer.agent_name, ticket.hold_id.encode())
+        except KvxferdError as exc:
+            log.warning(
+                "could not release unread hold %s at %s (it will expire): %s",
+                ticket.hold_id,
+                ticket.peer,
+                exc,
+            )
 
     async def _transfer(
         self, pull: Pull, peer: Peer, plan: descriptors.ReadPlan, notif: bytes, deadline: float
@@ -245,10 +289,25 @@ class PullRunner:
         m.transfer_bytes.labels("kv").inc(plan.kv_bytes)
         m.transfer_bytes.labels("state").inc(plan.state_bytes)
         if wire_s > 0:
-            m.transfer_throughput.observe(total / wire_s / 1e9)
+            m.transfer_throughput.observe(total / wire_s)
         pull.kv_bytes += int(plan.kv_bytes)
         pull.state_bytes += int(plan.state_bytes)
         pull.descriptors += int(plan.num_descriptors)
+
+
+def unread_ranks(local: Manifest, remote_tp: int) -> list[int]:
+    """Prefill ranks no decode rank reads from (every unit they hold is read from a replica).
+
+    Non-empty only when units are replicated on the prefill side (TP > KV heads). Decode rank 0
+    alone answers for them, so each gets exactly one notification; the other ranks return [].
+    """
+    if local.tp_rank != 0:
+        return []
+    read: set[int] = set()
+    for rank in range(local.tp_size):
+        # source_ranks only looks at units_total and tp, so this rank's parts stand in for all.
+        read.update(descriptors.source_ranks(structs.replace(local, tp_rank=rank), remote_tp))
+    return [r for r in range(remote_tp) if r not in read]
 
 
 def _pairs(

@@ -77,11 +77,16 @@ class Sidecar:
         return self.proc.returncode
 
 
-def start_sidecar(tmp_dir: str, name: str, *extra: str, port: int = 0) -> Sidecar:
-    """Start ``kvxferd serve`` and wait (bounded) for its ready line."""
+def start_sidecar(
+    tmp_dir: str, name: str, *extra: str, port: int = 0, env: dict[str, str] | None = None
+) -> Sidecar:
+    """Start ``kvxferd serve`` and wait (bounded) for its ready line.
+
+    ``env`` adds to (or overrides) the child's environment, e.g. another KVXFERD_PEER_TOKEN.
+    """
     sock = os.path.join(tmp_dir, f"{name}.sock")
     env = {**os.environ, "KVXFERD_PEER_TOKEN": TOKEN, "UCX_NET_DEVICES": "lo",
-           "PYTHONUNBUFFERED": "1"}  # fmt: skip
+           "PYTHONUNBUFFERED": "1", **(env or {})}  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvxferd", "serve", "--engine-socket", sock,
          "--peer-port", str(port), "--log-level", "warning", *extra],
@@ -162,3 +167,113 @@ def wait_until(predicate, timeout_s: float = 30.0, what: str = "condition"):  # 
 
 def encode(value: object) -> bytes:
     return msgspec.json.encode(value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Several sidecars, scrapes of /metrics, the released feed (used by the hetero-TP, failure and
+# metrics tests)
+# ------------------------------------------------------------------------------------------------
+
+QUIET = {"KVXFERD_PROGRESS_THREAD": "false"}
+"""Env for sidecars without NIXL's UCX progress thread, which spins a full core per process
+even when idle; the sidecar's notification poller progresses the worker instead (every 1 ms
+while a hold is claimed). Used where a test runs three or more sidecars on CI's 2 cores."""
+
+
+def start_sidecars(
+    tmp_dir: str, names: list[str], env: dict[str, str] | None = None
+) -> list[Sidecar]:
+    """Start several sidecars concurrently (startup is mostly imports); all or none."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = [pool.submit(start_sidecar, tmp_dir, n, env=env) for n in names]
+    started = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for s in started:
+            s.kill()
+        raise failed[0]  # type: ignore[misc]
+    return started
+
+
+def scrape(peer: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The peer port's /metrics as {(sample name, sorted labels): value}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://{peer}/metrics", timeout=10.0).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric(peer: str, name: str, **labels: str) -> float:
+    """One sample of the peer's /metrics (0 when absent: a labelled counter not yet touched)."""
+    return scrape(peer).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_no_handles(*sidecars: Sidecar, timeout_s: float = 30.0) -> None:
+    """Bounded wait until every sidecar reports 0 live NIXL transfer/prepped handles."""
+    for s in sidecars:
+        wait_until(
+            lambda s=s: metric(s.peer, "kvxferd_nixl_handles") == 0,
+            timeout_s,
+            f"{s.peer}: kvxferd_nixl_handles back to 0",
+        )
+
+
+class ReleasedFeed:
+    """Follows one sidecar's released-holds feed; ``wait_for`` blocks (bounded) for hold ids."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+        self.cursor = 0
+        self.seen: list[tuple[str, str]] = []  # (hold_id, reason), in feed order
+
+    def poll(self) -> list[tuple[str, str]]:
+        """Read new entries."""
+        with self.sidecar.client() as c:
+            feed = c.released(self.cursor)
+        self.cursor = feed.cursor
+        new = [(h.hold_id, h.reason) for h in feed.holds]
+        self.seen.extend(new)
+        return new
+
+    def wait_for(self, *hold_ids: str, timeout_s: float = 30.0) -> dict[str, str]:
+        """Reasons of ``hold_ids`` once all appeared in the feed."""
+
+        def all_in() -> bool:
+            self.poll()
+            return set(hold_ids) <= {h for h, _ in self.seen}
+
+        wait_until(all_in, timeout_s, f"release of {hold_ids}")
+        return {h: r for h, r in self.seen if h in hold_ids}
+
+    def count(self, hold_id: str) -> int:
+        """How many times ``hold_id`` appeared (1 once released, never more)."""
+        self.poll()
+        return sum(1 for h, _ in self.seen if h == hold_id)
+
+
+def changed_outside(before, after, manifest: Manifest, block_ids) -> int:  # noqa: ANN001
+    """Bytes that changed outside the given blocks' parts of this rank (must be 0)."""
+    from kvxferd import descriptors
+
+    touched = [np.zeros(len(v), dtype=bool) for v in after]
+    ids = [np.asarray(g, dtype=np.int64) for g in block_ids]
+    own = descriptors.plan_read(manifest, manifest, ids, ids, coalesce=False)
+    for r, off, n in zip(own.local_region, own.local_offset, own.length, strict=True):
+        touched[r][off : off + n] = True
+    return sum(int(((b != a) & ~t).sum()) for b, a, t in zip(before, after, touched, strict=True))
+
+
+def split_ids(ids: np.ndarray, counts: list[int]) -> list[list[int]]:
+    """Consecutive slices of ``ids`` of the given sizes, as plain int lists (one per group)."""
+    out, start = [], 0
+    for n in counts:
+        out.append([int(b) for b in ids[start : start + n]])
+        start += n
+    return out

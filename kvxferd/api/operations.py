@@ -1,0 +1,182 @@
+"""One route table per app: each Operation is both served (mount) and documented (openapi).
+
+An Operation names its method, path, typed body and answer, query parameters and the error
+statuses it may answer. ``mount`` turns the table into FastAPI routes whose single endpoint
+decodes, authorises, calls the handler, encodes, and turns every exception into an ErrorBody,
+so the route table and the OpenAPI documents cannot disagree.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvxferd.api.codec import HTTPProblem, StructResponse, decode, problem_for, problem_response
+from kvxferd.errors import KvxferdError
+from kvxferd.wire import ErrorBody
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[..., Awaitable[Any]]
+NOT_READY = "no engine has registered with this sidecar yet"
+_PATH_PARAM = re.compile(r"{(\w+)}")
+
+
+@dataclass(frozen=True)
+class Query:
+    """A query-string parameter: name, msgspec type (constraints via ``Meta``), default, meaning."""
+
+    name: str
+    kind: Any
+    default: Any
+    doc: str
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One HTTP operation of an app.
+
+    ``handler`` is called as ``handler(target, body, **path_params, **query)`` (no ``body``
+    without a ``request`` type), ``target`` being the object the app serves (the Sidecar), and
+    returns the answer; ``None`` for entries served by a mounted ASGI app (documentation only).
+    The handler's docstring is the operation's summary and description.
+    """
+
+    method: str
+    path: str
+    handler: Handler | None
+    request: type | None = None
+    response: type | dict[str, Any] | None = None
+    status: int = 200
+    errors: tuple[int, ...] = ()
+    query: tuple[Query, ...] = ()
+    auth: bool = False
+    needs_engine: bool = False
+    media_type: str = "application/json"
+    name: str = ""
+    doc: str = ""
+
+    @property
+    def operation_id(self) -> str:
+        """Stable id of the operation (the handler's name unless given)."""
+        return self.name or getattr(self.handler, "__name__", "") or _slug(self.path)
+
+    @property
+    def summary(self) -> str:
+        """First line of the handler docstring (or of ``doc``)."""
+        return self.description.split("\n", 1)[0]
+
+    @property
+    def description(self) -> str:
+        """The handler docstring (or ``doc``), dedented."""
+        return inspect.cleandoc(self.doc or inspect.getdoc(self.handler) or "")
+
+    @property
+    def path_params(self) -> list[str]:
+        """Names of ``{param}`` segments of the path."""
+        return _PATH_PARAM.findall(self.path)
+
+
+@dataclass
+class Gate:
+    """Per-app checks run before decoding: a registered engine and the bearer token."""
+
+    ready: Callable[[], bool] = field(default=lambda: True)
+    authorize: Callable[[Request], None] | None = None
+
+
+def mount(app: FastAPI, operations: list[Operation], target: object, gate: Gate) -> None:
+    """Serve ``operations`` of ``target`` on ``app``; routing errors answer an ErrorBody too."""
+    if gate.authorize is None and any(op.auth for op in operations):
+        raise ValueError("operations need a token but the gate has no authorize check")
+    for op in operations:
+        if op.handler is None:
+            continue
+        app.add_api_route(
+            op.path,
+            _endpoint(op, target, gate),
+            methods=[op.method],
+            name=op.operation_id,
+            include_in_schema=False,
+        )
+    app.add_exception_handler(StarletteHTTPException, _http_exception)
+    app.add_exception_handler(Exception, _last_resort)
+
+
+def _endpoint(
+    op: Operation, target: object, gate: Gate
+) -> Callable[[Request], Awaitable[Response]]:
+    assert op.handler is not None
+    handler = op.handler
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            if op.auth:
+                gate.authorize(request)  # type: ignore[misc]  # checked by mount()
+            if op.needs_engine and not gate.ready():
+                raise HTTPProblem(503, ErrorBody(error="NotReady", detail=NOT_READY))
+            args: list[Any] = [target]
+            if op.request is not None:
+                args.append(await decode(request, op.request))
+            kwargs = {name: request.path_params[name] for name in op.path_params}
+            kwargs.update(_query(request, op.query))
+            result = await handler(*args, **kwargs)
+        except Exception as exc:
+            if not isinstance(exc, HTTPProblem | KvxferdError):
+                log.exception("%s %s failed unexpectedly", op.method, op.path)
+            return problem_response(exc)
+        if isinstance(result, Response):
+            return result
+        if result is None:
+            return Response(status_code=op.status)
+        return StructResponse(result, status_code=op.status)
+
+    endpoint.__name__ = op.operation_id
+    endpoint.__doc__ = op.description
+    return endpoint
+
+
+def _query(request: Request, params: tuple[Query, ...]) -> dict[str, Any]:
+    """Typed query parameters; a bad value is a 422 naming the parameter."""
+    out: dict[str, Any] = {}
+    for param in params:
+        raw = request.query_params.get(param.name)
+        if raw is None:
+            out[param.name] = param.default
+            continue
+        try:
+            out[param.name] = msgspec.convert(raw, param.kind, strict=False)
+        except msgspec.ValidationError as exc:
+            body = ErrorBody(
+                error="ValidationError", detail=f"{param.name}: {exc}", field=param.name
+            )
+            raise HTTPProblem(422, body) from None
+    return out
+
+
+async def _http_exception(_: Request, exc: Exception) -> Response:
+    """Routing errors (unknown path 404, wrong method 405) as ErrorBody, headers kept."""
+    assert isinstance(exc, StarletteHTTPException)
+    name = {404: "NotFound", 405: "MethodNotAllowed"}.get(exc.status_code, "HTTPError")
+    problem = HTTPProblem(exc.status_code, ErrorBody(error=name, detail=str(exc.detail)))
+    response = problem_response(problem)
+    response.headers.update(exc.headers or {})
+    return response
+
+
+async def _last_resort(_: Request, exc: Exception) -> Response:
+    """Anything that escaped an endpoint (middleware, mounted apps): a 500 ErrorBody."""
+    return problem_response(problem_for(exc))
+
+
+def _slug(path: str) -> str:
+    return re.sub(r"\W+", "_", path).strip("_")

@@ -1,0 +1,82 @@
+"""JSON Schema of wire Structs, with each field's attribute docstring as its ``description``.
+
+The one place that turns ``kvxferd.wire`` types into schema components: ``proto/schemas/*.json``
+(scripts/gen_proto.py) and both OpenAPI documents (kvxferd/api/openapi.py) are built from it.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from typing import Any
+
+import msgspec
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """Field name -> the string literal written right below it in ``cls``'s body (and bases')."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object or klass.__module__ in ("builtins", "msgspec"):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:], strict=False):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+def components(types: list[type], ref_template: str) -> dict[str, dict[str, Any]]:
+    """Schema components of ``types`` and everything they reference, fields documented.
+
+    ``ref_template`` is where references point, e.g. ``#/$defs/{name}`` for a standalone JSON
+    Schema or ``#/components/schemas/{name}`` for OpenAPI.
+    """
+    _, comps = msgspec.json.schema_components(types, ref_template=ref_template)
+    by_name = {t.__name__: t for t in _struct_closure(types)}
+    for name, comp in comps.items():
+        if "description" in comp:
+            comp["description"] = inspect.cleandoc(comp["description"])
+        cls = by_name.get(name)
+        props = comp.get("properties")
+        if cls is None or not props:
+            continue
+        for field, doc in attribute_docs(cls).items():
+            if field in props:
+                props[field]["description"] = doc
+    return comps
+
+
+def _struct_closure(types: list[type]) -> list[type]:
+    """``types`` and every Struct type reachable through their fields' annotations."""
+    seen: dict[type, None] = {}
+    todo = list(types)
+    while todo:
+        cur = todo.pop()
+        if cur in seen or not (inspect.isclass(cur) and issubclass(cur, msgspec.Struct)):
+            continue
+        seen[cur] = None
+        for field in msgspec.structs.fields(cur):
+            todo.extend(_types_in(field.type))
+    return list(seen)
+
+
+def _types_in(annotation: object) -> list[type]:
+    """Classes mentioned anywhere in a (resolved) annotation: ``list[A | B]`` -> [list, A, B]."""
+    out: list[type] = []
+    if inspect.isclass(annotation):
+        out.append(annotation)
+    for arg in getattr(annotation, "__args__", ()) or ():
+        out.extend(_types_in(arg))
+    return out

@@ -1,0 +1,49 @@
+"""``kvxferd proxy``: the toy P/D proxy in front of prefill and decode servers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from kvxferd.errors import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register the subcommand."""
+    p = sub.add_parser(
+        "proxy",
+        help="OpenAI-compatible P/D proxy: prefill (1 token), then decode with the KV params",
+        description="Send each completion to a prefill server with max_tokens=1 and the "
+        "kv_transfer_params stub, then the original request with the returned kv_transfer_params "
+        "to a decode server, streaming its answer back. Round-robin over each list. Works with "
+        "`kvxferd sim` and with vLLM servers running a P/D KV connector.",
+    )
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="prefill server base URLs, e.g. http://127.0.0.1:8100")  # fmt: skip
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="decode server base URLs")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, metavar="N",
+                   help="TCP port (default 8000; 0 = any free)")  # fmt: skip
+    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                   help="bound on each backend call in seconds (default 30)")  # fmt: skip
+    p.add_argument("--log-level", default="warning", metavar="LEVEL",
+                   help="debug, info, warning, error")  # fmt: skip
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM."""
+    from kvxferd.cli import setup_logging
+    from kvxferd.proxy import ProxySettings, RoundRobin, serve_proxy
+
+    if args.timeout <= 0:
+        raise ConfigError(f"--timeout: must be > 0, got {args.timeout}")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port: {args.port} is not a TCP port")
+    RoundRobin("prefill", args.prefill)  # validates the URLs before binding anything
+    RoundRobin("decode", args.decode)
+    setup_logging(args.log_level)
+    settings = ProxySettings(tuple(args.prefill), tuple(args.decode), args.timeout)
+    asyncio.run(serve_proxy(settings, args.host, args.port, args.log_level))
+    return 0

@@ -1,0 +1,82 @@
+"""``kvxferd sim``: a simulated OpenAI-compatible engine (prefill, decode or colocated) whose
+paged KV pool lives in shared memory, with one kvxferd sidecar per TP rank."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvxferd.layout import preset_names
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register the subcommand."""
+    p = sub.add_parser(
+        "sim",
+        help="run a simulated prefill/decode engine with real sidecars",
+        description="Serve /v1/completions, /v1/chat/completions (streaming too), /v1/models, "
+        "/health and /v1/stats from a simulated engine. Its KV pool (one shared-memory segment "
+        "per pooled region and TP rank, laid out by the planner) is filled with a verification "
+        "pattern; a prefill holds it for a decode through its sidecars, a decode pulls it, "
+        "checks every byte and generates text that is a pure function of those bytes. Prints "
+        "'kvxferd sim ready url=http://HOST:PORT role=ROLE tp=N model=NAME' when ready.",
+        epilog="The peer secret comes from KVXFERD_PEER_TOKEN (random if unset; prefill and "
+        "decode sims that talk to each other need the same one). Bundled configs: "
+        + ", ".join(preset_names()),
+    )
+    p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"],
+                   help="prefill: hold KV for a decode; decode: pull it; colocated: no "
+                   "transfer (the reference output)")  # fmt: skip
+    p.add_argument("--config", required=True, metavar="NAME|PATH",
+                   help="HF config.json path, or the name of a bundled config")  # fmt: skip
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size (ranks)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP and peer bind address")
+    p.add_argument("--port", type=int, default=0, metavar="N", help="HTTP port (0 = any free)")
+    p.add_argument("--pool-blocks", type=int, metavar="N",
+                   help="logical KV blocks per rank (block 0 is reserved); default: as many as "
+                   "fit in 1 GiB over all ranks, at most 4096")  # fmt: skip
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="model name in /v1/models and responses (default: the config's HF name)",
+    )
+    p.add_argument("--on-pull-failure", choices=["recompute", "fail"], default="recompute",
+                   help="decode: prefill locally and go on (counted), or answer 502")  # fmt: skip
+    p.add_argument("--lease", type=float, metavar="S",
+                   help="prefill: hold lease in seconds (default: the sidecar's, 30)")  # fmt: skip
+    p.add_argument("--pull-timeout", type=float, default=30.0, metavar="S",
+                   help="decode: deadline of one request's pull")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="D",
+                   help="auto, bfloat16, float16, fp8...")  # fmt: skip
+    p.add_argument("--attn-pack-size", type=int, default=1, metavar="N",
+                   help="attention layers sharing one page (hybrids)")  # fmt: skip
+    p.add_argument("--log-level", default="info", metavar="LEVEL",
+                   help="debug, info, warning, error")  # fmt: skip
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM."""
+    from kvxferd.cli import setup_logging
+    from kvxferd.sim.server import SimOptions, run_sim
+
+    setup_logging(args.log_level)
+    if logging.getLogger().level <= logging.INFO:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per sidecar call
+    return run_sim(
+        SimOptions(
+            role=args.role,
+            config=args.config,
+            tp=args.tp,
+            host=args.host,
+            port=args.port,
+            pool_blocks=args.pool_blocks,
+            served_model_name=args.served_model_name,
+            on_pull_failure=args.on_pull_failure,
+            lease_s=args.lease,
+            pull_timeout_s=args.pull_timeout,
+            kv_cache_dtype=args.kv_cache_dtype,
+            attn_pack_size=args.attn_pack_size,
+            log_level=args.log_level,
+        )
+    )

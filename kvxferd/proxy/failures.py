@@ -1,0 +1,42 @@
+"""OpenAI-style error replies for what can go wrong between the proxy and its backends.
+
+A client of the proxy always gets ``{"error": {"message", "type", "param", "code"}}`` with an
+HTTP status, never a hang: unreachable or slow backends become 502/504 naming the URL and the
+reason; a backend that answered an error has its status and body passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import httpx
+from fastapi.responses import JSONResponse
+
+from kvxferd.proxy.routing import Backend
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    """One OpenAI-shaped error object with ``status``."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """A short reason for a failed backend call (the exception type says timeout vs refused)."""
+    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+        return f"timed out ({type(exc).__name__})"
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"
+
+
+def unreachable(backend: Backend, exc: BaseException, timeout_s: float) -> JSONResponse:
+    """502 for a backend that could not be reached or did not answer within ``timeout_s``."""
+    reason = describe_failure(exc)
+    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+        reason += f" after {timeout_s:g} s"
+    return error_response(
+        502, f"{backend.role} backend {backend.url} unreachable: {reason}", "bad_gateway"
+    )
+
+
+def bad_backend_reply(backend: Backend, what: str) -> JSONResponse:
+    """502 for a backend that answered 2xx but not what the P/D protocol needs."""
+    return error_response(502, f"{backend.role} backend {backend.url}: {what}", "bad_gateway")

@@ -1,0 +1,117 @@
+"""The simulated engine's HTTP app: OpenAI-compatible routes plus ``/health`` and ``/v1/stats``.
+
+Thin: parse (400/404 naming the field), run the engine, shape the reply (JSON or SSE). Errors
+map to statuses here: pool exhausted 503, pull or hold through a sidecar failed 502.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvxferd.errors import (
+    HoldError,
+    InvalidRequestError,
+    KvxferdError,
+    PoolExhaustedError,
+    PullError,
+    UnknownModelError,
+)
+from kvxferd.sim.engine import Prompt, SimEngine
+from kvxferd.sim.protocol import Kind, Reply, error_body, parse
+
+log = logging.getLogger(__name__)
+
+_STATUS: list[tuple[type[BaseException], int]] = [
+    (UnknownModelError, 404),
+    (InvalidRequestError, 400),
+    (PoolExhaustedError, 503),
+    (PullError, 502),
+    (HoldError, 502),
+    (httpx.HTTPError, 502),
+]
+
+
+def sim_app(engine: SimEngine, served_model: str) -> FastAPI:
+    """The app of one simulated engine serving ``served_model``."""
+    app = FastAPI(title="kvxferd sim", docs_url=None, redoc_url=None)
+    role = engine.settings.role
+
+    @app.get("/health")
+    async def health() -> Response:
+        problem = engine.problem()
+        if problem:
+            return JSONResponse(error_body(503, problem), status_code=503)
+        return JSONResponse({"status": "ok", "role": role})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {"id": served_model, "object": "model", "created": 0, "owned_by": "kvxferd",
+                "root": served_model, "max_model_len": None}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/stats")
+    async def stats() -> Response:
+        return JSONResponse(engine.snapshot())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(engine, served_model, request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _serve(engine, served_model, request, "chat")
+
+    return app
+
+
+async def _serve(engine: SimEngine, model: str, request: Request, kind: Kind) -> Response:
+    engine.stats.requests += 1
+    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    headers = {"X-Request-Id": rid}
+    try:
+        parsed = parse(kind, await request.body(), model)
+        prompt = Prompt(
+            tokens=parsed.tokens,
+            max_tokens=parsed.max_tokens,
+            request_id=f"{rid}-{uuid.uuid4().hex[:8]}",  # unique even if a client reuses ids
+            kv_transfer_params=parsed.kv_transfer_params,
+        )
+        gen = await engine.generate(prompt)
+    except Exception as exc:  # every failure is an OpenAI-style error answer
+        engine.stats.requests_failed += 1
+        return _error(exc, headers)
+    reply = Reply.new(kind, model, gen.tokens, gen.prompt_tokens, gen.kv_transfer_params)
+    if parsed.stream:
+        return StreamingResponse(
+            _aiter(reply.chunks(parsed.include_usage)),
+            media_type="text/event-stream",
+            headers=headers,
+        )
+    return JSONResponse(reply.body(), headers=headers)
+
+
+async def _aiter(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+def _error(exc: Exception, headers: dict[str, str]) -> Response:
+    status = next((s for t, s in _STATUS if isinstance(exc, t)), 500)
+    param = getattr(exc, "field", None) if isinstance(exc, InvalidRequestError) else None
+    if status == 500:
+        if isinstance(exc, KvxferdError):
+            log.error("request failed: %s", exc)
+        else:
+            log.exception("request failed unexpectedly")
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, PullError):
+        message = exc.detail or exc.reason
+    elif isinstance(exc, httpx.HTTPError):
+        message = f"sidecar unreachable: {message}"
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)

@@ -1,0 +1,409 @@
+"""The simulated engine: what prefill, decode and colocated ranks do with a prompt's KV blocks.
+
+Prefill writes the verification pattern into freshly allocated blocks on every rank, holds them
+through every rank's sidecar and frees them when every sidecar reports the hold released.
+Decode reuses full attention blocks from its prefix cache, pulls the rest on every rank,
+verifies every byte and generates. Colocated (and any request without kv_transfer_params)
+writes the pattern locally. The generated text is a pure function of the request's KV bytes.
+
+All bookkeeping runs on the event loop; pattern writes, verification and digests (numpy, GIL
+released) run in worker threads over blocks no other request touches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from kvxferd.client import AsyncEngineClient
+from kvxferd.errors import (
+    HoldError,
+    InvalidRequestError,
+    KvxferdError,
+    PoolExhaustedError,
+    PullError,
+)
+from kvxferd.layout import request_blocks
+from kvxferd.pattern import Mismatch, verify_pattern, write_pattern
+from kvxferd.sim import transfer_params as tp
+from kvxferd.sim.blocks import BlockAllocator, PrefixCache, PrefixKey
+from kvxferd.sim.digest import rank_digest
+from kvxferd.sim.kvpool import RankPool
+from kvxferd.sim.pulls import pull_all
+from kvxferd.sim.stats import SimStats
+from kvxferd.sim.tokens import generate, prompt_seed
+from kvxferd.wire import HoldRequest, PullRequest, ReleasedHold, Ticket
+
+log = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode", "colocated"]
+PullFailurePolicy = Literal["recompute", "fail"]
+_MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the engine behaves (the ``kvxferd sim`` flags)."""
+
+    role: Role
+    engine_id: str
+    on_pull_failure: PullFailurePolicy = "recompute"
+    lease_s: float | None = None
+    """Hold lease sent with every hold (None: the sidecar's default)."""
+    pull_timeout_s: float = 30.0
+    """Deadline of one request's pull."""
+    release_poll_s: float = 0.1
+    """Interval of the released-holds poll while holds are outstanding."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A parsed completion or chat request, as far as the engine cares."""
+
+    tokens: list[int]
+    max_tokens: int
+    request_id: str
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The engine's answer: token strings and, from a prefill, the params for the decode."""
+
+    tokens: list[str]
+    prompt_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class _Held:
+    """A prefill request whose blocks some rank still holds."""
+
+    blocks: list[int]
+    pending: set[int]
+    reasons: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _DecodeBlocks:
+    """A decode request's local blocks: cache hits (-1 in the pull) and fresh ones."""
+
+    ids: list[list[int]]
+    pull_ids: list[list[int]]
+    hits: list[PrefixKey]
+    fresh_full: list[tuple[PrefixKey, int]]
+    fresh_other: list[int]
+
+
+class SimEngine:
+    """One simulated engine (all its TP ranks) behind the OpenAI-style app."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        pools: Sequence[RankPool],
+        clients: Sequence[AsyncEngineClient] = (),
+        peer: str = "",
+        alive: Callable[[], str] = lambda: "",
+    ) -> None:
+        self.settings = settings
+        self.pools = list(pools)
+        self.clients = list(clients)
+        self.peer = peer
+        self._alive = alive
+        self.manifest = pools[0].manifest
+        self.blocks = BlockAllocator(self.manifest.num_blocks)
+        self.prefix = PrefixCache()
+        self.stats = SimStats(role=settings.role)
+        self._held: dict[str, _Held] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the released-holds pollers (prefill ranks only)."""
+        if self.settings.role == "prefill":
+            self._tasks = [
+                asyncio.create_task(self._poll_released(r, c), name=f"released-{r}")
+                for r, c in enumerate(self.clients)
+            ]
+
+    async def close(self) -> None:
+        """Stop the pollers and close the sidecar clients."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for c in self.clients:
+            await c.aclose()
+
+    def problem(self) -> str:
+        """Why the engine cannot serve ("" when healthy): e.g. a sidecar exited."""
+        return self._alive()
+
+    def snapshot(self) -> dict[str, object]:
+        """The ``/v1/stats`` object."""
+        s = self.stats
+        s.blocks_free, s.blocks_total = self.blocks.free_count, self.blocks.total
+        s.blocks_cached, s.holds_outstanding = len(self.prefix), len(self._held)
+        return s.as_dict()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def generate(self, prompt: Prompt) -> Generation:
+        """Run one request the way this engine's role says."""
+        params = prompt.kv_transfer_params
+        role = self.settings.role
+        if role == "prefill" and tp.wants_remote_decode(params):
+            gen = await self._prefill(prompt)
+        elif role == "decode" and tp.has_remote_prefill(params):
+            assert params is not None
+            gen = await self._decode(prompt, params)
+        else:
+            gen = await self._local(prompt)
+        self.stats.prompt_tokens += gen.prompt_tokens
+        self.stats.completion_tokens += len(gen.tokens)
+        return gen
+
+    async def _local(self, prompt: Prompt) -> Generation:
+        need = self._need(prompt)
+        ids = self._split(self._allocate(sum(need)), need)
+        try:
+            await self._on_ranks(write_pattern, ids, prompt_seed(prompt.tokens))
+            digest = await self._digest(ids)
+        finally:
+            self.blocks.free(b for g in ids for b in g)
+        self.stats.local += 1
+        return Generation(generate(digest, prompt.max_tokens), len(prompt.tokens))
+
+    async def _prefill(self, prompt: Prompt) -> Generation:
+        need = self._need(prompt)
+        flat = self._allocate(sum(need))
+        ids = self._split(flat, need)
+        try:
+            await self._on_ranks(write_pattern, ids, prompt_seed(prompt.tokens))
+            digest = await self._digest(ids)
+            tickets = await self._hold(prompt.request_id, ids, len(prompt.tokens))
+        except BaseException:
+            self.blocks.free(flat)
+            raise
+        self._held[prompt.request_id] = _Held(flat, set(range(len(self.clients))))
+        self._wake.set()
+        params = tp.prefill_answer(
+            engine_id=self.settings.engine_id,
+            request_id=prompt.request_id,
+            peer=self.peer,
+            tickets=tickets,
+        )
+        return Generation(generate(digest, prompt.max_tokens), len(prompt.tokens), params)
+
+    async def _decode(self, prompt: Prompt, params: dict[str, Any]) -> Generation:
+        tickets = tp.parse_tickets(params)
+        need = self._need(prompt)
+        self._check_tickets(tickets, need, len(prompt.tokens))
+        seed = prompt_seed(prompt.tokens)
+        lease = self._take_blocks(seed, need, len(prompt.tokens))
+        keep, settled = False, True
+        try:
+            req = PullRequest(tickets=tickets, block_ids=lease.pull_ids,
+                              deadline_s=self.settings.pull_timeout_s)  # fmt: skip
+            outcome = await pull_all(self.clients, req)
+            settled = outcome.settled
+            if outcome.ok:
+                self._count_pull(outcome.kv_bytes, outcome.state_bytes, outcome.seconds, lease)
+                keep = await self._verify(lease.ids, seed, prompt.request_id)
+            else:
+                self.stats.pulls_failed += 1
+                log.warning("pull for %s failed: %s", prompt.request_id, outcome.reason)
+                if self.settings.on_pull_failure == "fail" or not settled:
+                    raise PullError("pull_failed", f"KV pull from the prefill failed: "
+                                    f"{outcome.reason}")  # fmt: skip
+                await self._on_ranks(write_pattern, lease.pull_ids, seed)
+                self.stats.recomputed += 1
+                keep = True
+            digest = await self._digest(lease.ids)
+        finally:
+            self._return_blocks(lease, keep, settled)
+        return Generation(generate(digest, prompt.max_tokens), len(prompt.tokens))
+
+    # -- blocks -------------------------------------------------------------------------------
+
+    def _need(self, prompt: Prompt) -> list[int]:
+        need = request_blocks(self.manifest, len(prompt.tokens))
+        if sum(need) > self.blocks.total:
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(prompt.tokens)} tokens need {sum(need)} KV blocks, the whole pool has "
+                f"{self.blocks.total} (raise --pool-blocks)",
+            )
+        return need
+
+    def _allocate(self, n: int) -> list[int]:
+        short = n - self.blocks.free_count
+        if short > 0:
+            self.blocks.free(self.prefix.evict(short))
+        try:
+            return self.blocks.allocate(n)
+        except PoolExhaustedError as exc:
+            raise PoolExhaustedError(
+                f"{exc}; {len(self._held)} requests held for remote decode, "
+                f"{len(self.prefix)} blocks cached in use; retry later"
+            ) from None
+
+    @staticmethod
+    def _split(flat: list[int], need: list[int]) -> list[list[int]]:
+        out, start = [], 0
+        for n in need:
+            out.append(flat[start : start + n])
+            start += n
+        return out
+
+    def _take_blocks(self, seed: int, need: list[int], num_tokens: int) -> _DecodeBlocks:
+        """Local blocks for a decode: prefix-cache hits for full attention blocks, else fresh."""
+        lease = _DecodeBlocks([], [], [], [], [])
+        slots: list[tuple[int, int, PrefixKey | None]] = []  # (group, position, cache key)
+        for g, n in enumerate(need):
+            group = self.manifest.groups[g]
+            full = num_tokens // group.block_size if group.kind == "full_attention" else 0
+            lease.ids.append([-1] * n)
+            lease.pull_ids.append([-1] * n)
+            for o in range(n):
+                key = (seed, g, o) if o < full else None
+                hit = self.prefix.acquire(key) if key is not None else None
+                if hit is not None:
+                    assert key is not None
+                    lease.hits.append(key)
+                    lease.ids[g][o] = hit
+                else:
+                    slots.append((g, o, key))
+        try:
+            fresh = self._allocate(len(slots))
+        except BaseException:
+            for key in lease.hits:
+                self.prefix.release(key)
+            raise
+        for (g, o, key), b in zip(slots, fresh, strict=True):
+            lease.ids[g][o] = lease.pull_ids[g][o] = b
+            if key is None:
+                lease.fresh_other.append(b)
+            else:
+                lease.fresh_full.append((key, b))
+        self.stats.prefix_hits += len(lease.hits)
+        return lease
+
+    def _return_blocks(self, lease: _DecodeBlocks, keep: bool, settled: bool) -> None:
+        """Unpin hits; cache fresh full blocks whose bytes are right (``keep``); free the rest.
+        Blocks of an unsettled pull are never reused (a sidecar may still write them)."""
+        for key in lease.hits:
+            self.prefix.release(key)
+        if not settled:
+            n = len(lease.fresh_full) + len(lease.fresh_other)
+            log.error("quarantining %d blocks of an unsettled pull", n)
+            return
+        free = list(lease.fresh_other)
+        for key, b in lease.fresh_full:
+            if not (keep and self.prefix.insert(key, b)):
+                free.append(b)
+        self.blocks.free(free)
+
+    def _check_tickets(self, tickets: list[Ticket], need: list[int], num_tokens: int) -> None:
+        remote = [len(g) for g in tickets[0].block_ids]
+        if remote != need:
+            raise InvalidRequestError(
+                f"{tp.FIELD}.remote_block_ids",
+                f"blocks per group {remote} from the prefill, this engine needs {need} for "
+                f"{num_tokens} prompt tokens (same prompt, model and block size on both sides?)",
+            )
+        if tickets[0].num_tokens != num_tokens:
+            raise InvalidRequestError(
+                f"{tp.FIELD}.kvxferd_tickets[0].num_tokens",
+                f"{tickets[0].num_tokens} prefilled tokens, the prompt has {num_tokens}",
+            )
+
+    # -- ranks --------------------------------------------------------------------------------
+
+    async def _on_ranks(self, fn: Callable[..., Any], ids: list[list[int]], seed: int) -> list:
+        return await asyncio.gather(
+            *(asyncio.to_thread(fn, p.manifest, p.views, ids, seed) for p in self.pools)
+        )
+
+    async def _digest(self, ids: list[list[int]]) -> int:
+        shares = await asyncio.gather(
+            *(asyncio.to_thread(rank_digest, p.manifest, p.views, ids) for p in self.pools)
+        )
+        return sum(shares) & _MASK
+
+    async def _verify(self, ids: list[list[int]], seed: int, request_id: str) -> bool:
+        found: list[Mismatch | None] = await self._on_ranks(verify_pattern, ids, seed)
+        bad = [(r, m) for r, m in enumerate(found) if m is not None]
+        if bad:
+            self.stats.verified_failed += 1
+            log.error("request %s: KV bytes differ on rank %d: %s", request_id, *bad[0])
+            return False
+        self.stats.verified_ok += 1
+        return True
+
+    def _count_pull(self, kv: int, state: int, seconds: float, lease: _DecodeBlocks) -> None:
+        s = self.stats
+        s.pulls_ok += 1
+        s.kv_bytes += kv
+        s.state_bytes += state
+        s.transfer_seconds += seconds
+        s.blocks_pulled += sum(1 for g in lease.pull_ids for b in g if b >= 0)
+
+    async def _hold(self, request_id: str, ids: list[list[int]], num_tokens: int) -> list[Ticket]:
+        req = HoldRequest(request_id=request_id, block_ids=ids, num_tokens=num_tokens,
+                          lease_s=self.settings.lease_s)  # fmt: skip
+        results = await asyncio.gather(*(c.hold(req) for c in self.clients), return_exceptions=True)
+        failed = [(r, e) for r, e in enumerate(results) if isinstance(e, BaseException)]
+        if not failed:
+            return [t for t in results if isinstance(t, Ticket)]
+        for c, t in zip(self.clients, results, strict=True):
+            if isinstance(t, Ticket):
+                with contextlib.suppress(KvxferdError, httpx.HTTPError):
+                    await c.abort(t.hold_id)
+        rank, exc = failed[0]
+        if not isinstance(exc, KvxferdError | httpx.HTTPError):
+            raise exc
+        raise HoldError(f"sidecar of rank {rank} did not hold the blocks: {exc}") from exc
+
+    async def _poll_released(self, rank: int, client: AsyncEngineClient) -> None:
+        """Follow one rank's released-holds feed; free a request's blocks once all ranks did."""
+        cursor = 0
+        while True:
+            if not self._held:
+                self._wake.clear()
+                await self._wake.wait()
+            try:
+                feed = await client.released(cursor)
+            except (KvxferdError, httpx.HTTPError) as exc:
+                log.warning("rank %d: released-holds feed unavailable: %s", rank, exc)
+                await asyncio.sleep(1.0)
+                continue
+            cursor = feed.cursor
+            for hold in feed.holds:
+                self._on_released(rank, hold)
+            await asyncio.sleep(self.settings.release_poll_s)
+
+    def _on_released(self, rank: int, hold: ReleasedHold) -> None:
+        held = self._held.get(hold.request_id)
+        if held is None or rank not in held.pending:
+            return
+        held.pending.discard(rank)
+        held.reasons.add(hold.reason)
+        if held.pending:
+            return
+        del self._held[hold.request_id]
+        self.blocks.free(held.blocks)
+        self.stats.holds_released += 1
+        if "expired" in held.reasons:
+            self.stats.holds_expired += 1
+        log.debug("request %s released (%s)", hold.request_id, ",".join(sorted(held.reasons)))

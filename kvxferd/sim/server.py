@@ -1,0 +1,216 @@
+"""Run one simulated engine: plan and create the pools, start and register one sidecar per rank,
+serve HTTP, print the ready line, and on SIGINT/SIGTERM undo all of it and exit 0.
+
+Ready line (stdout, once): ``kvxferd sim ready url=http://HOST:PORT role=ROLE tp=N model=NAME``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+from dataclasses import dataclass, replace
+from types import FrameType
+
+import uvicorn
+
+from kvxferd.errors import ConfigError
+from kvxferd.layout import PlanOptions, load_hf_config
+from kvxferd.sim.app import sim_app
+from kvxferd.sim.engine import EngineSettings, PullFailurePolicy, Role, SimEngine
+from kvxferd.sim.kvpool import RankPool, default_pool_blocks, plan_ranks
+from kvxferd.sim.sidecars import SidecarProcess, start_sidecars
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "kvxferd sim ready"
+_DIR_PREFIX = "kvxferd-sim-"
+MAX_LEASE_S = 600.0
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Everything ``kvxferd sim`` takes."""
+
+    role: Role
+    config: str
+    tp: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    pool_blocks: int | None = None
+    served_model_name: str | None = None
+    on_pull_failure: PullFailurePolicy = "recompute"
+    lease_s: float | None = None
+    pull_timeout_s: float = 30.0
+    kv_cache_dtype: str = "auto"
+    attn_pack_size: int = 1
+    log_level: str = "info"
+    sidecar_timeout_s: float = 60.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that leaves SIGINT/SIGTERM to us (we stop sidecars after it)."""
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
+        return contextlib.nullcontext()
+
+
+def _stop_requested(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # during startup: unwind through the finally blocks below
+
+
+def run_sim(opts: SimOptions) -> int:
+    """Run until SIGINT/SIGTERM; returns the exit status (0 after a clean stop)."""
+    if opts.tp < 1:
+        raise ConfigError(f"--tp: must be >= 1, got {opts.tp}")
+    if opts.lease_s is not None and opts.lease_s <= 0:
+        raise ConfigError(f"--lease: must be > 0, got {opts.lease_s}")
+    hf = load_hf_config(opts.config)
+    engine_id = f"sim{secrets.token_hex(4)}"
+    plan = PlanOptions(tp_size=opts.tp, engine_id=engine_id, kv_cache_dtype=opts.kv_cache_dtype,
+                       attn_pack_size=opts.attn_pack_size)  # fmt: skip
+    blocks = opts.pool_blocks or default_pool_blocks(hf, plan)
+    if blocks < 2:
+        raise ConfigError(f"--pool-blocks: must be >= 2, got {blocks}")
+    manifests = plan_ranks(hf, replace(plan, num_blocks=blocks))
+    model = opts.served_model_name or manifests[0].model or opts.config
+    signal.signal(signal.SIGTERM, _stop_requested)
+    pools: list[RankPool] = []
+    sidecars: list[SidecarProcess] = []
+    _sweep_stale_dirs()
+    tmp = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
+    try:
+        for m in manifests:
+            pools.append(RankPool(m))
+        if opts.role != "colocated":
+            sidecars = _start_sidecars(opts, tmp, engine_id, pools)
+        for p in pools:
+            p.unlink()
+        log.info("%s: %d ranks, %d blocks per rank", engine_id, opts.tp, blocks)
+        asyncio.run(_serve(opts, engine_id, model, pools, sidecars))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for s in sidecars:
+            s.child.terminate()
+        for s in sidecars:
+            if s.stop() != 0:
+                log.warning("sidecar %s exited with %s", s.engine_id, s.child.proc.returncode)
+        for p in pools:
+            p.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def _sweep_stale_dirs() -> None:
+    """Remove socket dirs left by sims that were killed (their pid, in the name, is gone)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        pid = name.removeprefix(_DIR_PREFIX).split("-", 1)[0]
+        if not name.startswith(_DIR_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:
+            continue
+
+
+def _start_sidecars(
+    opts: SimOptions, tmp: str, engine_id: str, pools: list[RankPool]
+) -> list[SidecarProcess]:
+    """One ``kvxferd serve`` per rank (killed with us), each registering its rank's pool."""
+    token = os.environ.get("KVXFERD_PEER_TOKEN") or secrets.token_hex(32)
+    extra = ["--peer-host", opts.host, "--log-level", _child_level(opts.log_level)]
+    if opts.lease_s is not None:
+        extra += ["--lease", str(opts.lease_s), "--max-lease", str(max(opts.lease_s, MAX_LEASE_S))]
+    names = [f"{engine_id}-tp{r}" for r in range(opts.tp)]
+    sidecars = start_sidecars(tmp, names, *extra, token=token,
+                              per_rank_args=[["--engine-id", n] for n in names],
+                              die_with_parent=True, timeout_s=opts.sidecar_timeout_s)  # fmt: skip
+    try:
+        for s, p in zip(sidecars, pools, strict=True):
+            with s.client(timeout_s=opts.sidecar_timeout_s) as c:
+                c.register(p.manifest, p.specs())
+    except BaseException:
+        for s in sidecars:
+            s.kill()
+        raise
+    return sidecars
+
+
+def _child_level(level: str) -> str:
+    """Sidecars log one notch quieter than the sim unless asked for debug."""
+    return "debug" if level.lower() == "debug" else "warning"
+
+
+async def _serve(
+    opts: SimOptions, engine_id: str, model: str, pools: list[RankPool],
+    sidecars: list[SidecarProcess],
+) -> None:  # fmt: skip
+    sock = _bind(opts.host, opts.port)
+    settings = EngineSettings(role=opts.role, engine_id=engine_id,
+                              on_pull_failure=opts.on_pull_failure, lease_s=opts.lease_s,
+                              pull_timeout_s=opts.pull_timeout_s)  # fmt: skip
+
+    def alive() -> str:
+        dead = [s.engine_id for s in sidecars if not s.child.alive()]
+        return f"sidecar exited: {', '.join(dead)}" if dead else ""
+
+    engine = SimEngine(
+        settings,
+        pools,
+        clients=[s.async_client(timeout_s=opts.sidecar_timeout_s) for s in sidecars],
+        peer=sidecars[0].peer if sidecars else "",
+        alive=alive,
+    )
+    server = _Server(uvicorn.Config(sim_app(engine, model), log_level=opts.log_level.lower(),
+                                    access_log=False, lifespan="off",
+                                    timeout_graceful_shutdown=5))  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    engine.start()
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            host, port = sock.getsockname()[:2]
+            url_host = f"[{host}]" if ":" in host else host
+            print(f"{READY_PREFIX} url=http://{url_host}:{port} role={opts.role} tp={opts.tp} "
+                  f"model={model}", flush=True)  # fmt: skip
+            waiter = asyncio.create_task(stop.wait())
+            await asyncio.wait([waiter, task], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+    finally:
+        server.should_exit = True
+        await asyncio.gather(task, return_exceptions=True)
+        await engine.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already stopping: finish the cleanup
+        sock.close()
+    if task.done() and not task.cancelled() and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--port: cannot bind {host}:{port}: {exc.strerror}") from exc
+    sock.listen(1024)
+    return sock

@@ -1,0 +1,62 @@
+"""Counters of one simulated engine, served as JSON by ``GET /v1/stats``.
+
+Monotonic counts, except the ``blocks_*`` and ``holds_outstanding`` gauges which are read from
+the pool when the stats are taken. Changed only from the engine's event loop (no lock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class SimStats:
+    """What ``/v1/stats`` reports; the first fields are the issue-4 contract."""
+
+    role: str
+    requests: int = 0
+    """Completion and chat requests received."""
+    requests_failed: int = 0
+    """Of those, answered with an error status."""
+    pulls_ok: int = 0
+    """Decode requests whose KV pull finished on every rank."""
+    pulls_failed: int = 0
+    """Decode requests whose pull failed on some rank."""
+    recomputed: int = 0
+    """Failed pulls followed by a local prefill (--on-pull-failure recompute)."""
+    verified_ok: int = 0
+    """Pulled requests whose every byte matched the pattern on every rank."""
+    verified_failed: int = 0
+    """Pulled requests with at least one wrong byte."""
+    kv_bytes: int = 0
+    """Attention bytes pulled (all ranks)."""
+    state_bytes: int = 0
+    """Mamba state bytes pulled (all ranks)."""
+    transfer_seconds: float = 0.0
+    """Sum over pulled requests of the pull's wall time (slowest rank)."""
+    blocks_free: int = 0
+    """Blocks on the free list now."""
+    blocks_total: int = 0
+    """Allocatable blocks (the pool minus the null block)."""
+    holds_released: int = 0
+    """Prefill requests whose holds every rank released (blocks freed)."""
+    holds_expired: int = 0
+    """Of those, released because a lease ran out on some rank (no decode read them)."""
+    holds_outstanding: int = 0
+    """Prefill requests still held for a decode."""
+    local: int = 0
+    """Requests computed locally (colocated, or without kv_transfer_params)."""
+    blocks_pulled: int = 0
+    """Local blocks written by pulls (prefix-cache hits are not pulled)."""
+    blocks_cached: int = 0
+    """Full attention blocks in the decode prefix cache now."""
+    prefix_hits: int = 0
+    """Blocks a decode took from its prefix cache instead of pulling."""
+    prompt_tokens: int = 0
+    """Prompt tokens of answered requests."""
+    completion_tokens: int = 0
+    """Generated tokens of answered requests."""
+
+    def as_dict(self) -> dict[str, object]:
+        """The JSON object of ``/v1/stats``."""
+        return asdict(self)

@@ -1,0 +1,71 @@
+"""``kv_transfer_params``: vLLM's P/D protocol object, plus our tickets.
+
+A proxy sends a prefill ``{"do_remote_decode": true, ...}``; the prefill answers with
+``do_remote_prefill: true``, the remote block ids per group, where its rank-0 sidecar is, its
+TP size and ``kvxferd_tickets`` (one signed Ticket per prefill rank, in rank order), which the
+proxy hands to a decode unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from kvxferd.errors import InvalidRequestError
+from kvxferd.wire import Ticket
+
+FIELD = "kv_transfer_params"
+_AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+
+
+def wants_remote_decode(params: Any) -> bool:
+    """A prefill request: the decode will happen elsewhere and pull our blocks."""
+    return isinstance(params, dict) and params.get("do_remote_decode") is True
+
+
+def has_remote_prefill(params: Any) -> bool:
+    """A decode request whose KV is to be pulled from a prefill."""
+    return isinstance(params, dict) and params.get("do_remote_prefill") is True
+
+
+def parse_tickets(params: dict[str, Any]) -> list[Ticket]:
+    """The prefill's tickets (InvalidRequestError naming the field when missing or malformed)."""
+    field = f"{FIELD}.kvxferd_tickets"
+    raw = params.get("kvxferd_tickets")
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequestError(
+            field, "missing: a list of tickets from a kvxferd prefill is required to pull"
+        )
+    try:
+        tickets = msgspec.convert(raw, list[Ticket])
+    except msgspec.ValidationError as exc:
+        match = _AT.match(str(exc))
+        assert match is not None
+        raise InvalidRequestError(field + (match["path"] or ""), match["message"]) from exc
+    for i, t in enumerate(tickets):
+        if t.tp_rank != i or t.tp_size != len(tickets):
+            raise InvalidRequestError(
+                f"{field}[{i}]", f"rank {t.tp_rank} of {t.tp_size}, expected rank {i} of "
+                f"{len(tickets)} (one ticket per prefill rank, rank order)",
+            )  # fmt: skip
+    return tickets
+
+
+def prefill_answer(
+    *, engine_id: str, request_id: str, peer: str, tickets: list[Ticket]
+) -> dict[str, Any]:
+    """What a prefill returns for the proxy to forward to a decode."""
+    host, _, port = peer.rpartition(":")
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_block_ids": tickets[0].block_ids,
+        "remote_host": host,
+        "remote_port": int(port),
+        "remote_request_id": request_id,
+        "tp_size": len(tickets),
+        "kvxferd_tickets": msgspec.to_builtins(tickets),
+    }

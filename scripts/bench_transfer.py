@@ -1,0 +1,418 @@
+#!/usr/bin/env python3
+"""Benchmark kvxferd pulls against the transport ceiling, vLLM's descriptor scheme, UCX, memcpy.
+
+For each layout (planner-made hybrid pools in shared memory), request size and block allocation
+(contiguous or fragmented), in the same run and over the same bytes:
+
+- kvxferd: prefill and decode ``kvxferd serve`` processes; hold on prefill, pull on decode, timed
+  from the engine's pull call to the pull reported done (also the sidecar's own duration);
+  every pull's bytes are verified (kvxferd.pattern) before its time counts;
+- ceiling: the same volume per region as ONE descriptor per region, raw NIXL READ from the
+  prefill sidecar's memory, initiator busy-polling (no progress thread), and with one;
+- per-layer: vLLM's connector scheme (one descriptor per attention layer per kernel block per
+  K and V, per mamba layer per block per conv section and SSM) driven through NIXL directly,
+  with a progress thread (as vLLM and the sidecars run) and busy-polling;
+- ucx: ``ucx_perftest -t ucp_get`` over loopback at the mean kvxferd descriptor size;
+- memcpy: ``np.copyto`` of each region's volume, one thread.
+
+GB/s are 1e9 B/s, medians of ``--repeat`` runs after ``--warmup`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creation at INFO
+
+from benchlib import raw, report, ucx  # noqa: E402
+from benchlib.procs import SENTINEL, Pool, SidecarProcess, plan  # noqa: E402
+
+from kvxferd.descriptors import ReadPlan, plan_read  # noqa: E402
+from kvxferd.descriptors.reference import reference_plan  # noqa: E402
+from kvxferd.pattern import verify_pattern, write_pattern  # noqa: E402
+from kvxferd.wire import HoldRequest, Manifest, PullRequest  # noqa: E402
+
+LAYOUTS = {
+    # Mamba2 hybrid with fp32 SSM state: 784-token blocks split into 16-token kernel blocks.
+    "mamba2-hybrid": ("granite-4.0-h-tiny", {"mamba_ssm_cache_dtype": "float32"}),
+    # Same model, bf16 state: 400-token blocks, kernel block = block.
+    "mamba2-hybrid-bf16": ("granite-4.0-h-tiny", {}),
+    # Gated DeltaNet hybrid: 544-token blocks, 12 regions.
+    "gdn-hybrid": ("qwen3-next-80b-a3b", {}),
+}
+FULL = {
+    "layouts": "mamba2-hybrid,mamba2-hybrid-bf16,gdn-hybrid",
+    "tokens": "1024,4096,16384,32768",
+    "repeat": 5,
+    "warmup": 1,
+}
+QUICK = {"layouts": "mamba2-hybrid,gdn-hybrid", "tokens": "1024", "repeat": 2, "warmup": 1}
+PATTERNS = ("contiguous", "fragmented")
+PULL_TIMEOUT_S = 120.0
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot report a number (a pull failed or moved wrong bytes)."""
+
+
+@dataclass
+class Setup:
+    """One layout's pair of sidecars, their pools, and the bench-side busy-polling reader."""
+
+    name: str
+    pm: Manifest
+    dm: Manifest
+    ppool: Pool
+    dpool: Pool
+    prefill: SidecarProcess
+    decode: SidecarProcess
+    busy: raw.RawReader
+    released_cursor: int = 0
+
+
+def blocks_per_group(m: Manifest, tokens: int) -> list[int]:
+    """Attention groups: the blocks holding ``tokens``; mamba groups: one (the running state)."""
+    return [1 if g.kind == "mamba" else math.ceil(tokens / g.block_size) for g in m.groups]
+
+
+def allocate(counts: list[int], num_blocks: int, pattern: str, seed: int) -> list[list[int]]:
+    """Block ids per group, disjoint (one pool): a run from 1, or a shuffled sample."""
+    n = sum(counts)
+    if pattern == "contiguous":
+        ids = np.arange(1, n + 1)
+    else:
+        ids = np.random.default_rng(seed).permutation(np.arange(1, num_blocks))[:n]
+    out, start = [], 0
+    for c in counts:
+        out.append([int(b) for b in ids[start : start + c]])
+        start += c
+    return out
+
+
+def contiguous_runs(local: list[list[int]], remote: list[list[int]]) -> int:
+    """Runs of pairs whose local and remote ids both go up by one, summed over groups."""
+    runs = 0
+    for lo, re in zip(local, remote, strict=True):
+        a, b = np.asarray(lo), np.asarray(re)
+        if a.size:
+            runs += 1 + int(np.count_nonzero((np.diff(a) != 1) | (np.diff(b) != 1)))
+    return runs
+
+
+def scrub(pool: Pool, p: ReadPlan) -> None:
+    """Overwrite every byte the plan writes with SENTINEL, so verification proves the pull."""
+    for r, off, n in zip(
+        p.local_region.tolist(), p.local_offset.tolist(), p.length.tolist(), strict=True
+    ):
+        pool.views[r][off : off + n] = SENTINEL
+
+
+def wait_released(s: Setup, hold_id: str, timeout_s: float = 30.0) -> None:
+    """Poll the prefill release feed (bounded) until ``hold_id`` was released."""
+    deadline = time.monotonic() + timeout_s
+    with s.prefill.client() as pc:
+        while True:
+            feed = pc.released(s.released_cursor)
+            s.released_cursor = feed.cursor
+            if any(h.hold_id == hold_id for h in feed.holds):
+                return
+            if time.monotonic() > deadline:
+                raise BenchError(f"hold {hold_id} not released after {timeout_s} s")
+            time.sleep(0.005)
+
+
+def pull_once(s: Setup, pids, dids, tokens: int, seed: int, p: ReadPlan) -> tuple[float, object]:
+    """One verified hold -> pull -> done; returns (engine-side seconds, PullStatus)."""
+    scrub(s.dpool, p)
+    with s.prefill.client() as pc, s.decode.client() as dc:
+        ticket = pc.hold(
+            HoldRequest(
+                request_id=f"bench-{uuid.uuid4().hex[:8]}", block_ids=pids, num_tokens=tokens
+            )
+        )
+        t0 = time.perf_counter()
+        accepted = dc.pull(PullRequest(tickets=[ticket], block_ids=dids, deadline_s=PULL_TIMEOUT_S))
+        status = dc.wait_pull(accepted.pull_id, timeout_s=PULL_TIMEOUT_S)
+        client_s = time.perf_counter() - t0
+    if status.state != "done":
+        raise BenchError(f"pull ended {status.state}: {status.reason} {status.detail}")
+    bad = verify_pattern(s.dm, s.dpool.views, dids, seed)
+    if bad is not None:
+        raise BenchError(f"pull reported done but moved wrong bytes: {bad}")
+    if status.kv_bytes + status.state_bytes != p.total_bytes:
+        raise BenchError(
+            f"pull moved {status.kv_bytes + status.state_bytes} B, expected {p.total_bytes}"
+        )
+    wait_released(s, ticket.hold_id)
+    return client_s, status
+
+
+def run_case(s: Setup, tokens: int, pattern: str, args: argparse.Namespace) -> dict:
+    """Every measurement of one (layout, request size, allocation pattern)."""
+    counts = blocks_per_group(s.pm, tokens)
+    seed = (tokens * 7 + PATTERNS.index(pattern)) & 0xFFFF
+    pids = allocate(counts, s.pm.num_blocks, pattern, seed)
+    dids = allocate(counts, s.dm.num_blocks, pattern, seed + 1)
+    write_pattern(s.pm, s.ppool.views, pids, seed)
+    lid = [np.asarray(g, dtype=np.int64) for g in dids]
+    rid = [np.asarray(g, dtype=np.int64) for g in pids]
+    ours = plan_read(s.dm, s.pm, lid, rid)  # what the decode sidecar computes
+    ref = reference_plan(s.dm, s.pm, lid, rid)
+    nbytes = ours.total_bytes
+    if ref.total_bytes != nbytes or int(ref.length.sum()) != nbytes:
+        raise BenchError(f"reference scheme moves {ref.total_bytes} B, kvxferd {nbytes} B")
+    t_plan = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        plan_read(s.dm, s.pm, lid, rid)
+        t_plan.append(time.perf_counter() - t0)
+
+    # (a) kvxferd pulls, each verified.
+    for _ in range(args.warmup):
+        pull_once(s, pids, dids, tokens, seed, ours)
+    before = s.decode.phase_sums()
+    client, sidecar = [], []
+    status = None
+    for _ in range(args.repeat):
+        c, status = pull_once(s, pids, dids, tokens, seed, ours)
+        client.append(c)
+        sidecar.append(status.duration_s)
+    after = s.decode.phase_sums()
+    if status is not None and status.descriptors != ours.num_descriptors:
+        raise BenchError(
+            f"sidecar posted {status.descriptors} descriptors, plan has {ours.num_descriptors}"
+        )
+    phases = {}
+    for k, (tot, cnt) in after.items():
+        t0, c0 = before.get(k, (0.0, 0))
+        if cnt > c0:
+            phases[k] = (tot - t0) / (cnt - c0) * 1e3
+    prof = {
+        "client": statistics.mean(client) * 1e3,
+        "sidecar_total": phases.get("total"),
+        "handshake": phases.get("handshake"),
+        "claim": phases.get("claim"),
+        "post": phases.get("post"),
+        "wire": phases.get("wire"),
+        "plan_read": statistics.median(t_plan) * 1e3,
+    }
+    if None not in (prof["sidecar_total"], prof["claim"], prof["post"], prof["wire"]):
+        prof["other"] = prof["sidecar_total"] - prof["claim"] - prof["post"] - prof["wire"]
+
+    # (c) first, once, verified: the reference table really moves the pulled bytes.
+    scrub(s.dpool, ours)
+    s.busy.read_s(ref)
+    bad = verify_pattern(s.dm, s.dpool.views, dids, seed)
+    if bad is not None:
+        raise BenchError(f"per-layer scheme moved wrong bytes: {bad}")
+
+    ceil = raw.ceiling_plan(ours, len(s.dm.regions))
+    w, n = args.warmup, args.repeat
+    ceiling = raw.median_gbps(nbytes, lambda: s.busy.read_s(ceil), w, n)
+    pl_busy = raw.median_gbps(nbytes, lambda: s.busy.read_s(ref), w, n)
+    prog = raw.RawReader(s.prefill.peer, s.dm, s.dpool, progress_thread=True)
+    try:
+        ceiling_pt = raw.median_gbps(nbytes, lambda: prog.read_s(ceil), w, n)
+        per_layer = raw.median_gbps(nbytes, lambda: prog.read_s(ref), w, n)
+    finally:
+        prog.close()
+    vol = raw.region_volumes(ours, len(s.dm.regions))
+    memcpy = raw.median_gbps(nbytes, lambda: raw.memcpy_s(s.ppool.views, s.dpool.views, vol), w, n)
+    u = ucx.ucp_get(nbytes // max(1, ours.num_descriptors), nbytes)
+
+    kx = statistics.median(nbytes / c / 1e9 for c in client)
+    kx_sc = statistics.median(nbytes / c / 1e9 for c in sidecar)
+    runs = contiguous_runs(dids, pids)
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if not a or not b else a / b
+
+    return {
+        "layout": s.name,
+        "model": LAYOUTS[s.name][0],
+        "tokens": tokens,
+        "pattern": pattern,
+        "blocks_per_group": counts,
+        "bytes": nbytes,
+        "kv_bytes": ours.kv_bytes,
+        "state_bytes": ours.state_bytes,
+        "kvxferd_gbps": kx,
+        "kvxferd_sidecar_gbps": kx_sc,
+        "kvxferd_samples_gbps": [round(nbytes / c / 1e9, 3) for c in client],
+        "ceiling_gbps": ceiling["gbps"],
+        "ceiling_progress_gbps": ceiling_pt["gbps"],
+        "per_layer_gbps": per_layer["gbps"],
+        "per_layer_busy_gbps": pl_busy["gbps"],
+        "ucx_gbps": u.gbps,
+        "ucx_reason": u.reason,
+        "ucx_message_bytes": u.message_bytes,
+        "ucx_iterations": u.iterations,
+        "ucx_lane": u.lane,
+        "memcpy_gbps": memcpy["gbps"],
+        "kvxferd_descriptors": ours.num_descriptors,
+        "per_layer_descriptors": ref.num_descriptors,
+        "ceiling_descriptors": ceil.num_descriptors,
+        "contiguous_runs": runs,
+        "descriptor_bound": runs * len(s.dm.regions),
+        "kvxferd_vs_ceiling": ratio(kx, ceiling["gbps"]),
+        "kvxferd_vs_ceiling_progress": ratio(kx, ceiling_pt["gbps"]),
+        "kvxferd_vs_per_layer": ratio(kx, per_layer["gbps"]),
+        "kvxferd_vs_per_layer_busy": ratio(kx, pl_busy["gbps"]),
+        "samples_gbps": {
+            "ceiling": ceiling["samples_gbps"],
+            "ceiling_progress": ceiling_pt["samples_gbps"],
+            "per_layer": per_layer["samples_gbps"],
+            "per_layer_busy": pl_busy["samples_gbps"],
+            "memcpy": memcpy["samples_gbps"],
+        },
+        "profile_ms": prof,
+        "verified": True,
+    }
+
+
+def run_layout(
+    name: str, tokens: list[int], args: argparse.Namespace, tmp: str, idle: dict
+) -> list[dict]:
+    """Start a sidecar pair with pools sized for the largest request, run every case."""
+    config, options = LAYOUTS[name]
+    probe = plan(config, 4, options)
+    need = max(sum(blocks_per_group(probe, t)) for t in tokens)
+    num_blocks = 2 * need + 1  # room to fragment; block 0 stays unused (vLLM's null block)
+    pm, dm = plan(config, num_blocks, options), plan(config, num_blocks, options)
+    stack: list = []
+    try:
+        ppool = Pool(pm)
+        stack.append(ppool.close)
+        dpool = Pool(dm)
+        stack.append(dpool.close)
+        prefill, decode = SidecarProcess.start_many(tmp, [f"{name}-prefill", f"{name}-decode"])
+        stack.extend([prefill.stop, decode.stop])
+        with prefill.client() as pc, decode.client() as dc:
+            pc.register(pm, ppool.specs())
+            dc.register(dm, dpool.specs())
+        if not idle:
+            a, t0 = prefill.cpu_seconds(), time.monotonic()
+            time.sleep(1.0)
+            idle["idle_sidecar_cpu_fraction"] = round(
+                (prefill.cpu_seconds() - a) / (time.monotonic() - t0), 2
+            )
+        busy = raw.RawReader(prefill.peer, dm, dpool, progress_thread=False)
+        stack.append(busy.close)
+        s = Setup(name, pm, dm, ppool, dpool, prefill, decode, busy)
+        pool_mb = sum(r.size_bytes for r in pm.regions) / 1e6
+        print(
+            f"# {name}: {config} {options or ''}, {len(pm.regions)} regions, "
+            f"{num_blocks} blocks x 2 pools = {2 * pool_mb:.0f} MB",
+            flush=True,
+        )
+        cases = []
+        for t in tokens:
+            for pattern in PATTERNS:
+                c = run_case(s, t, pattern, args)
+                print(
+                    f"  {t:>6} {pattern:10} {c['bytes'] / 1e6:8.1f} MB  kvxferd "
+                    f"{c['kvxferd_gbps']:.2f}  ceiling {c['ceiling_gbps']:.2f}  per-layer "
+                    f"{c['per_layer_gbps']:.2f} GB/s",
+                    flush=True,
+                )
+                cases.append(c)
+        return cases
+    finally:
+        for undo in reversed(stack):
+            undo()
+
+
+NOTES = {
+    "kvxferd_gbps": "bytes / (engine pull call -> wait_pull returned done), median; includes "
+    "the pull HTTP call, claim HTTP to prefill, plan_read, NIXL descriptor build, post, wire, "
+    "and the status long-poll. The peer handshake is cached by the warm-up pull.",
+    "kvxferd_sidecar_gbps": "bytes / the sidecar's own pull duration (claim .. READ done).",
+    "ceiling_gbps": "one NIXL descriptor per region for the same per-region volume, READ from "
+    "the prefill sidecar's registered memory by the bench process (no progress thread, "
+    "busy-polls); time = descriptor lists + initialize_xfer + post + wait.",
+    "ceiling_progress_gbps": "same, initiator agent with a NIXL progress thread (the sidecar's "
+    "configuration).",
+    "per_layer_gbps": "vLLM's per-layer, per-kernel-block, K/V-split descriptor table "
+    "(kvxferd.descriptors.reference.reference_plan) READ through NIXL directly, initiator with "
+    "a progress thread (as vLLM's connector and the sidecars run); no control plane included.",
+    "per_layer_busy_gbps": "same table, busy-polling initiator.",
+    "ucx_gbps": "ucx_perftest -t ucp_get between two processes on loopback (libucx wheel), "
+    "message = mean kvxferd descriptor size; MB/s (2**20) converted to GB/s.",
+    "memcpy_gbps": "np.copyto of each region's volume, prefill pool -> decode pool, one thread.",
+    "verified": "every timed and warm-up kvxferd pull, and the per-layer table once, were "
+    "checked byte for byte (kvxferd.pattern) before their time counted.",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small smoke run (< 1 minute)")
+    ap.add_argument("--layouts", help=f"comma list of {sorted(LAYOUTS)}")
+    ap.add_argument("--tokens", help="comma list of request sizes in tokens")
+    ap.add_argument("--repeat", type=int, help="timed runs per measurement, median (default 5)")
+    ap.add_argument("--warmup", type=int, help="untimed runs before each measurement (1)")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--plot", metavar="PATH.png", help="draw throughput vs request size")
+    args = ap.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    layouts = [x for x in args.layouts.split(",") if x]
+    unknown = [x for x in layouts if x not in LAYOUTS]
+    if unknown:
+        ap.error(f"unknown layouts {unknown}; choose from {sorted(LAYOUTS)}")
+    tokens = sorted(int(t) for t in args.tokens.split(",") if t)
+    if args.repeat < 1 or args.warmup < 0 or not tokens or min(tokens) < 1:
+        ap.error("--repeat >= 1, --warmup >= 0, --tokens positive")
+    started = time.monotonic()
+    result = {
+        "machine": report.machine(),
+        "settings": {
+            "layouts": {n: {"model": LAYOUTS[n][0], "options": LAYOUTS[n][1]} for n in layouts},
+            "tokens": tokens,
+            "patterns": list(PATTERNS),
+            "repeat": args.repeat,
+            "warmup": args.warmup,
+            "quick": args.quick,
+        },
+        "notes": NOTES,
+        "cases": [],
+    }
+    idle: dict = {}
+    with tempfile.TemporaryDirectory(prefix="kvx-bench-") as tmp:
+        for name in layouts:
+            result["cases"].extend(run_layout(name, tokens, args, tmp, idle))
+    result["machine"].update(idle)
+    result["machine"]["load_average_end"] = list(os.getloadavg())
+    result["elapsed_s"] = round(time.monotonic() - started, 1)
+    print()
+    print(report.table(result))
+    print()
+    print(report.profile_table(result))
+    mach = result["machine"]
+    print(
+        f"\n{len(result['cases'])} cases in {result['elapsed_s']} s; load average "
+        f"{mach['load_average_start']} -> {mach['load_average_end']}"
+    )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    if args.plot:
+        report.plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The baselines driven through NIXL directly, and memcpy, over the same memory as the pull.
+
+The bench process plays a decode rank without a sidecar: it registers the decode pool (the same
+shm segments the decode sidecar registered), handshakes with the *prefill sidecar* over its peer
+API to get its NIXL metadata and region bases, and READs from the memory that sidecar serves.
+So the target process, its progress thread and the bytes are those of the kvxferd pull.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+
+import httpx
+import msgspec
+import numpy as np
+
+from kvxferd.descriptors import ReadPlan
+from kvxferd.transport import Agent
+from kvxferd.wire import PROTOCOL_VERSION, Handshake, Manifest
+
+from .procs import TOKEN, Pool
+
+
+class RawReader:
+    """A NIXL initiator in the bench process, connected to one prefill sidecar.
+
+    ``progress_thread=False`` busy-polls completions (the fastest initiator on 2 cores);
+    ``True`` is the configuration the sidecars (and vLLM's connector) run with.
+    """
+
+    def __init__(self, peer: str, manifest: Manifest, pool: Pool, progress_thread: bool) -> None:
+        name = f"bench-{'prog' if progress_thread else 'busy'}-{uuid.uuid4().hex[:8]}"
+        self.agent = Agent(name, progress_thread=progress_thread)
+        try:
+            self.agent.register(pool.segments)
+            mine = Handshake(
+                protocol_version=PROTOCOL_VERSION,
+                engine_id=name,
+                epoch=1,
+                agent_name=name,
+                agent_metadata=self.agent.get_agent_metadata(),
+                manifest=manifest,
+                region_bases=[int(b) for b in pool.bases],
+            )
+            resp = httpx.post(
+                f"http://{peer}/v1/handshake",
+                content=msgspec.json.encode(mine),
+                headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+                timeout=60,
+            )
+            resp.raise_for_status()
+            theirs = msgspec.json.decode(resp.content, type=Handshake)
+            self.remote = self.agent.add_remote(theirs.agent_metadata)
+        except BaseException:
+            self.agent.close()
+            raise
+        self.remote_bases = np.asarray(theirs.region_bases, dtype=np.int64)
+        self.local_bases = pool.bases
+
+    def read_s(self, plan: ReadPlan, timeout_s: float = 120.0) -> float:
+        """Seconds for one READ of ``plan``: address table + descriptor lists + post + wait."""
+        t0 = time.perf_counter()
+        local = self.local_bases[plan.local_region] + plan.local_offset
+        remote = self.remote_bases[plan.remote_region] + plan.remote_offset
+        with self.agent.read(self.remote, (local, plan.length), (remote, plan.length)) as xfer:
+            xfer.wait(timeout_s)
+            return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Drop the peer and free the agent."""
+        self.agent.close()
+
+
+def region_volumes(plan: ReadPlan, num_regions: int) -> np.ndarray:
+    """Bytes the plan writes into each local region."""
+    return np.bincount(plan.local_region, weights=plan.length, minlength=num_regions).astype(
+        np.int64
+    )
+
+
+def ceiling_plan(plan: ReadPlan, num_regions: int) -> ReadPlan:
+    """One descriptor per region, from offset 0, moving as many bytes as ``plan`` moves there."""
+    vol = region_volumes(plan, num_regions)
+    regions = np.flatnonzero(vol).astype(np.int64)
+    zero = np.zeros(regions.size, dtype=np.int64)
+    return ReadPlan(
+        regions, zero, regions, zero.copy(), vol[regions], plan.kv_bytes, plan.state_bytes
+    )
+
+
+def memcpy_s(src: list[np.ndarray], dst: list[np.ndarray], volumes: np.ndarray) -> float:
+    """Seconds for one ``np.copyto`` (one thread) of each region's volume, all regions."""
+    t0 = time.perf_counter()
+    for r in np.flatnonzero(volumes):
+        n = int(volumes[r])
+        np.copyto(dst[r][:n], src[r][:n])
+    return time.perf_counter() - t0
+
+
+def median_gbps(nbytes: int, fn: Callable[[], float], warmup: int, repeat: int) -> dict:
+    """Run ``fn`` (returns seconds) warmup + repeat times: median GB/s (1e9 B/s) and samples."""
+    for _ in range(warmup):
+        fn()
+    secs = [fn() for _ in range(repeat)]
+    rates = [nbytes / s / 1e9 for s in secs]
+    return {
+        "gbps": statistics.median(rates),
+        "samples_gbps": [round(r, 3) for r in rates],
+        "median_s": statistics.median(secs),
+    }

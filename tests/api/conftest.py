@@ -1,0 +1,146 @@
+"""Fixtures of the API tests: the apps served in-process (Starlette's TestClient, one event loop
+per client) in front of either a real Sidecar (NIXL agent, shared-memory pool) or a fake.
+
+The fake records what the apps pass down and raises what a test tells it to; it is only used
+for the HTTP mapping (status codes, bodies, parameter parsing), never for "the sidecar works".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+from kvxferd.api.engine import engine_app  # noqa: E402
+from kvxferd.api.peer import peer_app  # noqa: E402
+from kvxferd.config import Config  # noqa: E402
+from kvxferd.metrics import Metrics  # noqa: E402
+from kvxferd.sidecar.service import Sidecar  # noqa: E402
+from kvxferd.wire import (  # noqa: E402
+    PullAccepted,
+    PullStatus,
+    RegisterRequest,
+    ReleasedHolds,
+)
+from tests.sidecar.harness import TOKEN, EnginePool, plan  # noqa: E402
+
+JSON = {"Content-Type": "application/json"}
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class FakeSidecar:
+    """Stands in for Sidecar behind the apps: records calls, raises ``self.fail`` if set."""
+
+    def __init__(self, ready: bool = True) -> None:
+        self.ready = ready
+        self.config = SimpleNamespace(peer_token=TOKEN)
+        self.metrics = Metrics()
+        self.calls: list[tuple[str, Any]] = []
+        self.fail: BaseException | None = None
+
+    def _call(self, name: str, arg: Any) -> None:
+        self.calls.append((name, arg))
+        if self.fail is not None:
+            raise self.fail
+
+    async def register(self, req: RegisterRequest) -> Any:
+        self._call("register", req)
+
+    def hold(self, req: Any) -> Any:
+        self._call("hold", req)
+
+    def abort(self, req: Any) -> None:
+        self._call("abort", req)
+
+    async def start_pull(self, req: Any) -> PullAccepted:
+        self._call("start_pull", req)
+        return PullAccepted(pull_id="p1")
+
+    async def pull_status(self, pull_id: str, wait_s: float) -> PullStatus:
+        self._call("pull_status", (pull_id, wait_s))
+        return PullStatus(pull_id=pull_id, state="pending")
+
+    def released_since(self, cursor: int) -> ReleasedHolds:
+        self._call("released_since", cursor)
+        return ReleasedHolds(holds=[], cursor=cursor)
+
+    async def accept_handshake(self, req: Any) -> Any:
+        self._call("accept_handshake", req)
+
+    def claim(self, req: Any) -> Any:
+        self._call("claim", req)
+
+    def heartbeat(self, req: Any) -> Any:
+        self._call("heartbeat", req)
+
+
+@pytest.fixture
+def fake() -> FakeSidecar:
+    return FakeSidecar()
+
+
+@pytest.fixture
+def fake_engine(fake: FakeSidecar) -> Iterator[TestClient]:
+    """The engine app in front of the fake."""
+    with TestClient(engine_app(fake), raise_server_exceptions=False) as client:  # type: ignore[arg-type]
+        yield client
+
+
+@pytest.fixture
+def fake_peer(fake: FakeSidecar) -> Iterator[TestClient]:
+    """The peer app in front of the fake."""
+    with TestClient(peer_app(fake), raise_server_exceptions=False) as client:  # type: ignore[arg-type]
+        yield client
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[SimpleNamespace]:
+    """A real Sidecar with a registered llama-3.1-8b pool of 8 blocks, and both apps on it.
+
+    ``real.engine`` / ``real.peer`` are TestClients; ``real.manifest`` the registered one.
+    """
+    manifest = plan("llama-3.1-8b", num_blocks=8)
+    pool = EnginePool(manifest)
+    sidecar = Sidecar(Config(peer_token=TOKEN, engine_id="api-test"))
+    sidecar.peer_address = "127.0.0.1:9"
+    try:
+        with (
+            TestClient(engine_app(sidecar), raise_server_exceptions=False) as engine,
+            TestClient(peer_app(sidecar), raise_server_exceptions=False) as peer,
+        ):
+            body = RegisterRequest(manifest=manifest, regions=pool.specs())
+            resp = engine.post("/v1/register", content=_encode(body), headers=JSON)
+            assert resp.status_code == 200, resp.text
+            yield SimpleNamespace(
+                sidecar=sidecar, engine=engine, peer=peer, manifest=sidecar.manifest, pool=pool
+            )
+    finally:
+        asyncio.run(sidecar.close())
+        pool.close()
+
+
+@pytest.fixture
+def fresh() -> Iterator[SimpleNamespace]:
+    """A real Sidecar nobody has registered with yet (and a pool to register), engine app on it."""
+    manifest = plan("llama-3.1-8b", num_blocks=4)
+    pool = EnginePool(manifest)
+    sidecar = Sidecar(Config(peer_token=TOKEN))
+    try:
+        with TestClient(engine_app(sidecar), raise_server_exceptions=False) as engine:
+            yield SimpleNamespace(sidecar=sidecar, engine=engine, manifest=manifest, pool=pool)
+    finally:
+        asyncio.run(sidecar.close())
+        pool.close()
+
+
+def _encode(value: object) -> bytes:
+    import msgspec
+
+    return msgspec.json.encode(value)

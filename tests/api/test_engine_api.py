@@ -1,0 +1,310 @@
+"""The engine API over HTTP: typed decoding, errors as ErrorBody with the right status and field,
+bounded long polls, and a daemon that keeps answering after anything goes wrong."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import msgspec
+import pytest
+
+from kvxferd import errors
+from kvxferd.api.engine import MAX_WAIT_S, engine_document
+from kvxferd.wire import (
+    AbortHoldRequest,
+    ErrorBody,
+    PullAccepted,
+    PullStatus,
+    RegisterRequest,
+    RegisterResponse,
+    ReleasedHolds,
+    Ticket,
+)
+from tests.api.conftest import JSON
+from tests.sidecar.harness import plan
+
+
+def _error(resp, status: int) -> ErrorBody:
+    """The ErrorBody of an answer that must have ``status``; the field is named at most once."""
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    body = msgspec.json.decode(resp.content, type=ErrorBody)
+    assert f"{body.field}: {body.field}" not in body.detail or not body.field, body.detail
+    if body.field and "," not in body.field:  # one field: the detail starts with it, once
+        assert body.detail.startswith(f"{body.field}: "), body.detail
+    return body
+
+
+def _hold_body(**changes) -> dict:
+    body = {"request_id": f"r-{uuid.uuid4().hex[:8]}", "block_ids": [[1, 2]], "num_tokens": 20}
+    return {**body, **changes}
+
+
+# ------------------------------------------------------------------------------ decoding
+
+
+def test_a_body_that_is_not_json_is_a_400_decode_error(fake_engine, fake):
+    body = _error(fake_engine.post("/v1/holds", content=b"{not json", headers=JSON), 400)
+    assert body.error == "DecodeError" and body.field == ""
+    assert fake.calls == []
+
+
+def test_an_empty_body_is_a_400(fake_engine):
+    assert _error(fake_engine.post("/v1/holds/abort", content=b""), 400).error == "DecodeError"
+
+
+def test_a_wrong_type_is_a_422_naming_the_element_path(fake_engine, fake):
+    resp = fake_engine.post("/v1/holds", json=_hold_body(block_ids=[[1, "x"]]))
+    body = _error(resp, 422)
+    assert (body.error, body.field) == ("ValidationError", "block_ids[0][1]")
+    assert body.detail == "block_ids[0][1]: Expected `int`, got `str`"
+    assert fake.calls == []
+
+
+def test_a_wrong_type_deep_in_the_manifest_is_named_by_its_full_path(fake_engine):
+    manifest = plan("llama-3.1-8b", num_blocks=4)
+    body = msgspec.to_builtins(RegisterRequest(manifest=manifest, regions=[]))
+    body["manifest"]["regions"][0]["size_bytes"] = "big"
+    err = _error(fake_engine.post("/v1/register", json=body), 422)
+    assert err.field == "manifest.regions[0].size_bytes"
+
+
+@pytest.mark.parametrize(
+    ("where", "field"),
+    [(None, "colour"), ("manifest.regions[0]", "manifest.regions[0].colour")],
+    ids=["top-level", "nested"],
+)
+def test_an_unknown_field_is_rejected_and_named(fake_engine, where, field):
+    manifest = plan("llama-3.1-8b", num_blocks=4)
+    body = msgspec.to_builtins(RegisterRequest(manifest=manifest, regions=[]))
+    target = body if where is None else body["manifest"]["regions"][0]
+    target["colour"] = "blue"
+    err = _error(fake_engine.post("/v1/register", json=body), 422)
+    assert (err.field, err.detail) == (field, f"{field}: unknown field")
+
+
+def test_a_missing_field_is_named(fake_engine):
+    body = _hold_body()
+    del body["request_id"]
+    err = _error(fake_engine.post("/v1/holds", json=body), 422)
+    assert (err.field, err.detail) == ("request_id", "request_id: missing required field")
+
+
+def test_a_body_of_the_wrong_json_kind_is_a_422_without_a_field(fake_engine):
+    err = _error(fake_engine.post("/v1/holds", json=[1, 2]), 422)
+    assert err.field == "" and "Expected `object`" in err.detail
+
+
+def test_a_well_typed_body_reaches_the_sidecar_as_its_struct(fake_engine, fake):
+    assert fake_engine.post("/v1/holds/abort", json={"hold_id": "h1"}).status_code == 204
+    assert fake.calls == [("abort", AbortHoldRequest(hold_id="h1"))]
+
+
+# ------------------------------------------------------------------------------ error mapping
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "field"),
+    [
+        (errors.BlockIdError("block_ids[0][3]", "block id 99 outside [0, 8)"), 422,
+         "block_ids[0][3]"),
+        (errors.HoldRequestError("lease_s", "must be > 0"), 422, "lease_s"),
+        (errors.ManifestError("regions[1].size_bytes", "too small"), 422, "regions[1].size_bytes"),
+        (errors.DuplicateHoldError("request_id", "already held"), 409, "request_id"),
+        (errors.UnknownHoldError("hold_id 'h': no such hold"), 404, ""),
+        (errors.HoldExpiredError("hold_id 'h': lease ended"), 410, ""),
+        (errors.IncompatiblePeerError({"groups[0].kind": ("mamba", "full_attention"),
+                                       "num_blocks": (8, 4)}), 409, "groups[0].kind,num_blocks"),
+        (errors.AuthError("ticket.token: missing"), 401, ""),
+        (errors.ConfigError("register: this sidecar already has an engine"), 409, ""),
+        (errors.MemoryRegionError("no such segment"), 422, ""),
+        (errors.RegistrationError("ucx said no"), 502, ""),
+        (errors.StateError("done", "pending", "backward"), 409, ""),
+        (errors.PullError("hold_expired", "too late"), 400, ""),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, Exception) else None,
+)  # fmt: skip
+def test_kvxferd_errors_answer_their_status_class_and_field(fake_engine, fake, exc, status, field):
+    fake.fail = exc
+    body = _error(fake_engine.post("/v1/holds", json=_hold_body()), status)
+    assert (body.error, body.field) == (type(exc).__name__, field)
+    assert body.detail == str(exc)
+
+
+def test_a_401_says_how_to_authenticate(fake_engine, fake):
+    fake.fail = errors.AuthError("ticket.token: missing")
+    resp = fake_engine.post("/v1/holds", json=_hold_body())
+    assert _error(resp, 401).error == "AuthError"
+    assert resp.headers["www-authenticate"] == "Bearer"
+
+
+def test_an_unexpected_exception_is_a_500_and_the_app_keeps_answering(fake_engine, fake, caplog):
+    fake.fail = ZeroDivisionError("bug")
+    body = _error(fake_engine.post("/v1/holds", json=_hold_body()), 500)
+    assert body.error == "InternalError" and "ZeroDivisionError: bug" in body.detail
+    assert "failed unexpectedly" in caplog.text
+    fake.fail = None
+    assert fake_engine.get("/healthz").json() == {"status": "ok"}
+    assert fake_engine.post("/v1/holds/abort", json={"hold_id": "h"}).status_code == 204
+
+
+def test_before_registration_engine_calls_answer_503_not_ready(fake_engine, fake):
+    fake.ready = False
+    for method, path, body in [
+        ("POST", "/v1/holds", _hold_body()),
+        ("POST", "/v1/holds/abort", {"hold_id": "h"}),
+        ("POST", "/v1/pulls", {"tickets": [], "block_ids": []}),
+        ("GET", "/v1/released", None),
+    ]:
+        resp = fake_engine.request(method, path, json=body)
+        assert _error(resp, 503).error == "NotReady", path
+    assert fake.calls == []
+    assert fake_engine.get("/healthz").status_code == 200
+
+
+def test_an_unknown_path_and_a_wrong_method_answer_an_error_body(fake_engine):
+    assert _error(fake_engine.get("/v2/holds"), 404).error == "NotFound"
+    resp = fake_engine.get("/v1/holds")
+    assert _error(resp, 405).error == "MethodNotAllowed"
+    assert resp.headers["allow"] == "POST"
+
+
+# ------------------------------------------------------------------------------ parameters
+
+
+@pytest.mark.parametrize(
+    ("query", "passed"),
+    [("", 0.0), ("?wait=2.5", 2.5), (f"?wait={MAX_WAIT_S * 100:g}", MAX_WAIT_S),
+     ("?wait=inf", MAX_WAIT_S)],
+    ids=["default", "short", "too-long", "infinite"],
+)  # fmt: skip
+def test_a_pull_status_long_poll_is_cut_to_max_wait(fake_engine, fake, query, passed):
+    resp = fake_engine.get(f"/v1/pulls/p7{query}")
+    assert msgspec.json.decode(resp.content, type=PullStatus).pull_id == "p7"
+    assert fake.calls == [("pull_status", ("p7", passed))]
+    assert math.isfinite(passed) and passed <= MAX_WAIT_S
+
+
+@pytest.mark.parametrize("wait", ["-1", "soon", "nan"])
+def test_a_bad_wait_is_a_422_naming_it(fake_engine, fake, wait):
+    err = _error(fake_engine.get(f"/v1/pulls/p7?wait={wait}"), 422)
+    assert err.field == "wait"
+    assert fake.calls == []
+
+
+def test_the_released_cursor_is_typed(fake_engine, fake):
+    assert fake_engine.get("/v1/released?cursor=5").json() == {"holds": [], "cursor": 5}
+    assert _error(fake_engine.get("/v1/released?cursor=five"), 422).field == "cursor"
+    assert _error(fake_engine.get("/v1/released?cursor=-1"), 422).field == "cursor"
+    assert fake.calls == [("released_since", 5)]
+
+
+def test_a_pull_is_accepted_with_202_and_its_id(fake_engine):
+    ticket = Ticket(
+        engine_id="e",
+        epoch=1,
+        hold_id="h",
+        request_id="r",
+        block_ids=[[1]],
+        num_tokens=1,
+        expires_at=0.0,
+        tp_rank=0,
+        tp_size=1,
+        peer="127.0.0.1:9",
+    )
+    body = msgspec.to_builtins({"tickets": [ticket], "block_ids": [[3]]})
+    resp = fake_engine.post("/v1/pulls", json=body)
+    assert resp.status_code == 202
+    assert msgspec.json.decode(resp.content, type=PullAccepted).pull_id == "p1"
+
+
+def test_the_served_openapi_document_is_the_generated_one(fake_engine):
+    assert fake_engine.get("/openapi.json").json() == engine_document()
+
+
+# ------------------------------------------------------------------------------ a real Sidecar
+
+
+def test_a_registered_sidecar_answers_with_its_identity_and_refuses_a_second_engine(real):
+    assert real.manifest.engine_id == "api-test" and real.sidecar.ready
+    body = RegisterRequest(manifest=plan("llama-3.1-8b", num_blocks=8), regions=real.pool.specs())
+    err = _error(real.engine.post("/v1/register", content=msgspec.json.encode(body)), 409)
+    assert err.error == "ConfigError" and "already has an engine" in err.detail
+
+
+@pytest.mark.parametrize(
+    ("mutate", "status", "error", "field"),
+    [
+        (lambda specs: specs[:1], 422, "ManifestError", "regions"),
+        (lambda specs: [msgspec.structs.replace(specs[0], size_bytes=64), *specs[1:]], 422,
+         "ManifestError", "regions[0].size_bytes"),
+        (lambda specs: [msgspec.structs.replace(specs[0], name="kvx-no-such-segment"),
+                        *specs[1:]], 422, "MemoryRegionError", ""),
+    ],
+    ids=["region-count", "region-too-small", "no-such-segment"],
+)  # fmt: skip
+def test_register_checks_the_region_sources_against_the_manifest(fresh, mutate, status, error,
+                                                                 field):  # fmt: skip
+    body = RegisterRequest(manifest=fresh.manifest, regions=mutate(fresh.pool.specs()))
+    err = _error(fresh.engine.post("/v1/register", content=msgspec.json.encode(body)), status)
+    assert (err.error, err.field) == (error, field)
+    assert not fresh.sidecar.ready
+    good = RegisterRequest(manifest=fresh.manifest, regions=fresh.pool.specs())
+    resp = fresh.engine.post("/v1/register", content=msgspec.json.encode(good))
+    assert resp.status_code == 200, resp.text
+    answer = msgspec.json.decode(resp.content, type=RegisterResponse)
+    assert (answer.engine_id, answer.epoch) == (fresh.sidecar.engine_id, fresh.sidecar.epoch)
+
+
+def test_a_hold_returns_a_signed_ticket_for_this_rank(real):
+    body = _hold_body(block_ids=[[1, 2]])
+    resp = real.engine.post("/v1/holds", json=body)
+    assert resp.status_code == 200, resp.text
+    ticket = msgspec.json.decode(resp.content, type=Ticket)
+    assert (ticket.engine_id, ticket.request_id, ticket.block_ids) == (
+        "api-test", body["request_id"], [[1, 2]])  # fmt: skip
+    assert ticket.peer == "127.0.0.1:9" and len(ticket.token) == 64
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "field"),
+    [([[1, 8]], "block_ids[0][1]"), ([[1, -1]], "block_ids[0][1]"),
+     ([[3, 3]], "block_ids[0][1]"), ([[1], [2]], "block_ids")],
+    ids=["past-the-end", "negative", "repeated", "wrong-group-count"],
+)  # fmt: skip
+def test_a_hold_with_bad_block_ids_is_a_422_naming_the_block(real, block_ids, field):
+    err = _error(real.engine.post("/v1/holds", json=_hold_body(block_ids=block_ids)), 422)
+    assert (err.error, err.field) == ("BlockIdError", field)
+
+
+def test_a_second_hold_of_a_live_request_is_a_409_naming_request_id(real):
+    body = _hold_body()
+    assert real.engine.post("/v1/holds", json=body).status_code == 200
+    err = _error(real.engine.post("/v1/holds", json=body), 409)
+    assert (err.error, err.field) == ("DuplicateHoldError", "request_id")
+
+
+def test_abort_releases_once_then_the_hold_is_unknown(real):
+    ticket = msgspec.json.decode(
+        real.engine.post("/v1/holds", json=_hold_body(block_ids=[[4]])).content, type=Ticket
+    )
+    cursor = msgspec.json.decode(real.engine.get("/v1/released").content, type=ReleasedHolds)
+    assert real.engine.post("/v1/holds/abort", json={"hold_id": ticket.hold_id}).status_code == 204
+    err = _error(real.engine.post("/v1/holds/abort", json={"hold_id": ticket.hold_id}), 404)
+    assert err.error == "UnknownHoldError"
+    feed = msgspec.json.decode(
+        real.engine.get(f"/v1/released?cursor={cursor.cursor}").content, type=ReleasedHolds
+    )
+    assert [(h.hold_id, h.reason, h.block_ids) for h in feed.holds] == [
+        (ticket.hold_id, "aborted", [[4]])
+    ]
+
+
+def test_the_status_of_an_unknown_pull_is_a_404(real):
+    assert _error(real.engine.get("/v1/pulls/nope?wait=0"), 404).error == "UnknownHoldError"
+
+
+def test_a_pull_without_tickets_is_a_422_naming_tickets(real):
+    err = _error(real.engine.post("/v1/pulls", json={"tickets": [], "block_ids": [[1]]}), 422)
+    assert (err.error, err.field) == ("BlockIdError", "tickets")

@@ -1,0 +1,173 @@
+"""Tiny fake OpenAI backends for the proxy's routing tests, served in-process by uvicorn.
+
+The proxy's job is HTTP routing, so fakes stand in for the engines here: a fake prefill answers
+one token plus ``kv_transfer_params`` naming itself; a fake decode answers text that names itself
+and the params it was given, streamed as SSE when asked. Every request is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+
+@dataclass
+class Seen:
+    """One request a fake received."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+@dataclass
+class FakeBackend:
+    """Behaviour knobs and the record of one fake server."""
+
+    name: str
+    role: str
+    seen: list[Seen] = field(default_factory=list)
+    fail_status: int | None = None
+    """Answer every completion with this HTTP status and an OpenAI error body."""
+    hang: threading.Event | None = None
+    """Completions wait for this event (set it to release them)."""
+    omit_params: bool = False
+    """Prefill answers without kv_transfer_params (like an engine without a KV connector)."""
+    healthy: bool = True
+
+    def completion_text(self, body: dict[str, Any]) -> str:
+        params = body.get("kv_transfer_params") or {}
+        return f"{self.name} decoded from {params.get('remote_engine_id')}"
+
+
+def fake_app(fake: FakeBackend) -> FastAPI:
+    """The FastAPI app of one fake backend."""
+    app = FastAPI()
+
+    async def complete(request: Request, chat: bool) -> Response:
+        body = await request.json()
+        fake.seen.append(Seen(request.url.path, body, dict(request.headers)))
+        if fake.hang is not None:
+            while not fake.hang.is_set():
+                await asyncio.sleep(0.01)
+        if fake.fail_status is not None:
+            error = {"message": f"{fake.name} refuses", "type": "BadRequestError", "code": 7}
+            return JSONResponse({"error": error}, status_code=fake.fail_status)
+        text = "p" if fake.role == "prefill" else fake.completion_text(body)
+        if body.get("stream"):
+            return StreamingResponse(_sse(fake.name, text, chat), media_type="text/event-stream")
+        reply = _choice_body(fake.name, text, chat)
+        if fake.role == "prefill" and not fake.omit_params:
+            reply["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": fake.name,
+                "remote_block_ids": [[1, 2, 3]],
+                "remote_host": "127.0.0.1",
+                "remote_port": 1234,
+                "remote_request_id": request.headers.get("x-request-id"),
+                "tp_size": 1,
+            }
+        return JSONResponse(reply)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await complete(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": fake.name, "object": "model", "created": 0,
+                                            "owned_by": "fake"}]}  # fmt: skip
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if fake.healthy else 503)
+
+    return app
+
+
+def _choice_body(name: str, text: str, chat: bool) -> dict[str, Any]:
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": "length", "logprobs": None}  # fmt: skip
+        return {"id": "c-1", "object": "chat.completion", "created": 0, "model": name,
+                "choices": [choice]}  # fmt: skip
+    choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+    return {"id": "c-1", "object": "text_completion", "created": 0, "model": name,
+            "choices": [choice]}  # fmt: skip
+
+
+def sse_events(name: str, text: str, chat: bool) -> list[bytes]:
+    """The exact SSE bytes a fake decode streams for ``text`` (one event per word)."""
+    out = []
+    for word in text.split(" "):
+        if chat:
+            choice = {"index": 0, "delta": {"content": word + " "}, "finish_reason": None}
+            obj = {"id": "c-1", "object": "chat.completion.chunk", "created": 0, "model": name,
+                   "choices": [choice]}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": word + " ", "finish_reason": None, "logprobs": None}
+            obj = {"id": "c-1", "object": "text_completion", "created": 0, "model": name,
+                   "choices": [choice]}  # fmt: skip
+        out.append(f"data: {json.dumps(obj)}\n\n".encode())
+    out.append(b"data: [DONE]\n\n")
+    return out
+
+
+async def _sse(name: str, text: str, chat: bool) -> AsyncIterator[bytes]:
+    for event in sse_events(name, text, chat):
+        yield event
+        await asyncio.sleep(0)
+
+
+@dataclass
+class Served:
+    """An ASGI app served by uvicorn on a loopback port in a background thread."""
+
+    url: str
+    port: int
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), f"server {self.url} did not stop"
+
+
+def serve_app(app: Any, port: int = 0, lifespan: str = "auto") -> Served:
+    """Serve ``app`` on 127.0.0.1 (``port`` 0 = any free); waits (bounded) until it listens."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    return Served(f"http://127.0.0.1:{port}", port, server, thread)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (connections to it are refused)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,280 @@
+"""The proxy's routing, specified against fake OpenAI backends over real loopback HTTP."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+
+from kvxferd.proxy import ProxySettings, proxy_app
+from kvxferd.proxy.app import KV_TRANSFER_STUB
+from tests.proxy.fakes import FakeBackend, Served, fake_app, free_port, serve_app, sse_events
+
+CLIENT_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Rig:
+    """Fake prefills and decodes behind a proxy."""
+
+    prefills: list[FakeBackend]
+    decodes: list[FakeBackend]
+    proxy: Served
+    backends: list[Served]
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.proxy.url, timeout=CLIENT_TIMEOUT_S)
+
+
+@pytest.fixture
+def make_rig() -> Iterator[Callable[..., Rig]]:
+    started: list[Served] = []
+
+    def make(
+        n_prefill: int = 1, n_decode: int = 1, timeout_s: float = 10.0, extra_prefill: str = ""
+    ) -> Rig:
+        prefills = [FakeBackend(f"P{i}", "prefill") for i in range(n_prefill)]
+        decodes = [FakeBackend(f"D{i}", "decode") for i in range(n_decode)]
+        backends = [serve_app(fake_app(f)) for f in prefills + decodes]
+        started.extend(backends)
+        p_urls = [b.url for b in backends[:n_prefill]] + ([extra_prefill] if extra_prefill else [])
+        d_urls = [b.url for b in backends[n_prefill:]]
+        proxy = serve_app(proxy_app(ProxySettings(tuple(p_urls), tuple(d_urls), timeout_s)))
+        started.append(proxy)
+        return Rig(prefills, decodes, proxy, backends)
+
+    yield make
+    for served in started:
+        served.server.should_exit = True
+    for served in started:
+        served.stop()
+
+
+def completion(prompt: str = "hello world", **extra: object) -> dict[str, object]:
+    return {"model": "m", "prompt": prompt, "max_tokens": 16, **extra}
+
+
+def test_prefill_gets_one_token_no_stream_and_the_stub(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    body = completion(stream=True, stream_options={"include_usage": True}, min_tokens=4)
+    with rig.client() as c, c.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        resp.read()
+    [seen] = rig.prefills[0].seen
+    assert seen.path == "/v1/completions"
+    assert seen.body["max_tokens"] == 1
+    assert seen.body["stream"] is False
+    assert seen.body["kv_transfer_params"] == KV_TRANSFER_STUB
+    assert "stream_options" not in seen.body and "min_tokens" not in seen.body
+    assert "max_completion_tokens" not in seen.body
+    assert seen.body["prompt"] == "hello world"
+
+
+def test_chat_prefill_also_gets_max_completion_tokens_1(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 9}  # fmt: skip
+    with rig.client() as c:
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+    [p] = rig.prefills[0].seen
+    assert p.path == "/v1/chat/completions"
+    assert p.body["max_tokens"] == 1 and p.body["max_completion_tokens"] == 1
+    [d] = rig.decodes[0].seen
+    assert d.body["max_completion_tokens"] == 9 and "max_tokens" not in d.body
+
+
+def test_decode_gets_original_request_with_prefill_params(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    body = completion(temperature=0.5, min_tokens=4)
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=body)
+    assert resp.status_code == 200
+    [d] = rig.decodes[0].seen
+    params = d.body.pop("kv_transfer_params")
+    assert d.body == body
+    assert params["do_remote_prefill"] is True
+    assert params["remote_engine_id"] == "P0"
+    assert params["remote_block_ids"] == [[1, 2, 3]]
+    assert resp.json()["choices"][0]["text"] == "D0 decoded from P0"
+
+
+def test_round_robin_cycles_prefills_and_decodes_separately(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(n_prefill=2, n_decode=3)
+    with rig.client() as c:
+        texts = [c.post("/v1/completions", json=completion()).json()["choices"][0]["text"]
+                 for _ in range(6)]  # fmt: skip
+    assert texts == [
+        "D0 decoded from P0", "D1 decoded from P1", "D2 decoded from P0",
+        "D0 decoded from P1", "D1 decoded from P0", "D2 decoded from P1",
+    ]  # fmt: skip
+    assert [len(f.seen) for f in rig.prefills + rig.decodes] == [3, 3, 2, 2, 2]
+
+
+def test_same_request_id_to_both_given_or_generated(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    with rig.client() as c:
+        given = c.post("/v1/completions", json=completion(), headers={"X-Request-Id": "req-42"})
+        made = c.post("/v1/completions", json=completion())
+    assert given.headers["x-request-id"] == "req-42"
+    p_ids = [s.headers["x-request-id"] for s in rig.prefills[0].seen]
+    d_ids = [s.headers["x-request-id"] for s in rig.decodes[0].seen]
+    assert p_ids == d_ids
+    assert p_ids[0] == "req-42"
+    assert p_ids[1] == made.headers["x-request-id"] and len(p_ids[1]) >= 16
+
+
+def test_authorization_header_reaches_both(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    with rig.client() as c:
+        c.post("/v1/completions", json=completion(), headers={"Authorization": "Bearer k"})
+    assert rig.prefills[0].seen[0].headers["authorization"] == "Bearer k"
+    assert rig.decodes[0].seen[0].headers["authorization"] == "Bearer k"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streaming_is_relayed_byte_for_byte(make_rig: Callable[..., Rig], chat: bool) -> None:
+    rig = make_rig()
+    if chat:
+        messages = [{"role": "user", "content": "x"}]
+        path, body = "/v1/chat/completions", {"model": "m", "stream": True, "messages": messages}
+    else:
+        path, body = "/v1/completions", completion(stream=True)
+    with rig.client() as c, c.stream("POST", path, json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        got = b"".join(resp.iter_raw())
+    assert got == b"".join(sse_events("D0", "D0 decoded from P0", chat))
+
+
+def test_prefill_refused_gives_502_naming_it(make_rig: Callable[..., Rig]) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    rig = make_rig(n_prefill=0, extra_prefill=dead)
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion())
+    assert resp.status_code == 502
+    message = resp.json()["error"]["message"]
+    assert dead in message and "prefill" in message and "ConnectError" in message
+    assert rig.decodes[0].seen == []
+
+
+def test_prefill_that_hangs_gives_502_after_the_timeout(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(timeout_s=0.5)
+    rig.prefills[0].hang = threading.Event()
+    try:
+        with rig.client() as c:  # the client waits far longer than the proxy's bound
+            resp = c.post("/v1/completions", json=completion())
+    finally:
+        rig.prefills[0].hang.set()
+    assert resp.status_code == 502
+    error = resp.json()["error"]
+    assert rig.backends[0].url in error["message"]
+    assert "timed out" in error["message"] and "0.5 s" in error["message"]
+    assert rig.decodes[0].seen == []
+
+
+def test_prefill_error_is_passed_through(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    rig.prefills[0].fail_status = 400
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion())
+    assert resp.status_code == 400
+    assert resp.json() == {"error": {"message": "P0 refuses", "type": "BadRequestError",
+                                     "code": 7}}  # fmt: skip
+    assert rig.decodes[0].seen == []
+
+
+def test_prefill_without_transfer_params_is_a_502(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    rig.prefills[0].omit_params = True
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion())
+    assert resp.status_code == 502
+    assert "kv_transfer_params" in resp.json()["error"]["message"]
+    assert rig.decodes[0].seen == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_error_is_passed_through(make_rig: Callable[..., Rig], stream: bool) -> None:
+    rig = make_rig()
+    rig.decodes[0].fail_status = 503
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion(stream=stream))
+    assert resp.status_code == 503
+    assert resp.json()["error"]["message"] == "D0 refuses"
+
+
+def test_decode_down_gives_502_naming_it(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    rig.backends[1].stop()
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion(stream=True))
+    assert resp.status_code == 502
+    message = resp.json()["error"]["message"]
+    assert rig.backends[1].url in message and "decode" in message
+
+
+def test_bad_json_is_a_400(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    with rig.client() as c:
+        resp = c.post("/v1/completions", content=b"{nope", headers={"content-type": "x"})
+        listed = c.post("/v1/completions", json=[1, 2])
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+    assert listed.status_code == 400
+    assert rig.prefills[0].seen == []
+
+
+def test_health_needs_one_prefill_and_one_decode(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(n_prefill=2)
+    with rig.client() as c:
+        ok = c.get("/health")
+        rig.prefills[0].healthy = False
+        half = c.get("/health")
+        rig.backends[1].stop()
+        down = c.get("/health")
+    assert ok.status_code == 200 and ok.json()["down"] == []
+    assert half.status_code == 200 and half.json()["down"] == [rig.backends[0].url]
+    assert half.json()["prefill"][rig.backends[0].url] == "HTTP 503"
+    assert down.status_code == 503
+    assert down.json()["status"] == "unavailable"
+    assert down.json()["down"] == [rig.backends[0].url, rig.backends[1].url]
+    assert "ConnectError" in down.json()["prefill"][rig.backends[1].url]
+
+
+def test_models_come_from_the_first_decode(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(n_decode=2)
+    with rig.client() as c:
+        resp = c.get("/v1/models")
+    assert resp.status_code == 200
+    assert [m["id"] for m in resp.json()["data"]] == ["D0"]
+
+
+def test_the_openai_client_works_through_the_proxy(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    client = openai.OpenAI(base_url=rig.proxy.url + "/v1", api_key="none", max_retries=0,
+                           timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+    done = client.completions.create(model="m", prompt="a b", max_tokens=4)
+    assert done.choices[0].text == "D0 decoded from P0"
+    parts = client.completions.create(model="m", prompt="a b", max_tokens=4, stream=True)
+    assert "".join(p.choices[0].text for p in parts) == "D0 decoded from P0 "
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="m", messages=messages)  # type: ignore[arg-type]
+    assert chat.choices[0].message.content == "D0 decoded from P0"
+    chunks = client.chat.completions.create(model="m", messages=messages, stream=True)  # type: ignore[arg-type]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "D0 decoded from P0 "
+    assert [m.id for m in client.models.list()] == ["D0"]
+    rig.prefills[0].fail_status = 400
+    with pytest.raises(openai.BadRequestError, match="P0 refuses"):
+        client.completions.create(model="m", prompt="a b", max_tokens=4)
+    client.close()
+
+
+def test_stub_is_vllms_shape() -> None:
+    assert json.loads(json.dumps(KV_TRANSFER_STUB)) == {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    }  # fmt: skip

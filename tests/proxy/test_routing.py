@@ -1,0 +1,32 @@
+"""Backend URL normalisation and round-robin order."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxferd.errors import ConfigError
+from kvxferd.proxy import RoundRobin, normalize_url
+
+
+@pytest.mark.parametrize("url", ["http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/"])
+def test_base_url_forms_are_one_server(url: str) -> None:
+    assert normalize_url(url, "--decode") == "http://h:1"
+
+
+@pytest.mark.parametrize("url", ["h:1", "ftp://h:1", "http://", "127.0.0.1:8000"])
+def test_non_http_urls_are_refused_naming_the_flag(url: str) -> None:
+    with pytest.raises(ConfigError, match="--prefill"):
+        normalize_url(url, "--prefill")
+
+
+def test_round_robin_cycles_in_the_given_order() -> None:
+    rr = RoundRobin("decode", ["http://a:1", "http://b:2/v1"])
+    assert [rr.next().url for _ in range(5)] == [
+        "http://a:1", "http://b:2", "http://a:1", "http://b:2", "http://a:1",
+    ]  # fmt: skip
+    assert {b.role for b in rr.backends} == {"decode"}
+
+
+def test_round_robin_needs_a_backend() -> None:
+    with pytest.raises(ConfigError, match="--prefill: at least one URL"):
+        RoundRobin("prefill", [])

@@ -1,0 +1,95 @@
+"""Config: defaults < KVXFERD_* environment < flags; bad values name the variable or field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvxferd.config import ENV_PREFIX, Config, env_help, load_config, replace
+from kvxferd.errors import ConfigError
+
+
+def test_defaults_without_environment():
+    config = load_config(env={})
+    assert config == Config()
+    assert (config.peer_port, config.backends, config.progress_thread) == (0, ("UCX",), False)
+    assert config.peer_token == "" and config.advertised_host == config.peer_host
+
+
+@pytest.mark.parametrize(
+    ("var", "raw", "field", "value"),
+    [
+        ("PEER_PORT", "5557", "peer_port", 5557),
+        ("DEFAULT_LEASE_S", "2.5", "default_lease_s", 2.5),
+        ("PROGRESS_THREAD", "off", "progress_thread", False),
+        ("PROGRESS_THREAD", "YES", "progress_thread", True),
+        ("PROGRESS_THREAD", "0", "progress_thread", False),
+        ("BACKENDS", "UCX, GDS ,", "backends", ("UCX", "GDS")),
+        ("PEER_TOKEN", "s3cret", "peer_token", "s3cret"),
+        ("ENGINE_SOCKET", "/run/k.sock", "engine_socket", "/run/k.sock"),
+    ],
+)
+def test_environment_values_are_parsed_to_the_field_type(var, raw, field, value):
+    config = load_config(env={ENV_PREFIX + var: raw})
+    assert getattr(config, field) == value
+    assert type(getattr(config, field)) is type(value)
+
+
+def test_an_empty_environment_value_means_the_default():
+    assert load_config(env={"KVXFERD_PEER_PORT": ""}).peer_port == Config().peer_port
+
+
+def test_flags_override_the_environment_and_none_flags_do_not():
+    env = {"KVXFERD_PEER_PORT": "5557", "KVXFERD_LOG_LEVEL": "debug"}
+    config = load_config({"peer_port": 6000, "log_level": None}, env=env)
+    assert (config.peer_port, config.log_level) == (6000, "debug")
+
+
+def test_advertise_host_wins_over_the_bind_host_when_set():
+    config = load_config({"peer_host": "0.0.0.0", "advertise_host": "10.0.0.7"}, env={})
+    assert config.advertised_host == "10.0.0.7"
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"KVXFERD_PEER_PORT": "eighty"}, "KVXFERD_PEER_PORT"),
+        ({"KVXFERD_CLAIM_S": "soon"}, "KVXFERD_CLAIM_S"),
+        ({"KVXFERD_PROGRESS_THREAD": "maybe"}, "KVXFERD_PROGRESS_THREAD"),
+        ({"KVXFERD_PEER_PORT": "70000"}, "peer_port"),
+        ({"KVXFERD_CLAIM_S": "0"}, "claim_s"),
+        ({"KVXFERD_DEFAULT_LEASE_S": "900"}, "default_lease_s"),
+        ({"KVXFERD_BACKENDS": " , "}, "backends"),
+    ],
+)
+def test_invalid_values_are_config_errors_naming_the_variable(env, named):
+    with pytest.raises(ConfigError) as info:
+        load_config(env=env)
+    assert str(info.value).startswith(named)
+
+
+def test_an_unknown_override_is_a_config_error_naming_it():
+    with pytest.raises(ConfigError, match="^peer_colour: unknown setting"):
+        load_config({"peer_colour": "blue"}, env={})
+
+
+def test_the_config_is_frozen_and_replace_validates_again():
+    config = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.peer_port = 1  # type: ignore[misc]
+    assert replace(config, peer_port=7).peer_port == 7
+    with pytest.raises(ConfigError, match="^peer_port"):
+        replace(config, peer_port=-1)
+
+
+def test_the_token_is_not_in_the_repr():
+    assert "s3cret" not in repr(load_config(env={"KVXFERD_PEER_TOKEN": "s3cret"}))
+
+
+def test_env_help_lists_every_field_with_its_docstring():
+    rows = dict(env_help())
+    assert list(rows) == [ENV_PREFIX + f.name.upper() for f in dataclasses.fields(Config)]
+    assert all(doc and not doc.startswith(" ") for doc in rows.values()), rows
+    assert rows["KVXFERD_PEER_TOKEN"].startswith("Shared secret")
+    assert rows["KVXFERD_PEER_PORT"] == "TCP port of the peer API; 0 picks a free one."
