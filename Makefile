@@ -9,7 +9,7 @@ export UCX_NET_DEVICES ?= lo
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
 	touch $(STAMP)
 
 setup: $(STAMP)

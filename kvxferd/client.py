@@ -28,7 +28,9 @@ from kvxferd.wire import (
     AbortHoldRequest,
     AnyRegionSpec,
     ErrorBody,
+    HeartbeatResponse,
     HoldRequest,
+    KeepaliveRequest,
     Manifest,
     PullAccepted,
     PullRequest,
@@ -128,6 +130,15 @@ def _pull_status(pull_id: str, wait_s: float) -> _Call:
                  timeout_s=wait_s + _POLL_MARGIN_S)  # fmt: skip
 
 
+def _keepalive(tickets: list[Ticket], extend_s: float) -> _Call:
+    req = KeepaliveRequest(tickets=tickets, extend_s=extend_s)
+    return _Call("POST", "/v1/keepalive", HeartbeatResponse, req)
+
+
+def _healthz() -> _Call:
+    return _Call("GET", "/healthz")
+
+
 def _released(cursor: int) -> _Call:
     return _Call("GET", "/v1/released", ReleasedHolds, params={"cursor": cursor})
 
@@ -162,12 +173,15 @@ def _kvxferd_errors() -> dict[str, type[errors.KvxferdError]]:
 
 
 _BY_NAME = _kvxferd_errors()
+_FORMER_NAMES: dict[str, type[errors.KvxferdError]] = {"NotReady": errors.NotRegisteredError}
+"""Error names older sidecars answer, and the class that stands for them now."""
 
 
 def error_for(status: int, body: ErrorBody) -> errors.KvxferdError:
     """The exception an error answer stands for: the sidecar's own class when the body rebuilds
-    it (message-only classes and the ``(field, reason)`` ones), else SidecarError."""
-    kind = _BY_NAME.get(body.error)
+    it (message-only classes and the ``(field, reason)`` ones; a former name such as NotReady
+    maps to today's class), else SidecarError."""
+    kind = _BY_NAME.get(body.error) or _FORMER_NAMES.get(body.error)
     exc = _rebuild(kind, body) if kind is not None else None
     if exc is None:
         exc = SidecarError(status, body)
@@ -245,9 +259,17 @@ class EngineClient:
         """The pull's status once done or failed, or its latest after ``timeout_s``."""
         return self._drive(_wait_pull(pull_id, timeout_s))
 
+    def keepalive(self, tickets: list[Ticket], extend_s: float) -> HeartbeatResponse:
+        """Extend the prefill holds behind ``tickets`` (requests still queued here)."""
+        return self._send(_keepalive(tickets, extend_s))  # type: ignore[no-any-return]
+
     def released(self, cursor: int = 0) -> ReleasedHolds:
         """Holds released since ``cursor``."""
         return self._send(_released(cursor))  # type: ignore[no-any-return]
+
+    def healthz(self) -> None:
+        """Return once the sidecar answers its liveness probe (SidecarUnreachableError if not)."""
+        self._send(_healthz())
 
     def _send(self, call: _Call) -> Any:
         try:
@@ -309,9 +331,17 @@ class AsyncEngineClient:
         """The pull's status once done or failed, or its latest after ``timeout_s``."""
         return await self._drive(_wait_pull(pull_id, timeout_s))
 
+    async def keepalive(self, tickets: list[Ticket], extend_s: float) -> HeartbeatResponse:
+        """Extend the prefill holds behind ``tickets`` (requests still queued here)."""
+        return await self._send(_keepalive(tickets, extend_s))  # type: ignore[no-any-return]
+
     async def released(self, cursor: int = 0) -> ReleasedHolds:
         """Holds released since ``cursor``."""
         return await self._send(_released(cursor))  # type: ignore[no-any-return]
+
+    async def healthz(self) -> None:
+        """Return once the sidecar answers its liveness probe (SidecarUnreachableError if not)."""
+        await self._send(_healthz())
 
     async def _send(self, call: _Call) -> Any:
         try:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
+from kvxferd._docstrings import attribute_docs
 from kvxferd.errors import ConfigError
 
 ENV_PREFIX = "KVXFERD_"
@@ -98,9 +99,13 @@ def replace(config: Config, **changes: Any) -> Config:
 
 
 def env_help() -> list[tuple[str, str]]:
-    """(env var, meaning) for every setting, for ``--help`` and the operations doc."""
-    docs = _field_docs()
-    return [(ENV_PREFIX + f.name.upper(), docs.get(f.name, "")) for f in fields(Config)]
+    """(env var, meaning) for every setting, for ``--help`` and the operations doc; each meaning
+    is one line (a table cell, a help line)."""
+    docs = attribute_docs(Config)
+    return [
+        (ENV_PREFIX + f.name.upper(), " ".join(docs.get(f.name, "").split()))
+        for f in fields(Config)
+    ]
 
 
 def _parse(name: str, kind: Any, raw: str) -> Any:
@@ -120,22 +125,3 @@ def _parse(name: str, kind: Any, raw: str) -> Any:
         return raw
     except ValueError:
         raise ConfigError(f"{ENV_PREFIX}{name.upper()}: cannot parse {raw!r}") from None
-
-
-def _field_docs() -> dict[str, str]:
-    """Attribute docstrings of Config, read from its source (kept next to each field)."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(Config))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-        ):
-            docs[node.target.id] = str(nxt.value.value)
-    return docs

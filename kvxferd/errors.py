@@ -24,6 +24,9 @@ httpx, msgspec) are translated at the module that talks to them, ``raise ... fro
     │   └── HoldRequestError        a hold/claim/heartbeat argument is invalid (names the field)
     │       └── DuplicateHoldError  the request id already has a live hold
     ├── AuthError                   a peer presented a wrong or missing token
+    ├── NotRegisteredError          no engine has registered with this sidecar yet (HTTP 503)
+    ├── AlreadyRegisteredError      this sidecar already has an engine (HTTP 409)
+    ├── UnknownPullError            no pull with that id on this sidecar (HTTP 404)
     ├── PullError                   a pull did not move every byte it promised (has a reason)
     ├── StateError                  a pull/hold state moved backward or out of a terminal state
     ├── InvalidRequestError         an OpenAI-style HTTP request is invalid (names the field)
@@ -141,6 +144,18 @@ class DuplicateHoldError(HoldRequestError):
 
 class AuthError(KvxferdError):
     """A peer presented a missing or wrong bearer token."""
+
+
+class NotRegisteredError(KvxferdError):
+    """The call needs a registered engine and none has registered with this sidecar yet."""
+
+
+class AlreadyRegisteredError(KvxferdError):
+    """The sidecar already has an engine; a new layout needs a new sidecar (restart it)."""
+
+
+class UnknownPullError(KvxferdError):
+    """No pull with that id: never started here, or finished so long ago it was forgotten."""
 
 
 class PullError(KvxferdError):

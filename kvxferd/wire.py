@@ -321,6 +321,19 @@ class PullRequest(_Strict, kw_only=True):
     """Seconds the whole pull may take (handshake, claim, transfer)."""
 
 
+class KeepaliveRequest(_Strict, kw_only=True):
+    """Engine (decode) -> sidecar: keep the holds behind these tickets alive (requests queued).
+
+    The sidecar groups the tickets by prefill sidecar (``Ticket.peer``) and sends each one
+    heartbeat for its holds; the answer is a HeartbeatResponse over all of them.
+    """
+
+    tickets: list[Ticket]
+    """Tickets of the holds to extend: any requests, any prefill ranks (repeats count once)."""
+    extend_s: float
+    """Seconds from now each lease should last at least (each prefill side caps it)."""
+
+
 class PullAccepted(_Strict, kw_only=True):
     """Sidecar -> engine: the pull is under way."""
 
@@ -435,6 +448,9 @@ class HeartbeatResponse(msgspec.Struct, frozen=True, kw_only=True):
     """Holds whose lease was extended."""
     missing: list[str]
     """Holds that no longer exist (expired or released)."""
+    unanswered: list[str] = []
+    """Holds whose prefill sidecar gave no usable answer (unreachable, timed out, refused), so
+    their lease is unknown; only a decode sidecar's keepalive answer has any."""
 
 
 class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):

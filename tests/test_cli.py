@@ -92,3 +92,39 @@ def test_layout_json_groups_are_nine_mamba_and_one_attention_group_of_four_layer
 def test_layout_with_an_unknown_config_fails_in_one_line():
     line = _one_error_line(kvxferd("layout", "--config", "no-such-model"))
     assert "no-such-model" in line
+
+
+_NO_SERVER_IMPORT = """
+import sys
+from kvxferd.cli import main
+status = main(sys.argv[1:])
+heavy = sorted(m for m in ("kvxferd.api.server", "nixl", "torch") if m in sys.modules)
+print("imported:", ",".join(heavy))
+raise SystemExit(status)
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        ([], {}, "KVXFERD_PEER_TOKEN"),
+        (["--log-level", "loud"], {"KVXFERD_PEER_TOKEN": "t"}, "log_level"),
+        (["--engine-socket", "/no/such/dir/s.sock"], {"KVXFERD_PEER_TOKEN": "t"}, "/no/such/dir"),
+        (["--engine-socket", "/tmp/" + "s" * 120], {"KVXFERD_PEER_TOKEN": "t"}, "AF_UNIX"),
+        (["--peer-port", "70000"], {"KVXFERD_PEER_TOKEN": "t"}, "peer_port"),
+    ],
+    ids=["no-token", "log-level", "socket-dir", "socket-length", "port"],
+)
+def test_serve_argument_errors_exit_before_the_server_is_imported(tmp_path, args, env, named):
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVXFERD_")}
+    argv = ["serve", "--engine-socket", str(tmp_path / "s.sock"), *args]
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_SERVER_IMPORT, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**base, **env},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("kvxferd: error: ") and named in proc.stderr, proc.stderr
+    assert proc.stdout.strip() == "imported:"  # no NIXL, no torch, no server module

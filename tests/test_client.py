@@ -99,8 +99,8 @@ def test_a_duplicate_hold_is_a_409_naming_request_id(sidecar):
     assert (info.value.field, info.value.status) == ("request_id", 409)
 
 
-def test_a_second_registration_is_a_409_config_error(sidecar):
-    with sidecar.client() as client, pytest.raises(errors.ConfigError) as info:
+def test_a_second_registration_is_a_409_already_registered_error(sidecar):
+    with sidecar.client() as client, pytest.raises(errors.AlreadyRegisteredError) as info:
         client.register(sidecar.manifest, sidecar.pool.specs())
     assert info.value.status == 409 and "already" in str(info.value)
 
@@ -113,12 +113,12 @@ def test_a_body_the_sidecar_cannot_type_is_a_sidecar_error_with_the_path(sidecar
     assert (exc.status, exc.field, exc.body.error) == (422, "block_ids[0][0]", "ValidationError")
 
 
-def test_an_unknown_pull_is_an_unknown_hold_error_also_when_waiting(sidecar):
+def test_an_unknown_pull_is_an_unknown_pull_error_also_when_waiting(sidecar):
     with sidecar.client() as client:
-        with pytest.raises(errors.UnknownHoldError) as info:
+        with pytest.raises(errors.UnknownPullError) as info:
             client.pull_status("nope")
-        assert info.value.status == 404
-        with pytest.raises(errors.UnknownHoldError):
+        assert info.value.status == 404 and "nope" in str(info.value)
+        with pytest.raises(errors.UnknownPullError):
             client.wait_pull("nope", timeout_s=5.0)
 
 
@@ -157,7 +157,7 @@ def test_the_async_client_does_the_same(sidecar):
             with pytest.raises(errors.BlockIdError) as block:
                 await client.hold(_hold([[0, 8]]))
             assert (block.value.field, block.value.status) == ("block_ids[0][1]", 422)
-            with pytest.raises(errors.ConfigError):
+            with pytest.raises(errors.AlreadyRegisteredError):
                 await client.register(sidecar.manifest, sidecar.pool.specs())
             accepted = await client.pull(_dead_peer_pull())
             status = await client.wait_pull(accepted.pull_id, timeout_s=60.0)
@@ -216,12 +216,14 @@ def test_pull_ids_are_quoted_into_the_path():
          errors.ManifestError, "regions"),
         (ErrorBody(error="StateError", detail="'a' -> 'b': no"), SidecarError, ""),
         (ErrorBody(error="IncompatiblePeerError", detail="x", field="a,b"), SidecarError, "a,b"),
-        (ErrorBody(error="NotReady", detail="no engine"), SidecarError, ""),
+        (ErrorBody(error="NotRegisteredError", detail="no engine"), errors.NotRegisteredError,
+         ""),
+        (ErrorBody(error="NotReady", detail="no engine"), errors.NotRegisteredError, ""),
         (ErrorBody(error="__class__", detail="sneaky"), SidecarError, ""),
         (ErrorBody(error="ValueError", detail="not ours"), SidecarError, ""),
     ],
-    ids=["message-only", "field-and-reason", "other-ctor", "incompatible", "not-ready",
-         "dunder", "foreign"],
+    ids=["message-only", "field-and-reason", "other-ctor", "incompatible", "not-registered",
+         "former-not-ready", "dunder", "foreign"],
 )  # fmt: skip
 def test_error_answers_rebuild_the_sidecars_class_or_fall_back(body, kind, field):
     exc = error_for(418, body)

@@ -91,5 +91,6 @@ def test_env_help_lists_every_field_with_its_docstring():
     rows = dict(env_help())
     assert list(rows) == [ENV_PREFIX + f.name.upper() for f in dataclasses.fields(Config)]
     assert all(doc and not doc.startswith(" ") for doc in rows.values()), rows
+    assert all("\n" not in doc and "  " not in doc for doc in rows.values()), rows  # one line
     assert rows["KVXFERD_PEER_TOKEN"].startswith("Shared secret")
     assert rows["KVXFERD_PEER_PORT"] == "TCP port of the peer API; 0 picks a free one."

@@ -27,6 +27,9 @@ _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 _STATUS: list[tuple[type[Exception], int]] = [
     (errors.AuthError, 401),
     (errors.UnknownHoldError, 404),
+    (errors.UnknownPullError, 404),
+    (errors.NotRegisteredError, 503),
+    (errors.AlreadyRegisteredError, 409),
     (errors.HoldExpiredError, 410),
     (errors.IncompatiblePeerError, 409),
     (errors.DuplicateHoldError, 409),
@@ -35,7 +38,7 @@ _STATUS: list[tuple[type[Exception], int]] = [
     (errors.BlockIdError, 422),
     (errors.ManifestError, 422),
     (errors.MemoryRegionError, 422),
-    (errors.ConfigError, 409),  # at request time: the sidecar's state forbids it
+    (errors.ConfigError, 500),  # at request time: the server's own settings are wrong
     (errors.HandshakeError, 502),
     (errors.TransportError, 502),
     (errors.KvxferdError, 400),

@@ -1,4 +1,5 @@
-"""The engine-facing API (Unix socket, local only): register, hold, abort, pull, released feed."""
+"""The engine-facing API (Unix socket, local only): register, hold, abort, pull, keepalive,
+released feed."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from kvxferd.api.openapi import HEALTH, document, install_openapi
 from kvxferd.api.operations import Gate, Operation, Query, mount
 from kvxferd.wire import (
     AbortHoldRequest,
+    HeartbeatResponse,
     HoldRequest,
+    KeepaliveRequest,
     PullAccepted,
     PullRequest,
     PullStatus,
@@ -29,8 +32,8 @@ TITLE = "kvxferd engine API"
 DESCRIPTION = (
     "What an engine rank asks of its own sidecar, over a Unix socket (0600, local only, no "
     "token): register the KV pool once, hold prefilled blocks for a decode side (a Ticket), "
-    "pull a ticket's blocks into local blocks, and follow the feed of released holds to free "
-    "blocks. Every 4xx/5xx body is an ErrorBody."
+    "pull a ticket's blocks into local blocks, keep the holds of queued requests alive, and "
+    "follow the feed of released holds to free blocks. Every 4xx/5xx body is an ErrorBody."
 )
 MAX_WAIT_S = 60.0
 """Upper bound of a pull-status long poll; a larger ``wait`` is cut to it."""
@@ -73,6 +76,17 @@ async def pull_status(sidecar: Sidecar, pull_id: str, wait: float) -> PullStatus
     return await sidecar.pull_status(pull_id, min(wait, MAX_WAIT_S))
 
 
+async def keepalive(sidecar: Sidecar, req: KeepaliveRequest) -> HeartbeatResponse:
+    """Keep the prefill holds of requests still queued here alive (a heartbeat per prefill side).
+
+    Every ticket's MAC is checked (401 naming the ticket). The tickets are grouped by prefill
+    sidecar, each gets one heartbeat (bounded by the handshake timeout), and the answers are
+    merged: ``extended``, ``missing`` (gone: expired or released, pull will fail), and
+    ``unanswered`` (that prefill sidecar gave no usable answer; retry).
+    """
+    return await sidecar.keepalive(req)
+
+
 async def released(sidecar: Sidecar, cursor: int) -> ReleasedHolds:
     """Holds released since ``cursor`` (notified, expired or aborted): free their blocks."""
     return sidecar.released_since(cursor)
@@ -107,6 +121,8 @@ OPERATIONS = [
               errors=(400, 422, 500, 503), needs_engine=True),
     Operation("GET", "/v1/pulls/{pull_id}", pull_status, None, PullStatus, query=(WAIT,),
               errors=(404, 422, 500)),
+    Operation("POST", "/v1/keepalive", keepalive, KeepaliveRequest, HeartbeatResponse,
+              errors=(400, 401, 422, 500, 503), needs_engine=True),
     Operation("GET", "/v1/released", released, None, ReleasedHolds, query=(CURSOR,),
               errors=(422, 500, 503), needs_engine=True),
     Operation("GET", "/healthz", healthz, None, HEALTH),

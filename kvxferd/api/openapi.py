@@ -37,17 +37,20 @@ ERRORS: dict[int, tuple[str, str]] = {
     400: ("BadRequest", "The body is not JSON (DecodeError)."),
     401: ("Unauthorized", "Missing or wrong bearer token, or a ticket whose HMAC does not match "
                           "(AuthError). Carries WWW-Authenticate: Bearer."),
-    404: ("NotFound", "No such hold or pull (UnknownHoldError)."),
-    409: ("Conflict", "The sidecar's state forbids it: a live hold for this request id, an "
-                      "engine already registered, or incompatible manifests (``field`` lists "
-                      "the fields that disagree)."),
+    404: ("NotFound", "No such hold (UnknownHoldError) or pull (UnknownPullError)."),
+    409: ("Conflict", "The sidecar's state forbids it: a live hold for this request id "
+                      "(DuplicateHoldError), an engine already registered "
+                      "(AlreadyRegisteredError), or incompatible manifests "
+                      "(IncompatiblePeerError; ``field`` lists the fields that disagree)."),
     410: ("Gone", "The hold's lease ended; its blocks may already be reused (HoldExpiredError)."),
     422: ("UnprocessableContent", "A field has the wrong type, is unknown, missing or out of "
                                   "range; ``field`` is its path, e.g. ``block_ids[0][1]``."),
-    500: ("InternalServerError", "An unexpected error (InternalError); the sidecar keeps "
+    500: ("InternalServerError", "An unexpected error (InternalError) or a setting of the "
+                                 "server that is wrong (ConfigError); the sidecar keeps "
                                  "serving."),
     502: ("BadGateway", "NIXL or a peer failed (TransportError, HandshakeError)."),
-    503: ("ServiceUnavailable", "No engine has registered with this sidecar yet (NotReady)."),
+    503: ("ServiceUnavailable", "No engine has registered with this sidecar yet "
+                                "(NotRegisteredError)."),
 }  # fmt: skip
 
 

@@ -21,13 +21,13 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvxferd.api.codec import HTTPProblem, StructResponse, decode, problem_for, problem_response
-from kvxferd.errors import KvxferdError
+from kvxferd.errors import KvxferdError, NotRegisteredError
 from kvxferd.wire import ErrorBody
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[..., Awaitable[Any]]
-NOT_READY = "no engine has registered with this sidecar yet"
+NOT_REGISTERED = "no engine has registered with this sidecar yet"
 _PATH_PARAM = re.compile(r"{(\w+)}")
 
 
@@ -123,7 +123,7 @@ def _endpoint(
             if op.auth:
                 gate.authorize(request)  # type: ignore[misc]  # checked by mount()
             if op.needs_engine and not gate.ready():
-                raise HTTPProblem(503, ErrorBody(error="NotReady", detail=NOT_READY))
+                raise NotRegisteredError(NOT_REGISTERED)
             args: list[Any] = [target]
             if op.request is not None:
                 args.append(await decode(request, op.request))

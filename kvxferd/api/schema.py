@@ -6,35 +6,12 @@ The one place that turns ``kvxferd.wire`` types into schema components: ``proto/
 
 from __future__ import annotations
 
-import ast
 import inspect
-import textwrap
 from typing import Any
 
 import msgspec
 
-
-def attribute_docs(cls: type) -> dict[str, str]:
-    """Field name -> the string literal written right below it in ``cls``'s body (and bases')."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if klass is object or klass.__module__ in ("builtins", "msgspec"):
-            continue
-        try:
-            source = textwrap.dedent(inspect.getsource(klass))
-        except (OSError, TypeError):
-            continue
-        body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
-        for node, nxt in zip(body, body[1:], strict=False):
-            if (
-                isinstance(node, ast.AnnAssign)
-                and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                docs[node.target.id] = inspect.cleandoc(nxt.value.value)
-    return docs
+from kvxferd._docstrings import attribute_docs
 
 
 def components(types: list[type], ref_template: str) -> dict[str, dict[str, Any]]:

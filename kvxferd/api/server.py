@@ -12,16 +12,14 @@ import contextlib
 import logging
 import os
 import signal
-import socket
-import stat
 import sys
 
 import uvicorn
 
 from kvxferd.api.engine import engine_app
 from kvxferd.api.peer import peer_app
+from kvxferd.api.sockets import bind_tcp, bind_unix
 from kvxferd.config import Config
-from kvxferd.errors import ConfigError
 from kvxferd.sidecar.service import Sidecar
 
 log = logging.getLogger(__name__)
@@ -32,39 +30,6 @@ class _Server(uvicorn.Server):
 
     def capture_signals(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
         return contextlib.nullcontext()
-
-
-def bind_unix(path: str) -> socket.socket:
-    """Bind a 0600 Unix stream socket at ``path``, replacing a stale socket file."""
-    if os.path.exists(path):
-        if not stat.S_ISSOCK(os.stat(path).st_mode):
-            raise ConfigError(f"engine_socket: {path} exists and is not a socket")
-        os.unlink(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)
-    try:
-        sock.bind(path)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"engine_socket: cannot bind {path}: {exc.strerror}") from exc
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o600)
-    sock.listen(128)
-    return sock
-
-
-def bind_tcp(host: str, port: int) -> socket.socket:
-    """Bind a TCP listening socket (port 0 picks a free one)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"peer_port: cannot bind {host}:{port}: {exc.strerror}") from exc
-    sock.listen(1024)
-    return sock
 
 
 async def serve(config: Config) -> None:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 
-from kvxferd.config import env_help, load_config
+from kvxferd.config import Config, env_help, load_config
 from kvxferd.errors import ConfigError
+
+_UNIX_PATH_MAX = 107  # sun_path is 108 bytes on Linux, NUL included
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -43,10 +47,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the config (env, then flags) and serve until SIGINT/SIGTERM."""
+    """Load the config (env, then flags), check it, and serve until SIGINT/SIGTERM.
+
+    Every check that needs no NIXL runs before the server module is imported (NIXL and torch
+    take seconds to import), so a wrong flag or a missing token fails at once.
+    """
+    config = _load(args)
+    check_startable(config)
     from kvxferd.api.server import serve
     from kvxferd.cli import setup_logging
 
+    setup_logging(config.log_level)
+    asyncio.run(serve(config))
+    return 0
+
+
+def _load(args: argparse.Namespace) -> Config:
     token = None
     if args.peer_token_file:
         try:
@@ -54,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                 token = fh.read().strip()
         except OSError as exc:
             raise ConfigError(f"--peer-token-file: {exc.strerror}: {args.peer_token_file}") from exc
-    config = load_config(
+    return load_config(
         {
             "engine_socket": args.engine_socket,
             "peer_host": args.peer_host,
@@ -69,10 +85,24 @@ def run(args: argparse.Namespace) -> int:
             "log_level": args.log_level,
         }
     )
+
+
+def check_startable(config: Config) -> None:
+    """ConfigError for what would stop the sidecar later: no peer token, an unknown log level,
+    an engine socket whose directory is missing or whose path is too long for AF_UNIX."""
     if not config.peer_token:
         raise ConfigError(
             "no peer token: set KVXFERD_PEER_TOKEN or --peer-token-file (peers must authenticate)"
         )
-    setup_logging(config.log_level)
-    asyncio.run(serve(config))
-    return 0
+    if config.log_level.upper() not in logging.getLevelNamesMapping():
+        raise ConfigError(
+            f"log_level: unknown level {config.log_level!r} (debug, info, warning, error)"
+        )
+    path = config.engine_socket
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"engine_socket: {path}: directory {folder} does not exist")
+    if len(os.fsencode(path)) > _UNIX_PATH_MAX:
+        raise ConfigError(
+            f"engine_socket: {path}: longer than {_UNIX_PATH_MAX} bytes (the AF_UNIX limit)"
+        )

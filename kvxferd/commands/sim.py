@@ -1,5 +1,6 @@
 """``kvxferd sim``: a simulated OpenAI-compatible engine (prefill, decode or colocated) whose
-paged KV pool lives in shared memory, with one kvxferd sidecar per TP rank."""
+paged KV pool lives in shared memory, with one kvxferd sidecar per TP rank (started by the sim,
+or already running: ``--sidecar-socket``)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "checks every byte and generates text that is a pure function of those bytes. Prints "
         "'kvxferd sim ready url=http://HOST:PORT role=ROLE tp=N model=NAME' when ready.",
         epilog="The peer secret comes from KVXFERD_PEER_TOKEN (random if unset; prefill and "
-        "decode sims that talk to each other need the same one). Bundled configs: "
-        + ", ".join(preset_names()),
+        "decode sims that talk to each other need the same one; attached sidecars have their "
+        "own). Bundled configs: " + ", ".join(preset_names()),
     )
     p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"],
                    help="prefill: hold KV for a decode; decode: pull it; colocated: no "
@@ -50,6 +51,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="auto, bfloat16, float16, fp8...")  # fmt: skip
     p.add_argument("--attn-pack-size", type=int, default=1, metavar="N",
                    help="attention layers sharing one page (hybrids)")  # fmt: skip
+    p.add_argument("--sidecar-socket", action="append", dest="sidecar_sockets", default=[],
+                   metavar="PATH",
+                   help="attach to the running `kvxferd serve` whose engine socket this is "
+                   "instead of starting one (repeat once per TP rank, in rank order); it must "
+                   "share /dev/shm with the sim")  # fmt: skip
+    p.add_argument("--sidecar-timeout", type=float, default=60.0, metavar="S",
+                   help="how long to wait for the sidecars to start or, attached, to answer "
+                   "/healthz; also the bound of each call to them")  # fmt: skip
     p.add_argument("--log-level", default="info", metavar="LEVEL",
                    help="debug, info, warning, error")  # fmt: skip
     p.set_defaults(func=run)
@@ -78,5 +87,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             attn_pack_size=args.attn_pack_size,
             log_level=args.log_level,
+            sidecar_timeout_s=args.sidecar_timeout,
+            sidecar_sockets=tuple(args.sidecar_sockets),
         )
     )

@@ -7,12 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import sys
 
 import uvicorn
 
-from kvxferd.errors import ConfigError
+from kvxferd.api.sockets import bind_tcp
 from kvxferd.proxy.app import ProxySettings, proxy_app
 
 
@@ -23,22 +22,9 @@ class _Server(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port``."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"--port: cannot bind {host}:{port}: {exc.strerror}") from exc
-    sock.listen(1024)
-    return sock
-
-
 async def serve_proxy(settings: ProxySettings, host: str, port: int, log_level: str) -> None:
     """Run until SIGINT/SIGTERM, then finish in-flight requests; the ready line goes to stdout."""
-    sock = bind(host, port)
+    sock = bind_tcp(host, port, "--port")
     bound_host, bound_port = sock.getsockname()[:2]
     server = _Server(
         uvicorn.Config(proxy_app(settings), log_level=log_level.lower(), access_log=False)

@@ -6,7 +6,6 @@ from kvxferd.sidecar.holds import (
     HoldCounters,
     HoldTable,
     NotifyOutcome,
-    check_block_ids,
 )
 from kvxferd.sidecar.states import HoldState, PullState, advance
 from kvxferd.sidecar.tickets import sign_ticket, ticket_mac, verify_ticket
@@ -20,7 +19,6 @@ __all__ = [
     "NotifyOutcome",
     "PullState",
     "advance",
-    "check_block_ids",
     "sign_ticket",
     "ticket_mac",
     "verify_ticket",

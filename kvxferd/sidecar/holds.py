@@ -23,12 +23,12 @@ import math
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvxferd.descriptors.geometry import check_request_ids
 from kvxferd.errors import (
-    BlockIdError,
     ConfigError,
     DuplicateHoldError,
     HoldExpiredError,
@@ -116,33 +116,6 @@ class HoldCounters:
     """Repeated notifications from a reader that had already notified."""
     notifications_unknown: int = 0
     """Notifications for holds that do not exist (late after expiry, or bogus)."""
-
-
-def check_block_ids(
-    block_ids: Sequence[Sequence[int]],
-    num_groups: int,
-    num_blocks: int,
-    *,
-    field: str = "block_ids",
-    allow_skip: bool = False,
-) -> None:
-    """Raise BlockIdError unless there is one list per group of distinct ids in [0, num_blocks).
-
-    ``allow_skip`` accepts -1 (a block the caller does not want) any number of times.
-    """
-    if len(block_ids) != num_groups:
-        raise BlockIdError(field, f"{len(block_ids)} groups given, the manifest has {num_groups}")
-    for g, ids in enumerate(block_ids):
-        seen: set[int] = set()
-        for i, block in enumerate(ids):
-            where = f"{field}[{g}][{i}]"
-            if allow_skip and block == -1:
-                continue
-            if not 0 <= block < num_blocks:
-                raise BlockIdError(where, f"block id {block} outside [0, {num_blocks})")
-            if block in seen:
-                raise BlockIdError(where, f"block id {block} repeated within group {g}")
-            seen.add(block)
 
 
 def _positive(value: float, name: str) -> float:
@@ -241,7 +214,7 @@ class HoldTable:
     def hold(self, request: HoldRequest, now: float | None = None) -> Hold:
         """Pin a request's blocks for ``request.lease_s`` (default if None, capped by the max)."""
         now = self._now(now)
-        check_block_ids(request.block_ids, self.num_groups, self.num_blocks)
+        check_request_ids(self.num_blocks, self.num_groups, request.block_ids, "block_ids")
         if request.num_tokens < 0:
             raise HoldRequestError("num_tokens", f"must be >= 0, got {request.num_tokens}")
         lease = self.default_lease_s

@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 import msgspec
@@ -28,10 +29,13 @@ from kvxferd.wire import (
     ClaimResponse,
     ErrorBody,
     Handshake,
+    Heartbeat,
+    HeartbeatResponse,
     Manifest,
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -121,20 +125,31 @@ class PeerTable:
 
     async def claim(self, address: str, request: ClaimRequest) -> ClaimResponse:
         """Claim a hold at a prefill sidecar; 404/410 become UnknownHoldError/HoldExpiredError."""
+        return await self._call(address, "/v1/claims", request, ClaimResponse, "claim")
+
+    async def heartbeat(self, address: str, request: Heartbeat) -> HeartbeatResponse:
+        """Extend holds at a prefill sidecar; the whole call is bounded by the timeout."""
+        return await self._call(address, "/v1/heartbeat", request, HeartbeatResponse, "heartbeat")
+
+    async def _call(
+        self, address: str, path: str, request: object, answer: type[T], what: str
+    ) -> T:
+        """POST ``request`` to a peer and decode its answer; errors become our exceptions."""
         try:
-            resp = await self._client.post(
-                f"http://{address}/v1/claims",
-                content=msgspec.json.encode(request),
-                headers={**self._headers, "Content-Type": "application/json"},
-            )
-        except httpx.HTTPError as exc:
-            raise HandshakeError(f"peer {address} unreachable for claim: {exc!r}") from exc
+            async with asyncio.timeout(self._timeout):
+                resp = await self._client.post(
+                    f"http://{address}{path}",
+                    content=msgspec.json.encode(request),
+                    headers={**self._headers, "Content-Type": "application/json"},
+                )
+        except (httpx.HTTPError, TimeoutError) as exc:
+            raise HandshakeError(f"peer {address} unreachable for {what}: {exc!r}") from exc
         if resp.status_code != 200:
             raise _remote_error(address, resp)
         try:
-            return msgspec.json.decode(resp.content, type=ClaimResponse)
-        except msgspec.ValidationError as exc:
-            raise HandshakeError(f"peer {address} answered an invalid claim: {exc}") from exc
+            return msgspec.json.decode(resp.content, type=answer)
+        except msgspec.MsgspecError as exc:
+            raise HandshakeError(f"peer {address} answered an invalid {what}: {exc}") from exc
 
     async def forget(self, address: str) -> None:
         """Drop a cached peer and its NIXL remote agent (peer died or restarted)."""

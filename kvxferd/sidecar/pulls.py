@@ -30,6 +30,7 @@ from kvxferd.errors import (
     PullError,
     TransferTimeoutError,
     UnknownHoldError,
+    UnknownPullError,
 )
 from kvxferd.sidecar.states import PullState
 from kvxferd.wire import ClaimRequest, Manifest, PullRequest, PullStatus, Ticket
@@ -141,7 +142,7 @@ class PullRunner:
         """Status of a pull, long-polling up to ``wait_s`` for it to finish."""
         pull = self._pulls.get(pull_id)
         if pull is None:
-            raise UnknownHoldError(f"no pull {pull_id!r}")
+            raise UnknownPullError(f"no pull {pull_id!r} on this sidecar")
         if wait_s > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(pull.done.wait(), wait_s)

@@ -17,11 +17,17 @@ from typing import Any
 
 from kvxferd import descriptors
 from kvxferd.config import Config
-from kvxferd.errors import ConfigError, KvxferdError, ManifestError
+from kvxferd.errors import (
+    AlreadyRegisteredError,
+    KvxferdError,
+    ManifestError,
+    NotRegisteredError,
+)
 from kvxferd.layout import validate_manifest
 from kvxferd.memory import open_region
 from kvxferd.metrics import Metrics
 from kvxferd.sidecar.holds import HoldTable
+from kvxferd.sidecar.keepalive import keep_alive
 from kvxferd.sidecar.peers import PeerTable
 from kvxferd.sidecar.pulls import Pull, PullRunner
 from kvxferd.sidecar.tickets import sign_ticket, verify_ticket
@@ -35,6 +41,7 @@ from kvxferd.wire import (
     Heartbeat,
     HeartbeatResponse,
     HoldRequest,
+    KeepaliveRequest,
     Manifest,
     PullAccepted,
     PullRequest,
@@ -116,7 +123,9 @@ class Sidecar:
     async def register(self, req: RegisterRequest) -> RegisterResponse:
         """Map the engine's regions, register them with NIXL once each, adopt the manifest."""
         if self.manifest is not None:
-            raise ConfigError("register: this sidecar already has an engine; restart it first")
+            raise AlreadyRegisteredError(
+                "register: this sidecar already has an engine; restart it first"
+            )
         if len(req.regions) != len(req.manifest.regions):
             raise ManifestError(
                 "regions",
@@ -195,6 +204,11 @@ class Sidecar:
         """A pull's status, waiting up to ``wait_s`` for it to finish."""
         return await self.pulls.status(pull_id, wait_s)
 
+    async def keepalive(self, req: KeepaliveRequest) -> HeartbeatResponse:
+        """Heartbeat the holds behind a decode engine's queued tickets at their prefill sides."""
+        self._require_engine()
+        return await keep_alive(self.peers, req, self._secret)
+
     def released_since(self, cursor: int) -> ReleasedHolds:
         """The released-holds feed from ``cursor``."""
         holds, _ = self._require_engine()
@@ -245,7 +259,7 @@ class Sidecar:
 
     def _require_engine(self) -> tuple[HoldTable, Manifest]:
         if self.manifest is None or self.holds is None:
-            raise ConfigError("no engine has registered with this sidecar yet")
+            raise NotRegisteredError("no engine has registered with this sidecar yet")
         return self.holds, self.manifest
 
     @property

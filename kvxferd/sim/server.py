@@ -1,5 +1,6 @@
-"""Run one simulated engine: plan and create the pools, start and register one sidecar per rank,
-serve HTTP, print the ready line, and on SIGINT/SIGTERM undo all of it and exit 0.
+"""Run one simulated engine: plan and create the pools, start (or attach to) and register one
+sidecar per rank, serve HTTP, print the ready line, and on SIGINT/SIGTERM undo all of it (sidecars
+it attached to keep running) and exit 0.
 
 Ready line (stdout, once): ``kvxferd sim ready url=http://HOST:PORT role=ROLE tp=N model=NAME``.
 """
@@ -13,19 +14,25 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import tempfile
 from dataclasses import dataclass, replace
 from types import FrameType
 
 import uvicorn
 
+from kvxferd.api.sockets import bind_tcp
 from kvxferd.errors import ConfigError
 from kvxferd.layout import PlanOptions, load_hf_config
 from kvxferd.sim.app import sim_app
 from kvxferd.sim.engine import EngineSettings, PullFailurePolicy, Role, SimEngine
 from kvxferd.sim.kvpool import RankPool, default_pool_blocks, plan_ranks
-from kvxferd.sim.sidecars import SidecarProcess, start_sidecars
+from kvxferd.sim.sidecars import (
+    RankSidecar,
+    SidecarProcess,
+    attach_sidecars,
+    register_pools,
+    start_sidecars,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +59,10 @@ class SimOptions:
     attn_pack_size: int = 1
     log_level: str = "info"
     sidecar_timeout_s: float = 60.0
+    """Bound on starting (or reaching) the sidecars and on each call to them."""
+    sidecar_sockets: tuple[str, ...] = ()
+    """Engine sockets of running sidecars to attach to, one per rank in rank order; empty: start
+    our own."""
 
 
 class _Server(uvicorn.Server):
@@ -71,6 +82,7 @@ def run_sim(opts: SimOptions) -> int:
         raise ConfigError(f"--tp: must be >= 1, got {opts.tp}")
     if opts.lease_s is not None and opts.lease_s <= 0:
         raise ConfigError(f"--lease: must be > 0, got {opts.lease_s}")
+    _check_sidecar_sockets(opts)
     hf = load_hf_config(opts.config)
     engine_id = f"sim{secrets.token_hex(4)}"
     plan = PlanOptions(tp_size=opts.tp, engine_id=engine_id, kv_cache_dtype=opts.kv_cache_dtype,
@@ -82,14 +94,17 @@ def run_sim(opts: SimOptions) -> int:
     model = opts.served_model_name or manifests[0].model or opts.config
     signal.signal(signal.SIGTERM, _stop_requested)
     pools: list[RankPool] = []
-    sidecars: list[SidecarProcess] = []
+    sidecars: list[RankSidecar] = []
     _sweep_stale_dirs()
     tmp = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
     try:
         for m in manifests:
             pools.append(RankPool(m))
-        if opts.role != "colocated":
-            sidecars = _start_sidecars(opts, tmp, engine_id, pools)
+        if opts.sidecar_sockets:
+            sidecars = list(attach_sidecars(opts.sidecar_sockets, opts.sidecar_timeout_s))
+            register_pools(sidecars, pools, opts.sidecar_timeout_s)
+        elif opts.role != "colocated":
+            sidecars = list(_start_sidecars(opts, tmp, engine_id, pools))
         for p in pools:
             p.unlink()
         log.info("%s: %d ranks, %d blocks per rank", engine_id, opts.tp, blocks)
@@ -98,9 +113,10 @@ def run_sim(opts: SimOptions) -> int:
         pass
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for s in sidecars:
+        owned = [s for s in sidecars if isinstance(s, SidecarProcess)]
+        for s in owned:
             s.child.terminate()
-        for s in sidecars:
+        for s in owned:
             if s.stop() != 0:
                 log.warning("sidecar %s exited with %s", s.engine_id, s.child.proc.returncode)
         for p in pools:
@@ -124,6 +140,21 @@ def _sweep_stale_dirs() -> None:
             continue
 
 
+def _check_sidecar_sockets(opts: SimOptions) -> None:
+    """--sidecar-socket: one per rank, and only for roles that move KV."""
+    given = len(opts.sidecar_sockets)
+    if not given:
+        return
+    if opts.role == "colocated":
+        raise ConfigError("--sidecar-socket: a colocated sim moves no KV and uses no sidecar")
+    if given != opts.tp:
+        raise ConfigError(
+            f"--sidecar-socket: {given} given for --tp {opts.tp} (one per rank, in rank order)"
+        )
+    if len(set(opts.sidecar_sockets)) != given:
+        raise ConfigError("--sidecar-socket: each rank needs its own sidecar")
+
+
 def _start_sidecars(
     opts: SimOptions, tmp: str, engine_id: str, pools: list[RankPool]
 ) -> list[SidecarProcess]:
@@ -137,9 +168,7 @@ def _start_sidecars(
                               per_rank_args=[["--engine-id", n] for n in names],
                               die_with_parent=True, timeout_s=opts.sidecar_timeout_s)  # fmt: skip
     try:
-        for s, p in zip(sidecars, pools, strict=True):
-            with s.client(timeout_s=opts.sidecar_timeout_s) as c:
-                c.register(p.manifest, p.specs())
+        register_pools(sidecars, pools, opts.sidecar_timeout_s)
     except BaseException:
         for s in sidecars:
             s.kill()
@@ -154,16 +183,15 @@ def _child_level(level: str) -> str:
 
 async def _serve(
     opts: SimOptions, engine_id: str, model: str, pools: list[RankPool],
-    sidecars: list[SidecarProcess],
+    sidecars: list[RankSidecar],
 ) -> None:  # fmt: skip
-    sock = _bind(opts.host, opts.port)
+    sock = bind_tcp(opts.host, opts.port, "--port")
     settings = EngineSettings(role=opts.role, engine_id=engine_id,
                               on_pull_failure=opts.on_pull_failure, lease_s=opts.lease_s,
                               pull_timeout_s=opts.pull_timeout_s)  # fmt: skip
 
     def alive() -> str:
-        dead = [s.engine_id for s in sidecars if not s.child.alive()]
-        return f"sidecar exited: {', '.join(dead)}" if dead else ""
+        return "; ".join(p for p in (s.problem() for s in sidecars) if p)
 
     engine = SimEngine(
         settings,
@@ -202,15 +230,3 @@ async def _serve(
         sock.close()
     if task.done() and not task.cancelled() and task.exception() is not None:
         raise task.exception()  # type: ignore[misc]
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"--port: cannot bind {host}:{port}: {exc.strerror}") from exc
-    sock.listen(1024)
-    return sock

@@ -24,6 +24,7 @@ from kvxferd.config import Config  # noqa: E402
 from kvxferd.metrics import Metrics  # noqa: E402
 from kvxferd.sidecar.service import Sidecar  # noqa: E402
 from kvxferd.wire import (  # noqa: E402
+    HeartbeatResponse,
     PullAccepted,
     PullStatus,
     RegisterRequest,
@@ -66,6 +67,10 @@ class FakeSidecar:
     async def pull_status(self, pull_id: str, wait_s: float) -> PullStatus:
         self._call("pull_status", (pull_id, wait_s))
         return PullStatus(pull_id=pull_id, state="pending")
+
+    async def keepalive(self, req: Any) -> HeartbeatResponse:
+        self._call("keepalive", req)
+        return HeartbeatResponse(extended=[t.hold_id for t in req.tickets], missing=[])
 
     def released_since(self, cursor: int) -> ReleasedHolds:
         self._call("released_since", cursor)

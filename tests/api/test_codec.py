@@ -67,7 +67,8 @@ def _instance(cls: type[errors.KvxferdError]) -> errors.KvxferdError:
 EXPECTED = {
     "AuthError": 401, "UnknownHoldError": 404, "HoldExpiredError": 410,
     "IncompatiblePeerError": 409, "DuplicateHoldError": 409, "StateError": 409,
-    "ConfigError": 409, "HoldRequestError": 422, "BlockIdError": 422, "ManifestError": 422,
+    "ConfigError": 500, "NotRegisteredError": 503, "AlreadyRegisteredError": 409,
+    "UnknownPullError": 404, "HoldRequestError": 422, "BlockIdError": 422, "ManifestError": 422,
     "UnsupportedModelError": 422, "MemoryRegionError": 422, "HandshakeError": 502,
     "TransportError": 502, "RegistrationError": 502, "PeerDisconnectedError": 502,
     "TransferFailedError": 502, "TransferTimeoutError": 502, "TransportLookupError": 502,

@@ -14,6 +14,8 @@ from kvxferd.api.engine import MAX_WAIT_S, engine_document
 from kvxferd.wire import (
     AbortHoldRequest,
     ErrorBody,
+    HeartbeatResponse,
+    KeepaliveRequest,
     PullAccepted,
     PullStatus,
     RegisterRequest,
@@ -101,6 +103,20 @@ def test_a_well_typed_body_reaches_the_sidecar_as_its_struct(fake_engine, fake):
     assert fake.calls == [("abort", AbortHoldRequest(hold_id="h1"))]
 
 
+def test_a_keepalive_reaches_the_sidecar_typed_and_answers_heartbeats(fake_engine, fake):
+    ticket = Ticket(engine_id="e", epoch=1, hold_id="h9", request_id="r", block_ids=[[1]],
+                    num_tokens=1, expires_at=0.0, tp_rank=0, tp_size=1,
+                    peer="127.0.0.1:9")  # fmt: skip
+    body = msgspec.to_builtins({"tickets": [ticket], "extend_s": 12.5})
+    resp = fake_engine.post("/v1/keepalive", json=body)
+    assert resp.status_code == 200
+    answer = msgspec.json.decode(resp.content, type=HeartbeatResponse)
+    assert (answer.extended, answer.missing, answer.unanswered) == (["h9"], [], [])
+    assert fake.calls == [("keepalive", KeepaliveRequest(tickets=[ticket], extend_s=12.5))]
+    err = _error(fake_engine.post("/v1/keepalive", json={"tickets": [], "extend_s": "long"}), 422)
+    assert err.field == "extend_s"
+
+
 # ------------------------------------------------------------------------------ error mapping
 
 
@@ -117,7 +133,10 @@ def test_a_well_typed_body_reaches_the_sidecar_as_its_struct(fake_engine, fake):
         (errors.IncompatiblePeerError({"groups[0].kind": ("mamba", "full_attention"),
                                        "num_blocks": (8, 4)}), 409, "groups[0].kind,num_blocks"),
         (errors.AuthError("ticket.token: missing"), 401, ""),
-        (errors.ConfigError("register: this sidecar already has an engine"), 409, ""),
+        (errors.AlreadyRegisteredError("register: this sidecar already has an engine"), 409, ""),
+        (errors.NotRegisteredError("no engine has registered with this sidecar yet"), 503, ""),
+        (errors.UnknownPullError("no pull 'p' on this sidecar"), 404, ""),
+        (errors.ConfigError("default_lease_s: larger than max_lease_s"), 500, ""),
         (errors.MemoryRegionError("no such segment"), 422, ""),
         (errors.RegistrationError("ucx said no"), 502, ""),
         (errors.StateError("done", "pending", "backward"), 409, ""),
@@ -149,7 +168,7 @@ def test_an_unexpected_exception_is_a_500_and_the_app_keeps_answering(fake_engin
     assert fake_engine.post("/v1/holds/abort", json={"hold_id": "h"}).status_code == 204
 
 
-def test_before_registration_engine_calls_answer_503_not_ready(fake_engine, fake):
+def test_before_registration_engine_calls_answer_503_not_registered(fake_engine, fake):
     fake.ready = False
     for method, path, body in [
         ("POST", "/v1/holds", _hold_body()),
@@ -158,7 +177,7 @@ def test_before_registration_engine_calls_answer_503_not_ready(fake_engine, fake
         ("GET", "/v1/released", None),
     ]:
         resp = fake_engine.request(method, path, json=body)
-        assert _error(resp, 503).error == "NotReady", path
+        assert _error(resp, 503).error == "NotRegisteredError", path
     assert fake.calls == []
     assert fake_engine.get("/healthz").status_code == 200
 
@@ -230,7 +249,7 @@ def test_a_registered_sidecar_answers_with_its_identity_and_refuses_a_second_eng
     assert real.manifest.engine_id == "api-test" and real.sidecar.ready
     body = RegisterRequest(manifest=plan("llama-3.1-8b", num_blocks=8), regions=real.pool.specs())
     err = _error(real.engine.post("/v1/register", content=msgspec.json.encode(body)), 409)
-    assert err.error == "ConfigError" and "already has an engine" in err.detail
+    assert err.error == "AlreadyRegisteredError" and "already has an engine" in err.detail
 
 
 @pytest.mark.parametrize(
@@ -301,10 +320,19 @@ def test_abort_releases_once_then_the_hold_is_unknown(real):
     ]
 
 
-def test_the_status_of_an_unknown_pull_is_a_404(real):
-    assert _error(real.engine.get("/v1/pulls/nope?wait=0"), 404).error == "UnknownHoldError"
+def test_the_status_of_an_unknown_pull_is_a_404_unknown_pull_error(real):
+    err = _error(real.engine.get("/v1/pulls/nope?wait=0"), 404)
+    assert err.error == "UnknownPullError" and "'nope'" in err.detail
 
 
 def test_a_pull_without_tickets_is_a_422_naming_tickets(real):
     err = _error(real.engine.post("/v1/pulls", json={"tickets": [], "block_ids": [[1]]}), 422)
     assert (err.error, err.field) == ("BlockIdError", "tickets")
+
+
+def test_before_registration_the_sidecar_itself_raises_not_registered(fresh):
+    with pytest.raises(errors.NotRegisteredError, match="no engine has registered"):
+        fresh.sidecar.released_since(0)
+    with pytest.raises(errors.NotRegisteredError):
+        fresh.sidecar.abort(AbortHoldRequest(hold_id="h"))
+    assert _error(fresh.engine.get("/v1/released"), 503).error == "NotRegisteredError"

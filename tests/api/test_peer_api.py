@@ -97,8 +97,9 @@ def test_probes_metrics_and_the_document_need_no_token(fake_peer):
 
 def test_readyz_is_503_with_an_error_body_until_an_engine_registers(fake_peer, fake):
     fake.ready = False
-    assert _error(fake_peer.get("/readyz"), 503).error == "NotReady"
-    assert _error(fake_peer.post("/v1/heartbeat", json={}, headers=AUTH), 503).error == "NotReady"
+    assert _error(fake_peer.get("/readyz"), 503).error == "NotRegisteredError"
+    resp = fake_peer.post("/v1/heartbeat", json={}, headers=AUTH)
+    assert _error(resp, 503).error == "NotRegisteredError"
     fake.ready = True
     assert fake_peer.get("/readyz").status_code == 200
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvxferd.api.schema import attribute_docs, components
+from kvxferd.api.schema import components
 
 
 class _Base(msgspec.Struct, kw_only=True):
@@ -32,14 +32,6 @@ class _Holder(msgspec.Struct):
 
     things: list[_Thing]
     """The things."""
-
-
-def test_attribute_docs_reads_the_string_below_each_field_including_bases():
-    assert attribute_docs(_Thing) == {
-        "inherited": "Comes from the base.",
-        "name": "What it is called.",
-        "other": "Documented, after an undocumented one.",
-    }
 
 
 def test_components_describe_fields_of_referenced_structs_too():

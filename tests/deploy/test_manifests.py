@@ -180,7 +180,14 @@ def test_sim_overlay_runs_simulated_engines_on_cpus_only(name):
     role = name.removeprefix("kvxferd-")
     assert engine["command"] == ["kvxferd", "sim"]
     assert f"--role={role}" in engine["args"]
-    assert "--engine-socket=/run/kvxferd/engine.sock" in engine["args"]
+    # The sim attaches to the kvxferd container's socket (same path it binds) ...
+    sidecar = container(deployment, "kvxferd")
+    assert "--engine-socket=/run/kvxferd/engine.sock" in sidecar["args"]
+    assert "--sidecar-socket=/run/kvxferd/engine.sock" in engine["args"]
+    # ... waiting for it (bounded) well within the engine's startup probe budget.
+    wait = float(_flag(engine["args"], "--sidecar-timeout"))
+    probe = engine["startupProbe"]
+    assert 0 < wait < probe["periodSeconds"] * probe["failureThreshold"]
     for c in spec["containers"]:
         assert c["image"].startswith("kvxferd:"), c["image"]
         resources = c["resources"]
@@ -191,6 +198,13 @@ def test_sim_overlay_runs_simulated_engines_on_cpus_only(name):
     assert {o["metadata"].get("namespace") for o in objects if o["kind"] != "Namespace"} == {
         "kvxferd-sim"
     }
+
+
+def _flag(args: list[str], name: str) -> str:
+    """The value of ``--name=value`` in a container's args (AssertionError if absent)."""
+    values = [a.split("=", 1)[1] for a in args if a.startswith(f"{name}=")]
+    assert len(values) == 1, f"{name}: {values}"
+    return values[0]
 
 
 def _parses(argv: list[str]) -> None:
@@ -212,11 +226,6 @@ def test_sidecar_and_proxy_command_lines_parse(tree):
     _parses([*proxy["command"][1:], *proxy["args"]])
 
 
-@pytest.mark.xfail(
-    reason="kvxferd sim starts its own sidecars; the pod runs the sidecar as its own container, "
-    "so the sim needs --engine-socket to attach to it (issue 4 / issue 5 follow-up)",
-    raises=AssertionError,
-)
 @pytest.mark.parametrize("name", ENGINES)
 def test_sim_engine_command_line_parses(name):
     engine = container(find(render("sim"), "Deployment", name), "engine")

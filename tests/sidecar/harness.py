@@ -1,126 +1,57 @@
 """Test harness: real ``kvxferd serve`` processes and engine-side KV pools in shared memory.
 
 A ``Sidecar`` is a child process started exactly as an operator would (``python -m kvxferd
-serve``); readiness is its stdout line, waited for with a deadline. An ``EnginePool`` is what an
-engine rank owns: one shared-memory segment per manifest region, registered through the client.
+serve``) by the package's own launcher (kvxferd.sim.sidecars); readiness is its stdout line,
+waited for with a deadline. An ``EnginePool`` is what an engine rank owns: one shared-memory
+segment per manifest region, registered through the client.
 """
 
 from __future__ import annotations
 
 import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
 
-from kvxferd.client import EngineClient
 from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
 from kvxferd.memory import SharedMemoryRegion
+from kvxferd.sim import sidecars as launcher
+from kvxferd.sim.sidecars import SidecarProcess
 from kvxferd.wire import Manifest, RegionSpec
 
 TOKEN = "test-peer-secret"
-READY_TIMEOUT_S = 60.0
 SENTINEL = 0xA5
 
 
-@dataclass
-class Sidecar:
-    """A running ``kvxferd serve`` child process."""
+Sidecar = SidecarProcess
+"""A running ``kvxferd serve`` child (the package's launcher type: socket, peer, engine_id,
+epoch, child; client(), stop(), kill())."""
 
-    socket: str
-    peer: str
-    engine_id: str
-    epoch: int
-    proc: subprocess.Popen[str]
-    lines: queue.Queue[str] = field(repr=False)
-    pump: threading.Thread | None = field(default=None, repr=False)
 
-    def client(self) -> EngineClient:
-        return EngineClient(self.socket, timeout_s=30.0)
+def _child_env(env: dict[str, str] | None) -> tuple[dict[str, str], str]:
+    """The children's environment (ours, loopback UCX, ``env`` on top) and their peer token."""
+    extra = env or {}
+    return {**os.environ, "UCX_NET_DEVICES": "lo", **extra}, extra.get("KVXFERD_PEER_TOKEN", TOKEN)
 
-    def kill(self) -> None:
-        """SIGKILL (a crash); waits for the process to be gone."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-        self._close_pipe()
 
-    def _close_pipe(self) -> None:
-        if self.proc.stdout is not None and self.pump is not None:
-            self.pump.join(timeout=10)
-            self.proc.stdout.close()
-
-    def output(self) -> str:
-        """Everything the process printed so far."""
-        out = []
-        while not self.lines.empty():
-            out.append(self.lines.get_nowait())
-        return "".join(out)
-
-    def stop(self) -> int:
-        """SIGTERM (a clean shutdown); returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        self._close_pipe()
-        return self.proc.returncode
+def start_sidecars(
+    tmp_dir: str, names: list[str], *extra: str, port: int = 0, env: dict[str, str] | None = None
+) -> list[Sidecar]:
+    """Start one sidecar per name at once (socket ``tmp_dir/NAME.sock``, flags ``extra``) and
+    wait (bounded) for every ready line; all or none. ``env`` adds to (or overrides) the
+    children's environment, e.g. another KVXFERD_PEER_TOKEN."""
+    child_env, token = _child_env(env)
+    return launcher.start_sidecars(tmp_dir, names, "--log-level", "warning", *extra, token=token,
+                                   port=port, env=child_env, merge_stderr=True)  # fmt: skip
 
 
 def start_sidecar(
     tmp_dir: str, name: str, *extra: str, port: int = 0, env: dict[str, str] | None = None
 ) -> Sidecar:
-    """Start ``kvxferd serve`` and wait (bounded) for its ready line.
-
-    ``env`` adds to (or overrides) the child's environment, e.g. another KVXFERD_PEER_TOKEN.
-    """
-    sock = os.path.join(tmp_dir, f"{name}.sock")
-    env = {**os.environ, "KVXFERD_PEER_TOKEN": TOKEN, "UCX_NET_DEVICES": "lo",
-           "PYTHONUNBUFFERED": "1", **(env or {})}  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvxferd", "serve", "--engine-socket", sock,
-         "--peer-port", str(port), "--log-level", "warning", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
-    lines: queue.Queue[str] = queue.Queue()
-    pump = threading.Thread(target=_pump, args=(proc, lines), daemon=True)
-    pump.start()
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    seen = []
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        seen.append(line)
-        if line.startswith("kvxferd ready"):
-            fields = dict(kv.split("=", 1) for kv in line.split()[2:])
-            return Sidecar(sock, fields["peer"], fields["engine_id"], int(fields["epoch"]),
-                           proc, lines, pump)  # fmt: skip
-        if proc.poll() is not None and lines.empty():
-            break
-    proc.kill()
-    proc.wait(timeout=30)
-    pump.join(timeout=10)
-    assert proc.stdout is not None
-    proc.stdout.close()
-    raise RuntimeError(f"sidecar {name} did not become ready:\n" + "".join(seen))
-
-
-def _pump(proc: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.put(line)
+    """Start one ``kvxferd serve`` (peer port ``port``, 0 = any) and wait for its ready line."""
+    return start_sidecars(tmp_dir, [name], *extra, port=port, env=env)[0]
 
 
 def plan(config: str, *, tp_size: int = 1, tp_rank: int = 0, num_blocks: int = 16,
@@ -178,23 +109,6 @@ QUIET = {"KVXFERD_PROGRESS_THREAD": "false"}
 """Env for sidecars without NIXL's UCX progress thread, which spins a full core per process
 even when idle; the sidecar's notification poller progresses the worker instead (every 1 ms
 while a hold is claimed). Used where a test runs three or more sidecars on CI's 2 cores."""
-
-
-def start_sidecars(
-    tmp_dir: str, names: list[str], env: dict[str, str] | None = None
-) -> list[Sidecar]:
-    """Start several sidecars concurrently (startup is mostly imports); all or none."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(names)) as pool:
-        futures = [pool.submit(start_sidecar, tmp_dir, n, env=env) for n in names]
-    started = [f.result() for f in futures if f.exception() is None]
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:
-        for s in started:
-            s.kill()
-        raise failed[0]  # type: ignore[misc]
-    return started
 
 
 def scrape(peer: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -290,7 +290,7 @@ def test_peer_killed_mid_pull_fails_within_deadline_then_restart_rehandshakes(pa
         # Killed while the pull is under way: the prefill process is frozen, the pull gets as
         # far as its claim (observed, not timed), then the process is SIGKILLed.
         ticket = victim.hold("killed-mid-pull")
-        os.kill(victim.sidecar.proc.pid, signal.SIGSTOP)
+        os.kill(victim.sidecar.child.pid, signal.SIGSTOP)
         deadline_s = 10.0
         with d.sidecar.client() as c:
             start = time.monotonic()

@@ -21,7 +21,7 @@ from kvxferd.errors import (
     HoldRequestError,
     UnknownHoldError,
 )
-from kvxferd.sidecar.holds import HoldTable, NotifyOutcome, check_block_ids
+from kvxferd.sidecar.holds import HoldTable, NotifyOutcome
 from kvxferd.sidecar.states import HoldState
 from kvxferd.wire import Group, HoldRequest, Manifest, Region
 
@@ -84,6 +84,7 @@ def test_hold_pins_blocks_under_a_lease():
         ([[1, NUM_BLOCKS], [3]], "block_ids[0][1]"),
         ([[1, 2], [-1]], "block_ids[1][0]"),
         ([[1, 2, 1], [3]], "block_ids[0][2]"),
+        ([[1, 2], [3, 5, 3, 5]], "block_ids[1][2]"),  # the first repeat
         ([[1, 2]], "block_ids"),
         ([[1], [2], [3]], "block_ids"),
     ],
@@ -100,12 +101,6 @@ def test_same_block_in_two_groups_and_empty_groups_are_fine():
     t = table()
     assert t.hold(req(block_ids=[[4], [4]])).block_ids == [[4], [4]]
     assert t.hold(req("r2", block_ids=[[], []])).block_ids == [[], []]
-
-
-def test_skip_marker_is_accepted_only_when_asked():
-    check_block_ids([[-1, 3, -1]], 1, NUM_BLOCKS, allow_skip=True)
-    with pytest.raises(BlockIdError, match=r"local\[0\]\[0\]"):
-        check_block_ids([[-1, 3]], 1, NUM_BLOCKS, field="local")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,45 @@
+"""Listening sockets we bind ourselves before handing them to uvicorn (so port 0 works, the
+Unix socket is 0600, and a bind error names the setting). No heavy imports: the proxy and the
+sim use it too."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+
+from kvxferd.errors import ConfigError
+
+
+def bind_unix(path: str, field: str = "engine_socket") -> socket.socket:
+    """Bind a 0600 Unix stream socket at ``path``, replacing a stale socket file."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise ConfigError(f"{field}: {path} exists and is not a socket")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"{field}: cannot bind {path}: {exc.strerror}") from exc
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    return sock
+
+
+def bind_tcp(host: str, port: int, field: str = "peer_port") -> socket.socket:
+    """Bind a TCP listening socket (port 0 picks a free one); ``field`` names the setting in
+    the ConfigError a failed bind raises (``peer_port``, ``--port``)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"{field}: cannot bind {host}:{port}: {exc.strerror}") from exc
+    sock.listen(1024)
+    return sock

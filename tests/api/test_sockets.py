@@ -1,0 +1,43 @@
+"""Sockets bound before uvicorn gets them: the engine socket is 0600 and replaces a stale one but
+never a regular file; a TCP bind that fails names the setting it came from."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from kvxferd.api.sockets import bind_tcp, bind_unix
+from kvxferd.errors import ConfigError
+
+
+def test_the_unix_socket_is_0600_and_replaces_a_stale_socket(tmp_path):
+    path = str(tmp_path / "e.sock")
+    stale = bind_unix(path)
+    stale.close()  # a crashed sidecar leaves its socket file behind
+    sock = bind_unix(path)
+    try:
+        mode = os.stat(path).st_mode
+        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+    finally:
+        sock.close()
+
+
+def test_a_regular_file_in_the_way_is_never_removed(tmp_path):
+    path = tmp_path / "e.sock"
+    path.write_text("keep me")
+    with pytest.raises(ConfigError, match="^engine_socket: .* exists and is not a socket"):
+        bind_unix(str(path))
+    assert path.read_text() == "keep me"
+
+
+def test_a_failed_tcp_bind_names_the_setting():
+    taken = bind_tcp("127.0.0.1", 0)
+    try:
+        port = taken.getsockname()[1]
+        for field in ("peer_port", "--port"):
+            with pytest.raises(ConfigError, match=f"^{field}: cannot bind 127.0.0.1:{port}"):
+                bind_tcp("127.0.0.1", port, field)
+    finally:
+        taken.close()
