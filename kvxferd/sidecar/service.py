@@ -89,6 +89,7 @@ class Sidecar:
         self.pulls = PullRunner(self)
         self._tasks: list[asyncio.Task[None]] = []
         self._secret = config.peer_token.encode()
+        self._released_reported: dict[str, int] = {}  # release counts already in metrics
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -284,14 +285,15 @@ class Sidecar:
         return descriptors.compare_manifests(manifest, remote)
 
     def _after_release(self) -> None:
+        """Bring the hold gauges and release counters up to date with the HoldTable."""
         if self.holds is None:
             return
         self.metrics.holds_active.set(self.holds.active)
         for reason, count in self.holds.released_counts().items():
-            counter = self.metrics.holds_released.labels(reason)
-            delta = count - counter._value.get()
+            delta = count - self._released_reported.get(reason, 0)
             if delta > 0:
-                counter.inc(delta)
+                self.metrics.holds_released.labels(reason).inc(delta)
+                self._released_reported[reason] = count
 
     async def _reaper(self) -> None:
         """Expire leases in deadline order; sleeps until the next deadline (bounded)."""
