@@ -24,6 +24,7 @@ import httpx
 import msgspec
 
 from kvxferd import errors
+from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
 from kvxferd.wire import (
     AbortHoldRequest,
     AnyRegionSpec,
@@ -43,6 +44,7 @@ from kvxferd.wire import (
 
 T = TypeVar("T")
 _BASE = "http://kvxferd"
+_LIMITS = httpx.Limits(keepalive_expiry=HTTP_CLIENT_KEEPALIVE_S)
 POLL_SLICE_S = 30.0
 """Longest single long-poll of wait_pull (the sidecar cuts ``wait`` at 60 s anyway)."""
 _POLL_MARGIN_S = 10.0  # HTTP timeout of a long poll beyond its wait
@@ -222,7 +224,9 @@ class EngineClient:
 
     def __init__(self, socket_path: str, timeout_s: float = 30.0) -> None:
         self._http = httpx.Client(
-            transport=httpx.HTTPTransport(uds=socket_path), base_url=_BASE, timeout=timeout_s
+            transport=httpx.HTTPTransport(uds=socket_path, limits=_LIMITS),
+            base_url=_BASE,
+            timeout=timeout_s,
         )
 
     def close(self) -> None:
@@ -294,7 +298,9 @@ class AsyncEngineClient:
 
     def __init__(self, socket_path: str, timeout_s: float = 30.0) -> None:
         self._http = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=socket_path), base_url=_BASE, timeout=timeout_s
+            transport=httpx.AsyncHTTPTransport(uds=socket_path, limits=_LIMITS),
+            base_url=_BASE,
+            timeout=timeout_s,
         )
 
     async def aclose(self) -> None:

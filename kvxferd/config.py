@@ -17,6 +17,12 @@ from kvxferd.errors import ConfigError
 
 ENV_PREFIX = "KVXFERD_"
 
+HTTP_SERVER_KEEPALIVE_S = 30.0
+"""Idle keep-alive of kvxferd's HTTP servers (sidecar APIs, sim, proxy)."""
+HTTP_CLIENT_KEEPALIVE_S = 4.0
+"""Idle keep-alive of kvxferd's HTTP clients: below every server's (uvicorn's default is 5 s),
+so a client never reuses a connection the server is closing."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Config:

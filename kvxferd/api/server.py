@@ -19,7 +19,7 @@ import uvicorn
 from kvxferd.api.engine import engine_app
 from kvxferd.api.peer import peer_app
 from kvxferd.api.sockets import bind_tcp, bind_unix
-from kvxferd.config import Config
+from kvxferd.config import HTTP_SERVER_KEEPALIVE_S, Config
 from kvxferd.sidecar.service import Sidecar
 
 log = logging.getLogger(__name__)
@@ -47,9 +47,11 @@ async def serve(config: Config) -> None:
     level = config.log_level.lower()
     servers = [
         (_Server(uvicorn.Config(engine_app(sidecar), log_level=level, access_log=False,
-                                lifespan="off")), engine_sock),
+                                lifespan="off", timeout_keep_alive=HTTP_SERVER_KEEPALIVE_S)),
+         engine_sock),
         (_Server(uvicorn.Config(peer_app(sidecar), log_level=level, access_log=False,
-                                lifespan="off")), peer_sock),
+                                lifespan="off", timeout_keep_alive=HTTP_SERVER_KEEPALIVE_S)),
+         peer_sock),
     ]  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

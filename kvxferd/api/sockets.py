@@ -34,7 +34,10 @@ def bind_unix(path: str, field: str = "engine_socket") -> socket.socket:
 def bind_tcp(host: str, port: int, field: str = "peer_port") -> socket.socket:
     """Bind a TCP listening socket (port 0 picks a free one); ``field`` names the setting in
     the ConfigError a failed bind raises (``peer_port``, ``--port``)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on sockets whose proto says TCP,
+    # and accepted sockets inherit it; without it small answers wait ~40 ms on delayed ACKs.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

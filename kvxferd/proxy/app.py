@@ -23,6 +23,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
 from kvxferd.proxy.failures import bad_backend_reply, describe_failure, error_response, unreachable
 from kvxferd.proxy.routing import Backend, RoundRobin
 
@@ -75,7 +76,11 @@ def proxy_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        limits = httpx.Limits(
+            max_connections=None,
+            max_keepalive_connections=64,
+            keepalive_expiry=HTTP_CLIENT_KEEPALIVE_S,
+        )
         async with httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s), limits=limits, transport=transport
         ) as client:

@@ -12,6 +12,7 @@ import sys
 import uvicorn
 
 from kvxferd.api.sockets import bind_tcp
+from kvxferd.config import HTTP_SERVER_KEEPALIVE_S
 from kvxferd.proxy.app import ProxySettings, proxy_app
 
 
@@ -27,7 +28,12 @@ async def serve_proxy(settings: ProxySettings, host: str, port: int, log_level: 
     sock = bind_tcp(host, port, "--port")
     bound_host, bound_port = sock.getsockname()[:2]
     server = _Server(
-        uvicorn.Config(proxy_app(settings), log_level=log_level.lower(), access_log=False)
+        uvicorn.Config(
+            proxy_app(settings),
+            log_level=log_level.lower(),
+            access_log=False,
+            timeout_keep_alive=HTTP_SERVER_KEEPALIVE_S,
+        )
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -16,6 +16,7 @@ from typing import TypeVar
 import httpx
 import msgspec
 
+from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
 from kvxferd.errors import (
     AuthError,
     HandshakeError,
@@ -75,7 +76,9 @@ class PeerTable:
         self._timeout = timeout_s
         self._peers: dict[str, Peer] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._client = httpx.AsyncClient(timeout=timeout_s)
+        self._client = httpx.AsyncClient(
+            timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=HTTP_CLIENT_KEEPALIVE_S)
+        )
         self.outcomes: dict[str, int] = {}
 
     def __len__(self) -> int:

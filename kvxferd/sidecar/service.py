@@ -90,6 +90,7 @@ class Sidecar:
         self._tasks: list[asyncio.Task[None]] = []
         self._secret = config.peer_token.encode()
         self._released_reported: dict[str, int] = {}  # release counts already in metrics
+        self._notif_wake = asyncio.Event()  # set by a claim: a READ is imminent
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -246,6 +247,7 @@ class Sidecar:
             hold = holds.claim(req.ticket.hold_id, req.reader, claim_s, readers)
         finally:
             self._after_release()
+        self._notif_wake.set()  # the READ comes next: poll notifications fast from now on
         return ClaimResponse(
             hold_id=hold.hold_id, expires_at=hold.expires_at, expected_readers=readers
         )
@@ -326,7 +328,9 @@ class Sidecar:
                     delay = _NOTIF_FAST_S
             live = self.agent.live_handles()
             self.metrics.nixl_handles.set(live.transfers + live.prepped)
-            await asyncio.sleep(delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._notif_wake.wait(), delay)
+            self._notif_wake.clear()
 
 
 __all__ = ["Pull", "Sidecar"]

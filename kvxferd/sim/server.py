@@ -21,6 +21,7 @@ from types import FrameType
 import uvicorn
 
 from kvxferd.api.sockets import bind_tcp
+from kvxferd.config import HTTP_SERVER_KEEPALIVE_S
 from kvxferd.errors import ConfigError
 from kvxferd.layout import PlanOptions, load_hf_config
 from kvxferd.sim.app import sim_app
@@ -202,6 +203,7 @@ async def _serve(
     )
     server = _Server(uvicorn.Config(sim_app(engine, model), log_level=opts.log_level.lower(),
                                     access_log=False, lifespan="off",
+                                    timeout_keep_alive=HTTP_SERVER_KEEPALIVE_S,
                                     timeout_graceful_shutdown=5))  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

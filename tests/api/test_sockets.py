@@ -41,3 +41,34 @@ def test_a_failed_tcp_bind_names_the_setting():
                 bind_tcp("127.0.0.1", port, field)
     finally:
         taken.close()
+
+
+def test_tcp_listener_says_tcp_so_asyncio_sets_nodelay_on_accepted_connections():
+    """Without proto=IPPROTO_TCP asyncio skips TCP_NODELAY and small answers stall ~40 ms."""
+    import asyncio
+    import socket as _socket
+
+    from kvxferd.api.sockets import bind_tcp
+
+    listener = bind_tcp("127.0.0.1", 0)
+    assert listener.proto == _socket.IPPROTO_TCP
+    port = listener.getsockname()[1]
+    seen: list[int] = []
+
+    async def main() -> None:
+        async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sock = writer.get_extra_info("socket")
+            seen.append(sock.getsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_conn, sock=listener)
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(500):  # bounded: the handler runs on the next loop turns
+                if seen:
+                    break
+                await asyncio.sleep(0.001)
+            writer.close()
+
+    asyncio.run(main())
+    assert seen and seen[0] != 0
