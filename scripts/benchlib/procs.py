@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.client import EngineClient
 from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
-from kvxferd.memory import SharedMemoryRegion
-from kvxferd.wire import Manifest, RegionSpec
+from kvxferd.sim.kvpool import RankPool
+from kvxferd.wire import Manifest
 
 TOKEN = "bench-peer-secret"
 READY_TIMEOUT_S = 60.0
@@ -152,28 +152,11 @@ def plan(config: str, num_blocks: int, options: dict) -> Manifest:
     return plan_manifest(load_hf_config(config), opts)
 
 
-class Pool:
-    """An engine rank's KV pool: one shm segment per manifest region, filled with SENTINEL."""
+class Pool(RankPool):
+    """The sim's per-rank shm pool, filled with SENTINEL, with its base addresses at hand."""
 
     def __init__(self, manifest: Manifest) -> None:
-        self.manifest = manifest
-        self.segments: list[SharedMemoryRegion] = []
-        try:
-            for r in manifest.regions:
-                self.segments.append(SharedMemoryRegion.create(r.name, r.size_bytes))
-        except BaseException:
-            self.close()
-            raise
-        self.views = [s.host_view() for s in self.segments]
+        super().__init__(manifest)
         for v in self.views:
             v[:] = SENTINEL
         self.bases = np.array([s.base_addr for s in self.segments], dtype=np.int64)
-
-    def specs(self) -> list[RegionSpec]:
-        """Region sources for the sidecar's register call (shm by name)."""
-        return [RegionSpec(name=r.name, size_bytes=r.size_bytes) for r in self.manifest.regions]
-
-    def close(self) -> None:
-        """Unmap and unlink every segment."""
-        for s in self.segments:
-            s.close()

@@ -16,10 +16,10 @@ import msgspec
 import numpy as np
 
 from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
-from kvxferd.memory import SharedMemoryRegion
 from kvxferd.sim import sidecars as launcher
+from kvxferd.sim.kvpool import RankPool
 from kvxferd.sim.sidecars import SidecarProcess
-from kvxferd.wire import Manifest, RegionSpec
+from kvxferd.wire import Manifest
 
 TOKEN = "test-peer-secret"
 SENTINEL = 0xA5
@@ -63,25 +63,16 @@ def plan(config: str, *, tp_size: int = 1, tp_rank: int = 0, num_blocks: int = 1
     return plan_manifest(load_hf_config(config), opts)
 
 
-class EnginePool:
-    """An engine rank's KV pool: one shm segment per region, filled with SENTINEL."""
+class EnginePool(RankPool):
+    """The sim's per-rank shm pool, filled with SENTINEL so untouched bytes can be checked."""
 
     def __init__(self, manifest: Manifest) -> None:
-        self.manifest = manifest
-        self.segments = [SharedMemoryRegion.create(r.name, r.size_bytes) for r in manifest.regions]
-        self.views = [s.host_view() for s in self.segments]
+        super().__init__(manifest)
         for v in self.views:
             v[:] = SENTINEL
 
-    def specs(self) -> list[RegionSpec]:
-        return [RegionSpec(name=r.name, size_bytes=r.size_bytes) for r in self.manifest.regions]
-
     def snapshot(self) -> list[np.ndarray]:
         return [v.copy() for v in self.views]
-
-    def close(self) -> None:
-        for s in self.segments:
-            s.close()
 
 
 def wait_until(predicate, timeout_s: float = 30.0, what: str = "condition"):  # noqa: ANN001
