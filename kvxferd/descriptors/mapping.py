@@ -106,6 +106,20 @@ class ReadGeometry:
     is_attention: tuple[bool, ...]
     pieces: tuple[Pieces, ...]
 
+    def check_pairs(
+        self, local_ids: Sequence[np.ndarray], remote_ids: Sequence[np.ndarray]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Validated (local, remote) logical ids per group; BlockIdError names the bad field."""
+        n = len(self.ratios)
+        lids = check_request_ids(self.local_blocks, n, local_ids, "block_ids")
+        rids = check_request_ids(self.remote_blocks, n, remote_ids, "remote_block_ids")
+        for g, (a, b) in enumerate(zip(lids, rids, strict=True)):
+            if a.size != b.size:
+                raise BlockIdError(
+                    f"remote_block_ids[{g}]", f"{b.size} remote ids for {a.size} in block_ids[{g}]"
+                )
+        return list(zip(lids, rids, strict=True))
+
     def plan(
         self,
         local_ids: Sequence[np.ndarray],
@@ -114,16 +128,9 @@ class ReadGeometry:
         coalesce: bool = True,
     ) -> ReadPlan:
         """The descriptor pairs of one request (see :func:`plan_read`)."""
-        n = len(self.ratios)
-        lids = check_request_ids(self.local_blocks, n, local_ids, "block_ids")
-        rids = check_request_ids(self.remote_blocks, n, remote_ids, "remote_block_ids")
         cols: list[list[np.ndarray]] = [[] for _ in range(5)]
         kv_bytes = state_bytes = 0
-        for g, (a, b) in enumerate(zip(lids, rids, strict=True)):
-            if a.size != b.size:
-                raise BlockIdError(
-                    f"remote_block_ids[{g}]", f"{b.size} remote ids for {a.size} in block_ids[{g}]"
-                )
+        for g, (a, b) in enumerate(self.check_pairs(local_ids, remote_ids)):
             p = self.pieces[g]
             if a.size == 0 or p.length.size == 0:
                 continue

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvxferd.descriptors.geometry import check_request_ids, kernel_ids, kernel_ratio, part_field
+from kvxferd.descriptors.geometry import kernel_ids, kernel_ratio, part_field
 from kvxferd.descriptors.mapping import read_geometry
 from kvxferd.descriptors.plan import ReadPlan
 from kvxferd.errors import BlockIdError, ManifestError
@@ -85,16 +85,9 @@ def reference_plan(
             f"{local.tp_size} and remote {remote.tp_rank}/{remote.tp_size}",
         )
     geo = read_geometry(local, remote)  # compatibility checks, as for a real pull
-    n = len(local.groups)
-    lids = check_request_ids(local.num_blocks, n, local_ids, "block_ids")
-    rids = check_request_ids(remote.num_blocks, n, remote_ids, "remote_block_ids")
     cols: list[list[np.ndarray]] = [[] for _ in range(5)]
     kv_bytes = state_bytes = 0
-    for g, (a, b) in enumerate(zip(lids, rids, strict=True)):
-        if a.size != b.size:
-            raise BlockIdError(
-                f"remote_block_ids[{g}]", f"{b.size} remote ids for {a.size} in block_ids[{g}]"
-            )
+    for g, (a, b) in enumerate(geo.check_pairs(local_ids, remote_ids)):
         rows = []
         layers = zip(local.groups[g].layers, remote.groups[g].layers, strict=True)
         for i, (ll, rl) in enumerate(layers):

@@ -15,6 +15,8 @@ import secrets
 import time
 from typing import Any
 
+from msgspec import structs
+
 from kvxferd import descriptors
 from kvxferd.config import Config
 from kvxferd.errors import (
@@ -150,8 +152,6 @@ class Sidecar:
             raise
         self._regions = regions
         self._bases = [r.base_addr for r in regions]
-        from msgspec import structs
-
         self.manifest = structs.replace(req.manifest, engine_id=self.engine_id, epoch=self.epoch)
         self.holds = HoldTable(
             self.manifest,

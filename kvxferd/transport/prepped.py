@@ -6,20 +6,18 @@ when that peer is removed or re-added (the agent then releases them).
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from kvxferd.errors import KvxferdError, TransportLookupError
+from kvxferd.errors import TransportLookupError
+from kvxferd.transport.handle import ReleasedOnExit
 from kvxferd.transport.nixl_errors import nixl_errors
 
-logger = logging.getLogger(__name__)
 
-
-class PreppedList:
+class PreppedList(ReleasedOnExit):
     """Handle to a prepped descriptor list of :attr:`count` entries; release it when done."""
 
     def __init__(
@@ -76,18 +74,6 @@ class PreppedList:
     def _describe(self) -> str:
         side = "local" if self.remote is None else f"remote {self.remote!r}"
         return f"{side}, {self.count} descs, {self.mem}"
-
-    def __enter__(self) -> PreppedList:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc is None:
-            self.release()
-            return
-        try:
-            self.release()
-        except KvxferdError as rel_exc:
-            logger.warning("releasing prepped list after an error failed: %s", rel_exc)
 
     def __repr__(self) -> str:
         return f"PreppedList({self._describe()}, released={self._released})"

@@ -19,6 +19,7 @@ from kvxferd.errors import (
     TransferTimeoutError,
     TransportError,
 )
+from kvxferd.transport.handle import ReleasedOnExit
 from kvxferd.transport.nixl_errors import nixl_errors
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class TransferState(enum.IntEnum):
     FAILED = 3
 
 
-class Transfer:
+class Transfer(ReleasedOnExit):
     """A posted READ owned by the caller; release it on every path (it is a context manager)."""
 
     def __init__(
@@ -192,18 +193,6 @@ class Transfer:
         if self._state is TransferState.POSTED:
             self._state = TransferState.FAILED
             self._error = exc
-
-    def __enter__(self) -> Transfer:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc is None:
-            self.release()
-            return
-        try:
-            self.release()
-        except KvxferdError as rel_exc:
-            logger.warning("releasing %s after an error failed: %s", self._subject(), rel_exc)
 
     def __repr__(self) -> str:
         return f"Transfer({self._subject()}, {self._state.name}, released={self._released})"

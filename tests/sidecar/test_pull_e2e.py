@@ -10,10 +10,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxferd import descriptors
 from kvxferd.pattern import verify_pattern, write_pattern
 from kvxferd.wire import HoldRequest, PullRequest
-from tests.sidecar.harness import EnginePool, plan, start_sidecar, wait_until
+from tests.sidecar.harness import (
+    EnginePool,
+    changed_outside,
+    plan,
+    split_ids,
+    start_sidecar,
+    wait_until,
+)
 
 pytestmark = pytest.mark.nixl
 
@@ -26,24 +32,6 @@ def pair(tmp_path):
     yield p, d
     for s in (p, d):
         assert s.stop() == 0
-
-
-def _split(ids: np.ndarray, counts: list[int]) -> list[list[int]]:
-    out, start = [], 0
-    for n in counts:
-        out.append([int(b) for b in ids[start : start + n]])
-        start += n
-    return out
-
-
-def _changed_outside(before, after, manifest, block_ids) -> int:
-    """Bytes that changed outside the pulled blocks' parts (must be 0)."""
-    touched = [np.zeros(len(v), dtype=bool) for v in after]
-    ids = [np.asarray(g, dtype=np.int64) for g in block_ids]
-    own = descriptors.plan_read(manifest, manifest, ids, ids, coalesce=False)
-    for r, off, n in zip(own.local_region, own.local_offset, own.length, strict=True):
-        touched[r][off : off + n] = True
-    return sum(int(((b != a) & ~t).sum()) for b, a, t in zip(before, after, touched, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -72,8 +60,8 @@ def test_pull_moves_every_byte_of_fragmented_blocks_and_nothing_else(pair, confi
             dc.register(dm, dpool.specs())
             rng = np.random.default_rng(7)
             # Fragmented: shuffled, non-contiguous ids, disjoint across groups (one shared pool).
-            pids = _split(rng.permutation(np.arange(1, num_blocks)), counts)
-            dids = _split(rng.permutation(np.arange(1, num_blocks)), counts)
+            pids = split_ids(rng.permutation(np.arange(1, num_blocks)), counts)
+            dids = split_ids(rng.permutation(np.arange(1, num_blocks)), counts)
             write_pattern(pm, ppool.views, pids, seed=11)
             ticket = pc.hold(HoldRequest(request_id="req-1", block_ids=pids, num_tokens=100))
             before = dpool.snapshot()
@@ -81,7 +69,7 @@ def test_pull_moves_every_byte_of_fragmented_blocks_and_nothing_else(pair, confi
             status = dc.wait_pull(pull.pull_id, timeout_s=90)
             assert status.state == "done", status
             assert verify_pattern(dm, dpool.views, dids, seed=11) is None
-            assert _changed_outside(before, dpool.views, dm, dids) == 0
+            assert changed_outside(before, dpool.views, dm, dids) == 0
             assert status.kv_bytes + status.state_bytes > 0
             released = wait_until(lambda: pc.released(0).holds, what="hold release")
             assert [(h.hold_id, h.reason) for h in released] == [(ticket.hold_id, "notified")]

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,15 +86,3 @@ def text_of(kind: str, resp: httpx.Response) -> str:
     if kind == "completion":
         return "".join(c["choices"][0]["text"] for c in chunks)
     return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
-
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition"):
-    """Poll ``predicate`` until truthy or the deadline passes (AssertionError)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)

@@ -14,8 +14,8 @@ import pytest
 from kvxferd.errors import ConfigError
 from kvxferd.sim.children import Child
 from kvxferd.sim.server import SimOptions, run_sim
-from tests.sidecar.harness import ReleasedFeed, start_sidecar
-from tests.sim.procs import PATHS, STUB, TOKEN, Sim, start_sims, text_of, wait_until
+from tests.sidecar.harness import ReleasedFeed, start_sidecar, wait_until
+from tests.sim.procs import PATHS, STUB, TOKEN, Sim, start_sims, text_of
 
 pytestmark = pytest.mark.nixl
 

@@ -15,7 +15,8 @@ import socket
 import httpx
 import pytest
 
-from tests.sim.procs import PATHS, STUB, Sim, start_sims, text_of, wait_until
+from tests.sidecar.harness import wait_until
+from tests.sim.procs import PATHS, STUB, Sim, start_sims, text_of
 
 pytestmark = pytest.mark.nixl
 
