@@ -1,7 +1,7 @@
 """External tools the deploy checks run (promtool, kubectl, hadolint, yamllint).
 
 A missing tool skips its test on a developer machine and fails it when ``KVXFERD_REQUIRE_TOOLS=1``
-(set by ``.ci/run`` after installing them), so CI never passes by skipping.
+(set by ``.ci/run``; ``make test`` fetches promtool first), so CI never passes by skipping.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-# .ci/run extracts promtool here; pip-installed tools sit next to the interpreter.
+# `make test` extracts promtool here; pip-installed tools sit next to the interpreter.
 SEARCH = (ROOT / ".tools" / "bin", Path(sys.executable).parent)
 
 
@@ -29,7 +29,7 @@ def require_tool(name: str) -> str:
     found = shutil.which(name)
     if found:
         return found
-    message = f"{name} not found in .tools/bin, the venv or PATH (.ci/run installs it)"
+    message = f"{name} not found in .tools/bin, the venv or PATH (`make test` fetches it)"
     if os.environ.get("KVXFERD_REQUIRE_TOOLS") == "1":
         pytest.fail(message + "; KVXFERD_REQUIRE_TOOLS=1 forbids skipping")
     pytest.skip(message)
