@@ -162,6 +162,12 @@ class Region(_Strict, kw_only=True):
     """DRAM (shared memory) or VRAM (CUDA IPC)."""
     device_id: int = 0
     """GPU index for VRAM; 0 for DRAM."""
+    source: int = -1
+    """Index into ``RegisterRequest.regions`` of the allocation this region lives in; -1: the
+    source at this region's own index (one allocation per region)."""
+    source_offset: int = 0
+    """Bytes from the start of that allocation to this region (vLLM: one backing buffer per
+    worker, many regions inside it)."""
 
 
 class Manifest(_Strict, kw_only=True):
@@ -212,7 +218,7 @@ def decode_manifest(data: bytes | str) -> Manifest:
 PROTOCOL_VERSION = 1
 """Peer protocol version, checked first at handshake. 1: first version."""
 
-HoldReleaseReason = Literal["notified", "expired", "aborted"]
+HoldReleaseReason = Literal["notified", "expired", "aborted", "declined", "unregistered"]
 PullStateName = Literal["pending", "handshaking", "claiming", "transferring", "done", "failed"]
 
 
@@ -245,7 +251,8 @@ class RegisterRequest(_Strict, kw_only=True):
     manifest: Manifest
     """The engine's KV manifest (identity fields are filled in by the sidecar)."""
     regions: list[AnyRegionSpec]
-    """One memory source per ``manifest.regions`` entry, same order."""
+    """Memory sources (allocations), each registered with NIXL once. Without ``Region.source``
+    one per ``manifest.regions`` entry, same order; with it, any number that regions point into."""
 
 
 class RegisterResponse(_Strict, kw_only=True):
@@ -257,6 +264,39 @@ class RegisterResponse(_Strict, kw_only=True):
     """Boot epoch; changes when the sidecar restarts."""
     peer_address: str
     """host:port of this sidecar's peer API."""
+    generation: int = 0
+    """Registration generation: 0 for the first registration of this epoch, +1 per
+    re-registration after an unregister (vLLM sleep mode, KV-cache re-init)."""
+
+
+class UnregisterRequest(_Strict, kw_only=True):
+    """Engine -> sidecar: forget my memory (sleep, re-init, shutdown) before it goes away.
+
+    In-flight pulls end FAILED once none of their READs can still write; live holds are released
+    as ``unregistered``; NIXL registrations are dropped. A later register starts generation + 1.
+    """
+
+    generation: int
+    """The generation being unregistered (a stale one is a 409)."""
+
+
+class Identity(_Strict, kw_only=True):
+    """Sidecar -> engine: who this sidecar is, so a scheduler process can mint tickets itself."""
+
+    engine_id: str
+    """Engine identity used in tickets and handshakes."""
+    epoch: int
+    """Boot epoch of the sidecar."""
+    generation: int
+    """Current registration generation (-1 while no engine is registered)."""
+    peer_address: str
+    """host:port of this sidecar's peer API."""
+    tp_rank: int
+    """Engine TP rank registered here (-1 while no engine is registered)."""
+    tp_size: int
+    """Engine TP size registered here (0 while no engine is registered)."""
+    default_lease_s: float
+    """Lease a hold gets when its request names none."""
 
 
 class HoldRequest(_Strict, kw_only=True):
@@ -270,6 +310,9 @@ class HoldRequest(_Strict, kw_only=True):
     """Prompt tokens the blocks hold."""
     lease_s: float | None = None
     """Lease length; None uses the sidecar default."""
+    hold_id: str = ""
+    """Hold id chosen by the engine (a ticket minted ahead by the scheduler names it); empty: the
+    sidecar picks one."""
 
 
 class Ticket(_Strict, kw_only=True):
@@ -299,6 +342,8 @@ class Ticket(_Strict, kw_only=True):
     """Prefill TP size."""
     peer: str
     """Peer API address (host:port) of that rank's sidecar."""
+    generation: int = 0
+    """Prefill registration generation at hold time (a re-registered engine has a new one)."""
     token: str = ""
     """HMAC-SHA256 (hex) over the other fields, keyed by the shared peer secret."""
 
@@ -319,6 +364,22 @@ class PullRequest(_Strict, kw_only=True):
     """Local logical block ids per group, aligned with the tickets' block_ids; -1 skips a block."""
     deadline_s: float = 30.0
     """Seconds the whole pull may take (handshake, claim, transfer)."""
+    request_id: str = ""
+    """The decode engine's request id, echoed in the finished-pulls feed."""
+    num_tokens: int = -1
+    """Prompt tokens the decode wants moved (-1: the tickets' num_tokens). Fewer than the
+    tickets' (Mamba partial prefill) or block sizes that differ between the sides (re-blocking)
+    map token ranges instead of block ids."""
+
+
+class DeclineRequest(_Strict, kw_only=True):
+    """Engine (decode) -> sidecar: I will not read these tickets (rejected, aborted); release the
+    prefill holds now instead of at lease expiry."""
+
+    tickets: list[Ticket]
+    """Tickets of the holds to release: any requests, any prefill ranks (MACs are checked)."""
+    reason: str = ""
+    """Why, for logs (e.g. ``rejected``, ``aborted``)."""
 
 
 class KeepaliveRequest(_Strict, kw_only=True):
@@ -376,12 +437,40 @@ class ReleasedHold(_Strict, kw_only=True):
 
 
 class ReleasedHolds(_Strict, kw_only=True):
-    """Feed of released holds since a cursor."""
+    """Feed of released holds since a cursor (one page)."""
 
     holds: list[ReleasedHold]
     """Released holds, oldest first."""
     cursor: int
     """Pass back to get only newer entries."""
+    more: bool = False
+    """More entries are waiting past this page: ask again at once with ``cursor``."""
+
+
+class FinishedPull(_Strict, kw_only=True):
+    """A pull that reached done or failed (the finished-pulls feed)."""
+
+    pull_id: str
+    """The pull."""
+    request_id: str
+    """``PullRequest.request_id`` of the pull."""
+    state: Literal["done", "failed"]
+    """How it ended."""
+    reason: str = ""
+    """Failure reason code when failed."""
+    failed_block_ids: list[list[int]] = []
+    """Local block ids per group whose bytes are not valid (all of the pull's when failed)."""
+
+
+class FinishedPulls(_Strict, kw_only=True):
+    """Feed of finished pulls since a cursor (one page); one local call per engine step."""
+
+    pulls: list[FinishedPull]
+    """Finished pulls, oldest first."""
+    cursor: int
+    """Pass back to get only newer entries."""
+    more: bool = False
+    """More entries are waiting past this page."""
 
 
 # ------------------------------------------------------------------------------------------------
