@@ -213,7 +213,11 @@ def test_a_bad_wait_is_a_422_naming_it(fake_engine, fake, wait):
 
 
 def test_the_released_cursor_is_typed(fake_engine, fake):
-    assert fake_engine.get("/v1/released?cursor=5").json() == {"holds": [], "cursor": 5, "more": False}
+    assert fake_engine.get("/v1/released?cursor=5").json() == {
+        "holds": [],
+        "cursor": 5,
+        "more": False,
+    }
     assert _error(fake_engine.get("/v1/released?cursor=five"), 422).field == "cursor"
     assert _error(fake_engine.get("/v1/released?cursor=-1"), 422).field == "cursor"
     assert fake.calls == [("released_since", 5)]
