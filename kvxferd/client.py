@@ -28,6 +28,8 @@ from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
 from kvxferd.wire import (
     AbortHoldRequest,
     AnyRegionSpec,
+    DeclineRequest,
+    DeclineResponse,
     ErrorBody,
     HeartbeatResponse,
     HoldRequest,
@@ -137,12 +139,18 @@ def _keepalive(tickets: list[Ticket], extend_s: float) -> _Call:
     return _Call("POST", "/v1/keepalive", HeartbeatResponse, req)
 
 
+def _decline(tickets: list[Ticket], reason: str) -> _Call:
+    req = DeclineRequest(tickets=tickets, reason=reason)
+    return _Call("POST", "/v1/decline", DeclineResponse, req)
+
+
 def _healthz() -> _Call:
     return _Call("GET", "/healthz")
 
 
-def _released(cursor: int) -> _Call:
-    return _Call("GET", "/v1/released", ReleasedHolds, params={"cursor": cursor})
+def _released(cursor: int, limit: int | None = None) -> _Call:
+    params = {"cursor": cursor} if limit is None else {"cursor": cursor, "limit": limit}
+    return _Call("GET", "/v1/released", ReleasedHolds, params=params)
 
 
 def _wait_pull(
@@ -267,9 +275,13 @@ class EngineClient:
         """Extend the prefill holds behind ``tickets`` (requests still queued here)."""
         return self._send(_keepalive(tickets, extend_s))  # type: ignore[no-any-return]
 
-    def released(self, cursor: int = 0) -> ReleasedHolds:
-        """Holds released since ``cursor``."""
-        return self._send(_released(cursor))  # type: ignore[no-any-return]
+    def decline(self, tickets: list[Ticket], reason: str = "") -> DeclineResponse:
+        """Release the prefill holds behind ``tickets`` (this engine will not read them)."""
+        return self._send(_decline(tickets, reason))  # type: ignore[no-any-return]
+
+    def released(self, cursor: int = 0, limit: int | None = None) -> ReleasedHolds:
+        """One page of holds released since ``cursor`` (``more``: ask again at once)."""
+        return self._send(_released(cursor, limit))  # type: ignore[no-any-return]
 
     def healthz(self) -> None:
         """Return once the sidecar answers its liveness probe (SidecarUnreachableError if not)."""
@@ -341,9 +353,13 @@ class AsyncEngineClient:
         """Extend the prefill holds behind ``tickets`` (requests still queued here)."""
         return await self._send(_keepalive(tickets, extend_s))  # type: ignore[no-any-return]
 
-    async def released(self, cursor: int = 0) -> ReleasedHolds:
-        """Holds released since ``cursor``."""
-        return await self._send(_released(cursor))  # type: ignore[no-any-return]
+    async def decline(self, tickets: list[Ticket], reason: str = "") -> DeclineResponse:
+        """Release the prefill holds behind ``tickets`` (this engine will not read them)."""
+        return await self._send(_decline(tickets, reason))  # type: ignore[no-any-return]
+
+    async def released(self, cursor: int = 0, limit: int | None = None) -> ReleasedHolds:
+        """One page of holds released since ``cursor`` (``more``: ask again at once)."""
+        return await self._send(_released(cursor, limit))  # type: ignore[no-any-return]
 
     async def healthz(self) -> None:
         """Return once the sidecar answers its liveness probe (SidecarUnreachableError if not)."""

@@ -37,7 +37,18 @@ class Config:
     advertise_host: str = ""
     """Host other sidecars use to reach this one; empty = peer_host."""
     peer_token: str = field(default="", repr=False)
-    """Shared secret: bearer token of the peer API and HMAC key of tickets."""
+    """Shared secret: signs peer requests (never sent) and tickets."""
+    peer_token_previous: str = field(default="", repr=False)
+    """A second secret accepted during a key rollover (verifies requests and tickets; never
+    signs)."""
+    auth_skew_s: float = 30.0
+    """Replay window of signed peer requests: clock skew tolerated either way, in seconds."""
+    hold_grace_s: float = 2.0
+    """How long a claim for an engine-chosen hold id waits for the hold to be placed."""
+    max_claim_s: float = 120.0
+    """Longest a claim pins a hold; the claim answer tells the reader what it got."""
+    released_feed_bytes: int = 64 << 20
+    """Bytes (estimated) of released-hold records kept for the engine's feed."""
     engine_id: str = ""
     """Identity of the engine rank; empty = generated at start."""
     backends: tuple[str, ...] = ("UCX",)
@@ -62,9 +73,12 @@ class Config:
     def __post_init__(self) -> None:
         if not 0 <= self.peer_port <= 65535:
             raise ConfigError(f"peer_port: {self.peer_port} is not a TCP port")
-        for name in ("default_lease_s", "max_lease_s", "claim_s", "pull_deadline_s"):
+        for name in ("default_lease_s", "max_lease_s", "claim_s", "pull_deadline_s",
+                     "auth_skew_s", "max_claim_s", "released_feed_bytes"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.hold_grace_s < 0:
+            raise ConfigError(f"hold_grace_s: must be >= 0, got {self.hold_grace_s}")
         if self.default_lease_s > self.max_lease_s:
             raise ConfigError("default_lease_s: larger than max_lease_s")
         if not self.backends:

@@ -23,7 +23,8 @@ httpx, msgspec) are translated at the module that talks to them, ``raise ... fro
     │   ├── HoldExpiredError        the hold's lease ran out; its blocks may be reused
     │   └── HoldRequestError        a hold/claim/heartbeat argument is invalid (names the field)
     │       └── DuplicateHoldError  the request id already has a live hold
-    ├── AuthError                   a peer presented a wrong or missing token
+    ├── AuthError                   a peer's signature or a ticket's MAC is wrong or missing
+    │   └── ClaimMismatchError      a signed ticket that does not bind to its hold (names the field)
     ├── NotRegisteredError          no engine has registered with this sidecar yet (HTTP 503)
     ├── AlreadyRegisteredError      this sidecar already has an engine (HTTP 409)
     ├── UnknownPullError            no pull with that id on this sidecar (HTTP 404)
@@ -143,7 +144,7 @@ class DuplicateHoldError(HoldRequestError):
 
 
 class AuthError(KvxferdError):
-    """A peer presented a missing or wrong bearer token."""
+    """A peer request's signature, or a ticket's MAC, is missing or wrong."""
 
 
 class NotRegisteredError(KvxferdError):
@@ -196,3 +197,13 @@ class PoolExhaustedError(KvxferdError):
 
 class StartupError(KvxferdError):
     """A child process (sidecar, simulated engine) exited or timed out before its ready line."""
+
+
+class ClaimMismatchError(AuthError):
+    """A validly signed ticket that does not bind to the hold it names (block ids, TP shape,
+    reader); ``field`` names what differs (HTTP 409)."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason

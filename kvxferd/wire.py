@@ -474,7 +474,7 @@ class FinishedPulls(_Strict, kw_only=True):
 
 
 # ------------------------------------------------------------------------------------------------
-# Peer API (TCP + bearer token, sidecar <-> sidecar)
+# Peer API (TCP, every request signed with the shared secret, sidecar <-> sidecar)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -519,6 +519,10 @@ class ClaimResponse(msgspec.Struct, frozen=True, kw_only=True):
     """Unix time the claim ends."""
     expected_readers: int
     """Notifications the prefill side waits for before releasing."""
+    claim_s: float = 0.0
+    """Seconds the claim pins the hold from when it was granted (the request's ``claim_s``, cut
+    to the prefill side's cap and never past what the hold allows): the reader's READs must
+    end within this time, counted from when it sent the claim (0: an older peer, unknown)."""
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
@@ -540,6 +544,19 @@ class HeartbeatResponse(msgspec.Struct, frozen=True, kw_only=True):
     unanswered: list[str] = []
     """Holds whose prefill sidecar gave no usable answer (unreachable, timed out, refused), so
     their lease is unknown; only a decode sidecar's keepalive answer has any."""
+
+
+class DeclineResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """What a decline did to each hold (the engine API merges every prefill side's answer)."""
+
+    released: list[str]
+    """Holds released now, reason ``declined``."""
+    missing: list[str]
+    """Holds that were already gone (released, expired) or do not match their ticket."""
+    busy: list[str] = []
+    """Holds a reader has claimed and may be reading: left to its notification or expiry."""
+    unanswered: list[str] = []
+    """Holds whose prefill sidecar gave no usable answer (they expire with their lease)."""
 
 
 class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):

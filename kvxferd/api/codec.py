@@ -25,6 +25,7 @@ _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 
 # Exception type -> HTTP status. Checked in order, so subclasses come before their bases.
 _STATUS: list[tuple[type[Exception], int]] = [
+    (errors.ClaimMismatchError, 409),
     (errors.AuthError, 401),
     (errors.UnknownHoldError, 404),
     (errors.UnknownPullError, 404),
@@ -114,7 +115,7 @@ def problem_for(exc: Exception) -> HTTPProblem:
 def problem_response(exc: Exception) -> Response:
     """The Response for an exception raised by a handler."""
     problem = problem_for(exc)
-    headers = {"WWW-Authenticate": "Bearer"} if problem.status == 401 else None
+    headers = {"WWW-Authenticate": "KVX1"} if problem.status == 401 else None
     return JSONResponse(
         msgspec.to_builtins(problem.body), status_code=problem.status, headers=headers
     )

@@ -13,6 +13,8 @@ from kvxferd.api.openapi import HEALTH, document, install_openapi
 from kvxferd.api.operations import Gate, Operation, Query, mount
 from kvxferd.wire import (
     AbortHoldRequest,
+    DeclineRequest,
+    DeclineResponse,
     HeartbeatResponse,
     HoldRequest,
     KeepaliveRequest,
@@ -87,9 +89,22 @@ async def keepalive(sidecar: Sidecar, req: KeepaliveRequest) -> HeartbeatRespons
     return await sidecar.keepalive(req)
 
 
-async def released(sidecar: Sidecar, cursor: int) -> ReleasedHolds:
-    """Holds released since ``cursor`` (notified, expired or aborted): free their blocks."""
-    return sidecar.released_since(cursor)
+async def decline(sidecar: Sidecar, req: DeclineRequest) -> DeclineResponse:
+    """Release the prefill holds of requests this engine will not read (rejected, aborted).
+
+    Every ticket's MAC is checked here before any network call (401 naming
+    ``tickets[i].token``). The tickets are grouped by prefill sidecar and each gets one signed
+    decline; the answers are merged: ``released`` (now), ``missing`` (already gone),
+    ``busy`` (a reader claimed it) and ``unanswered`` (that prefill side gave no usable answer;
+    the hold expires with its lease).
+    """
+    return await sidecar.decline(req)
+
+
+async def released(sidecar: Sidecar, cursor: int, limit: int) -> ReleasedHolds:
+    """One page of holds released since ``cursor`` (notified, expired, aborted, declined,
+    unregistered): free their blocks. ``more`` says another page is waiting."""
+    return sidecar.released_since(cursor, limit)
 
 
 async def healthz(sidecar: Sidecar) -> dict[str, Any]:
@@ -109,6 +124,12 @@ CURSOR = Query(
     0,
     "The cursor of the previous answer; 0 reads the feed from its start.",
 )
+LIMIT = Query(
+    "limit",
+    Annotated[int, msgspec.Meta(ge=1, le=4096)],
+    1024,
+    "Most records in one page (a page is also cut at about 1 MiB).",
+)
 
 OPERATIONS = [
     Operation("POST", "/v1/register", register, RegisterRequest, RegisterResponse,
@@ -123,7 +144,9 @@ OPERATIONS = [
               errors=(404, 422, 500)),
     Operation("POST", "/v1/keepalive", keepalive, KeepaliveRequest, HeartbeatResponse,
               errors=(400, 401, 422, 500, 503), needs_engine=True),
-    Operation("GET", "/v1/released", released, None, ReleasedHolds, query=(CURSOR,),
+    Operation("POST", "/v1/decline", decline, DeclineRequest, DeclineResponse,
+              errors=(400, 401, 422, 500, 503), needs_engine=True),
+    Operation("GET", "/v1/released", released, None, ReleasedHolds, query=(CURSOR, LIMIT),
               errors=(422, 500, 503), needs_engine=True),
     Operation("GET", "/healthz", healthz, None, HEALTH),
 ]  # fmt: skip

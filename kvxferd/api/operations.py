@@ -88,10 +88,10 @@ class Operation:
 
 @dataclass
 class Gate:
-    """Per-app checks run before decoding: a registered engine and the bearer token."""
+    """Per-app checks run before decoding: a registered engine and the request's signature."""
 
     ready: Callable[[], bool] = field(default=lambda: True)
-    authorize: Callable[[Request], None] | None = None
+    authorize: Callable[[Request], Awaitable[None] | None] | None = None
 
 
 def mount(app: FastAPI, operations: list[Operation], target: object, gate: Gate) -> None:
@@ -121,7 +121,9 @@ def _endpoint(
     async def endpoint(request: Request) -> Response:
         try:
             if op.auth:
-                gate.authorize(request)  # type: ignore[misc]  # checked by mount()
+                checked = gate.authorize(request)  # type: ignore[misc]  # checked by mount()
+                if inspect.isawaitable(checked):  # a check that reads the body (signatures)
+                    await checked
             if op.needs_engine and not gate.ready():
                 raise NotRegisteredError(NOT_REGISTERED)
             args: list[Any] = [target]

@@ -1,8 +1,8 @@
-"""The peer-facing API (TCP, bearer token): handshake, claim, heartbeat; plus metrics and probes."""
+"""The peer-facing API (TCP, signed requests): handshake, claim, heartbeat, decline; plus metrics
+and probes."""
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -13,9 +13,13 @@ from starlette.routing import Route
 from kvxferd.api.codec import HTTPProblem, StructResponse
 from kvxferd.api.openapi import HEALTH, document, install_openapi
 from kvxferd.api.operations import Gate, Operation, mount
+from kvxferd.errors import AuthError
+from kvxferd.sidecar.signing import PeerKeys, RequestVerifier, request_target
 from kvxferd.wire import (
     ClaimRequest,
     ClaimResponse,
+    DeclineRequest,
+    DeclineResponse,
     ErrorBody,
     Handshake,
     Heartbeat,
@@ -28,9 +32,13 @@ if TYPE_CHECKING:
 TITLE = "kvxferd peer API"
 DESCRIPTION = (
     "What sidecars ask of each other, over TCP: handshake (once per engine id and epoch), "
-    "claim a hold before reading its blocks with NIXL, and heartbeat leases of queued requests. "
-    "Every /v1 call needs 'Authorization: Bearer <shared peer secret>'; /healthz, /readyz and "
-    "/metrics need none. Every 4xx/5xx body is an ErrorBody."
+    "claim a hold before reading its blocks with NIXL, heartbeat leases of queued requests, and "
+    "decline holds that will not be read. Every /v1 call is signed with the shared peer secret, "
+    "which never travels: 'Authorization: KVX1 key=<key id>, ts=<unix s>, nonce=<hex>, "
+    "sig=<hex HMAC-SHA256 over method, path and query, sha256(body), ts, nonce and key id>' "
+    "(see proto/README.md); a missing, stale, replayed or wrong signature is a 401 before the "
+    "body is decoded. /healthz, /readyz and /metrics need none. Every 4xx/5xx body is an "
+    "ErrorBody."
 )
 READY = {
     "type": "object",
@@ -52,15 +60,30 @@ async def handshake(sidecar: Sidecar, req: Handshake) -> Handshake:
 async def claim(sidecar: Sidecar, req: ClaimRequest) -> ClaimResponse:
     """Pin a hold while the caller reads it; 404 unknown hold, 410 expired (never readable).
 
-    The ticket's HMAC is checked (401 when it does not match). The claim lasts ``claim_s``
-    (capped); the hold is released once every expected reader has sent its NIXL notification.
+    The ticket's HMAC is checked (401 when it does not match). The claim binds: the ticket's
+    engine epoch and TP rank/size must be this sidecar's, its block ids the hold's, and every
+    reader of a hold must announce the same ``reader_tp_size`` (a TP size the manifest allows,
+    else 422); a mismatch is a 409 naming the field. The claim lasts ``claim_s`` (capped; the
+    answer's ``claim_s`` is what was granted); the hold is released once every expected reader
+    that claimed it has sent its NIXL notification. A hold id the engine chose and has not
+    placed yet is waited for briefly (``--hold-grace``).
     """
-    return sidecar.claim(req)
+    return await sidecar.claim(req)
 
 
 async def heartbeat(sidecar: Sidecar, req: Heartbeat) -> HeartbeatResponse:
     """Extend the leases of holds whose requests are still queued on the decode side."""
     return sidecar.heartbeat(req)
+
+
+async def decline(sidecar: Sidecar, req: DeclineRequest) -> DeclineResponse:
+    """Release holds whose decode side will not read them (reason ``declined``).
+
+    Every ticket's HMAC is checked (401 naming ``tickets[i].token``). A hold is released only
+    when it is live, belongs to this engine epoch and has the ticket's block ids (else
+    ``missing``), and no reader has claimed it (else ``busy``: left to notifications or expiry).
+    """
+    return sidecar.accept_decline(req)
 
 
 async def healthz(sidecar: Sidecar) -> dict[str, Any]:
@@ -77,8 +100,10 @@ OPERATIONS = [
     Operation("POST", "/v1/handshake", handshake, Handshake, Handshake,
               errors=(400, 401, 409, 422, 500, 503), auth=True, needs_engine=True),
     Operation("POST", "/v1/claims", claim, ClaimRequest, ClaimResponse,
-              errors=(400, 401, 404, 410, 422, 500, 503), auth=True, needs_engine=True),
+              errors=(400, 401, 404, 409, 410, 422, 500, 503), auth=True, needs_engine=True),
     Operation("POST", "/v1/heartbeat", heartbeat, Heartbeat, HeartbeatResponse,
+              errors=(400, 401, 422, 500, 503), auth=True, needs_engine=True),
+    Operation("POST", "/v1/decline", decline, DeclineRequest, DeclineResponse,
               errors=(400, 401, 422, 500, 503), auth=True, needs_engine=True),
     Operation("GET", "/healthz", healthz, None, HEALTH),
     Operation("GET", "/readyz", readyz, None, READY, errors=(503,), needs_engine=True),
@@ -88,18 +113,33 @@ OPERATIONS = [
 """The route table: served by peer_app, documented by peer_document."""
 
 
-def bearer_check(token: str) -> Callable[[Request], None]:
-    """A Gate.authorize accepting exactly ``Authorization: Bearer <token>`` (never when empty)."""
-    secret = token.encode()
+def signature_check(verifier: RequestVerifier | None) -> Callable[[Request], Awaitable[None]]:
+    """A Gate.authorize admitting only requests signed with one of our keys (nobody when no
+    secret is configured). It reads the body (the signature covers its digest) but never
+    decodes it: a request that fails is a 401 whatever its body."""
 
-    def authorize(request: Request) -> None:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), secret)
-        if not secret or not ok:
-            body = ErrorBody(error="AuthError", detail="missing or wrong bearer token")
-            raise HTTPProblem(401, body)
+    async def authorize(request: Request) -> None:
+        try:
+            if verifier is None:
+                raise AuthError("no peer secret is configured: nobody is admitted")
+            body = await request.body()
+            target = request_target(
+                request.scope.get("raw_path", b"").decode("latin-1") or request.url.path,
+                request.scope.get("query_string", b""),
+            )
+            verifier.verify(request.method, target, body, request.headers.get("authorization"))
+        except AuthError as exc:
+            raise HTTPProblem(401, ErrorBody(error="AuthError", detail=str(exc))) from None
 
     return authorize
+
+
+def peer_verifier(config: Any) -> RequestVerifier | None:
+    """The request verifier of a sidecar's config (None when it has no secret)."""
+    if not config.peer_token:
+        return None
+    keys = PeerKeys.of(config.peer_token, getattr(config, "peer_token_previous", ""))
+    return RequestVerifier(keys, skew_s=getattr(config, "auth_skew_s", 30.0))
 
 
 def peer_document() -> dict[str, Any]:
@@ -120,7 +160,9 @@ class _Asgi:
 def peer_app(sidecar: Sidecar) -> FastAPI:
     """The FastAPI app other sidecars talk to; /metrics, /healthz and /readyz need no token."""
     app = FastAPI(title=TITLE, version="1", default_response_class=StructResponse)
-    gate = Gate(ready=lambda: sidecar.ready, authorize=bearer_check(sidecar.config.peer_token))
+    gate = Gate(
+        ready=lambda: sidecar.ready, authorize=signature_check(peer_verifier(sidecar.config))
+    )
     mount(app, OPERATIONS, sidecar, gate)
     app.router.routes.append(
         Route("/metrics", _Asgi(make_asgi_app(sidecar.metrics.registry)), methods=["GET"])

@@ -33,6 +33,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         metavar="PATH",
         help="file holding the shared peer secret (else KVXFERD_PEER_TOKEN)",
     )
+    p.add_argument(
+        "--peer-token-previous-file",
+        metavar="PATH",
+        help="file holding a second accepted secret during a key rollover "
+        "(else KVXFERD_PEER_TOKEN_PREVIOUS)",
+    )
+    p.add_argument("--auth-skew", type=float, dest="auth_skew_s", metavar="S",
+                   help="replay window of signed peer requests in seconds")  # fmt: skip
+    p.add_argument("--hold-grace", type=float, dest="hold_grace_s", metavar="S",
+                   help="how long a claim waits for an engine-chosen hold to be placed")  # fmt: skip
+    p.add_argument("--max-claim", type=float, dest="max_claim_s", metavar="S",
+                   help="longest a claim pins a hold in seconds")  # fmt: skip
     p.add_argument("--engine-id", metavar="ID", help="engine rank identity (default: random)")
     p.add_argument("--backend", action="append", dest="backends", metavar="NAME",
                    help="NIXL backend (repeatable; default UCX)")  # fmt: skip
@@ -62,14 +74,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_secret(path: str | None, flag: str) -> str | None:
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"{flag}: {exc.strerror}: {path}") from exc
+
+
 def _load(args: argparse.Namespace) -> Config:
-    token = None
-    if args.peer_token_file:
-        try:
-            with open(args.peer_token_file, encoding="utf-8") as fh:
-                token = fh.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"--peer-token-file: {exc.strerror}: {args.peer_token_file}") from exc
+    token = _read_secret(args.peer_token_file, "--peer-token-file")
+    previous = _read_secret(args.peer_token_previous_file, "--peer-token-previous-file")
     return load_config(
         {
             "engine_socket": args.engine_socket,
@@ -77,6 +94,10 @@ def _load(args: argparse.Namespace) -> Config:
             "peer_port": args.peer_port,
             "advertise_host": args.advertise_host,
             "peer_token": token,
+            "peer_token_previous": previous,
+            "auth_skew_s": args.auth_skew_s,
+            "hold_grace_s": args.hold_grace_s,
+            "max_claim_s": args.max_claim_s,
             "engine_id": args.engine_id,
             "backends": tuple(args.backends) if args.backends else None,
             "default_lease_s": args.default_lease_s,

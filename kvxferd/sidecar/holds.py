@@ -9,38 +9,61 @@ Expiry is checked by every call that touches a hold, not only by the reaper: a h
 has passed is released as ``expired`` by the first call that notices, so an expired hold can never
 be claimed or read "successfully" because the reaper was late.
 
-Time comes from an injected clock (seconds, default ``time.monotonic``); every method also takes
-an explicit ``now``. Not thread-safe by design: the sidecar calls it from its asyncio loop only,
-and every method is synchronous and short, so no lock is needed.
+Time comes from an injected clock (seconds, default ``time.monotonic``: a wall-clock step must
+not expire a hold mid-READ); every method also takes an explicit ``now``. Absolute Unix times
+exist only on the wire (the sidecar converts). Not thread-safe by design: the sidecar calls it
+from its asyncio loop only, and every method is synchronous and short (the reaper releases in
+slices of ``max_items``), so no lock is needed.
+
+What a claim binds: the ticket's exact block ids (they must equal the hold's), one reader TP
+size for the hold's life (its expected readers follow from it), and the readers themselves: no
+more distinct readers than expected, and only a reader that claimed may release the hold by
+notification (anyone else's notification is counted as unknown and ignored). A hold that
+expects no reader (its units are all read from replicas on other ranks) is released by its
+first claim.
+
+Block 0 is vLLM's null block: block lists keep it as a placeholder (Mamba groups are mostly
+null blocks with the running state last; sliding-window groups null out evicted blocks), so a
+hold may name it, any number of times, but it is never data: it is not pinned, and a pull never
+reads or writes it.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import math
+import re
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvxferd.descriptors.geometry import check_request_ids
+import numpy as np
+
+from kvxferd.descriptors.geometry import check_block_ids
 from kvxferd.errors import (
+    BlockIdError,
+    ClaimMismatchError,
     ConfigError,
     DuplicateHoldError,
     HoldExpiredError,
     HoldRequestError,
     UnknownHoldError,
 )
+from kvxferd.sidecar.deadlines import DeadlineBuckets
+from kvxferd.sidecar.released import ReleasedLog
 from kvxferd.sidecar.states import HoldState, advance
 from kvxferd.wire import HoldReleaseReason, HoldRequest, Manifest, ReleasedHold, ReleasedHolds
 
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+NULL_BLOCK = 0
+"""vLLM's null block: a placeholder in block lists, never data."""
+REAP_SLICE = 512
+"""Holds the reaper releases before it yields the event loop."""
+_HOLD_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 @dataclass(slots=True, eq=False)
@@ -63,8 +86,8 @@ class Hold:
     """Readers whose completion notification arrived."""
     reason: HoldReleaseReason | None = None
     released_at: float | None = None
-    version: int = 0
-    """Bumped whenever ``expires_at`` moves; reaper heap entries of older versions are stale."""
+    reader_tp_size: int = 0
+    """Decode TP size the first claim announced (0 until claimed); later claims must agree."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,6 +100,8 @@ class ClaimGrant:
     expected_readers: int
     headroom_s: float
     """Lease time that was left when the claim arrived (low values: leases too short)."""
+    granted_s: float = 0.0
+    """How long this claim pins the hold from now (the request's claim_s, capped)."""
 
 
 class NotifyOutcome(Enum):
@@ -95,7 +120,18 @@ class NotifyOutcome(Enum):
 
 
 def _zero_by_reason() -> dict[str, int]:
-    return {"notified": 0, "expired": 0, "aborted": 0}
+    return {"notified": 0, "expired": 0, "aborted": 0, "declined": 0, "unregistered": 0}
+
+
+class DeclineOutcome(Enum):
+    """What a decode side's decline did to one hold."""
+
+    RELEASED = "released"
+    """Released now as ``declined``."""
+    MISSING = "missing"
+    """No live hold with those block ids (already released, expired, or another hold)."""
+    BUSY = "busy"
+    """A reader has claimed it and may be reading: left to notifications or expiry."""
 
 
 @dataclass(slots=True)
@@ -136,6 +172,8 @@ class HoldTable:
         max_lease_s: float = 600.0,
         max_claim_s: float = 120.0,
         released_log_size: int = 65536,
+        released_log_bytes: int = 64 << 20,
+        reap_resolution_s: float = 0.05,
     ) -> None:
         for name, value in (
             ("default_lease_s", default_lease_s),
@@ -156,12 +194,8 @@ class HoldTable:
         self._clock = clock
         self._holds: dict[str, Hold] = {}
         self._by_request: dict[str, str] = {}
-        # (deadline, tie-breaker, hold_id, hold version at push); stale entries are skipped.
-        self._heap: list[tuple[float, int, str, int]] = []
-        self._tie = itertools.count()
-        self._log: deque[tuple[int, ReleasedHold]] = deque(maxlen=released_log_size)
-        self._recent: dict[str, ReleasedHold] = {}  # hold_id -> record, while still in _log
-        self._cursor = 0
+        self._deadlines = DeadlineBuckets(reap_resolution_s)
+        self._released = ReleasedLog(int(released_log_size), int(released_log_bytes))
         self._claimed_live = 0
 
     # -- queries ---------------------------------------------------------------------------------
@@ -193,6 +227,10 @@ class HoldTable:
             raise UnknownHoldError(self._unknown_detail(hold_id))
         return hold
 
+    def was_released(self, hold_id: str) -> bool:
+        """Whether ``hold_id`` was released recently enough to be remembered."""
+        return self._released.get(hold_id) is not None
+
     def find_request(self, request_id: str) -> Hold | None:
         """The live hold of an engine request id, if any."""
         hold_id = self._by_request.get(request_id)
@@ -203,18 +241,23 @@ class HoldTable:
         return list(self._holds.values())
 
     def next_deadline(self) -> float | None:
-        """Clock time of the earliest live deadline, or None when nothing is held."""
-        heap = self._heap
-        while heap and not self._valid(heap[0]):
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        """When the reaper should next run: at or after the earliest live deadline, within the
+        reap resolution of it; None when nothing is held."""
+        return self._deadlines.next_end()
+
+    @property
+    def released_bytes(self) -> int:
+        """Estimated bytes of the released feed kept for the engine."""
+        return self._released.bytes
 
     # -- operations ------------------------------------------------------------------------------
 
     def hold(self, request: HoldRequest, now: float | None = None) -> Hold:
         """Pin a request's blocks for ``request.lease_s`` (default if None, capped by the max)."""
         now = self._now(now)
-        check_request_ids(self.num_blocks, self.num_groups, request.block_ids, "block_ids")
+        _check_hold_ids(self.num_blocks, self.num_groups, request.block_ids)
+        if request.hold_id and not _HOLD_ID.match(request.hold_id):
+            raise HoldRequestError("hold_id", "1-128 characters of A-Z a-z 0-9 . _ : -")
         if request.num_tokens < 0:
             raise HoldRequestError("num_tokens", f"must be >= 0, got {request.num_tokens}")
         lease = self.default_lease_s
@@ -225,8 +268,10 @@ class HoldTable:
             raise DuplicateHoldError(
                 "request_id", f"{request.request_id!r} already has live hold {existing.hold_id}"
             )
-        hold_id = secrets.token_hex(16)
-        while hold_id in self._holds or hold_id in self._recent:
+        hold_id = request.hold_id
+        if hold_id and (hold_id in self._holds or self._released.get(hold_id) is not None):
+            raise DuplicateHoldError("hold_id", f"{hold_id!r} is already (or was) a hold here")
+        while not hold_id or hold_id in self._holds or self._released.get(hold_id) is not None:
             hold_id = secrets.token_hex(16)
         hold = Hold(
             hold_id=hold_id,
@@ -238,7 +283,7 @@ class HoldTable:
         )
         self._holds[hold_id] = hold
         self._by_request[hold.request_id] = hold_id
-        self._push(hold)
+        self._deadlines.set(hold_id, hold.expires_at)
         self.counters.held += 1
         return hold
 
@@ -249,41 +294,70 @@ class HoldTable:
         claim_s: float,
         expected_readers: int = 1,
         now: float | None = None,
+        *,
+        block_ids: list[list[int]] | None = None,
+        reader_tp_size: int = 0,
     ) -> ClaimGrant:
         """Pin a hold while ``reader`` reads it: deadline becomes at least now + claim_s (capped).
 
-        Several readers may claim the same hold (heterogeneous TP); the hold then waits for the
-        largest ``expected_readers`` any of them announced.
+        Several readers may claim the same hold (heterogeneous TP), all with the same
+        ``reader_tp_size`` (when given) and at most ``expected_readers`` distinct ones; the hold
+        then waits for every one of them. ``block_ids``, when given, must be the hold's.
+        ClaimMismatchError names what does not bind. A hold expecting 0 readers is released
+        (``notified``) by this claim.
         """
         now = self._now(now)
         claim_s = min(_positive(claim_s, "claim_s"), self.max_claim_s)
         if not reader:
             raise HoldRequestError("reader", "must be a non-empty reader name")
-        if not (isinstance(expected_readers, int) and expected_readers >= 1):
-            raise HoldRequestError("expected_readers", f"must be >= 1, got {expected_readers!r}")
+        if not (isinstance(expected_readers, int) and expected_readers >= 0):
+            raise HoldRequestError("expected_readers", f"must be >= 0, got {expected_readers!r}")
         hold = self._live(hold_id, now)
+        if block_ids is not None and block_ids != hold.block_ids:
+            raise ClaimMismatchError("ticket.block_ids", "are not the block ids of this hold")
+        if reader_tp_size and hold.reader_tp_size not in (0, reader_tp_size):
+            raise ClaimMismatchError(
+                "reader_tp_size", f"{reader_tp_size}, but the hold was claimed by TP "
+                f"{hold.reader_tp_size} readers",
+            )  # fmt: skip
+        if hold.readers and expected_readers != hold.expected_readers and reader_tp_size:
+            raise ClaimMismatchError("reader_tp_size", "expects another number of readers")
+        readers = max(hold.expected_readers if hold.readers else 0, expected_readers)
+        if reader not in hold.readers and len(hold.readers) >= max(readers, 1):
+            raise ClaimMismatchError(
+                "reader", f"the hold already has its {len(hold.readers)} expected reader(s)"
+            )
         headroom = hold.expires_at - now
         if hold.state is HoldState.HELD:
             hold.state = advance(hold.state, HoldState.CLAIMED)
             self.counters.claimed += 1
             self._claimed_live += 1
         hold.readers.add(reader)
-        hold.expected_readers = max(hold.expected_readers, expected_readers)
-        self._extend(hold, now + claim_s)
+        hold.reader_tp_size = hold.reader_tp_size or reader_tp_size
+        hold.expected_readers = readers
         self.counters.claims += 1
-        return ClaimGrant(
+        grant = ClaimGrant(
             hold_id=hold.hold_id,
             hold=hold,
-            expires_at=hold.expires_at,
-            expected_readers=hold.expected_readers,
+            expires_at=max(hold.expires_at, now + claim_s),
+            expected_readers=readers,
             headroom_s=headroom,
+            granted_s=claim_s,
         )
+        if readers == 0:  # nobody of this TP shape reads this rank: nothing to wait for
+            self._release(hold, "notified", now)
+        else:
+            self._extend(hold, now + claim_s)
+        return grant
 
     def notify(self, hold_id: str, reader: str, now: float | None = None) -> NotifyOutcome:
-        """Record that ``reader`` finished reading; release once every expected reader has."""
+        """Record that ``reader`` finished reading; release once every expected reader has.
+
+        Only a reader that claimed the hold counts; anyone else's notification is UNKNOWN.
+        """
         now = self._now(now)
         hold = self._holds.get(hold_id)
-        if hold is None:
+        if hold is None or reader not in hold.readers:
             self.counters.notifications_unknown += 1
             logger.info("notification from %s for unknown hold %s ignored", reader, hold_id)
             return NotifyOutcome.UNKNOWN
@@ -315,8 +389,24 @@ class HoldTable:
         now = self._now(now)
         hold = self.get(hold_id)
         if self._expire_if_due(hold, now):
-            return self._recent[hold_id]
+            record = self._released.get(hold_id)
+            assert record is not None  # just appended
+            return record
         return self._release(hold, "aborted", now)
+
+    def decline(
+        self, hold_id: str, block_ids: list[list[int]], now: float | None = None
+    ) -> DeclineOutcome:
+        """Release a hold its decode side will not read (``declined``), if ``block_ids`` are
+        the hold's and no reader has claimed it."""
+        now = self._now(now)
+        hold = self._holds.get(hold_id)
+        if hold is None or self._expire_if_due(hold, now) or hold.block_ids != block_ids:
+            return DeclineOutcome.MISSING
+        if hold.state is HoldState.CLAIMED:
+            return DeclineOutcome.BUSY
+        self._release(hold, "declined", now)
+        return DeclineOutcome.RELEASED
 
     def heartbeat(
         self, hold_ids: Iterable[str], extend_s: float, now: float | None = None
@@ -339,47 +429,22 @@ class HoldTable:
                 extended.append(hold_id)
         return extended, missing
 
-    def reap(self, now: float | None = None) -> list[ReleasedHold]:
-        """Release, in deadline order, every hold whose deadline is at or before ``now``."""
+    def reap(self, now: float | None = None, max_items: int | None = None) -> list[ReleasedHold]:
+        """Release, in deadline order (to the reap resolution), holds whose deadline is at or
+        before ``now``: all of them, or at most ``max_items`` (call again while it returns
+        that many, yielding in between)."""
         now = self._now(now)
-        heap = self._heap
-        released: list[ReleasedHold] = []
-        while heap and heap[0][0] <= now:
-            entry = heapq.heappop(heap)
-            if self._valid(entry):
-                released.append(self._release(self._holds[entry[2]], "expired", now))
-        return released
+        due = self._deadlines.due(
+            now, len(self._holds) if max_items is None else max_items,
+            lambda h: self._holds[h].expires_at,
+        )  # fmt: skip
+        return [self._release(self._holds[h], "expired", now) for h in due]
 
     def released_since(self, cursor: int, limit: int | None = None) -> ReleasedHolds:
-        """Releases after ``cursor`` (oldest first, at most ``limit``) and the cursor to pass next.
-
-        Cursors count releases from 1. A cursor older than the oldest entry kept means the feed
-        overran (logged; those blocks were never reported). A cursor beyond the newest one
-        (an engine talking to a restarted sidecar) restarts from the oldest entry kept.
-        """
-        if cursor < 0:
-            raise HoldRequestError("cursor", f"must be >= 0, got {cursor}")
-        if limit is not None and limit < 1:
-            raise HoldRequestError("limit", f"must be >= 1, got {limit}")
-        log = self._log
-        if cursor > self._cursor:
-            cursor = 0
-        oldest = log[0][0] if log else self._cursor + 1
-        if cursor < oldest - 1:
-            logger.warning(
-                "released feed overran: %d releases before cursor %d were dropped",
-                oldest - 1 - cursor,
-                oldest,
-            )
-        newer = self._cursor - max(cursor, oldest - 1)
-        entries = list(itertools.islice(reversed(log), newer))
-        entries.reverse()
-        if limit is not None:
-            entries = entries[:limit]
-        return ReleasedHolds(
-            holds=[record for _, record in entries],
-            cursor=entries[-1][0] if entries else self._cursor,
-        )
+        """One page of releases after ``cursor`` (oldest first, at most ``limit`` records and
+        about a MiB) and the cursor to pass next; ``more`` when newer ones wait. Cursors count
+        releases from 1 (see kvxferd.sidecar.released)."""
+        return self._released.since(cursor, limit)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -390,7 +455,7 @@ class HoldTable:
         """The live hold, or UnknownHoldError / HoldExpiredError (releasing it if just expired)."""
         hold = self._holds.get(hold_id)
         if hold is None:
-            record = self._recent.get(hold_id)
+            record = self._released.get(hold_id)
             if record is not None and record.reason == "expired":
                 raise HoldExpiredError(f"hold_id {hold_id!r}: lease ended, blocks may be reused")
             raise UnknownHoldError(self._unknown_detail(hold_id))
@@ -399,7 +464,7 @@ class HoldTable:
         return hold
 
     def _unknown_detail(self, hold_id: str) -> str:
-        record = self._recent.get(hold_id)
+        record = self._released.get(hold_id)
         if record is not None:
             return f"hold_id {hold_id!r}: already released ({record.reason})"
         return f"hold_id {hold_id!r}: no such hold"
@@ -413,24 +478,7 @@ class HoldTable:
     def _extend(self, hold: Hold, deadline: float) -> None:
         if deadline > hold.expires_at:
             hold.expires_at = deadline
-            hold.version += 1
-            self._push(hold)
-
-    def _push(self, hold: Hold) -> None:
-        heap = self._heap
-        if len(heap) > 2 * len(self._holds) + 64:
-            # Mostly stale entries (leases extended, holds released): rebuild from live holds.
-            heap[:] = [
-                (h.expires_at, next(self._tie), h.hold_id, h.version)
-                for h in self._holds.values()
-                if h is not hold
-            ]
-            heapq.heapify(heap)
-        heapq.heappush(heap, (hold.expires_at, next(self._tie), hold.hold_id, hold.version))
-
-    def _valid(self, entry: tuple[float, int, str, int]) -> bool:
-        hold = self._holds.get(entry[2])
-        return hold is not None and hold.version == entry[3]
+            self._deadlines.set(hold.hold_id, deadline)
 
     def _release(self, hold: Hold, reason: HoldReleaseReason, now: float) -> ReleasedHold:
         if hold.state is HoldState.CLAIMED:
@@ -439,6 +487,7 @@ class HoldTable:
         hold.reason = reason
         hold.released_at = now
         del self._holds[hold.hold_id]
+        self._deadlines.drop(hold.hold_id)
         if self._by_request.get(hold.request_id) == hold.hold_id:
             del self._by_request[hold.request_id]
         record = ReleasedHold(
@@ -447,11 +496,39 @@ class HoldTable:
             block_ids=hold.block_ids,
             reason=reason,
         )
-        if len(self._log) == self._log.maxlen:
-            self._recent.pop(self._log[0][1].hold_id, None)
-        self._cursor += 1
-        self._log.append((self._cursor, record))
-        self._recent[hold.hold_id] = record
+        self._released.append(record)
         self.counters.released[reason] += 1
         logger.debug("hold %s (request %s) released: %s", hold.hold_id, hold.request_id, reason)
         return record
+
+
+def _check_hold_ids(num_blocks: int, num_groups: int, block_ids: object) -> None:
+    """One id list per group, ids in range, no repeats except of the null block (a
+    placeholder); BlockIdError names the entry."""
+    try:
+        groups = list(block_ids)  # type: ignore[call-overload]
+    except TypeError:
+        raise BlockIdError("block_ids", "expected one list of block ids per group") from None
+    if len(groups) != num_groups:
+        raise BlockIdError(
+            "block_ids", f"{len(groups)} id lists for {num_groups} groups (one per group)"
+        )
+    for g, ids in enumerate(groups):
+        field_ = f"block_ids[{g}]"
+        arr = np.asarray(ids)
+        nulls = arr.ndim == 1 and arr.dtype.kind in "iu" and bool((arr == NULL_BLOCK).any())
+        if not nulls:
+            check_block_ids(num_blocks, ids, field_)
+            continue
+        bad = np.flatnonzero((arr < 0) | (arr >= num_blocks))
+        if bad.size:
+            k = int(bad[0])
+            raise BlockIdError(f"{field_}[{k}]", f"id {int(arr[k])} outside [0, {num_blocks})")
+        data = np.flatnonzero(arr != NULL_BLOCK)  # positions of real blocks
+        order = np.argsort(arr[data], kind="stable")
+        srt = arr[data][order]
+        rep = np.flatnonzero(srt[1:] == srt[:-1])
+        if rep.size:
+            k = int(data[order[rep + 1]].min())
+            first = int(np.flatnonzero(arr == arr[k])[0])
+            raise BlockIdError(f"{field_}[{k}]", f"id {int(arr[k])} repeats {field_}[{first}]")

@@ -3,13 +3,19 @@
 A handshake exchanges protocol version, manifest and NIXL agent metadata once per
 (engine id, boot epoch). A ticket with a newer epoch means the peer restarted: the old entry is
 dropped (its NIXL remote agent removed) and the next pull handshakes again.
+
+Every call is signed (kvxferd.sidecar.signing): the secret never goes on the wire, so a ticket
+naming a stranger's address (which the caller refuses anyway, having checked its MAC first)
+could at most show the stranger a signature valid for one request, for one window.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -19,15 +25,20 @@ import msgspec
 from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
 from kvxferd.errors import (
     AuthError,
+    ClaimMismatchError,
+    ConfigError,
     HandshakeError,
     HoldExpiredError,
     IncompatiblePeerError,
     UnknownHoldError,
 )
+from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.wire import (
     PROTOCOL_VERSION,
     ClaimRequest,
     ClaimResponse,
+    DeclineRequest,
+    DeclineResponse,
     ErrorBody,
     Handshake,
     Heartbeat,
@@ -37,6 +48,7 @@ from kvxferd.wire import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_KEEP_EPOCHS = 4096  # (engine id, epoch) pairs remembered for the epochs-seen counter
 
 
 @dataclass(frozen=True)
@@ -65,17 +77,21 @@ class PeerTable:
         add_agent: Callable[[bytes], Awaitable[str]],
         remove_agent: Callable[[str], Awaitable[None]],
         check_compatible: Callable[[Manifest], dict[str, tuple[object, object]]],
-        token: str,
+        keys: PeerKeys | None,
         timeout_s: float,
+        on_change: Callable[[int, bool], None] | None = None,
     ) -> None:
         self._local_handshake = local_handshake
         self._add_agent = add_agent
         self._remove_agent = remove_agent
         self._check_compatible = check_compatible
-        self._headers = {"Authorization": f"Bearer {token}"}
+        self._keys = keys
         self._timeout = timeout_s
+        self._on_change = on_change
         self._peers: dict[str, Peer] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        # address -> (lock, callers using it); an entry lives only while someone uses it.
+        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        self._epochs: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._client = httpx.AsyncClient(
             timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=HTTP_CLIENT_KEEPALIVE_S)
         )
@@ -88,6 +104,38 @@ class PeerTable:
         """The cached peer at ``address``, if any."""
         return self._peers.get(address)
 
+    @property
+    def locks(self) -> int:
+        """Per-address handshake locks alive now (only addresses someone is handshaking with)."""
+        return len(self._locks)
+
+    @asynccontextmanager
+    async def _locked(self, address: str) -> AsyncIterator[None]:
+        """Serialise handshakes per address; the lock is dropped once nobody uses it."""
+        entry = self._locks.get(address)
+        if entry is None:
+            entry = self._locks[address] = (asyncio.Lock(), [0])
+        lock, users = entry
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0 and self._locks.get(address) is entry:
+                del self._locks[address]
+
+    def _adopt(self, address: str, peer: Peer) -> None:
+        self._peers[address] = peer
+        pair = (peer.engine_id, peer.epoch)
+        new = pair not in self._epochs
+        self._epochs[pair] = None
+        self._epochs.move_to_end(pair)
+        while len(self._epochs) > _KEEP_EPOCHS:
+            self._epochs.popitem(last=False)
+        if self._on_change is not None:
+            self._on_change(len(self._peers), new)
+
     async def get(self, address: str, engine_id: str, epoch: int) -> Peer:
         """The peer at ``address`` for this engine epoch, handshaking if needed.
 
@@ -95,8 +143,7 @@ class PeerTable:
         the peer changed (restarted) the old entry is dropped; if it did not, the ticket is
         stale and fails without disturbing the cached peer (pulls may be reading from it).
         """
-        lock = self._locks.setdefault(address, asyncio.Lock())
-        async with lock:
+        async with self._locked(address):
             cached = self._peers.get(address)
             if cached is not None and (cached.engine_id, cached.epoch) == (engine_id, epoch):
                 return cached
@@ -123,7 +170,7 @@ class PeerTable:
                     f"peer {address} is engine {peer.engine_id} epoch {peer.epoch}, the ticket "
                     f"names {engine_id} epoch {epoch}: the prefill side restarted"
                 )
-            self._peers[address] = peer
+            self._adopt(address, peer)
             return peer
 
     async def claim(self, address: str, request: ClaimRequest) -> ClaimResponse:
@@ -134,17 +181,28 @@ class PeerTable:
         """Extend holds at a prefill sidecar; the whole call is bounded by the timeout."""
         return await self._call(address, "/v1/heartbeat", request, HeartbeatResponse, "heartbeat")
 
+    async def decline(self, address: str, request: DeclineRequest) -> DeclineResponse:
+        """Ask a prefill sidecar to release holds its decode will not read."""
+        return await self._call(address, "/v1/decline", request, DeclineResponse, "decline")
+
+    async def _post(self, address: str, path: str, body: bytes) -> httpx.Response:
+        """One signed POST (the signature covers method, path, body, time and a fresh nonce)."""
+        if self._keys is None:
+            raise ConfigError("peer_token: no peer secret configured; cannot sign peer calls")
+        auth = sign_request(self._keys, "POST", path, body)
+        return await self._client.post(
+            f"http://{address}{path}",
+            content=body,
+            headers={"Authorization": auth, "Content-Type": "application/json"},
+        )
+
     async def _call(
         self, address: str, path: str, request: object, answer: type[T], what: str
     ) -> T:
         """POST ``request`` to a peer and decode its answer; errors become our exceptions."""
         try:
             async with asyncio.timeout(self._timeout):
-                resp = await self._client.post(
-                    f"http://{address}{path}",
-                    content=msgspec.json.encode(request),
-                    headers={**self._headers, "Content-Type": "application/json"},
-                )
+                resp = await self._post(address, path, msgspec.json.encode(request))
         except (httpx.HTTPError, TimeoutError) as exc:
             raise HandshakeError(f"peer {address} unreachable for {what}: {exc!r}") from exc
         if resp.status_code != 200:
@@ -158,6 +216,8 @@ class PeerTable:
         """Drop a cached peer and its NIXL remote agent (peer died or restarted)."""
         peer = self._peers.pop(address, None)
         if peer is not None:
+            if self._on_change is not None:
+                self._on_change(len(self._peers), False)
             await self._remove_agent(peer.agent_name)
 
     async def close(self) -> None:
@@ -169,11 +229,7 @@ class PeerTable:
     async def _handshake(self, address: str) -> Peer:
         body = msgspec.json.encode(self._local_handshake())
         try:
-            resp = await self._client.post(
-                f"http://{address}/v1/handshake",
-                content=body,
-                headers={**self._headers, "Content-Type": "application/json"},
-            )
+            resp = await self._post(address, "/v1/handshake", body)
         except httpx.HTTPError as exc:
             self._count("unreachable")
             raise HandshakeError(f"peer {address} unreachable: {exc!r}") from exc
@@ -222,7 +278,9 @@ def _remote_error(address: str, resp: httpx.Response) -> Exception:
     if resp.status_code == 410:
         return HoldExpiredError(f"peer {address}: {detail}")
     if resp.status_code == 401:
-        return AuthError(f"peer {address} rejected our token: {detail}")
+        return AuthError(f"peer {address} refused our signature: {detail}")
+    if resp.status_code == 409 and error == "ClaimMismatchError":
+        return ClaimMismatchError(body_field, f"peer {address}: {detail}")
     if resp.status_code == 409 and error == "IncompatiblePeerError":
         # The peer compared manifests and names the disagreeing fields (comma-separated).
         exc = IncompatiblePeerError({f: (None, None) for f in body_field.split(",") if f})

@@ -235,15 +235,22 @@ class PullRunner:
         await self._transfer(pull, peer, plan, notif, deadline)
 
     async def _release_unread(self, ticket: Ticket) -> None:
-        """Notify a prefill rank that no decode rank reads, releasing its hold before expiry.
+        """Release the hold of a prefill rank that no decode rank reads, before its expiry.
 
         Its units are all replicas read from other ranks, so this pull's bytes do not depend on
         it: a failure is logged (the hold then expires), never fatal.
         """
         sc = self._sidecar
+        local = sc.manifest
+        assert local is not None
         try:
-            peer = await sc.peers.get(ticket.peer, ticket.engine_id, ticket.epoch)
-            await asyncio.to_thread(sc.agent.send_notif, peer.agent_name, ticket.hold_id.encode())
+            # A claim by a TP shape that reads nothing from this rank releases its hold at once
+            # (only readers that claimed may release by notification).
+            await sc.peers.claim(
+                ticket.peer,
+                ClaimRequest(ticket=ticket, reader=sc.agent.name,
+                             reader_tp_size=local.tp_size, claim_s=1.0),
+            )  # fmt: skip
         except KvxferdError as exc:
             log.warning(
                 "could not release unread hold %s at %s (it will expire): %s",

@@ -19,26 +19,33 @@ from msgspec import structs
 
 from kvxferd import descriptors
 from kvxferd.config import Config
+from kvxferd.descriptors.geometry import iter_parts
 from kvxferd.errors import (
     AlreadyRegisteredError,
+    ClaimMismatchError,
+    HoldRequestError,
     KvxferdError,
     ManifestError,
     NotRegisteredError,
+    UnknownHoldError,
 )
 from kvxferd.layout import validate_manifest
 from kvxferd.memory import open_region
 from kvxferd.metrics import Metrics
-from kvxferd.sidecar.holds import HoldTable
-from kvxferd.sidecar.keepalive import keep_alive
+from kvxferd.sidecar.holds import REAP_SLICE, DeclineOutcome, HoldTable
+from kvxferd.sidecar.keepalive import decline_at_peers, keep_alive
 from kvxferd.sidecar.peers import PeerTable
 from kvxferd.sidecar.pulls import Pull, PullRunner
-from kvxferd.sidecar.tickets import sign_ticket, verify_ticket
+from kvxferd.sidecar.signing import PeerKeys
+from kvxferd.sidecar.tickets import sign_ticket, verify_ticket, verify_tickets
 from kvxferd.transport import Agent
 from kvxferd.wire import (
     PROTOCOL_VERSION,
     AbortHoldRequest,
     ClaimRequest,
     ClaimResponse,
+    DeclineRequest,
+    DeclineResponse,
     Handshake,
     Heartbeat,
     HeartbeatResponse,
@@ -59,6 +66,9 @@ log = logging.getLogger(__name__)
 _NOTIF_FAST_S = 0.001  # poll interval while holds are claimed (a read may finish any moment)
 _NOTIF_SLOW_S = 0.05  # poll interval otherwise
 _REAP_MAX_SLEEP_S = 1.0
+MAX_READER_TP = 1024
+"""Largest decode TP size a claim may announce (its expected readers follow from it)."""
+_MAX_HOLD_WAITERS = 4096  # claims waiting at once for an engine-chosen hold to be placed
 
 
 class Sidecar:
@@ -80,17 +90,22 @@ class Sidecar:
         self._regions: list[Any] = []
         self._bases: list[int] = []
         self.holds: HoldTable | None = None
+        self.keys = PeerKeys.of(config.peer_token, config.peer_token_previous) if (
+            config.peer_token) else None  # fmt: skip
         self.peers = PeerTable(
             local_handshake=self._local_handshake,
             add_agent=lambda md: asyncio.to_thread(self.agent.add_remote, md),
             remove_agent=lambda name: asyncio.to_thread(self.agent.remove_remote, name),
             check_compatible=self._compare,
-            token=config.peer_token,
+            keys=self.keys,
             timeout_s=config.handshake_timeout_s,
+            on_change=self._peers_changed,
         )
         self.pulls = PullRunner(self)
         self._tasks: list[asyncio.Task[None]] = []
         self._secret = config.peer_token.encode()
+        self._accepted = self.keys.accepted if self.keys is not None else (self._secret,)
+        self._hold_waiters: dict[str, tuple[asyncio.Event, list[int]]] = {}
         self._released_reported: dict[str, int] = {}  # release counts already in metrics
         self._notif_wake = asyncio.Event()  # set by a claim: a READ is imminent
 
@@ -157,7 +172,9 @@ class Sidecar:
             self.manifest,
             default_lease_s=self.config.default_lease_s,
             max_lease_s=self.config.max_lease_s,
-            clock=time.time,
+            max_claim_s=self.config.max_claim_s,
+            released_log_bytes=self.config.released_feed_bytes,
+            clock=time.monotonic,  # a wall-clock step must not expire a hold mid-READ
         )
         log.info(
             "registered %s: %d regions, %d groups, %d blocks",
@@ -174,6 +191,9 @@ class Sidecar:
         """Pin a request's blocks under a lease; the ticket authorises one pull of them."""
         holds, manifest = self._require_engine()
         hold = holds.hold(req)
+        waiter = self._hold_waiters.get(hold.hold_id)
+        if waiter is not None:
+            waiter[0].set()  # a claim for this engine-chosen id arrived first
         self.metrics.holds_created.inc()
         self.metrics.holds_active.set(holds.active)
         ticket = Ticket(
@@ -183,7 +203,7 @@ class Sidecar:
             request_id=req.request_id,
             block_ids=req.block_ids,
             num_tokens=req.num_tokens,
-            expires_at=hold.expires_at,
+            expires_at=self._wall(hold.expires_at),
             tp_rank=manifest.tp_rank,
             tp_size=manifest.tp_size,
             peer=self.peer_address,
@@ -199,6 +219,8 @@ class Sidecar:
     async def start_pull(self, req: PullRequest) -> PullAccepted:
         """Validate a pull and start it in the background."""
         self._require_engine()
+        # Every ticket's MAC before anything else: a forged ticket never causes a connection.
+        verify_tickets(req.tickets, self._accepted)
         pull = self.pulls.start(req)
         return PullAccepted(pull_id=pull.pull_id)
 
@@ -209,12 +231,18 @@ class Sidecar:
     async def keepalive(self, req: KeepaliveRequest) -> HeartbeatResponse:
         """Heartbeat the holds behind a decode engine's queued tickets at their prefill sides."""
         self._require_engine()
-        return await keep_alive(self.peers, req, self._secret)
+        return await keep_alive(self.peers, req, self._accepted)
 
-    def released_since(self, cursor: int) -> ReleasedHolds:
-        """The released-holds feed from ``cursor``."""
+    async def decline(self, req: DeclineRequest) -> DeclineResponse:
+        """Tell each prefill side to release the holds behind tickets this engine will not read
+        (every MAC checked here first)."""
+        self._require_engine()
+        return await decline_at_peers(self.peers, req, self._accepted)
+
+    def released_since(self, cursor: int, limit: int | None = None) -> ReleasedHolds:
+        """One page of the released-holds feed from ``cursor``."""
         holds, _ = self._require_engine()
-        return holds.released_since(cursor)
+        return holds.released_since(cursor, limit)
 
     # ---------------------------------------------------------------- peer API
 
@@ -237,19 +265,44 @@ class Sidecar:
         self.metrics.handshakes.labels("accepted").inc()
         return self._local_handshake()
 
-    def claim(self, req: ClaimRequest) -> ClaimResponse:
-        """Pin a hold for a reader; unknown -> 404, expired -> 410 (and released)."""
-        holds, manifest = self._require_engine()
-        verify_ticket(req.ticket, self._secret)
+    async def claim(self, req: ClaimRequest) -> ClaimResponse:
+        """Pin a hold for a reader; unknown -> 404, expired -> 410 (and released).
+
+        Checked first: the ticket's MAC (401), that it names this engine epoch (404), this
+        rank's TP shape (409) and a reader TP size the manifest allows (422). The hold must have
+        the ticket's block ids (409). An engine-chosen hold id not placed yet is waited for up
+        to ``hold_grace_s``.
+        """
+        _, manifest = self._require_engine()
+        ticket = req.ticket
+        verify_ticket(ticket, self._accepted)
+        if (ticket.engine_id, ticket.epoch) != (self.engine_id, self.epoch):
+            raise UnknownHoldError(
+                f"ticket names engine {ticket.engine_id} epoch {ticket.epoch}; this sidecar is "
+                f"{self.engine_id} epoch {self.epoch} (restarted?)"
+            )
+        if (ticket.tp_rank, ticket.tp_size) != (manifest.tp_rank, manifest.tp_size):
+            raise ClaimMismatchError(
+                "ticket.tp_rank", f"rank {ticket.tp_rank} of {ticket.tp_size}, but this sidecar "
+                f"holds rank {manifest.tp_rank} of {manifest.tp_size}",
+            )  # fmt: skip
+        check_reader_tp(manifest, req.reader_tp_size)
         readers = descriptors.expected_readers(manifest, req.reader_tp_size)
-        claim_s = min(req.claim_s, self.config.max_lease_s)
+        await self._await_hold(ticket.hold_id)
+        holds, _ = self._require_engine()
         try:
-            hold = holds.claim(req.ticket.hold_id, req.reader, claim_s, readers)
+            grant = holds.claim(
+                ticket.hold_id, req.reader, req.claim_s, readers,
+                block_ids=ticket.block_ids, reader_tp_size=req.reader_tp_size,
+            )  # fmt: skip
         finally:
             self._after_release()
         self._notif_wake.set()  # the READ comes next: poll notifications fast from now on
         return ClaimResponse(
-            hold_id=hold.hold_id, expires_at=hold.expires_at, expected_readers=readers
+            hold_id=grant.hold_id,
+            expires_at=self._wall(grant.expires_at),
+            expected_readers=readers,
+            claim_s=grant.granted_s,
         )
 
     def heartbeat(self, req: Heartbeat) -> HeartbeatResponse:
@@ -258,7 +311,61 @@ class Sidecar:
         extended, missing = holds.heartbeat(req.hold_ids, req.extend_s)
         return HeartbeatResponse(extended=list(extended), missing=list(missing))
 
+    def accept_decline(self, req: DeclineRequest) -> DeclineResponse:
+        """Release holds a decode side will not read (``declined``). Every ticket's MAC is
+        checked first (401 naming it); a ticket whose hold is gone, belongs to another engine
+        epoch or has other block ids is ``missing``; a claimed hold is ``busy`` (kept)."""
+        holds, _ = self._require_engine()
+        verify_tickets(req.tickets, self._accepted)
+        out: dict[DeclineOutcome, list[str]] = {o: [] for o in DeclineOutcome}
+        for ticket in req.tickets:
+            ours = (ticket.engine_id, ticket.epoch) == (self.engine_id, self.epoch)
+            outcome = (
+                holds.decline(ticket.hold_id, ticket.block_ids) if ours else DeclineOutcome.MISSING
+            )
+            out[outcome].append(ticket.hold_id)
+        self._after_release()
+        if out[DeclineOutcome.RELEASED]:
+            log.info("declined (%s): %d holds released", req.reason or "no reason",
+                     len(out[DeclineOutcome.RELEASED]))  # fmt: skip
+        return DeclineResponse(
+            released=out[DeclineOutcome.RELEASED],
+            missing=out[DeclineOutcome.MISSING],
+            busy=out[DeclineOutcome.BUSY],
+        )
+
     # ---------------------------------------------------------------- internals
+
+    def _wall(self, mono: float) -> float:
+        """Unix time of a monotonic-clock time (only for the wire)."""
+        return time.time() + (mono - time.monotonic())
+
+    def _peers_changed(self, count: int, new_epoch: bool) -> None:
+        self.metrics.peers.set(count)
+        if new_epoch:
+            self.metrics.peer_epochs.inc()
+
+    async def _await_hold(self, hold_id: str) -> None:
+        """Wait (up to ``hold_grace_s``) for a hold that is neither live nor released yet: the
+        scheduler minted its ticket and the worker places it in the same engine step."""
+        holds = self.holds
+        grace = self.config.hold_grace_s
+        if holds is None or grace <= 0 or hold_id in holds or holds.was_released(hold_id):
+            return
+        entry = self._hold_waiters.get(hold_id)
+        if entry is None:
+            if len(self._hold_waiters) >= _MAX_HOLD_WAITERS:
+                return  # answered at once (404); bounded
+            entry = self._hold_waiters[hold_id] = (asyncio.Event(), [0])
+        event, users = entry
+        users[0] += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), grace)
+        finally:
+            users[0] -= 1
+            if users[0] == 0 and self._hold_waiters.get(hold_id) is entry:
+                del self._hold_waiters[hold_id]
 
     def _require_engine(self) -> tuple[HoldTable, Manifest]:
         if self.manifest is None or self.holds is None:
@@ -301,10 +408,16 @@ class Sidecar:
         """Expire leases in deadline order; sleeps until the next deadline (bounded)."""
         while True:
             if self.holds is not None:
-                self.holds.reap()
+                # In slices: 100k holds expiring together never stall the loop for long.
+                while len(self.holds.reap(max_items=REAP_SLICE)) == REAP_SLICE:
+                    self._after_release()
+                    await asyncio.sleep(0)
+                    if self.holds is None:
+                        break
                 self._after_release()
+            if self.holds is not None:
                 nxt = self.holds.next_deadline()
-                delay = _REAP_MAX_SLEEP_S if nxt is None else max(0.0, nxt - time.time())
+                delay = _REAP_MAX_SLEEP_S if nxt is None else max(0.0, nxt - time.monotonic())
             else:
                 delay = _REAP_MAX_SLEEP_S
             await asyncio.sleep(min(delay, _REAP_MAX_SLEEP_S) + 0.001)
@@ -333,4 +446,19 @@ class Sidecar:
             self._notif_wake.clear()
 
 
-__all__ = ["Pull", "Sidecar"]
+def check_reader_tp(manifest: Manifest, reader_tp_size: int) -> None:
+    """HoldRequestError (422, ``reader_tp_size``) unless it is a TP size the manifest's units
+    can be split over or replicated to (the ownership rule), at most MAX_READER_TP."""
+    tp = reader_tp_size
+    if not (isinstance(tp, int) and 1 <= tp <= MAX_READER_TP):
+        raise HoldRequestError("reader_tp_size", f"must be 1..{MAX_READER_TP}, got {tp!r}")
+    for _g, _i, name, _layer, part in iter_parts(manifest):
+        ut = part.units_total
+        if ut % tp and tp % ut:
+            raise HoldRequestError(
+                "reader_tp_size", f"{tp} neither divides nor is a multiple of the {ut} units of "
+                f"part {name}",
+            )  # fmt: skip
+
+
+__all__ = ["Pull", "Sidecar", "check_reader_tp"]

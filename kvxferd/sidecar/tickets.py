@@ -5,12 +5,16 @@ presents it to the prefill sidecar; the MAC makes any edit of its block ids, exp
 detectable. The MAC covers every field except ``token``, encoded canonically as the msgspec JSON
 of the ticket with ``token=""`` (fields in declaration order, floats in shortest round-trip form,
 so a JSON round trip re-encodes to the same bytes).
+
+During a key rollover a ticket verifies under any accepted secret (see kvxferd.sidecar.signing):
+a ticket minted with the previous secret stays valid while both are configured.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Iterable
 
 import msgspec
 
@@ -37,10 +41,30 @@ def sign_ticket(ticket: Ticket, secret: bytes) -> Ticket:
     return msgspec.structs.replace(ticket, token=ticket_mac(ticket, secret))
 
 
-def verify_ticket(ticket: Ticket, secret: bytes) -> None:
-    """Raise AuthError unless ``ticket.token`` is the MAC of its other fields under ``secret``."""
+def verify_ticket(ticket: Ticket, secret: bytes | Iterable[bytes]) -> None:
+    """Raise AuthError unless ``ticket.token`` is the MAC of its other fields under ``secret``
+    (or under one of several secrets: a key rollover)."""
     if not ticket.token:
         raise AuthError("ticket.token: missing")
-    expected = ticket_mac(ticket, secret).encode("ascii")
-    if not hmac.compare_digest(expected, ticket.token.encode("utf-8", "replace")):
+    given = ticket.token.encode("utf-8", "replace")
+    secrets = [secret] if isinstance(secret, bytes | bytearray) else list(secret)
+    if not secrets:
+        raise ConfigError("peer secret: no secret to verify with")
+    ok = False
+    for key in secrets:  # every key is tried: the time does not tell which one matched
+        ok |= hmac.compare_digest(ticket_mac(ticket, key).encode("ascii"), given)
+    if not ok:
         raise AuthError("ticket.token: does not match the ticket (tampered, or another secret)")
+
+
+def verify_tickets(tickets: Iterable[Ticket], secret: bytes | Iterable[bytes]) -> None:
+    """``verify_ticket`` of each; the AuthError names the first bad one (``tickets[i].token``)
+    in its message and its ``field``."""
+    keys = [secret] if isinstance(secret, bytes | bytearray) else list(secret)
+    for i, ticket in enumerate(tickets):
+        try:
+            verify_ticket(ticket, keys)
+        except AuthError as exc:
+            err = AuthError(f"tickets[{i}].{str(exc).removeprefix('ticket.')}")
+            err.field = f"tickets[{i}].token"  # type: ignore[attr-defined]
+            raise err from None

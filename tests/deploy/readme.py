@@ -17,7 +17,7 @@ README = DEPLOY / "README.md"
 BEGIN = "<!-- BEGIN serve-config (generated: python -m tests.deploy.readme) -->"
 END = "<!-- END serve-config -->"
 # Flags whose value is not a Config field of the same name.
-_FLAG_FIELD = {"peer_token_file": "peer_token"}
+_FLAG_FIELD = {"peer_token_file": "peer_token", "peer_token_previous_file": "peer_token_previous"}
 
 
 def serve_flags() -> dict[str, str]:
@@ -44,6 +44,8 @@ def config_table() -> str:
         shown = f"`{default}`" if default != "" else "(empty)"
         if name == "peer_token":
             flag_cell, shown = f"`{flag} PATH` (the file's content)", "(required)"
+        elif name == "peer_token_previous":
+            flag_cell = f"`{flag} PATH` (the file's content)"
         elif isinstance(default, tuple):
             shown = f"`{','.join(default)}`"
         rows.append(f"| `{env}` | {flag_cell} | {shown} | {docs[env]} |")

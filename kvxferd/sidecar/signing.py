@@ -1,0 +1,170 @@
+"""Peer request signatures: the shared secret authenticates every peer call and never travels.
+
+A request carries ``Authorization: KVX1 key=<key id>, ts=<unix s>, nonce=<hex>, sig=<hex>``,
+``sig`` being HMAC-SHA256, under a key derived from the secret, of
+``KVX1\\n<METHOD>\\n<path?query>\\n<sha256(body) hex>\\n<ts>\\n<nonce>\\n<key id>``. The server
+accepts it when the key id names one of its keys (the current one, or a second one during a
+rollover), ``ts`` is within ``skew_s`` of its clock, the signature matches (constant-time) and the
+nonce was not seen within the window (a replay is refused). A key id is an HMAC of a fixed label
+under the key: it names the key without revealing it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import hmac
+import math
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvxferd.errors import AuthError, ConfigError
+
+SCHEME = "KVX1"
+DEFAULT_SKEW_S = 30.0
+MAX_NONCES = 1 << 17
+"""Nonces remembered at once (about 2,000 signed requests a second over a 60 s window)."""
+_REQUEST_LABEL = b"kvxferd peer request v1"
+_KEY_ID_LABEL = b"kvxferd key id v1"
+_PARAM = re.compile(r"^\s*(key|ts|nonce|sig)=([0-9a-f]+)\s*$")
+_LENGTHS = {"key": (16, 16), "ts": (1, 12), "nonce": (16, 64), "sig": (64, 64)}
+
+
+def key_id(secret: bytes) -> str:
+    """Public name of a secret: 16 hex characters of an HMAC of a fixed label under it."""
+    return hmac.new(secret, _KEY_ID_LABEL, hashlib.sha256).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PeerKeys:
+    """The secrets this sidecar holds: ``current`` signs (requests and tickets), every one of
+    ``accepted`` verifies (the current one first, then a rollover's other key)."""
+
+    current: bytes
+    accepted: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, current: str | bytes, other: str | bytes = b"") -> PeerKeys:
+        """Keys from the configured secret and an optional second one accepted in a rollover."""
+        cur = current.encode() if isinstance(current, str) else bytes(current)
+        second = other.encode() if isinstance(other, str) else bytes(other)
+        if not cur:
+            raise ConfigError("peer_token: the peer secret must not be empty")
+        return cls(cur, (cur, second) if second and second != cur else (cur,))
+
+    def request_key(self, secret: bytes) -> bytes:
+        """The key requests are signed with (derived, so a request MAC is never a ticket MAC)."""
+        return hmac.new(secret, _REQUEST_LABEL, hashlib.sha256).digest()
+
+
+def _message(method: str, target: str, body: bytes, ts: str, nonce: str, kid: str) -> bytes:
+    digest = hashlib.sha256(body).hexdigest()
+    return f"{SCHEME}\n{method.upper()}\n{target}\n{digest}\n{ts}\n{nonce}\n{kid}".encode()
+
+
+def sign_request(
+    keys: PeerKeys, method: str, target: str, body: bytes, *, now: float | None = None,
+    nonce: str | None = None,
+) -> str:  # fmt: skip
+    """The Authorization header value of one request (``target`` is its path and query)."""
+    ts = str(int(time.time() if now is None else now))
+    nonce = nonce or secrets.token_hex(16)
+    kid = key_id(keys.current)
+    sig = hmac.new(
+        keys.request_key(keys.current), _message(method, target, body, ts, nonce, kid),
+        hashlib.sha256,
+    ).hexdigest()  # fmt: skip
+    return f"{SCHEME} key={kid}, ts={ts}, nonce={nonce}, sig={sig}"
+
+
+def parse_header(value: str) -> dict[str, str]:
+    """The parameters of a KVX1 Authorization header; AuthError names what is wrong."""
+    scheme, _, rest = value.strip().partition(" ")
+    if scheme.upper() != SCHEME:
+        raise AuthError(f"Authorization: expected the {SCHEME} scheme")
+    params: dict[str, str] = {}
+    for item in rest.split(","):
+        match = _PARAM.match(item)
+        if match is None or match[1] in params:
+            raise AuthError("Authorization: malformed KVX1 parameters")
+        low, high = _LENGTHS[match[1]]
+        if not low <= len(match[2]) <= high:
+            raise AuthError(f"Authorization: {match[1]} has the wrong length")
+        params[match[1]] = match[2]
+    if len(params) != len(_LENGTHS):
+        raise AuthError("Authorization: key, ts, nonce and sig are all required")
+    return params
+
+
+class RequestVerifier:
+    """Checks signed peer requests: key, time window, signature, then nonce (replays refused).
+
+    Nonces are remembered until their timestamp leaves the window, at most ``max_nonces`` at
+    once; when full, new requests are refused (fail closed) until old nonces age out.
+    """
+
+    def __init__(
+        self, keys: PeerKeys, *, skew_s: float = DEFAULT_SKEW_S, max_nonces: int = MAX_NONCES,
+        clock: Callable[[], float] = time.time,
+    ) -> None:  # fmt: skip
+        if not (math.isfinite(skew_s) and skew_s > 0):
+            raise ConfigError(f"auth_skew_s: must be > 0, got {skew_s!r}")
+        if max_nonces < 1:
+            raise ConfigError(f"max_nonces: must be >= 1, got {max_nonces!r}")
+        self._keys = {key_id(k): keys.request_key(k) for k in keys.accepted}
+        self.skew_s = float(skew_s)
+        self.max_nonces = max_nonces
+        self._clock = clock
+        self._seen: set[str] = set()
+        self._expiry: list[tuple[float, str]] = []  # (time the nonce may be forgotten, nonce)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def verify(self, method: str, target: str, body: bytes, header: str | None) -> str:
+        """Return the key id that signed the request, or raise AuthError (never says which
+        secret was expected)."""
+        if not header:
+            raise AuthError(f"Authorization: missing (peer calls are signed, scheme {SCHEME})")
+        p = parse_header(header)
+        key = self._keys.get(p["key"])
+        if key is None:
+            raise AuthError("Authorization: unknown key id (another secret, or rotated out)")
+        now = self._clock()
+        ts = int(p["ts"])
+        if abs(now - ts) > self.skew_s:
+            raise AuthError(
+                f"Authorization: ts is {now - ts:+.0f} s from our clock (window ±{self.skew_s:g} s)"
+            )
+        want = hmac.new(key, _message(method, target, body, p["ts"], p["nonce"], p["key"]),
+                        hashlib.sha256).hexdigest()  # fmt: skip
+        if not hmac.compare_digest(want.encode(), p["sig"].encode()):
+            raise AuthError("Authorization: signature does not match the request")
+        self._forget(now)
+        if p["nonce"] in self._seen:
+            raise AuthError("Authorization: nonce already used (replayed request)")
+        if len(self._seen) >= self.max_nonces:
+            raise AuthError("Authorization: too many signed requests in the window; retry")
+        self._seen.add(p["nonce"])
+        heapq.heappush(self._expiry, (ts + self.skew_s, p["nonce"]))
+        return p["key"]
+
+    def _forget(self, now: float) -> None:
+        """Drop nonces whose timestamp is out of the window (a replay of them is stale)."""
+        expiry = self._expiry
+        while expiry and expiry[0][0] < now:
+            self._seen.discard(heapq.heappop(expiry)[1])
+
+
+def request_target(path: str, query: bytes | str = b"") -> str:
+    """The signed target of a request: its path, plus ``?query`` when there is one."""
+    q = query.decode("latin-1") if isinstance(query, bytes) else query
+    return f"{path}?{q}" if q else path
+
+
+def accepted_ids(keys: PeerKeys) -> Iterable[str]:
+    """Key ids a verifier built from ``keys`` accepts (for logs and the docs; never keys)."""
+    return tuple(key_id(k) for k in keys.accepted)
