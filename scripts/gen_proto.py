@@ -130,35 +130,81 @@ for the other sidecars.
    (rank order) and its local block ids per group (`-1` skips a block it already has)
    (`POST /v1/pulls`, answered 202 with a pull id), then polls `GET /v1/pulls/{{pull_id}}?wait=S`
    (long poll, at most {max_wait:g} s per call) until the state is `done` or `failed`.
+   The sidecar checks every ticket's MAC first (below).
 4. **handshake**: before its first read from a prefill sidecar, the decode sidecar exchanges
    protocol version, manifest, NIXL agent metadata and region base addresses with it
    (`POST /v1/handshake`). The result is cached per (engine id, epoch); a ticket with a new
    epoch (the peer restarted) drops the cache and handshakes again. Manifests that cannot
    exchange blocks answer 409 naming every field that disagrees.
 5. **claim**: the decode sidecar presents the ticket (`POST /v1/claims`); the prefill sidecar
-   checks its HMAC and pins the hold until the claim's deadline. An unknown hold answers 404 and
-   an expired one 410, so a decode side never reads blocks that may have been reused.
+   checks its HMAC and what it binds (below) and pins the hold until the claim's deadline; the
+   answer's `claim_s` says how long the claim lasts. An unknown hold answers 404 and an expired
+   one 410, so a decode side never reads blocks that may have been reused.
 6. **READ with notification**: the decode sidecar posts one-sided NIXL READs of exactly the
    bytes the two manifests address (below), with a NIXL notification whose message is the hold
    id, delivered when the READ completes.
 7. **release**: when every expected reader has notified (several under heterogeneous TP), the
-   prefill sidecar releases the hold. Released holds (reason `notified`, `expired` or `aborted`,
-   each exactly once) appear in `GET /v1/released?cursor=N`; the prefill engine frees their
-   blocks. `POST /v1/holds/abort` gives a hold up; `POST /v1/heartbeat` extends the leases of
-   requests still queued on the decode side.
+   prefill sidecar releases the hold. Released holds (reason `notified`, `expired`, `aborted`,
+   `declined` or `unregistered`, each exactly once) appear in `GET /v1/released?cursor=N&limit=M`
+   (paged: `more` says another page waits; the feed is bounded in records and bytes); the
+   prefill engine frees their blocks. `POST /v1/holds/abort` gives a hold up; keepalive
+   (`POST /v1/heartbeat` between sidecars) extends the leases of requests still queued on the
+   decode side; decline (`POST /v1/decline`) releases the holds of requests the decode side will
+   not read (rejected, aborted) at once instead of at lease end.
 
 A pull that did not move every byte it promised ends `failed` with a machine-readable `reason`;
 it never ends `done`.
 
-## Authentication
+## Trust model
 
-- Peer API: every `/v1` call needs `Authorization: Bearer <secret>`, the shared peer secret
-  (`KVXFERD_PEER_TOKEN` or `--peer-token-file`). A missing or wrong token answers 401 with
-  `WWW-Authenticate: Bearer`. `/healthz`, `/readyz`, `/metrics` and `/openapi.json` need none.
-- Tickets: `Ticket.token` is HMAC-SHA256 (hex) keyed by the same secret over the msgspec JSON of
-  the ticket with `token` empty. A ticket edited on its way (block ids, expiry, peer) fails the
-  claim with 401.
-- Engine API: none beyond the socket's file permissions (0600).
+Who is trusted: the engine rank and its sidecar trust each other (the engine API is a Unix socket
+created 0600, no token). Sidecars trust each other only as holders of the shared peer secret
+(`KVXFERD_PEER_TOKEN` or `--peer-token-file`). Everything that reaches a decode engine from
+outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
+
+- **The secret never goes on the wire.** Every peer `/v1` call is signed:
+  `Authorization: KVX1 key=<key id>, ts=<unix seconds>, nonce=<hex>, sig=<hex>`, where `sig` is
+  HMAC-SHA256, under `HMAC-SHA256(secret, "kvxferd peer request v1")`, of the lines `KVX1`,
+  the method, the path with its query, the hex SHA-256 of the body, `ts`, `nonce` and the key id,
+  joined by `\n`. The key id is the first 16 hex characters of
+  `HMAC-SHA256(secret, "kvxferd key id v1")`: it names a key without revealing it. The server
+  checks it before decoding the body: known key id, `ts` within the replay window of its clock
+  (`--auth-skew`, ±30 s by default), signature compared in constant time, and a nonce not seen
+  within the window (nonces are remembered until their `ts` leaves the window, at most 131,072 at
+  once; beyond that, new calls are refused until old ones age out). A missing, malformed,
+  stale, replayed, tampered or foreign-key request answers 401 with `WWW-Authenticate: KVX1`.
+  `/healthz`, `/readyz`, `/metrics` and `/openapi.json` need no signature. Answers are not
+  signed: against an on-path attacker run the peer network privately (or under TLS).
+- **Key rotation.** A sidecar signs with its current secret and accepts a second one
+  (`KVXFERD_PEER_TOKEN_PREVIOUS` or `--peer-token-previous-file`). Roll over in three steps:
+  give every sidecar the new secret as the second one; make it the current one everywhere (the
+  old one second); drop the old one. At every step any two sidecars accept each other's calls
+  and tickets.
+- **What a ticket binds.** `Ticket.token` is HMAC-SHA256 (hex), keyed by the current secret,
+  over the msgspec JSON of the ticket with `token` empty: engine id, epoch, hold id, request id,
+  block ids, token count, expiry, TP rank and size, peer address, generation. A ticket minted
+  under the second secret still verifies during a rollover. A decode sidecar checks the MAC of
+  every ticket of a pull, keepalive or decline locally, when the engine hands it over (401 naming
+  `tickets[i].token`), before any network call: a forged ticket naming someone else's address
+  never causes a connection.
+- **What a claim binds.** The ticket's engine id and epoch must be this sidecar's (else 404),
+  its TP rank and size this rank's, and its block ids exactly the hold's (else 409 naming
+  `ticket.tp_rank` or `ticket.block_ids`). `reader_tp_size` must be a TP size the manifest's
+  units can be split over or replicated to, at most 1024 (else 422); it fixes how many decode
+  ranks read the hold, and every later claim of the hold must announce the same size; no more
+  distinct readers than that may claim it (409 naming `reader`). A claim lasts at most
+  `--max-claim` seconds; its answer says how long (`claim_s`), and the reader's READs must end
+  within that time. A shape that reads nothing from this rank (its units are replicas read
+  elsewhere) releases the hold by claiming it. An engine-chosen hold id (`HoldRequest.hold_id`,
+  minted by a scheduler) that is not placed yet is waited for up to `--hold-grace` seconds.
+- **Who may release.** The prefill engine (abort, or by unregistering), the lease (expiry,
+  kept on a monotonic clock inside the process; absolute Unix times appear only on the wire),
+  the readers that claimed the hold, by NIXL notification once all expected readers have
+  notified (a notification from an agent that did not claim is counted as unknown and ignored),
+  and a decode side that declines with a valid ticket whose block ids are the hold's, as long as
+  no reader has claimed it (a claimed hold is reported `busy` and left to its readers).
+- **Block 0** is vLLM's null block: a hold may name it (placeholders keep their position), any
+  number of times, but it is never data.
 
 ## Errors
 
@@ -212,7 +258,7 @@ def readme() -> str:
 
 
 def _route_table(title: str, operations: list) -> str:
-    rows = [f"**{title}**", "", "| method | path | token | what |", "| --- | --- | --- | --- |"]
+    rows = [f"**{title}**", "", "| method | path | signed | what |", "| --- | --- | --- | --- |"]
     for op in operations:
         rows.append(f"| {op.method} | `{op.path}` | {'yes' if op.auth else 'no'} | {op.summary} |")
     return "\n".join(rows)

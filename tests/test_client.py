@@ -22,8 +22,9 @@ from kvxferd.client import (
     _wait_pull,
     error_for,
 )
+from kvxferd.sidecar.tickets import sign_ticket
 from kvxferd.wire import ErrorBody, HoldRequest, PullRequest, PullStatus, Ticket
-from tests.sidecar.harness import EnginePool, plan, start_sidecar
+from tests.sidecar.harness import TOKEN, EnginePool, plan, start_sidecar
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,8 @@ def _dead_peer_pull() -> PullRequest:
     """A well-formed pull whose only prefill rank does not exist (nothing listens on port 1)."""
     ticket = Ticket(engine_id="ghost", epoch=1, hold_id="h", request_id="r", block_ids=[[1]],
                     num_tokens=16, expires_at=time.time() + 60, tp_rank=0, tp_size=1,
-                    peer="127.0.0.1:1", token="00")  # fmt: skip
+                    peer="127.0.0.1:1")  # fmt: skip
+    ticket = sign_ticket(ticket, TOKEN.encode())  # a forged MAC would be refused before the call
     return PullRequest(tickets=[ticket], block_ids=[[2]], deadline_s=20.0)
 
 

@@ -35,13 +35,16 @@ HEALTH = {
 # Status -> (component name, meaning). The meaning is the same for every operation that lists it.
 ERRORS: dict[int, tuple[str, str]] = {
     400: ("BadRequest", "The body is not JSON (DecodeError)."),
-    401: ("Unauthorized", "Missing or wrong bearer token, or a ticket whose HMAC does not match "
-                          "(AuthError). Carries WWW-Authenticate: Bearer."),
+    401: ("Unauthorized", "A peer request whose KVX1 signature is missing, stale, replayed or "
+                          "wrong, or a ticket whose HMAC does not match (AuthError). Carries "
+                          "WWW-Authenticate: KVX1."),
     404: ("NotFound", "No such hold (UnknownHoldError) or pull (UnknownPullError)."),
     409: ("Conflict", "The sidecar's state forbids it: a live hold for this request id "
                       "(DuplicateHoldError), an engine already registered "
-                      "(AlreadyRegisteredError), or incompatible manifests "
-                      "(IncompatiblePeerError; ``field`` lists the fields that disagree)."),
+                      "(AlreadyRegisteredError), incompatible manifests "
+                      "(IncompatiblePeerError; ``field`` lists the fields that disagree), or a "
+                      "signed ticket that does not bind to its hold (ClaimMismatchError; "
+                      "``field`` names what differs)."),
     410: ("Gone", "The hold's lease ended; its blocks may already be reused (HoldExpiredError)."),
     422: ("UnprocessableContent", "A field has the wrong type, is unknown, missing or out of "
                                   "range; ``field`` is its path, e.g. ``block_ids[0][1]``."),
@@ -79,7 +82,13 @@ def document(title: str, description: str, operations: list[Operation]) -> dict[
     }
     if any(op.auth for op in operations):
         doc["components"]["securitySchemes"] = {
-            "bearer": {"type": "http", "scheme": "bearer", "description": "The shared peer secret."}
+            "kvx1": {
+                "type": "apiKey",
+                "in": "header",
+                "name": "Authorization",
+                "description": "KVX1 request signature with the shared peer secret (never "
+                "sent): see proto/README.md, Trust model.",
+            }  # fmt: skip
         }
     for op in operations:
         doc["paths"].setdefault(op.path, {})[op.method.lower()] = _operation(op)
@@ -120,7 +129,7 @@ def _operation(op: Operation) -> dict[str, Any]:
     out["responses"] = {str(op.status): ok}
     for status in op.errors:
         out["responses"][str(status)] = {"$ref": f"#/components/responses/{ERRORS[status][0]}"}
-    out["security"] = [{"bearer": []}] if op.auth else []
+    out["security"] = [{"kvx1": []}] if op.auth else []
     return out
 
 
@@ -133,6 +142,6 @@ def _error_response(status: int) -> dict[str, Any]:
     out: dict[str, Any] = {"description": ERRORS[status][1], "content": _json(ErrorBody)}
     if status == 401:
         out["headers"] = {
-            "WWW-Authenticate": {"description": "Always ``Bearer``.", "schema": {"type": "string"}}
+            "WWW-Authenticate": {"description": "Always ``KVX1``.", "schema": {"type": "string"}}
         }
     return out

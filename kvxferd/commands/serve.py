@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--auth-skew", type=float, dest="auth_skew_s", metavar="S",
                    help="replay window of signed peer requests in seconds")  # fmt: skip
     p.add_argument("--hold-grace", type=float, dest="hold_grace_s", metavar="S",
-                   help="how long a claim waits for an engine-chosen hold to be placed")  # fmt: skip
+                   help="seconds a claim waits for an engine-chosen hold")  # fmt: skip
     p.add_argument("--max-claim", type=float, dest="max_claim_s", metavar="S",
                    help="longest a claim pins a hold in seconds")  # fmt: skip
     p.add_argument("--engine-id", metavar="ID", help="engine rank identity (default: random)")

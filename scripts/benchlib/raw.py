@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 
 from kvxferd.descriptors import ReadPlan
+from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.transport import Agent
 from kvxferd.wire import PROTOCOL_VERSION, Handshake, Manifest
 
@@ -45,10 +46,12 @@ class RawReader:
                 manifest=manifest,
                 region_bases=[int(b) for b in pool.bases],
             )
+            body = msgspec.json.encode(mine)
+            auth = sign_request(PeerKeys.of(TOKEN), "POST", "/v1/handshake", body)
             resp = httpx.post(
                 f"http://{peer}/v1/handshake",
-                content=msgspec.json.encode(mine),
-                headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+                content=body,
+                headers={"Authorization": auth, "Content-Type": "application/json"},
                 timeout=60,
             )
             resp.raise_for_status()

@@ -23,6 +23,7 @@ from kvxferd.api.peer import peer_app  # noqa: E402
 from kvxferd.config import Config  # noqa: E402
 from kvxferd.metrics import Metrics  # noqa: E402
 from kvxferd.sidecar.service import Sidecar  # noqa: E402
+from kvxferd.sidecar.signing import PeerKeys, sign_request  # noqa: E402
 from kvxferd.wire import (  # noqa: E402
     HeartbeatResponse,
     PullAccepted,
@@ -33,7 +34,20 @@ from kvxferd.wire import (  # noqa: E402
 from tests.sidecar.harness import TOKEN, EnginePool, plan  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+KEYS = PeerKeys.of(TOKEN)
+
+
+def signed(method: str, path: str, body: bytes, keys: PeerKeys = KEYS, **kw: Any) -> dict:
+    """Headers of a request signed as a peer sidecar signs it (``kw``: now=, nonce=)."""
+    return {"Authorization": sign_request(keys, method, path, body, **kw), **JSON}
+
+
+def post(client: TestClient, path: str, body: object, keys: PeerKeys = KEYS, **kw: Any):
+    """POST ``body`` (a Struct, builtins, or raw bytes) signed with ``keys``."""
+    import msgspec
+
+    raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    return client.post(path, content=raw, headers=signed("POST", path, raw, keys, **kw))
 
 
 class FakeSidecar:
@@ -41,7 +55,7 @@ class FakeSidecar:
 
     def __init__(self, ready: bool = True) -> None:
         self.ready = ready
-        self.config = SimpleNamespace(peer_token=TOKEN)
+        self.config = SimpleNamespace(peer_token=TOKEN, peer_token_previous="", auth_skew_s=30.0)
         self.metrics = Metrics()
         self.calls: list[tuple[str, Any]] = []
         self.fail: BaseException | None = None
@@ -72,15 +86,21 @@ class FakeSidecar:
         self._call("keepalive", req)
         return HeartbeatResponse(extended=[t.hold_id for t in req.tickets], missing=[])
 
-    def released_since(self, cursor: int) -> ReleasedHolds:
-        self._call("released_since", cursor)
+    def released_since(self, cursor: int, limit: int | None = None) -> ReleasedHolds:
+        self._call("released_since", (cursor, limit))
         return ReleasedHolds(holds=[], cursor=cursor)
+
+    async def decline(self, req: Any) -> Any:
+        self._call("decline", req)
 
     async def accept_handshake(self, req: Any) -> Any:
         self._call("accept_handshake", req)
 
-    def claim(self, req: Any) -> Any:
+    async def claim(self, req: Any) -> Any:
         self._call("claim", req)
+
+    def accept_decline(self, req: Any) -> Any:
+        self._call("accept_decline", req)
 
     def heartbeat(self, req: Any) -> Any:
         self._call("heartbeat", req)
@@ -113,7 +133,7 @@ def real() -> Iterator[SimpleNamespace]:
     """
     manifest = plan("llama-3.1-8b", num_blocks=8)
     pool = EnginePool(manifest)
-    sidecar = Sidecar(Config(peer_token=TOKEN, engine_id="api-test"))
+    sidecar = Sidecar(Config(peer_token=TOKEN, engine_id="api-test", hold_grace_s=0.2))
     sidecar.peer_address = "127.0.0.1:9"
     try:
         with (

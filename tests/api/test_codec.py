@@ -101,7 +101,7 @@ def test_an_http_problem_passes_through_unchanged():
 
 
 def test_only_a_401_carries_www_authenticate():
-    assert problem_response(errors.AuthError("no")).headers["www-authenticate"] == "Bearer"
+    assert problem_response(errors.AuthError("no")).headers["www-authenticate"] == "KVX1"
     assert "www-authenticate" not in problem_response(errors.UnknownHoldError("no")).headers
 
 

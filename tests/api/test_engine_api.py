@@ -155,7 +155,7 @@ def test_a_401_says_how_to_authenticate(fake_engine, fake):
     fake.fail = errors.AuthError("ticket.token: missing")
     resp = fake_engine.post("/v1/holds", json=_hold_body())
     assert _error(resp, 401).error == "AuthError"
-    assert resp.headers["www-authenticate"] == "Bearer"
+    assert resp.headers["www-authenticate"] == "KVX1"
 
 
 def test_an_unexpected_exception_is_a_500_and_the_app_keeps_answering(fake_engine, fake, caplog):
@@ -220,7 +220,7 @@ def test_the_released_cursor_is_typed(fake_engine, fake):
     }
     assert _error(fake_engine.get("/v1/released?cursor=five"), 422).field == "cursor"
     assert _error(fake_engine.get("/v1/released?cursor=-1"), 422).field == "cursor"
-    assert fake.calls == [("released_since", 5)]
+    assert fake.calls == [("released_since", (5, 1024))]
 
 
 def test_a_pull_is_accepted_with_202_and_its_id(fake_engine):

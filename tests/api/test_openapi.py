@@ -1,5 +1,5 @@
 """The OpenAPI documents describe exactly what the apps serve: every route of the table, typed
-bodies from the wire Structs, ErrorBody for every error status, bearer auth where it applies."""
+bodies from the wire Structs, ErrorBody for every error status, signature auth where it applies."""
 
 from __future__ import annotations
 
@@ -94,11 +94,11 @@ def test_every_error_status_answers_an_error_body(api):
             assert ("headers" in resolved) == (status == 401)
 
 
-def test_bearer_auth_is_declared_exactly_on_the_peer_v1_operations(api):
+def test_signature_auth_is_declared_exactly_on_the_peer_v1_operations(api):
     doc, operations = api
     for op in operations:
         security = doc["paths"][op.path][op.method.lower()]["security"]
-        assert security == ([{"bearer": []}] if op.path.startswith("/v1/") and op in
+        assert security == ([{"kvx1": []}] if op.path.startswith("/v1/") and op in
                             peer.OPERATIONS else [])  # fmt: skip
     has_scheme = "securitySchemes" in doc["components"]
     assert has_scheme == any(op.auth for op in operations)

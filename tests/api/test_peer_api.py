@@ -1,5 +1,7 @@
-"""The peer API over HTTP: bearer auth before anything else, probes and metrics without a token,
-handshake compatibility as 409 naming the fields, claims that never hand out a dead hold."""
+"""The peer API over HTTP: signed requests checked before anything else (replays, stale, tampered
+and foreign ones refused; two keys during a rollover), probes and metrics without a signature,
+handshake compatibility as 409 naming the fields, claims that bind to their hold and never hand
+out a dead one, declines."""
 
 from __future__ import annotations
 
@@ -10,19 +12,22 @@ import msgspec
 import pytest
 
 from kvxferd.api.peer import peer_document
+from kvxferd.sidecar.signing import PeerKeys
 from kvxferd.sidecar.tickets import sign_ticket
 from kvxferd.wire import (
     PROTOCOL_VERSION,
     ClaimResponse,
+    DeclineRequest,
+    DeclineResponse,
     ErrorBody,
     Handshake,
     HeartbeatResponse,
     Ticket,
 )
-from tests.api.conftest import AUTH
+from tests.api.conftest import post, signed
 from tests.sidecar.harness import TOKEN, plan, wait_until
 
-V1 = ["/v1/handshake", "/v1/claims", "/v1/heartbeat"]
+V1 = ["/v1/handshake", "/v1/claims", "/v1/heartbeat", "/v1/decline"]
 
 
 def _error(resp, status: int) -> ErrorBody:
@@ -38,10 +43,10 @@ def _hold(real, lease_s: float | None = None) -> Ticket:
     return msgspec.json.decode(resp.content, type=Ticket)
 
 
-def _claim(real, ticket: Ticket, headers=AUTH):
-    body = {"ticket": msgspec.to_builtins(ticket), "reader": "reader-agent",
-            "reader_tp_size": 1, "claim_s": 5.0}  # fmt: skip
-    return real.peer.post("/v1/claims", json=body, headers=headers)
+def _claim(real, ticket: Ticket, reader: str = "reader-agent", reader_tp_size: int = 1):
+    body = {"ticket": msgspec.to_builtins(ticket), "reader": reader,
+            "reader_tp_size": reader_tp_size, "claim_s": 5.0}  # fmt: skip
+    return post(real.peer, "/v1/claims", body)
 
 
 def _handshake(real, **changes) -> dict:
@@ -53,26 +58,81 @@ def _handshake(real, **changes) -> dict:
 
 # ------------------------------------------------------------------------------ auth
 
+BODY = b'{"hold_ids": [], "extend_s": 1.0}'
+
 
 @pytest.mark.parametrize(
     "headers",
-    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
-     {"Authorization": f"Basic {TOKEN}"}, {"Authorization": "Bearer "}],
-    ids=["none", "wrong", "no-scheme", "basic", "empty"],
+    [{}, {"Authorization": f"Bearer {TOKEN}"}, {"Authorization": TOKEN},
+     {"Authorization": "KVX1 key=00, ts=1, nonce=00, sig=00"},
+     {"Authorization": "KVX1 "}],
+    ids=["none", "bearer-secret", "no-scheme", "malformed", "empty"],
 )  # fmt: skip
 @pytest.mark.parametrize("path", V1)
-def test_v1_calls_without_the_right_bearer_token_are_401(fake_peer, fake, path, headers):
+def test_v1_calls_without_a_valid_signature_are_401(fake_peer, fake, path, headers):
     resp = fake_peer.post(path, content=b"not even json", headers=headers)
-    assert _error(resp, 401).error == "AuthError"  # checked before the body is looked at
-    assert resp.headers["www-authenticate"] == "Bearer"
+    assert _error(resp, 401).error == "AuthError"  # checked before the body is decoded
+    assert resp.headers["www-authenticate"] == "KVX1"
     assert fake.calls == []
 
 
-def test_the_bearer_scheme_is_case_insensitive(fake_peer, fake):
-    resp = fake_peer.post("/v1/heartbeat", json={"hold_ids": [], "extend_s": 1.0},
-                          headers={"Authorization": f"bearer {TOKEN}"})  # fmt: skip
-    assert resp.status_code != 401
-    assert [name for name, _ in fake.calls] == ["heartbeat"]
+def test_a_signed_call_is_admitted_and_its_scheme_is_case_insensitive(fake_peer, fake):
+    assert post(fake_peer, "/v1/heartbeat", BODY).status_code != 401
+    headers = signed("POST", "/v1/heartbeat", BODY)
+    headers["Authorization"] = headers["Authorization"].replace("KVX1", "kvx1", 1)
+    assert fake_peer.post("/v1/heartbeat", content=BODY, headers=headers).status_code != 401
+    assert [name for name, _ in fake.calls] == ["heartbeat", "heartbeat"]
+
+
+def test_a_replayed_request_is_401(fake_peer, fake):
+    headers = signed("POST", "/v1/heartbeat", BODY)
+    assert fake_peer.post("/v1/heartbeat", content=BODY, headers=headers).status_code != 401
+    again = fake_peer.post("/v1/heartbeat", content=BODY, headers=headers)
+    assert "replayed" in _error(again, 401).detail
+    assert len(fake.calls) == 1
+
+
+@pytest.mark.parametrize("offset", [-31, 31, -3600], ids=["late", "early", "hour-old"])
+def test_a_request_outside_the_replay_window_is_401(fake_peer, fake, offset):
+    resp = post(fake_peer, "/v1/heartbeat", BODY, now=time.time() + offset)
+    assert "window" in _error(resp, 401).detail and fake.calls == []
+
+
+def test_a_request_whose_body_path_or_signature_was_changed_is_401(fake_peer, fake):
+    headers = signed("POST", "/v1/heartbeat", BODY)
+    tampered = BODY.replace(b"1.0", b"9.0")
+    resp = fake_peer.post("/v1/heartbeat", content=tampered, headers=headers)
+    assert "signature" in _error(resp, 401).detail
+    headers = signed("POST", "/v1/heartbeat", BODY)
+    resp = fake_peer.post("/v1/claims", content=BODY, headers=headers)  # signed for another path
+    assert "signature" in _error(resp, 401).detail
+    headers = signed("POST", "/v1/heartbeat", BODY)
+    sig = headers["Authorization"][-64:]
+    headers["Authorization"] = headers["Authorization"][:-64] + sig[::-1]
+    assert _error(fake_peer.post("/v1/heartbeat", content=BODY, headers=headers), 401)
+    assert fake.calls == []
+
+
+def test_a_request_signed_with_another_secret_is_401(fake_peer, fake):
+    resp = post(fake_peer, "/v1/heartbeat", BODY, keys=PeerKeys.of("another-secret"))
+    assert "unknown key id" in _error(resp, 401).detail and fake.calls == []
+
+
+def test_during_a_rollover_both_keys_are_accepted_whichever_side_moved_first(fake):
+    from fastapi.testclient import TestClient
+
+    from kvxferd.api.peer import peer_app
+
+    old, new = PeerKeys.of(TOKEN), PeerKeys.of("the-next-secret")
+    # Two sidecars mid-rollover: one signs with the old secret and accepts the new one, the
+    # other signs with the new one and accepts the old one; each admits the other's calls.
+    for mine, other in ((("the-next-secret", TOKEN), old), ((TOKEN, "the-next-secret"), new)):
+        fake.config.peer_token, fake.config.peer_token_previous = mine
+        with TestClient(peer_app(fake), raise_server_exceptions=False) as client:
+            assert post(client, "/v1/heartbeat", BODY, keys=other).status_code == 200
+            stale = post(client, "/v1/heartbeat", BODY, keys=PeerKeys.of("rotated-out"))
+            assert stale.status_code == 401
+    assert len(fake.calls) == 2
 
 
 def test_an_empty_configured_token_admits_nobody(fake):
@@ -82,8 +142,8 @@ def test_an_empty_configured_token_admits_nobody(fake):
 
     fake.config.peer_token = ""
     with TestClient(peer_app(fake), raise_server_exceptions=False) as client:
-        resp = client.post("/v1/heartbeat", json={}, headers={"Authorization": "Bearer "})
-        assert resp.status_code == 401
+        resp = post(client, "/v1/heartbeat", BODY)
+        assert resp.status_code == 401 and fake.calls == []
 
 
 def test_probes_metrics_and_the_document_need_no_token(fake_peer):
@@ -98,21 +158,21 @@ def test_probes_metrics_and_the_document_need_no_token(fake_peer):
 def test_readyz_is_503_with_an_error_body_until_an_engine_registers(fake_peer, fake):
     fake.ready = False
     assert _error(fake_peer.get("/readyz"), 503).error == "NotRegisteredError"
-    resp = fake_peer.post("/v1/heartbeat", json={}, headers=AUTH)
+    resp = post(fake_peer, "/v1/heartbeat", {})
     assert _error(resp, 503).error == "NotRegisteredError"
     fake.ready = True
     assert fake_peer.get("/readyz").status_code == 200
 
 
 def test_a_bad_peer_body_is_a_422_naming_the_field(fake_peer):
-    resp = fake_peer.post("/v1/heartbeat", json={"hold_ids": [1], "extend_s": 1.0}, headers=AUTH)
+    resp = post(fake_peer, "/v1/heartbeat", {"hold_ids": [1], "extend_s": 1.0})
     err = _error(resp, 422)
     assert err.field == "hold_ids[0]" and err.detail.startswith("hold_ids[0]: ")
 
 
 def test_an_unexpected_exception_is_a_500_and_the_peer_app_keeps_answering(fake_peer, fake):
     fake.fail = KeyError("oops")
-    resp = fake_peer.post("/v1/heartbeat", json={"hold_ids": [], "extend_s": 1.0}, headers=AUTH)
+    resp = post(fake_peer, "/v1/heartbeat", {"hold_ids": [], "extend_s": 1.0})
     assert _error(resp, 500).error == "InternalError"
     assert fake_peer.get("/healthz").status_code == 200
 
@@ -121,7 +181,7 @@ def test_an_unexpected_exception_is_a_500_and_the_peer_app_keeps_answering(fake_
 
 
 def test_a_compatible_handshake_answers_with_our_identity_and_agent(real):
-    resp = real.peer.post("/v1/handshake", json=_handshake(real), headers=AUTH)
+    resp = post(real.peer, "/v1/handshake", _handshake(real))
     assert resp.status_code == 200, resp.text
     ours = msgspec.json.decode(resp.content, type=Handshake)
     assert (ours.engine_id, ours.epoch, ours.agent_name) == (
@@ -131,14 +191,12 @@ def test_a_compatible_handshake_answers_with_our_identity_and_agent(real):
 
 def test_a_handshake_tolerates_fields_from_a_newer_peer(real):
     body = _handshake(real, compression="zstd")
-    assert real.peer.post("/v1/handshake", json=body, headers=AUTH).status_code == 200
+    assert post(real.peer, "/v1/handshake", body).status_code == 200
 
 
 def test_an_incompatible_manifest_is_a_409_naming_every_disagreeing_field(real):
     other = plan("qwen3-8b", num_blocks=4)
-    resp = real.peer.post(
-        "/v1/handshake", json=_handshake(real, manifest=msgspec.to_builtins(other)), headers=AUTH
-    )
+    resp = post(real.peer, "/v1/handshake", _handshake(real, manifest=msgspec.to_builtins(other)))
     err = _error(resp, 409)
     assert err.error == "IncompatiblePeerError"
     fields = err.field.split(",")
@@ -148,7 +206,7 @@ def test_an_incompatible_manifest_is_a_409_naming_every_disagreeing_field(real):
 
 def test_a_different_protocol_version_is_a_409_naming_it(real):
     body = _handshake(real, protocol_version=PROTOCOL_VERSION + 1)
-    err = _error(real.peer.post("/v1/handshake", json=body, headers=AUTH), 409)
+    err = _error(post(real.peer, "/v1/handshake", body), 409)
     assert err.field == "protocol_version"
 
 
@@ -173,7 +231,7 @@ def test_a_claim_of_an_unknown_hold_is_a_404(real):
 
 def test_a_claim_of_an_expired_hold_is_a_410_and_never_succeeds_later(real):
     ticket = _hold(real, lease_s=0.05)
-    wait_until(lambda: time.time() > ticket.expires_at, 10.0, "the hold's lease to end")
+    wait_until(lambda: time.time() > ticket.expires_at + 0.01, 10.0, "the hold's lease to end")
     assert _error(_claim(real, ticket), 410).error == "HoldExpiredError"
     assert _claim(real, ticket).status_code in (404, 410)
 
@@ -181,7 +239,7 @@ def test_a_claim_of_an_expired_hold_is_a_410_and_never_succeeds_later(real):
 def test_a_heartbeat_extends_live_holds_and_reports_missing_ones(real):
     ticket = _hold(real)
     body = {"hold_ids": [ticket.hold_id, "gone"], "extend_s": 5.0}
-    resp = real.peer.post("/v1/heartbeat", json=body, headers=AUTH)
+    resp = post(real.peer, "/v1/heartbeat", body)
     assert resp.status_code == 200, resp.text
     beat = msgspec.json.decode(resp.content, type=HeartbeatResponse)
     assert (beat.extended, beat.missing) == ([ticket.hold_id], ["gone"])
@@ -195,3 +253,81 @@ def test_an_app_whose_operations_need_a_token_cannot_be_built_without_a_check(fa
 
     with pytest.raises(ValueError, match="authorize"):
         mount(FastAPI(), OPERATIONS, fake, Gate())
+
+
+# ------------------------------------------------------------------------------ what a claim binds
+
+
+def _resigned(ticket: Ticket, **changes) -> Ticket:
+    """The ticket edited and signed again: what a holder of the secret could present."""
+    return sign_ticket(msgspec.structs.replace(ticket, **changes), TOKEN.encode())
+
+
+def test_a_validly_signed_ticket_with_other_block_ids_is_a_409_naming_them(real):
+    ticket = _hold(real)
+    err = _error(_claim(real, _resigned(ticket, block_ids=[[6]])), 409)
+    assert (err.error, err.field) == ("ClaimMismatchError", "ticket.block_ids")
+    assert _claim(real, ticket).status_code == 200  # the hold itself is untouched
+
+
+def test_a_ticket_for_another_tp_rank_is_a_409_naming_it(real):
+    err = _error(_claim(real, _resigned(_hold(real), tp_rank=1, tp_size=2)), 409)
+    assert err.field == "ticket.tp_rank"
+
+
+def test_a_ticket_of_another_engine_epoch_is_a_404(real):
+    ticket = _hold(real)
+    err = _error(_claim(real, _resigned(ticket, epoch=ticket.epoch + 1)), 404)
+    assert "restarted" in err.detail
+
+
+@pytest.mark.parametrize("tp", [0, 3, 10**6], ids=["zero", "no-split", "huge"])
+def test_a_reader_tp_size_the_manifest_does_not_allow_is_a_422_naming_it(real, tp):
+    ticket = _hold(real)
+    err = _error(_claim(real, ticket, reader_tp_size=tp), 422)
+    assert err.field == "reader_tp_size"
+    assert _claim(real, ticket).status_code == 200  # nothing was pinned by the refused claims
+
+
+def test_a_second_reader_of_a_one_reader_hold_is_a_409(real):
+    ticket = _hold(real)
+    assert _claim(real, ticket, reader="d0").status_code == 200
+    assert _error(_claim(real, ticket, reader="d1"), 409).field == "reader"
+
+
+def test_the_claim_answer_says_how_long_the_claim_lasts(real):
+    claim = msgspec.json.decode(_claim(real, _hold(real)).content, type=ClaimResponse)
+    assert claim.claim_s == 5.0 and claim.expires_at > time.time()
+
+
+def test_an_engine_chosen_hold_id_never_placed_is_a_404_after_the_grace(real):
+    ticket = _resigned(_hold(real), hold_id="chosen-never-placed")
+    assert _error(_claim(real, ticket), 404).error == "UnknownHoldError"
+
+
+# ------------------------------------------------------------------------------ decline
+
+
+def test_decline_releases_only_holds_whose_ticket_matches_and_that_nobody_claimed(real):
+    free, claimed, other = _hold(real), _hold(real), _hold(real)
+    assert _claim(real, claimed).status_code == 200
+    body = DeclineRequest(tickets=[free, claimed, _resigned(other, block_ids=[[4]])],
+                          reason="rejected")  # fmt: skip
+    resp = post(real.peer, "/v1/decline", body)
+    assert resp.status_code == 200, resp.text
+    answer = msgspec.json.decode(resp.content, type=DeclineResponse)
+    assert (answer.released, answer.busy, answer.missing) == (
+        [free.hold_id], [claimed.hold_id], [other.hold_id])  # fmt: skip
+    err = _error(_claim(real, free), 404)
+    assert "already released (declined)" in err.detail
+    again = msgspec.json.decode(post(real.peer, "/v1/decline", body).content, type=DeclineResponse)
+    assert free.hold_id in again.missing  # released once, never twice
+
+
+def test_decline_with_a_tampered_ticket_is_a_401_naming_it_and_releases_nothing(real):
+    good = _hold(real)
+    bad = msgspec.structs.replace(_hold(real), block_ids=[[7]])
+    resp = post(real.peer, "/v1/decline", DeclineRequest(tickets=[good, bad]))
+    err = _error(resp, 401)
+    assert err.field == "tickets[1].token"
+    assert _claim(real, good).status_code == 200
