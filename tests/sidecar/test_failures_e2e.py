@@ -19,8 +19,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvxferd.errors import BlockIdError
+from kvxferd.errors import AuthError, BlockIdError
 from kvxferd.pattern import verify_pattern, write_pattern
+from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.sidecar.tickets import sign_ticket
 from kvxferd.wire import (
     PROTOCOL_VERSION,
@@ -166,12 +167,15 @@ def test_expired_hold_fails_hold_expired_and_writes_nothing(pair):
     _healthy(p, d)
 
 
-def test_tampered_ticket_is_refused_at_claim(pair):
+def test_tampered_ticket_is_refused_before_the_pull_starts(pair):
     p, d = pair
     ticket = p.hold("tampered-1")
     tampered = msgspec.structs.replace(ticket, block_ids=[[1, 3, 5, 7]])  # token left as is
-    status = _failed_writing_nothing(d, [tampered], "auth")
-    assert "ticket.token" in status.detail
+    before = d.pool.snapshot()
+    with d.sidecar.client() as c, pytest.raises(AuthError) as info:
+        c.pull(PullRequest(tickets=[tampered], block_ids=DIDS))
+    assert info.value.body.field == "tickets[0].token"  # type: ignore[attr-defined]
+    assert all(np.array_equal(b, a) for b, a in zip(before, d.pool.views, strict=True))
     # The real hold was never claimed: the engine gives it up, once.
     p.abort(ticket)
     p.released_once(ticket, "aborted")
@@ -219,26 +223,31 @@ def test_bad_hold_block_ids_are_422_naming_the_field(pair, block_ids, where):
 # ------------------------------------------------------------------------------ authentication
 
 
-def test_peer_api_refuses_missing_or_wrong_bearer(pair):
+def test_peer_api_refuses_unsigned_or_wrongly_signed_calls(pair):
     p, _ = pair
     base = f"http://{p.sidecar.peer}"
-    for headers in ({}, {"Authorization": "Bearer not-the-secret"}, {"Authorization": TOKEN}):
-        for path in ("/v1/handshake", "/v1/claims", "/v1/heartbeat"):
+    foreign = sign_request(PeerKeys.of("not-the-secret"), "POST", "/v1/claims", b"{}")
+    for headers in ({}, {"Authorization": f"Bearer {TOKEN}"}, {"Authorization": TOKEN},
+                    {"Authorization": foreign}):  # fmt: skip
+        for path in ("/v1/handshake", "/v1/claims", "/v1/heartbeat", "/v1/decline"):
             resp = httpx.post(base + path, content=b"{}", headers=headers, timeout=10)
             assert resp.status_code == 401, (path, headers, resp.text)
             assert resp.json()["error"] == "AuthError"
     assert httpx.get(base + "/healthz", timeout=10).status_code == 200
 
 
-def test_decode_side_with_another_token_fails_auth(pair, tmp_path):
+def test_decode_side_signing_with_another_secret_fails_auth(pair, tmp_path):
+    """The stranger accepts the prefill's tickets (our secret is its second one) but signs with
+    a secret the prefill does not know: the prefill refuses its handshake."""
     p, _ = pair
     stranger = _engine(start_sidecar(str(tmp_path), "stranger", env={**QUIET,
-                       "KVXFERD_PEER_TOKEN": "another-secret"}))  # fmt: skip
+                       "KVXFERD_PEER_TOKEN": "another-secret",
+                       "KVXFERD_PEER_TOKEN_PREVIOUS": TOKEN}))  # fmt: skip
     try:
         stranger.register()
         ticket = p.hold("stranger-1")
         status = _failed_writing_nothing(stranger, [ticket], "auth")
-        assert "401" in status.detail or "token" in status.detail
+        assert "signature" in status.detail and "unknown key id" in status.detail
         p.abort(ticket)
         p.released_once(ticket, "aborted")
         _healthy(p, stranger)
@@ -258,8 +267,10 @@ def test_incompatible_manifests_are_409_naming_the_fields(pair, tmp_path):
         # Direct: a handshake carrying a manifest of another model is refused field by field.
         hs = Handshake(protocol_version=PROTOCOL_VERSION, engine_id="x", epoch=1, agent_name="x",
                        agent_metadata=b"", manifest=other.manifest, region_bases=[0])  # fmt: skip
-        resp = httpx.post(f"http://{p.sidecar.peer}/v1/handshake", content=msgspec.json.encode(hs),
-                          headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)  # fmt: skip
+        body = msgspec.json.encode(hs)
+        auth = sign_request(PeerKeys.of(TOKEN), "POST", "/v1/handshake", body)
+        resp = httpx.post(f"http://{p.sidecar.peer}/v1/handshake", content=body,
+                          headers={"Authorization": auth}, timeout=10)  # fmt: skip
         assert resp.status_code == 409, resp.text
         body = resp.json()
         assert body["error"] == "IncompatiblePeerError"

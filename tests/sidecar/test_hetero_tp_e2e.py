@@ -134,7 +134,8 @@ def test_prefill_tp2_to_decode_tp1_reads_each_rank_slice_and_releases_every_hold
     assert status.kv_bytes + status.state_bytes > 0
 
     # Every prefill rank's hold ends "notified" exactly once, including a rank that no decode
-    # rank reads (replicated KV head): decode rank 0 notifies it rather than letting it expire.
+    # rank reads (replicated KV head): decode rank 0 claims it as a TP shape that reads nothing
+    # there, which releases it, rather than letting it expire.
     for rank, ticket in zip(trio.two, tickets, strict=True):
         feed = ReleasedFeed(rank.sidecar)
         assert feed.wait_for(ticket.hold_id) == {ticket.hold_id: "notified"}
