@@ -331,3 +331,10 @@ def test_decline_with_a_tampered_ticket_is_a_401_naming_it_and_releases_nothing(
     err = _error(resp, 401)
     assert err.field == "tickets[1].token"
     assert _claim(real, good).status_code == 200
+
+
+def test_leases_run_on_the_monotonic_clock_and_only_the_wire_carries_unix_times(real):
+    assert real.sidecar.holds._clock is time.monotonic  # a wall-clock step cannot expire a hold
+    before = time.time()
+    ticket = _hold(real, lease_s=30.0)
+    assert before + 30.0 - 1.0 <= ticket.expires_at <= time.time() + 30.0 + 1.0

@@ -102,6 +102,9 @@ def test_sidecar_probes_token_and_peer_port(tree, name):
     volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
     secret = find(objects, "Secret", volumes["peer-token"]["secret"]["secretName"])
     assert "token" in secret["stringData"]
+    # A rollover's second secret comes from the same Secret (empty outside a rollover).
+    assert f"--peer-token-previous-file={token_dir}/previous" in sidecar["args"]
+    assert "previous" in secret["stringData"]
     assert all(e["name"] != "KVXFERD_PEER_TOKEN" for e in sidecar.get("env", []))
     security = deployment["spec"]["template"]["spec"]["securityContext"]
     assert security["runAsNonRoot"] and security["runAsUser"] != 0

@@ -1,0 +1,121 @@
+"""Peer request signatures: what is signed, the replay window, remembered nonces, rotation, and
+that neither the header nor the key id carries the secret."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxferd.errors import AuthError, ConfigError
+from kvxferd.sidecar.signing import (
+    PeerKeys,
+    RequestVerifier,
+    key_id,
+    parse_header,
+    request_target,
+    sign_request,
+)
+
+SECRET = "a shared peer secret"
+KEYS = PeerKeys.of(SECRET)
+BODY = b'{"hold_ids": ["h"], "extend_s": 5.0}'
+
+
+class Clock:
+    def __init__(self, t: float = 1_700_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def verifier(keys: PeerKeys = KEYS, **kw) -> tuple[RequestVerifier, Clock]:
+    clock = Clock()
+    return RequestVerifier(keys, clock=clock, **kw), clock
+
+
+def header(clock: Clock, keys: PeerKeys = KEYS, method="POST", target="/v1/heartbeat",
+           body=BODY, **kw) -> str:  # fmt: skip
+    return sign_request(keys, method, target, body, now=clock.t, **kw)
+
+
+def test_a_signed_request_verifies_once_and_names_its_key():
+    v, clock = verifier()
+    h = header(clock)
+    assert v.verify("POST", "/v1/heartbeat", BODY, h) == key_id(SECRET.encode())
+    with pytest.raises(AuthError, match="replayed"):
+        v.verify("POST", "/v1/heartbeat", BODY, h)
+
+
+def test_the_header_and_the_key_id_never_carry_the_secret():
+    h = header(Clock())
+    raw = SECRET.encode()
+    assert raw not in h.encode() and raw.hex() not in h
+    assert set(parse_header(h)) == {"key", "ts", "nonce", "sig"}
+    assert len(key_id(raw)) == 16 and key_id(raw) != key_id(b"another")
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "body"),
+    [("GET", "/v1/heartbeat", BODY), ("POST", "/v1/claims", BODY),
+     ("POST", "/v1/heartbeat?x=1", BODY), ("POST", "/v1/heartbeat", BODY + b" ")],
+    ids=["method", "path", "query", "body"],
+)  # fmt: skip
+def test_every_signed_part_is_checked(method, target, body):
+    v, clock = verifier()
+    with pytest.raises(AuthError, match="signature does not match"):
+        v.verify(method, target, body, header(clock))
+    assert len(v) == 0  # a refused request leaves no nonce behind
+
+
+def test_the_replay_window_is_both_ways_and_nonces_are_forgotten_after_it():
+    v, clock = verifier(skew_s=30.0)
+    for offset in (-31, 31):
+        with pytest.raises(AuthError, match="window"):
+            v.verify("POST", "/v1/heartbeat", BODY, header(Clock(clock.t + offset)))
+    h = header(clock, nonce="ab" * 8)
+    v.verify("POST", "/v1/heartbeat", BODY, h)
+    clock.t += 30.5
+    with pytest.raises(AuthError, match="window"):  # its replay is stale now
+        v.verify("POST", "/v1/heartbeat", BODY, h)
+    v.verify("POST", "/v1/heartbeat", BODY, header(clock))
+    assert len(v) == 1  # the old nonce was forgotten once out of the window
+
+
+def test_the_nonce_memory_is_bounded_and_fails_closed_when_full():
+    v, clock = verifier(max_nonces=3)
+    for _ in range(3):
+        v.verify("POST", "/v1/heartbeat", BODY, header(clock))
+    with pytest.raises(AuthError, match="too many"):
+        v.verify("POST", "/v1/heartbeat", BODY, header(clock))
+    clock.t += 31
+    v.verify("POST", "/v1/heartbeat", BODY, header(clock))
+    assert len(v) == 1
+
+
+def test_a_foreign_key_or_a_malformed_header_is_refused():
+    v, clock = verifier()
+    with pytest.raises(AuthError, match="unknown key id"):
+        v.verify("POST", "/v1/heartbeat", BODY, header(clock, PeerKeys.of("other")))
+    good = header(clock)
+    for bad in (None, "", "Bearer x", good.replace("KVX1", "KVX2"), good + ", key=00",
+                good.replace("sig=", "sig=0"), good.replace("nonce=", "nonce=zz")):  # fmt: skip
+        with pytest.raises(AuthError):
+            v.verify("POST", "/v1/heartbeat", BODY, bad)
+
+
+def test_during_a_rollover_both_keys_verify_and_only_the_current_one_signs():
+    old, new = "old-secret", "new-secret"
+    moved = PeerKeys.of(new, old)
+    assert moved.current == new.encode() and moved.accepted == (new.encode(), old.encode())
+    v, clock = verifier(moved)
+    v.verify("POST", "/v1/heartbeat", BODY, header(clock, PeerKeys.of(old)))
+    v.verify("POST", "/v1/heartbeat", BODY, header(clock, PeerKeys.of(new)))
+    assert parse_header(header(clock, moved))["key"] == key_id(new.encode())
+    assert PeerKeys.of(new, new).accepted == (new.encode(),)
+    with pytest.raises(ConfigError):
+        PeerKeys.of("")
+
+
+def test_the_target_is_the_path_plus_its_query():
+    assert request_target("/v1/released") == "/v1/released"
+    assert request_target("/v1/released", b"cursor=3") == "/v1/released?cursor=3"
