@@ -18,8 +18,14 @@ def _table() -> PeerTable:
     async def remove(_: str) -> None:
         return None
 
-    return PeerTable(local_handshake=lambda: None, add_agent=add, remove_agent=remove,  # type: ignore[arg-type]
-                     check_compatible=lambda _: {}, keys=PeerKeys.of("s"), timeout_s=5.0)  # fmt: skip
+    return PeerTable(
+        local_handshake=lambda: None,  # type: ignore[arg-type, return-value]
+        add_agent=add,
+        remove_agent=remove,
+        check_compatible=lambda _: {},
+        keys=PeerKeys.of("s"),
+        timeout_s=5.0,
+    )
 
 
 def test_handshake_locks_are_dropped_once_nobody_waits_on_them():
