@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 Clock = Callable[[], float]
 NULL_BLOCK = 0
 """vLLM's null block: a placeholder in block lists, never data."""
-REAP_SLICE = 512
+REAP_SLICE = 256
 """Holds the reaper releases before it yields the event loop."""
 _HOLD_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -296,13 +296,15 @@ class HoldTable:
         now: float | None = None,
         *,
         block_ids: list[list[int]] | None = None,
+        request_id: str | None = None,
         reader_tp_size: int = 0,
     ) -> ClaimGrant:
         """Pin a hold while ``reader`` reads it: deadline becomes at least now + claim_s (capped).
 
         Several readers may claim the same hold (heterogeneous TP), all with the same
         ``reader_tp_size`` (when given) and at most ``expected_readers`` distinct ones; the hold
-        then waits for every one of them. ``block_ids``, when given, must be the hold's.
+        then waits for every one of them. ``block_ids`` and ``request_id``, when given, must be
+        the hold's.
         ClaimMismatchError names what does not bind. A hold expecting 0 readers is released
         (``notified``) by this claim.
         """
@@ -315,6 +317,8 @@ class HoldTable:
         hold = self._live(hold_id, now)
         if block_ids is not None and block_ids != hold.block_ids:
             raise ClaimMismatchError("ticket.block_ids", "are not the block ids of this hold")
+        if request_id is not None and request_id != hold.request_id:
+            raise ClaimMismatchError("ticket.request_id", "is not the request of this hold")
         if reader_tp_size and hold.reader_tp_size not in (0, reader_tp_size):
             raise ClaimMismatchError(
                 "reader_tp_size", f"{reader_tp_size}, but the hold was claimed by TP "

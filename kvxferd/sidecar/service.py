@@ -293,7 +293,8 @@ class Sidecar:
         try:
             grant = holds.claim(
                 ticket.hold_id, req.reader, req.claim_s, readers,
-                block_ids=ticket.block_ids, reader_tp_size=req.reader_tp_size,
+                block_ids=ticket.block_ids, request_id=ticket.request_id,
+                reader_tp_size=req.reader_tp_size,
             )  # fmt: skip
         finally:
             self._after_release()

@@ -13,6 +13,7 @@ from kvxferd import errors
 from kvxferd.api.engine import MAX_WAIT_S, engine_document
 from kvxferd.wire import (
     AbortHoldRequest,
+    DeclineRequest,
     ErrorBody,
     HeartbeatResponse,
     KeepaliveRequest,
@@ -223,6 +224,21 @@ def test_the_released_cursor_is_typed(fake_engine, fake):
     assert fake.calls == [("released_since", (5, 1024))]
 
 
+def test_the_released_feed_is_paged_by_a_typed_limit(fake_engine, fake):
+    assert fake_engine.get("/v1/released?cursor=2&limit=10").status_code == 200
+    for bad in ("0", "4097", "many"):
+        assert _error(fake_engine.get(f"/v1/released?limit={bad}"), 422).field == "limit"
+    assert fake.calls == [("released_since", (2, 10))]
+
+
+def test_a_decline_reaches_the_sidecar_typed(fake_engine, fake):
+    body = {"tickets": [], "reason": "rejected"}
+    assert fake_engine.post("/v1/decline", json=body).status_code == 200
+    assert _error(fake_engine.post("/v1/decline", json={"tickets": 3}), 422).field == "tickets"
+    [(name, req)] = fake.calls
+    assert name == "decline" and isinstance(req, DeclineRequest) and req.reason == "rejected"
+
+
 def test_a_pull_is_accepted_with_202_and_its_id(fake_engine):
     ticket = Ticket(
         engine_id="e",
@@ -332,6 +348,21 @@ def test_the_status_of_an_unknown_pull_is_a_404_unknown_pull_error(real):
 def test_a_pull_without_tickets_is_a_422_naming_tickets(real):
     err = _error(real.engine.post("/v1/pulls", json={"tickets": [], "block_ids": [[1]]}), 422)
     assert (err.error, err.field) == ("BlockIdError", "tickets")
+
+
+@pytest.mark.parametrize("route", ["/v1/pulls", "/v1/keepalive", "/v1/decline"])
+def test_a_ticket_with_a_wrong_mac_is_a_401_naming_it_before_any_call(real, route):
+    good = msgspec.json.decode(real.engine.post("/v1/holds", json={
+        "request_id": f"r-{uuid.uuid4().hex[:8]}", "block_ids": [[3]], "num_tokens": 8}).content,
+        type=Ticket)  # fmt: skip
+    bad = msgspec.structs.replace(good, peer="127.0.0.1:1")  # points elsewhere, MAC unchanged
+    tickets = msgspec.to_builtins([good, bad])
+    body = {"/v1/pulls": {"tickets": tickets, "block_ids": [[4]]},
+            "/v1/keepalive": {"tickets": tickets, "extend_s": 5.0},
+            "/v1/decline": {"tickets": tickets}}[route]  # fmt: skip
+    err = _error(real.engine.post(route, json=body), 401)
+    assert (err.error, err.field) == ("AuthError", "tickets[1].token")
+    assert real.engine.post("/v1/holds/abort", json={"hold_id": good.hold_id}).status_code == 204
 
 
 def test_before_registration_the_sidecar_itself_raises_not_registered(fresh):

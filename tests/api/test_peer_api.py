@@ -270,6 +270,11 @@ def test_a_validly_signed_ticket_with_other_block_ids_is_a_409_naming_them(real)
     assert _claim(real, ticket).status_code == 200  # the hold itself is untouched
 
 
+def test_a_validly_signed_ticket_for_another_request_is_a_409_naming_it(real):
+    err = _error(_claim(real, _resigned(_hold(real), request_id="someone-else")), 409)
+    assert err.field == "ticket.request_id"
+
+
 def test_a_ticket_for_another_tp_rank_is_a_409_naming_it(real):
     err = _error(_claim(real, _resigned(_hold(real), tp_rank=1, tp_size=2)), 409)
     assert err.field == "ticket.tp_rank"
