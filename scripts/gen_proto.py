@@ -173,8 +173,11 @@ outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
   within the window (nonces are remembered until their `ts` leaves the window, at most 131,072 at
   once; beyond that, new calls are refused until old ones age out). A missing, malformed,
   stale, replayed, tampered or foreign-key request answers 401 with `WWW-Authenticate: KVX1`.
-  `/healthz`, `/readyz`, `/metrics` and `/openapi.json` need no signature. Answers are not
-  signed: against an on-path attacker run the peer network privately (or under TLS).
+  `/healthz`, `/readyz`, `/metrics` and `/openapi.json` need no signature. What this does not
+  cover: answers are not signed and nothing is encrypted, and a signature does not name the
+  receiving sidecar (a call captured on the network could be replayed to another sidecar of the
+  group within the window). Both need an on-path attacker: run the peer network privately (or
+  under TLS).
 - **Key rotation.** A sidecar signs with its current secret and accepts a second one
   (`KVXFERD_PEER_TOKEN_PREVIOUS` or `--peer-token-previous-file`). Roll over in three steps:
   give every sidecar the new secret as the second one; make it the current one everywhere (the
