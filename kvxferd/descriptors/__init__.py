@@ -14,7 +14,12 @@ from kvxferd.descriptors.mapping import (
     read_geometry,
 )
 from kvxferd.descriptors.plan import ReadPlan
-from kvxferd.descriptors.reblock import ReblockGeometry, reblock_fields, reblock_geometry
+from kvxferd.descriptors.reblock import (
+    ReblockGeometry,
+    reblock_fields,
+    reblock_geometry,
+    token_blocks,
+)
 from kvxferd.descriptors.reference import reference_descriptor_count
 from kvxferd.descriptors.tpslice import (
     expected_readers,
@@ -47,5 +52,6 @@ __all__ = [
     "reblock_geometry",
     "reference_descriptor_count",
     "source_ranks",
+    "token_blocks",
     "unit_holders",
 ]

@@ -243,6 +243,10 @@ def plan_pull(
     """
     if geometry.reblock is not None:
         return geometry.reblock.plan(local_ids, remote_ids, num_tokens, remote_tokens)
+    if len(local_ids) != len(remote_ids):
+        raise BlockIdError(
+            "remote_block_ids", f"{len(remote_ids)} groups in the ticket, {len(local_ids)} here"
+        )
     out_l, out_r = [], []
     for g, (lo, re) in enumerate(zip(local_ids, remote_ids, strict=True)):
         if len(lo) != len(re):

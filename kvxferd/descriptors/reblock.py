@@ -306,6 +306,17 @@ def _first_block(ids: np.ndarray, tokens: int, block_size: int) -> int:
     return max(0, -(-tokens // block_size) - ids.size)
 
 
+def token_blocks(ids: Sequence[int], tokens: int, block_size: int, t: np.ndarray) -> np.ndarray:
+    """The logical block id holding each token ``t`` of a ``tokens``-token request whose group
+    lists ``ids`` (module rule: a short list ends at the last token's block); -1 for none."""
+    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    pos = t // block_size - _first_block(arr, tokens, block_size)
+    ok = (pos >= 0) & (pos < arr.size)
+    if arr.size == 0:
+        return np.full(t.shape, -1, dtype=np.int64)
+    return np.where(ok, arr[np.clip(pos, 0, arr.size - 1)], -1)
+
+
 def _locate(
     ids: np.ndarray, tokens: int, side: _Side, start: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
