@@ -408,3 +408,16 @@ def _row_content(
     stream = _mix(np.arange(-(-row // 8), dtype=np.uint64) * _BYTE ^ byte_key)
     data = (h[..., None] ^ stream).astype("<u8", copy=False)
     return data.view(np.uint8)[..., :row].ravel()
+
+
+def token_digest(
+    manifest: Manifest, regions: Sequence[np.ndarray], block_ids: Sequence[Sequence[int]],
+    num_tokens: int,
+) -> int:  # fmt: skip
+    """A 64-bit digest of the request's token rows and state blocks as they lie, in token order:
+    two pools of one manifest holding the same tokens in different blocks digest the same."""
+    arrays = _check_regions(manifest, regions)
+    h = hashlib.blake2b(digest_size=8)
+    for r, pos, _e, _w in _token_rows(manifest, block_ids, num_tokens, 0, content=False):
+        h.update(arrays[r][pos].tobytes())
+    return int.from_bytes(h.digest(), "little")
