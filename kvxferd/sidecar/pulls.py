@@ -329,17 +329,28 @@ def _validate(req: PullRequest, sidecar: Sidecar) -> None:
             raise BlockIdError(f"tickets[{i}].block_ids", "differs from tickets[0].block_ids")
     if len(req.tickets) != tp:
         raise BlockIdError("tickets", f"{len(req.tickets)} tickets for prefill TP {tp}")
+    remote = req.tickets[0].block_ids
     if len(req.block_ids) != len(local.groups):
         raise BlockIdError(
             "block_ids", f"{len(req.block_ids)} groups given, the manifest has {len(local.groups)}"
         )
-    # The ticket's groups and id counts are checked against the prefill's manifest when the
-    # plan is made (descriptors.plan_pull): with other block sizes or grouping they differ.
     if not -1 <= req.num_tokens <= req.tickets[0].num_tokens:
         raise BlockIdError(
             "num_tokens", f"{req.num_tokens} outside 0..{req.tickets[0].num_tokens} (or -1)"
         )
+    # With a token count, ids map by token where the prefill's block sizes or grouping differ:
+    # the ticket's ids are then checked against its manifest when the plan is made.
+    by_tokens = req.num_tokens != -1
+    if len(remote) != len(local.groups) and not by_tokens:
+        raise BlockIdError(
+            "tickets[0].block_ids",
+            f"{len(remote)} groups in the ticket, the manifest has {len(local.groups)}",
+        )
     for g, lo in enumerate(req.block_ids):
+        if not by_tokens and len(lo) != len(remote[g]):
+            raise BlockIdError(
+                f"block_ids[{g}]", f"{len(lo)} local ids for {len(remote[g])} ticket ids"
+            )
         for k, b in enumerate(lo):
             if b < -1 or b >= local.num_blocks:
                 raise BlockIdError(

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from kvxferd.errors import BlockIdError
 from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
 from kvxferd.pattern import token_footprint, verify_token_pattern, write_token_pattern
 from kvxferd.wire import HoldRequest, Manifest, PullRequest, Ticket
@@ -161,15 +162,28 @@ def test_decode_pulls_tokens_into_its_own_blocks_byte_exact(pair):
     wait_no_handles(decode.sidecar, *(r.sidecar for r in prefill))
 
 
-def test_a_window_token_the_prefill_does_not_hold_fails_the_pull_naming_the_ids(pair):
+def test_tokens_without_a_local_block_fail_the_pull_naming_the_ids(pair):
     p, tokens, decode, prefill = pair
     rng = np.random.default_rng(29)
     rids = _ids(prefill[0].manifest, tokens, rng)
     tickets = [_hold(r, rids, tokens, seed=29) for r in prefill]
     lids = _ids(decode.manifest, tokens, rng)
-    short = [ids[:-1] if len(ids) > 1 else ids for ids in lids]  # no block for the last tokens
+    short = [ids[:-1] if len(ids) > 1 else ids for ids in lids]  # too few blocks for the tokens
     with decode.sidecar.client() as c:
-        req = PullRequest(tickets=tickets, block_ids=short, deadline_s=30)
+        req = PullRequest(tickets=tickets, block_ids=short, num_tokens=tokens, deadline_s=30)
         status = c.wait_pull(c.pull(req).pull_id, timeout_s=60)
     assert status.state == "failed"
     assert status.reason == "block_ids" and "block_ids[" in status.detail
+
+
+def test_without_a_token_count_other_id_counts_are_a_422(pair):
+    """num_tokens -1 pairs ids one to one (as between equal block sizes): counts must match."""
+    p, tokens, decode, prefill = pair
+    rng = np.random.default_rng(31)
+    rids = _ids(prefill[0].manifest, tokens, rng)
+    tickets = [_hold(r, rids, tokens, seed=31) for r in prefill]
+    lids = _ids(decode.manifest, tokens, rng)
+    assert [len(g) for g in lids] != [len(g) for g in rids]
+    with decode.sidecar.client() as c, pytest.raises(BlockIdError) as info:
+        c.pull(PullRequest(tickets=tickets, block_ids=lids, deadline_s=30))
+    assert info.value.field.startswith(("block_ids[", "tickets[0].block_ids"))
