@@ -2,7 +2,8 @@
 
 ``plan_read`` is the heart of a pull: for each group it pairs the local and remote logical block
 ids, expands attention ids to kernel blocks, and places every piece of every layer (only the TP
-units this remote rank serves to this local rank) at its byte offset on both sides.
+units this remote rank serves to this local rank) at its byte offset on both sides. Peers whose
+block sizes or grouping differ map tokens instead (:mod:`.reblock`); ``plan_pull`` picks the way.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ def compare_manifests(local: Manifest, remote: Manifest) -> dict[str, tuple[obje
     Values are ``(local, remote)``. Empty means compatible. Pool sizes, regions, K/V order,
     packing, block sizes and the grouping of the same layers may differ (such peers re-block:
     tokens move, see :mod:`~kvxferd.descriptors.reblock`); the layers, their head geometry and
-    dtypes may not, and
-    under heterogeneous TP a part that is not ``sliceable`` may not need a slice (reported as
-    ``<part>.sliceable``). A manifest that breaks the TP ownership rule raises ManifestError.
+    dtypes may not, and under heterogeneous TP a part that is not ``sliceable`` may not need a
+    slice (reported as ``<part>.sliceable``). A manifest that breaks the TP ownership rule
+    raises ManifestError. Layers pair by position, or by model layer index when regrouped.
     """
     diff: dict[str, tuple[object, object]] = {}
 
@@ -125,7 +126,7 @@ class ReadGeometry:
     is_attention: tuple[bool, ...]
     pieces: tuple[Pieces, ...]
     reblock: ReblockGeometry | None = None
-    """Set when the two sides' block sizes differ: requests map tokens, not block ids."""
+    """Set when the sides' block sizes or grouping differ: requests map tokens, not block ids."""
 
     def check_pairs(
         self, local_ids: Sequence[np.ndarray], remote_ids: Sequence[np.ndarray]
@@ -238,8 +239,9 @@ def plan_pull(
 
     Equal block sizes: ``local_ids[g][k]`` receives ``remote_ids[g][k]`` (pairs whose local id
     is -1 are skipped; ``num_tokens`` is not used), exactly :meth:`ReadGeometry.plan`. Different
-    block sizes: tokens ``[0, num_tokens)`` (-1: ``remote_tokens``, the ticket's) move between
-    the sides' own block lists, see :meth:`ReblockGeometry.plan`. Raises BlockIdError.
+    block sizes or grouping: tokens ``[0, num_tokens)`` (-1: ``remote_tokens``, the ticket's)
+    move between the sides' own block lists, see :meth:`ReblockGeometry.plan`. Raises
+    BlockIdError naming the field.
     """
     if geometry.reblock is not None:
         return geometry.reblock.plan(local_ids, remote_ids, num_tokens, remote_tokens)

@@ -187,3 +187,14 @@ def test_without_a_token_count_other_id_counts_are_a_422(pair):
     with decode.sidecar.client() as c, pytest.raises(BlockIdError) as info:
         c.pull(PullRequest(tickets=tickets, block_ids=lids, deadline_s=30))
     assert info.value.field.startswith(("block_ids[", "tickets[0].block_ids"))
+
+
+def test_asking_more_tokens_than_were_prefilled_is_a_422(pair):
+    p, tokens, decode, prefill = pair
+    rng = np.random.default_rng(37)
+    rids = _ids(prefill[0].manifest, tokens, rng)
+    tickets = [_hold(r, rids, tokens, seed=37) for r in prefill]
+    lids = _ids(decode.manifest, tokens + 1, rng)
+    with decode.sidecar.client() as c, pytest.raises(BlockIdError) as info:
+        c.pull(PullRequest(tickets=tickets, block_ids=lids, num_tokens=tokens + 1))
+    assert info.value.field == "num_tokens"
