@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxferd.descriptors import owned_units
+from kvxferd.descriptors import owned_units, token_blocks
 from kvxferd.errors import BlockIdError, ManifestError, MemoryRegionError
-from kvxferd.wire import AttentionLayer, Layer, Manifest, Part
+from kvxferd.wire import DTYPE_BYTES, AttentionLayer, Layer, Manifest, Part
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -271,3 +271,153 @@ def _check_block_ids(
             )
         out.append((used, ordinals))
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Token pattern (re-blocking): attention bytes are a function of the token, not of the block, so
+# two sides with different block sizes (or groupings) expect the same bytes for the same token.
+# Attention: byte b of the row of token t, global TP unit i (HND; an NHD row holds the whole part),
+# layer index, part name. Mamba state (the last listed block of a group): as write_pattern's
+# block ordinal 0. Tokens: [0, num_tokens), only the last sliding_window of a sliding group; a
+# group's ids follow descriptors.token_blocks (-1 skips a block).
+
+
+def write_token_pattern(
+    manifest: Manifest,
+    regions: Sequence[np.ndarray],
+    block_ids: Sequence[Sequence[int]],
+    num_tokens: int,
+    seed: int,
+) -> None:
+    """Fill the tokens' attention rows and the state blocks of a request (see above)."""
+    arrays = _check_regions(manifest, regions)
+    for r, pos, expected, _where in _token_rows(manifest, block_ids, num_tokens, seed):
+        arrays[r][pos] = expected
+
+
+def verify_token_pattern(
+    manifest: Manifest,
+    regions: Sequence[np.ndarray],
+    block_ids: Sequence[Sequence[int]],
+    num_tokens: int,
+    seed: int,
+) -> Mismatch | None:
+    """The first byte of the request's tokens and state blocks that differs, or None."""
+    arrays = _check_regions(manifest, regions)
+    for r, pos, expected, where in _token_rows(manifest, block_ids, num_tokens, seed):
+        actual = arrays[r][pos]
+        wrong = np.flatnonzero(actual != expected)
+        if wrong.size == 0:
+            continue
+        k = int(wrong[0])
+        g, layer, part, unit_bytes, units, ratio = where
+        rel = int(pos[k]) - part.offset
+        unit, within = rel // part.block_stride, rel % part.block_stride
+        return Mismatch(group=g, layer=layer.name, block=unit // ratio, part=part.name,
+                        offset=within, expected=int(expected[k]), actual=int(actual[k]),
+                        sub_block=unit % ratio, region=r, address=int(pos[k]))  # fmt: skip
+    return None
+
+
+def token_footprint(
+    manifest: Manifest, block_ids: Sequence[Sequence[int]], num_tokens: int
+) -> list[np.ndarray]:
+    """Per region, a bool mask of the bytes the token pattern covers (what a pull may write)."""
+    masks = [np.zeros(r.size_bytes, dtype=bool) for r in manifest.regions]
+    for r, pos, _e, _w in _token_rows(manifest, block_ids, num_tokens, 0, content=False):
+        masks[r][pos] = True
+    return masks
+
+
+def _token_rows(
+    manifest: Manifest,
+    block_ids: Sequence[Sequence[int]],
+    num_tokens: int,
+    seed: int,
+    content: bool = True,
+) -> Iterator[tuple[int, np.ndarray, np.ndarray, tuple]]:
+    """(region, byte positions, expected bytes, where) per part of every layer of the request."""
+    if len(block_ids) != len(manifest.groups):
+        raise BlockIdError(
+            "block_ids", f"{len(block_ids)} groups given, the manifest has {len(manifest.groups)}"
+        )
+    for g, group in enumerate(manifest.groups):
+        ids = np.asarray(block_ids[g], dtype=np.int64).reshape(-1)
+        bad = np.flatnonzero((ids < -1) | (ids >= manifest.num_blocks))
+        if bad.size:
+            k = int(bad[0])
+            raise BlockIdError(
+                f"block_ids[{g}][{k}]", f"{ids[k]} outside [0, {manifest.num_blocks})"
+            )
+        if group.kind == "mamba":
+            used = ids[ids >= 0]
+            if used.size == 0:
+                continue
+            for layer in group.layers:
+                for part in _parts(layer):
+                    where = f"groups[{g}].layers[{layer.index}].{part.name}"
+                    gunits = _global_units(part, manifest.tp_rank, manifest.tp_size, where)
+                    i = np.arange(part.units, dtype=np.int64)[:, None] * part.unit_stride
+                    pos = (part.offset + int(used[-1]) * part.block_stride + i
+                           + np.arange(part.unit_bytes, dtype=np.int64)).ravel()  # fmt: skip
+                    want = (_content(seed, layer.index, part, np.zeros(1, np.int64), 1, gunits)
+                            .ravel() if content else pos)  # fmt: skip
+                    yield layer.region, pos, want, (g, layer, part, part.unit_bytes, 1, 1)
+            continue
+        start = max(0, num_tokens - group.sliding_window) if group.sliding_window else 0
+        t = np.arange(start, num_tokens, dtype=np.int64)
+        blk = token_blocks(ids, num_tokens, group.block_size, t)
+        if (blk < 0).all():
+            continue
+        t, blk = t[blk >= 0], blk[blk >= 0]
+        kbs = group.kernel_block_size
+        ratio = group.block_size // kbs
+        unit = blk * ratio + (t % group.block_size) // kbs
+        tau = t % kbs
+        for layer in group.layers:
+            assert isinstance(layer, AttentionLayer)
+            head = layer.head_size * DTYPE_BYTES[layer.dtype]
+            for part in _parts(layer):
+                where = f"groups[{g}].layers[{layer.index}].{part.name}"
+                base = part.offset + unit * part.block_stride
+                if layer.head_layout == "NHD":
+                    row = part.units * part.unit_bytes // kbs
+                    starts = (base + tau * row)[:, None]
+                    gunits = np.zeros(1, dtype=np.int64)
+                else:
+                    row = head
+                    gunits = _global_units(part, manifest.tp_rank, manifest.tp_size, where)
+                    i = np.arange(part.units, dtype=np.int64)[None, :] * part.unit_stride
+                    starts = (base + tau * row)[:, None] + i
+                pos = (starts[..., None] + np.arange(row, dtype=np.int64)).ravel()
+                want = (
+                    _row_content(seed, layer.index, part.name, t, gunits, row) if content else pos
+                )
+                yield layer.region, pos, want, (g, layer, part, row, gunits.size, ratio)
+
+
+def _row_content(
+    seed: int, layer_index: int, part: str, tokens: np.ndarray, gunits: np.ndarray, row: int
+) -> np.ndarray:
+    """Token-pattern bytes of shape (tokens, units, row), flattened, as uint8."""
+    digest = hashlib.blake2b(f"{seed}|{layer_index}|{part}|t".encode(), digest_size=16).digest()
+    unit_key = np.uint64(int.from_bytes(digest[:8], "little"))
+    byte_key = np.uint64(int.from_bytes(digest[8:], "little"))
+    h = (tokens.astype(np.uint64) * _ORD)[:, None] ^ (gunits.astype(np.uint64) * _UNIT)[None, :]
+    h = _mix(h ^ unit_key)
+    stream = _mix(np.arange(-(-row // 8), dtype=np.uint64) * _BYTE ^ byte_key)
+    data = (h[..., None] ^ stream).astype("<u8", copy=False)
+    return data.view(np.uint8)[..., :row].ravel()
+
+
+def token_digest(
+    manifest: Manifest, regions: Sequence[np.ndarray], block_ids: Sequence[Sequence[int]],
+    num_tokens: int,
+) -> int:  # fmt: skip
+    """A 64-bit digest of the request's token rows and state blocks as they lie, in token order:
+    two pools of one manifest holding the same tokens in different blocks digest the same."""
+    arrays = _check_regions(manifest, regions)
+    h = hashlib.blake2b(digest_size=8)
+    for r, pos, _e, _w in _token_rows(manifest, block_ids, num_tokens, 0, content=False):
+        h.update(arrays[r][pos].tobytes())
+    return int.from_bytes(h.digest(), "little")

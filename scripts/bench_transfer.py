@@ -15,6 +15,11 @@ For each layout (planner-made hybrid pools in shared memory), request size and b
 - ucx: ``ucx_perftest -t ucp_get`` over loopback at the mean kvxferd descriptor size;
 - memcpy: ``np.copyto`` of each region's volume, one thread.
 
+Re-blocking layouts (``*-reblock``) give the prefill other planner options than the decode, so
+the sides' block sizes (and grouping) differ and the pull maps tokens (kvxferd.descriptors
+.reblock); vLLM's scheme pairs block ids and has no such case (its columns stay empty). Compare
+their kvxferd/ceiling and descriptor count with the same layout at equal block sizes.
+
 GB/s are 1e9 B/s, medians of ``--repeat`` runs after ``--warmup`` runs.
 """
 
@@ -39,9 +44,14 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creatio
 from benchlib import raw, report, ucx  # noqa: E402
 from benchlib.procs import SENTINEL, Pool, SidecarProcess, plan  # noqa: E402
 
-from kvxferd.descriptors import ReadPlan, plan_read  # noqa: E402
+from kvxferd.descriptors import ReadPlan, plan_pull, plan_read, read_geometry  # noqa: E402
 from kvxferd.descriptors.reference import reference_plan  # noqa: E402
-from kvxferd.pattern import verify_pattern, write_pattern  # noqa: E402
+from kvxferd.pattern import (  # noqa: E402
+    verify_pattern,
+    verify_token_pattern,
+    write_pattern,
+    write_token_pattern,
+)
 from kvxferd.wire import HoldRequest, Manifest, PullRequest  # noqa: E402
 
 LAYOUTS = {
@@ -51,14 +61,23 @@ LAYOUTS = {
     "mamba2-hybrid-bf16": ("granite-4.0-h-tiny", {}),
     # Gated DeltaNet hybrid: 544-token blocks, 12 regions.
     "gdn-hybrid": ("qwen3-next-80b-a3b", {}),
+    # Same decode; the prefill packs 2 attention layers per page: 272-token blocks, 7 groups.
+    "gdn-hybrid-reblock": ("qwen3-next-80b-a3b", {}),
 }
+PREFILL_OPTIONS = {"gdn-hybrid-reblock": {"attn_pack_size": 2}}
+"""Prefill planner options where they differ from the decode's (re-blocking layouts)."""
 FULL = {
-    "layouts": "mamba2-hybrid,mamba2-hybrid-bf16,gdn-hybrid",
+    "layouts": "mamba2-hybrid,mamba2-hybrid-bf16,gdn-hybrid,gdn-hybrid-reblock",
     "tokens": "1024,4096,16384,32768",
     "repeat": 5,
     "warmup": 1,
 }
-QUICK = {"layouts": "mamba2-hybrid,gdn-hybrid", "tokens": "1024", "repeat": 2, "warmup": 1}
+QUICK = {
+    "layouts": "mamba2-hybrid,gdn-hybrid,gdn-hybrid-reblock",
+    "tokens": "1024",
+    "repeat": 2,
+    "warmup": 1,
+}
 PATTERNS = ("contiguous", "fragmented")
 PULL_TIMEOUT_S = 120.0
 
@@ -80,6 +99,24 @@ class Setup:
     decode: SidecarProcess
     busy: raw.RawReader
     released_cursor: int = 0
+
+    @property
+    def reblock(self) -> bool:
+        """The sides' block sizes or grouping differ: the pull maps tokens."""
+        return self.name in PREFILL_OPTIONS
+
+    def write(self, ids: list[list[int]], tokens: int, seed: int) -> None:
+        """The prefill's pattern (by token when re-blocking, else by block)."""
+        if self.reblock:
+            write_token_pattern(self.pm, self.ppool.views, ids, tokens, seed)
+        else:
+            write_pattern(self.pm, self.ppool.views, ids, seed)
+
+    def verify(self, ids: list[list[int]], tokens: int, seed: int) -> object:
+        """The first wrong byte of the decode's blocks, or None."""
+        if self.reblock:
+            return verify_token_pattern(self.dm, self.dpool.views, ids, tokens, seed)
+        return verify_pattern(self.dm, self.dpool.views, ids, seed)
 
 
 def blocks_per_group(m: Manifest, tokens: int) -> list[int]:
@@ -143,12 +180,15 @@ def pull_once(s: Setup, pids, dids, tokens: int, seed: int, p: ReadPlan) -> tupl
             )
         )
         t0 = time.perf_counter()
-        accepted = dc.pull(PullRequest(tickets=[ticket], block_ids=dids, deadline_s=PULL_TIMEOUT_S))
+        req = PullRequest(
+            tickets=[ticket], block_ids=dids, num_tokens=tokens, deadline_s=PULL_TIMEOUT_S
+        )
+        accepted = dc.pull(req)
         status = dc.wait_pull(accepted.pull_id, timeout_s=PULL_TIMEOUT_S)
         client_s = time.perf_counter() - t0
     if status.state != "done":
         raise BenchError(f"pull ended {status.state}: {status.reason} {status.detail}")
-    bad = verify_pattern(s.dm, s.dpool.views, dids, seed)
+    bad = s.verify(dids, tokens, seed)
     if bad is not None:
         raise BenchError(f"pull reported done but moved wrong bytes: {bad}")
     if status.kv_bytes + status.state_bytes != p.total_bytes:
@@ -161,22 +201,28 @@ def pull_once(s: Setup, pids, dids, tokens: int, seed: int, p: ReadPlan) -> tupl
 
 def run_case(s: Setup, tokens: int, pattern: str, args: argparse.Namespace) -> dict:
     """Every measurement of one (layout, request size, allocation pattern)."""
-    counts = blocks_per_group(s.pm, tokens)
+    counts = blocks_per_group(s.dm, tokens)
     seed = (tokens * 7 + PATTERNS.index(pattern)) & 0xFFFF
-    pids = allocate(counts, s.pm.num_blocks, pattern, seed)
+    pids = allocate(blocks_per_group(s.pm, tokens), s.pm.num_blocks, pattern, seed)
     dids = allocate(counts, s.dm.num_blocks, pattern, seed + 1)
-    write_pattern(s.pm, s.ppool.views, pids, seed)
+    s.write(pids, tokens, seed)
     lid = [np.asarray(g, dtype=np.int64) for g in dids]
     rid = [np.asarray(g, dtype=np.int64) for g in pids]
-    ours = plan_read(s.dm, s.pm, lid, rid)  # what the decode sidecar computes
-    ref = reference_plan(s.dm, s.pm, lid, rid)
+
+    def plan_now() -> ReadPlan:  # what the decode sidecar computes
+        if s.reblock:
+            return plan_pull(read_geometry(s.dm, s.pm), dids, pids, tokens, tokens)
+        return plan_read(s.dm, s.pm, lid, rid)
+
+    ours = plan_now()
+    ref = None if s.reblock else reference_plan(s.dm, s.pm, lid, rid)
     nbytes = ours.total_bytes
-    if ref.total_bytes != nbytes or int(ref.length.sum()) != nbytes:
+    if ref is not None and (ref.total_bytes != nbytes or int(ref.length.sum()) != nbytes):
         raise BenchError(f"reference scheme moves {ref.total_bytes} B, kvxferd {nbytes} B")
     t_plan = []
     for _ in range(5):
         t0 = time.perf_counter()
-        plan_read(s.dm, s.pm, lid, rid)
+        plan_now()
         t_plan.append(time.perf_counter() - t0)
 
     # (a) kvxferd pulls, each verified.
@@ -212,29 +258,30 @@ def run_case(s: Setup, tokens: int, pattern: str, args: argparse.Namespace) -> d
         prof["other"] = prof["sidecar_total"] - prof["claim"] - prof["post"] - prof["wire"]
 
     # (c) first, once, verified: the reference table really moves the pulled bytes.
-    scrub(s.dpool, ours)
-    s.busy.read_s(ref)
-    bad = verify_pattern(s.dm, s.dpool.views, dids, seed)
-    if bad is not None:
-        raise BenchError(f"per-layer scheme moved wrong bytes: {bad}")
+    none = {"gbps": None, "samples_gbps": []}
+    if ref is not None:
+        scrub(s.dpool, ours)
+        s.busy.read_s(ref)
+        bad = s.verify(dids, tokens, seed)
+        if bad is not None:
+            raise BenchError(f"per-layer scheme moved wrong bytes: {bad}")
 
-    ceil = raw.ceiling_plan(ours, len(s.dm.regions))
+    ceil = raw.ceiling_plan(ours, len(s.dm.regions), len(s.pm.regions))
     w, n = args.warmup, args.repeat
     ceiling = raw.median_gbps(nbytes, lambda: s.busy.read_s(ceil), w, n)
-    pl_busy = raw.median_gbps(nbytes, lambda: s.busy.read_s(ref), w, n)
+    pl_busy = none if ref is None else raw.median_gbps(nbytes, lambda: s.busy.read_s(ref), w, n)
     prog = raw.RawReader(s.prefill.peer, s.dm, s.dpool, progress_thread=True)
     try:
         ceiling_pt = raw.median_gbps(nbytes, lambda: prog.read_s(ceil), w, n)
-        per_layer = raw.median_gbps(nbytes, lambda: prog.read_s(ref), w, n)
+        per_layer = none if ref is None else raw.median_gbps(nbytes, lambda: prog.read_s(ref), w, n)
     finally:
         prog.close()
-    vol = raw.region_volumes(ours, len(s.dm.regions))
-    memcpy = raw.median_gbps(nbytes, lambda: raw.memcpy_s(s.ppool.views, s.dpool.views, vol), w, n)
+    memcpy = raw.median_gbps(nbytes, lambda: raw.memcpy_s(s.ppool.views, s.dpool.views, ceil), w, n)
     u = ucx.ucp_get(nbytes // max(1, ours.num_descriptors), nbytes)
 
     kx = statistics.median(nbytes / c / 1e9 for c in client)
     kx_sc = statistics.median(nbytes / c / 1e9 for c in sidecar)
-    runs = contiguous_runs(dids, pids)
+    runs = None if s.reblock else contiguous_runs(dids, pids)
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if not a or not b else a / b
@@ -262,10 +309,12 @@ def run_case(s: Setup, tokens: int, pattern: str, args: argparse.Namespace) -> d
         "ucx_lane": u.lane,
         "memcpy_gbps": memcpy["gbps"],
         "kvxferd_descriptors": ours.num_descriptors,
-        "per_layer_descriptors": ref.num_descriptors,
+        "per_layer_descriptors": None if ref is None else ref.num_descriptors,
         "ceiling_descriptors": ceil.num_descriptors,
         "contiguous_runs": runs,
-        "descriptor_bound": runs * len(s.dm.regions),
+        "descriptor_bound": None if runs is None else runs * len(s.dm.regions),
+        "prefill_block_sizes": sorted({g.block_size for g in s.pm.groups}),
+        "decode_block_sizes": sorted({g.block_size for g in s.dm.groups}),
         "kvxferd_vs_ceiling": ratio(kx, ceiling["gbps"]),
         "kvxferd_vs_ceiling_progress": ratio(kx, ceiling_pt["gbps"]),
         "kvxferd_vs_per_layer": ratio(kx, per_layer["gbps"]),
@@ -287,10 +336,11 @@ def run_layout(
 ) -> list[dict]:
     """Start a sidecar pair with pools sized for the largest request, run every case."""
     config, options = LAYOUTS[name]
-    probe = plan(config, 4, options)
-    need = max(sum(blocks_per_group(probe, t)) for t in tokens)
+    poptions = PREFILL_OPTIONS.get(name, options)
+    probes = (plan(config, 4, options), plan(config, 4, poptions))
+    need = max(sum(blocks_per_group(probe, t)) for t in tokens for probe in probes)
     num_blocks = 2 * need + 1  # room to fragment; block 0 stays unused (vLLM's null block)
-    pm, dm = plan(config, num_blocks, options), plan(config, num_blocks, options)
+    pm, dm = plan(config, num_blocks, poptions), plan(config, num_blocks, options)
     stack: list = []
     try:
         ppool = Pool(pm)
@@ -313,7 +363,9 @@ def run_layout(
         s = Setup(name, pm, dm, ppool, dpool, prefill, decode, busy)
         pool_mb = sum(r.size_bytes for r in pm.regions) / 1e6
         print(
-            f"# {name}: {config} {options or ''}, {len(pm.regions)} regions, "
+            f"# {name}: {config} {options or ''}"
+            + (f" (prefill {poptions})" if poptions != options else "")
+            + f", {len(pm.regions)} regions, "
             f"{num_blocks} blocks x 2 pools = {2 * pool_mb:.0f} MB",
             flush=True,
         )
@@ -324,7 +376,8 @@ def run_layout(
                 print(
                     f"  {t:>6} {pattern:10} {c['bytes'] / 1e6:8.1f} MB  kvxferd "
                     f"{c['kvxferd_gbps']:.2f}  ceiling {c['ceiling_gbps']:.2f}  per-layer "
-                    f"{c['per_layer_gbps']:.2f} GB/s",
+                    f"{report.fmt(c['per_layer_gbps'], '.2f')} GB/s, "
+                    f"{c['kvxferd_descriptors']} descriptors",
                     flush=True,
                 )
                 cases.append(c)
@@ -380,7 +433,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": report.machine(),
         "settings": {
-            "layouts": {n: {"model": LAYOUTS[n][0], "options": LAYOUTS[n][1]} for n in layouts},
+            "layouts": {
+                n: {
+                    "model": LAYOUTS[n][0],
+                    "options": LAYOUTS[n][1],
+                    "prefill_options": PREFILL_OPTIONS.get(n, LAYOUTS[n][1]),
+                }
+                for n in layouts
+            },
             "tokens": tokens,
             "patterns": list(PATTERNS),
             "repeat": args.repeat,

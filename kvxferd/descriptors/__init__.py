@@ -1,4 +1,4 @@
-"""Descriptor math over a manifest: dual views, id mapping, TP slicing, coalescing.
+"""Descriptor math over a manifest: dual views, id mapping, TP slicing, coalescing, re-blocking.
 
 Pure and numpy-vectorised: no I/O, no NIXL, no addresses. Every descriptor is a (region index,
 byte offset from the region base, length) triple; the transport adds base addresses.
@@ -9,10 +9,17 @@ from kvxferd.descriptors.geometry import check_block_ids, check_geometry, kernel
 from kvxferd.descriptors.mapping import (
     ReadGeometry,
     compare_manifests,
+    plan_pull,
     plan_read,
     read_geometry,
 )
 from kvxferd.descriptors.plan import ReadPlan
+from kvxferd.descriptors.reblock import (
+    ReblockGeometry,
+    reblock_fields,
+    reblock_geometry,
+    token_blocks,
+)
 from kvxferd.descriptors.reference import reference_descriptor_count
 from kvxferd.descriptors.tpslice import (
     expected_readers,
@@ -26,7 +33,9 @@ __all__ = [
     "DescriptorView",
     "ReadGeometry",
     "ReadPlan",
+    "ReblockGeometry",
     "Views",
+    "reblock_fields",
     "build_views",
     "check_block_ids",
     "check_geometry",
@@ -37,9 +46,12 @@ __all__ = [
     "kernel_ids",
     "merge_runs",
     "owned_units",
+    "plan_pull",
     "plan_read",
     "read_geometry",
+    "reblock_geometry",
     "reference_descriptor_count",
     "source_ranks",
+    "token_blocks",
     "unit_holders",
 ]

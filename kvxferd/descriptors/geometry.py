@@ -136,3 +136,25 @@ def kernel_ids(logical_ids: np.ndarray, ratio: int) -> np.ndarray:
     if ratio == 1:
         return logical_ids
     return (logical_ids[:, None] * ratio + np.arange(ratio, dtype=np.int64)[None, :]).ravel()
+
+
+LayerPair = tuple[int, int, int, int]
+"""``(local group, local layer, remote group, remote layer)`` of one model layer on both sides."""
+
+
+def layer_pairs(local: Manifest, remote: Manifest) -> tuple[list[LayerPair], bool] | None:
+    """The same model layer on both sides, and whether the sides group the layers differently.
+
+    Same groups (count and layer indices, in order): the layers pair by position. Regrouped
+    (vLLM groups hybrid layers by page size, e.g. per attention pack size): by layer index,
+    when both sides have the same layer indices. Otherwise None (the structures differ).
+    """
+    lidx = [[layer.index for layer in g.layers] for g in local.groups]
+    ridx = [[layer.index for layer in g.layers] for g in remote.groups]
+    if lidx == ridx:
+        return [(g, i, g, i) for g, ids in enumerate(lidx) for i in range(len(ids))], False
+    where = {x: (g, i) for g, ids in enumerate(ridx) for i, x in enumerate(ids)}
+    flat = [x for ids in lidx for x in ids]
+    if sorted(flat) != sorted(where) or len(set(flat)) != len(flat):
+        return None
+    return [(g, i, *where[x]) for g, ids in enumerate(lidx) for i, x in enumerate(ids)], True

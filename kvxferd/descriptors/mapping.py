@@ -2,7 +2,8 @@
 
 ``plan_read`` is the heart of a pull: for each group it pairs the local and remote logical block
 ids, expands attention ids to kernel blocks, and places every piece of every layer (only the TP
-units this remote rank serves to this local rank) at its byte offset on both sides.
+units this remote rank serves to this local rank) at its byte offset on both sides. Peers whose
+block sizes or grouping differ map tokens instead (:mod:`.reblock`); ``plan_pull`` picks the way.
 """
 
 from __future__ import annotations
@@ -19,19 +20,21 @@ from kvxferd.descriptors.geometry import (
     family,
     kernel_ids,
     kernel_ratio,
+    layer_pairs,
     layer_parts,
     part_field,
 )
 from kvxferd.descriptors.pieces import Pieces, pair_pieces
 from kvxferd.descriptors.plan import ReadPlan
+from kvxferd.descriptors.reblock import ReblockGeometry, reblock_fields, reblock_geometry
 from kvxferd.descriptors.tpslice import check_units, read_units
 from kvxferd.errors import BlockIdError, IncompatiblePeerError, ManifestError
 from kvxferd.wire import AttentionLayer, Manifest
 
 _ATTN_FIELDS = ("index", "total_kv_heads", "head_size", "dtype", "head_layout")
 _MAMBA_FIELDS = ("index", "mamba_type", "conv_dtype", "ssm_dtype", "conv_layout")
-_GROUP_FIELDS = ("kind", "block_size", "kernel_block_size", "sliding_window")
-_PART_FIELDS = ("name", "units_total", "unit_bytes")
+_GROUP_FIELDS = ("kind", "sliding_window")
+_PART_FIELDS = ("name", "units_total")
 
 
 def _check_remote(remote: Manifest) -> None:
@@ -46,10 +49,12 @@ def _check_remote(remote: Manifest) -> None:
 def compare_manifests(local: Manifest, remote: Manifest) -> dict[str, tuple[object, object]]:
     """Every field where two ranks' manifests disagree in a way that forbids exchanging blocks.
 
-    Values are ``(local, remote)``. Empty means compatible. Pool sizes, regions, K/V order and
-    packing may differ; group structure, head geometry, dtypes and block sizes may not, and
-    under heterogeneous TP a part that is not ``sliceable`` may not need a slice (reported as
-    ``<part>.sliceable``). A manifest that breaks the TP ownership rule raises ManifestError.
+    Values are ``(local, remote)``. Empty means compatible. Pool sizes, regions, K/V order,
+    packing, block sizes and the grouping of the same layers may differ (such peers re-block:
+    tokens move, see :mod:`~kvxferd.descriptors.reblock`); the layers, their head geometry and
+    dtypes may not, and under heterogeneous TP a part that is not ``sliceable`` may not need a
+    slice (reported as ``<part>.sliceable``). A manifest that breaks the TP ownership rule
+    raises ManifestError. Layers pair by position, or by model layer index when regrouped.
     """
     diff: dict[str, tuple[object, object]] = {}
 
@@ -60,35 +65,50 @@ def compare_manifests(local: Manifest, remote: Manifest) -> dict[str, tuple[obje
     cmp("version", local.version, remote.version)
     if diff:
         return diff
-    cmp("groups", len(local.groups), len(remote.groups))
-    for g, (lg, rg) in enumerate(zip(local.groups, remote.groups, strict=False)):
-        gf = f"groups[{g}]"
+    paired = layer_pairs(local, remote)
+    if paired is None:  # different layers: name the groups and layers that differ
+        cmp("groups", len(local.groups), len(remote.groups))
+        for g, (lg, rg) in enumerate(zip(local.groups, remote.groups, strict=False)):
+            cmp(f"groups[{g}].layers", len(lg.layers), len(rg.layers))
+        pairs = [
+            (g, i, g, i)
+            for g, (lg, rg) in enumerate(zip(local.groups, remote.groups, strict=False))
+            for i in range(min(len(lg.layers), len(rg.layers)))
+        ]
+    else:
+        pairs = paired[0]
+    for g, i, rgi, ri in pairs:
+        lg, rg = local.groups[g], remote.groups[rgi]
+        ll, rl = lg.layers[i], rg.layers[ri]
         for f in _GROUP_FIELDS:
-            cmp(f"{gf}.{f}", getattr(lg, f), getattr(rg, f))
-        cmp(f"{gf}.layers", len(lg.layers), len(rg.layers))
-        for i, (ll, rl) in enumerate(zip(lg.layers, rg.layers, strict=False)):
-            lf = f"{gf}.layers[{i}]"
-            if type(ll) is not type(rl):
-                cmp(f"{lf}.type", type(ll).__name__, type(rl).__name__)
-                continue
-            fields = _ATTN_FIELDS if isinstance(ll, AttentionLayer) else _MAMBA_FIELDS
-            for f in fields:
-                cmp(f"{lf}.{f}", getattr(ll, f), getattr(rl, f))
-            lparts, rparts = layer_parts(ll), layer_parts(rl)
-            cmp(f"{lf}.conv", len(lparts) - 1, len(rparts) - 1)
-            for (name, lp), (_n, rp) in zip(lparts, rparts, strict=False):
-                for f in _PART_FIELDS:
-                    cmp(f"{lf}.{name}.{f}", getattr(lp, f), getattr(rp, f))
+            cmp(f"groups[{g}].{f}", getattr(lg, f), getattr(rg, f))
+        lf = f"groups[{g}].layers[{i}]"
+        if type(ll) is not type(rl):
+            cmp(f"{lf}.type", type(ll).__name__, type(rl).__name__)
+            continue
+        fields = _ATTN_FIELDS if isinstance(ll, AttentionLayer) else _MAMBA_FIELDS
+        for f in fields:
+            cmp(f"{lf}.{f}", getattr(ll, f), getattr(rl, f))
+        lparts, rparts = layer_parts(ll), layer_parts(rl)
+        cmp(f"{lf}.conv", len(lparts) - 1, len(rparts) - 1)
+        # attention parts hold kernel_block_size tokens: compare their bytes per token
+        attn = fields is _ATTN_FIELDS
+        lk, rk = (lg.kernel_block_size, rg.kernel_block_size) if attn else (1, 1)
+        for (name, lp), (_n, rp) in zip(lparts, rparts, strict=False):
+            for f in _PART_FIELDS:
+                cmp(f"{lf}.{name}.{f}", getattr(lp, f), getattr(rp, f))
+            if lp.unit_bytes * rk != rp.unit_bytes * lk:
+                diff[f"{lf}.{name}.unit_bytes"] = (lp.unit_bytes, rp.unit_bytes)
     if diff:
         return diff
     check_units(local)
     _check_remote(remote)
     ltp, rtp = (local.tp_size, local.tp_rank), (remote.tp_size, remote.tp_rank)
-    for g, lg in enumerate(local.groups):
-        for i, (ll, rl) in enumerate(zip(lg.layers, remote.groups[g].layers, strict=True)):
-            for (name, lp), (_n, rp) in zip(layer_parts(ll), layer_parts(rl), strict=True):
-                if read_units(lp, rp, ltp, rtp)[2]:
-                    diff[f"{part_field(g, i, name)}.sliceable"] = (lp.sliceable, rp.sliceable)
+    for g, i, rgi, ri in pairs:
+        ll, rl = local.groups[g].layers[i], remote.groups[rgi].layers[ri]
+        for (name, lp), (_n, rp) in zip(layer_parts(ll), layer_parts(rl), strict=True):
+            if read_units(lp, rp, ltp, rtp)[2]:
+                diff[f"{part_field(g, i, name)}.sliceable"] = (lp.sliceable, rp.sliceable)
     return diff
 
 
@@ -105,6 +125,8 @@ class ReadGeometry:
     ratios: tuple[int, ...]
     is_attention: tuple[bool, ...]
     pieces: tuple[Pieces, ...]
+    reblock: ReblockGeometry | None = None
+    """Set when the sides' block sizes or grouping differ: requests map tokens, not block ids."""
 
     def check_pairs(
         self, local_ids: Sequence[np.ndarray], remote_ids: Sequence[np.ndarray]
@@ -127,7 +149,13 @@ class ReadGeometry:
         *,
         coalesce: bool = True,
     ) -> ReadPlan:
-        """The descriptor pairs of one request (see :func:`plan_read`)."""
+        """The descriptor pairs of one request (see :func:`plan_read`).
+
+        Block ids pair up only between equal block sizes: with a :attr:`reblock` geometry this
+        raises IncompatiblePeerError naming the sizes (use :func:`plan_pull`).
+        """
+        if self.reblock is not None:
+            raise IncompatiblePeerError(self.reblock.block_diff)
         cols: list[list[np.ndarray]] = [[] for _ in range(5)]
         kv_bytes = state_bytes = 0
         for g, (a, b) in enumerate(self.check_pairs(local_ids, remote_ids)):
@@ -163,6 +191,15 @@ def read_geometry(local: Manifest, remote: Manifest) -> ReadGeometry:
     if diff:
         raise IncompatiblePeerError(diff)
     groups = local.groups
+    if reblock_fields(local, remote):
+        return ReadGeometry(
+            local_blocks=local.num_blocks,
+            remote_blocks=remote.num_blocks,
+            ratios=tuple(kernel_ratio(gr, f"groups[{g}]") for g, gr in enumerate(groups)),
+            is_attention=tuple(family(gr) == "attention" for gr in groups),
+            pieces=(),
+            reblock=reblock_geometry(local, remote),
+        )
     return ReadGeometry(
         local_blocks=local.num_blocks,
         remote_blocks=remote.num_blocks,
@@ -189,3 +226,36 @@ def plan_read(
     against one peer keeps :func:`read_geometry` and calls its ``plan`` instead.
     """
     return read_geometry(local, remote).plan(local_ids, remote_ids, coalesce=coalesce)
+
+
+def plan_pull(
+    geometry: ReadGeometry,
+    local_ids: Sequence[Sequence[int]],
+    remote_ids: Sequence[Sequence[int]],
+    num_tokens: int = -1,
+    remote_tokens: int = 0,
+) -> ReadPlan:
+    """The coalesced plan of one pull from one remote rank, whichever way the ids map.
+
+    Equal block sizes: ``local_ids[g][k]`` receives ``remote_ids[g][k]`` (pairs whose local id
+    is -1 are skipped; ``num_tokens`` is not used), exactly :meth:`ReadGeometry.plan`. Different
+    block sizes or grouping: tokens ``[0, num_tokens)`` (-1: ``remote_tokens``, the ticket's)
+    move between the sides' own block lists, see :meth:`ReblockGeometry.plan`. Raises
+    BlockIdError naming the field.
+    """
+    if geometry.reblock is not None:
+        return geometry.reblock.plan(local_ids, remote_ids, num_tokens, remote_tokens)
+    if len(local_ids) != len(remote_ids):
+        raise BlockIdError(
+            "remote_block_ids", f"{len(remote_ids)} groups in the ticket, {len(local_ids)} here"
+        )
+    out_l, out_r = [], []
+    for g, (lo, re) in enumerate(zip(local_ids, remote_ids, strict=True)):
+        if len(lo) != len(re):
+            raise BlockIdError(f"block_ids[{g}]", f"{len(lo)} local ids for {len(re)} ticket ids")
+        lo_a = np.asarray(lo, dtype=np.int64)
+        re_a = np.asarray(re, dtype=np.int64)
+        keep = lo_a >= 0
+        out_l.append(lo_a[keep])
+        out_r.append(re_a[keep])
+    return geometry.plan(out_l, out_r)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxferd.descriptors.coalesce import merge_runs
-from kvxferd.descriptors.geometry import layer_parts, part_field
+from kvxferd.descriptors.geometry import LayerPair, layer_parts, part_field
 from kvxferd.descriptors.tpslice import read_units
 from kvxferd.errors import IncompatiblePeerError
 from kvxferd.wire import Manifest, Part
@@ -95,9 +95,16 @@ def pair_pieces(local: Manifest, remote: Manifest, g: int) -> Pieces:
     rank-relative position on each side (the global unit index is the same on both). Raises
     :class:`IncompatiblePeerError` naming every part that would need a slice it does not allow.
     """
+    n = len(local.groups[g].layers)
+    return layer_pieces(local, remote, [(g, i, g, i) for i in range(n)])
+
+
+def layer_pieces(local: Manifest, remote: Manifest, pairs: list[LayerPair]) -> Pieces:
+    """:func:`pair_pieces` over explicit ``(local group, layer, remote group, layer)`` pairs."""
     ltp, rtp = (local.tp_size, local.tp_rank), (remote.tp_size, remote.tp_rank)
     rows, bad = _Rows(), {}
-    for i, (ll, rl) in enumerate(zip(local.groups[g].layers, remote.groups[g].layers, strict=True)):
+    for g, i, rg, ri in pairs:
+        ll, rl = local.groups[g].layers[i], remote.groups[rg].layers[ri]
         for (name, lp), (_n, rp) in zip(layer_parts(ll), layer_parts(rl), strict=True):
             lidx, ridx, unsliceable = read_units(lp, rp, ltp, rtp)
             if unsliceable:

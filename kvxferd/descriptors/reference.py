@@ -14,7 +14,7 @@ import numpy as np
 from kvxferd.descriptors.geometry import kernel_ids, kernel_ratio, part_field
 from kvxferd.descriptors.mapping import read_geometry
 from kvxferd.descriptors.plan import ReadPlan
-from kvxferd.errors import BlockIdError, ManifestError
+from kvxferd.errors import BlockIdError, IncompatiblePeerError, ManifestError
 from kvxferd.wire import AttentionLayer, Layer, Manifest, Part
 
 
@@ -85,6 +85,8 @@ def reference_plan(
             f"{local.tp_size} and remote {remote.tp_rank}/{remote.tp_size}",
         )
     geo = read_geometry(local, remote)  # compatibility checks, as for a real pull
+    if geo.reblock is not None:  # vLLM's scheme pairs block ids: equal block sizes only
+        raise IncompatiblePeerError(geo.reblock.block_diff)
     cols: list[list[np.ndarray]] = [[] for _ in range(5)]
     kv_bytes = state_bytes = 0
     for g, (a, b) in enumerate(geo.check_pairs(local_ids, remote_ids)):

@@ -224,8 +224,10 @@ class PullRunner:
         m.lease_headroom.observe(max(0.0, ticket.expires_at - time.time()))
         del claim
 
-        local_ids, remote_ids = _pairs(pull.request.block_ids, ticket.block_ids)
-        plan = self._geometry(peer).plan(local_ids, remote_ids)
+        req = pull.request
+        plan = descriptors.plan_pull(
+            self._geometry(peer), req.block_ids, ticket.block_ids, req.num_tokens, ticket.num_tokens
+        )
         pull.advance(PullState.TRANSFERRING)
         notif = ticket.hold_id.encode()
         if plan.num_descriptors == 0:
@@ -318,20 +320,6 @@ def unread_ranks(local: Manifest, remote_tp: int) -> list[int]:
     return [r for r in range(remote_tp) if r not in read]
 
 
-def _pairs(
-    local: list[list[int]], remote: list[list[int]]
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per group, the (local, remote) ids to move: pairs whose local id is -1 are skipped."""
-    out_l, out_r = [], []
-    for lo, re in zip(local, remote, strict=True):
-        lo_a = np.asarray(lo, dtype=np.int64)
-        re_a = np.asarray(re, dtype=np.int64)
-        keep = lo_a >= 0
-        out_l.append(lo_a[keep])
-        out_r.append(re_a[keep])
-    return out_l, out_r
-
-
 def _validate(req: PullRequest, sidecar: Sidecar) -> None:
     """Shape checks an engine gets back as a 422 naming the field."""
     local = sidecar.manifest
@@ -353,14 +341,23 @@ def _validate(req: PullRequest, sidecar: Sidecar) -> None:
         raise BlockIdError(
             "block_ids", f"{len(req.block_ids)} groups given, the manifest has {len(local.groups)}"
         )
-    if len(remote) != len(local.groups):
+    if not -1 <= req.num_tokens <= req.tickets[0].num_tokens:
+        raise BlockIdError(
+            "num_tokens", f"{req.num_tokens} outside 0..{req.tickets[0].num_tokens} (or -1)"
+        )
+    # With a token count, ids map by token where the prefill's block sizes or grouping differ:
+    # the ticket's ids are then checked against its manifest when the plan is made.
+    by_tokens = req.num_tokens != -1
+    if len(remote) != len(local.groups) and not by_tokens:
         raise BlockIdError(
             "tickets[0].block_ids",
             f"{len(remote)} groups in the ticket, the manifest has {len(local.groups)}",
         )
-    for g, (lo, re) in enumerate(zip(req.block_ids, remote, strict=True)):
-        if len(lo) != len(re):
-            raise BlockIdError(f"block_ids[{g}]", f"{len(lo)} local ids for {len(re)} ticket ids")
+    for g, lo in enumerate(req.block_ids):
+        if not by_tokens and len(lo) != len(remote[g]):
+            raise BlockIdError(
+                f"block_ids[{g}]", f"{len(lo)} local ids for {len(remote[g])} ticket ids"
+            )
         for k, b in enumerate(lo):
             if b < -1 or b >= local.num_blocks:
                 raise BlockIdError(

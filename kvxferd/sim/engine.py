@@ -30,10 +30,14 @@ from kvxferd.errors import (
     PullError,
 )
 from kvxferd.layout import request_blocks
-from kvxferd.pattern import Mismatch, verify_pattern, write_pattern
+from kvxferd.pattern import (
+    Mismatch,
+    token_digest,
+    verify_token_pattern,
+    write_token_pattern,
+)
 from kvxferd.sim import transfer_params as tp
 from kvxferd.sim.blocks import BlockAllocator, PrefixCache, PrefixKey
-from kvxferd.sim.digest import rank_digest
 from kvxferd.sim.kvpool import RankPool
 from kvxferd.sim.pulls import pull_all
 from kvxferd.sim.stats import SimStats
@@ -176,9 +180,10 @@ class SimEngine:
     async def _local(self, prompt: Prompt) -> Generation:
         need = self._need(prompt)
         ids = self._split(self._allocate(sum(need)), need)
+        n = len(prompt.tokens)
         try:
-            await self._on_ranks(write_pattern, ids, prompt_seed(prompt.tokens))
-            digest = await self._digest(ids)
+            await self._on_ranks(write_token_pattern, ids, n, prompt_seed(prompt.tokens))
+            digest = await self._digest(ids, n)
         finally:
             self.blocks.free(b for g in ids for b in g)
         self.stats.local += 1
@@ -188,9 +193,10 @@ class SimEngine:
         need = self._need(prompt)
         flat = self._allocate(sum(need))
         ids = self._split(flat, need)
+        n = len(prompt.tokens)
         try:
-            await self._on_ranks(write_pattern, ids, prompt_seed(prompt.tokens))
-            digest = await self._digest(ids)
+            await self._on_ranks(write_token_pattern, ids, n, prompt_seed(prompt.tokens))
+            digest = await self._digest(ids, n)
             tickets = await self._hold(prompt.request_id, ids, len(prompt.tokens))
         except BaseException:
             self.blocks.free(flat)
@@ -210,26 +216,28 @@ class SimEngine:
         need = self._need(prompt)
         self._check_tickets(tickets, need, len(prompt.tokens))
         seed = prompt_seed(prompt.tokens)
-        lease = self._take_blocks(seed, need, len(prompt.tokens))
+        n = len(prompt.tokens)
+        lease = self._take_blocks(seed, need, n)
         keep, settled = False, True
         try:
-            req = PullRequest(tickets=tickets, block_ids=lease.pull_ids,
+            # Our own block ids and the token count: the prefill's block sizes may differ.
+            req = PullRequest(tickets=tickets, block_ids=lease.pull_ids, num_tokens=n,
                               deadline_s=self.settings.pull_timeout_s)  # fmt: skip
             outcome = await pull_all(self.clients, req)
             settled = outcome.settled
             if outcome.ok:
                 self._count_pull(outcome.kv_bytes, outcome.state_bytes, outcome.seconds, lease)
-                keep = await self._verify(lease.ids, seed, prompt.request_id)
+                keep = await self._verify(lease.ids, n, seed, prompt.request_id)
             else:
                 self.stats.pulls_failed += 1
                 log.warning("pull for %s failed: %s", prompt.request_id, outcome.reason)
                 if self.settings.on_pull_failure == "fail" or not settled:
                     raise PullError("pull_failed", f"KV pull from the prefill failed: "
                                     f"{outcome.reason}")  # fmt: skip
-                await self._on_ranks(write_pattern, lease.pull_ids, seed)
+                await self._on_ranks(write_token_pattern, lease.pull_ids, n, seed)
                 self.stats.recomputed += 1
                 keep = True
-            digest = await self._digest(lease.ids)
+            digest = await self._digest(lease.ids, n)
         finally:
             self._return_blocks(lease, keep, settled)
         return Generation(generate(digest, prompt.max_tokens), len(prompt.tokens))
@@ -316,7 +324,9 @@ class SimEngine:
 
     def _check_tickets(self, tickets: list[Ticket], need: list[int], num_tokens: int) -> None:
         remote = [len(g) for g in tickets[0].block_ids]
-        if remote != need:
+        # Other counts for the same tokens are a prefill with other block sizes (re-blocking:
+        # our sidecar checks its ids against the prefill's manifest).
+        if remote != need and tickets[0].num_tokens != num_tokens:
             raise InvalidRequestError(
                 f"{tp.FIELD}.remote_block_ids",
                 f"blocks per group {remote} from the prefill, this engine needs {need} for "
@@ -330,19 +340,17 @@ class SimEngine:
 
     # -- ranks --------------------------------------------------------------------------------
 
-    async def _on_ranks(self, fn: Callable[..., Any], ids: list[list[int]], seed: int) -> list:
+    async def _on_ranks(self, fn: Callable[..., Any], ids: list[list[int]], *args: int) -> list:
         return await asyncio.gather(
-            *(asyncio.to_thread(fn, p.manifest, p.views, ids, seed) for p in self.pools)
+            *(asyncio.to_thread(fn, p.manifest, p.views, ids, *args) for p in self.pools)
         )
 
-    async def _digest(self, ids: list[list[int]]) -> int:
-        shares = await asyncio.gather(
-            *(asyncio.to_thread(rank_digest, p.manifest, p.views, ids) for p in self.pools)
-        )
-        return sum(shares) & _MASK
+    async def _digest(self, ids: list[list[int]], num_tokens: int) -> int:
+        """Sum of the ranks' token digests: the request's KV bytes, whatever the block ids."""
+        return sum(await self._on_ranks(token_digest, ids, num_tokens)) & _MASK
 
-    async def _verify(self, ids: list[list[int]], seed: int, request_id: str) -> bool:
-        found: list[Mismatch | None] = await self._on_ranks(verify_pattern, ids, seed)
+    async def _verify(self, ids: list[list[int]], n: int, seed: int, request_id: str) -> bool:
+        found: list[Mismatch | None] = await self._on_ranks(verify_token_pattern, ids, n, seed)
         bad = [(r, m) for r, m in enumerate(found) if m is not None]
         if bad:
             self.stats.verified_failed += 1

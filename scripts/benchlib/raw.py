@@ -84,22 +84,39 @@ def region_volumes(plan: ReadPlan, num_regions: int) -> np.ndarray:
     )
 
 
-def ceiling_plan(plan: ReadPlan, num_regions: int) -> ReadPlan:
-    """One descriptor per region, from offset 0, moving as many bytes as ``plan`` moves there."""
-    vol = region_volumes(plan, num_regions)
-    regions = np.flatnonzero(vol).astype(np.int64)
-    zero = np.zeros(regions.size, dtype=np.int64)
-    return ReadPlan(
-        regions, zero, regions, zero.copy(), vol[regions], plan.kv_bytes, plan.state_bytes
-    )
+def ceiling_plan(
+    plan: ReadPlan, num_regions: int, num_remote_regions: int | None = None
+) -> ReadPlan:
+    """The plan's volume in the fewest descriptors: each side's regions filled from offset 0
+    with the bytes the plan moves there, cut where either side moves to its next region.
+
+    With regions that match one to one (same volumes), one descriptor per region. When the
+    sides' regions differ (re-blocking between other groupings), at most ``L + R - 1``.
+    """
+    lvol = region_volumes(plan, num_regions)
+    rvol = np.bincount(
+        plan.remote_region, weights=plan.length, minlength=num_remote_regions or num_regions
+    ).astype(np.int64)
+    lreg, rreg = np.flatnonzero(lvol), np.flatnonzero(rvol)
+    lend, rend = np.cumsum(lvol[lreg]), np.cumsum(rvol[rreg])
+    cuts = np.union1d(lend, rend)
+    starts = np.concatenate(([0], cuts[:-1]))
+    li = np.searchsorted(lend, starts, side="right")
+    ri = np.searchsorted(rend, starts, side="right")
+    lbase = np.concatenate(([0], lend[:-1]))[li]
+    rbase = np.concatenate(([0], rend[:-1]))[ri]
+    return ReadPlan(lreg[li].astype(np.int64), (starts - lbase).astype(np.int64),
+                    rreg[ri].astype(np.int64), (starts - rbase).astype(np.int64),
+                    (cuts - starts).astype(np.int64), plan.kv_bytes, plan.state_bytes)  # fmt: skip
 
 
-def memcpy_s(src: list[np.ndarray], dst: list[np.ndarray], volumes: np.ndarray) -> float:
-    """Seconds for one ``np.copyto`` (one thread) of each region's volume, all regions."""
+def memcpy_s(src: list[np.ndarray], dst: list[np.ndarray], ceiling: ReadPlan) -> float:
+    """Seconds for one ``np.copyto`` (one thread) of each :func:`ceiling_plan` descriptor."""
     t0 = time.perf_counter()
-    for r in np.flatnonzero(volumes):
-        n = int(volumes[r])
-        np.copyto(dst[r][:n], src[r][:n])
+    for lr, lo, rr, ro, n in zip(ceiling.local_region.tolist(), ceiling.local_offset.tolist(),
+                                 ceiling.remote_region.tolist(), ceiling.remote_offset.tolist(),
+                                 ceiling.length.tolist(), strict=True):  # fmt: skip
+        np.copyto(dst[lr][lo : lo + n], src[rr][ro : ro + n])
     return time.perf_counter() - t0
 
 

@@ -52,8 +52,15 @@ def machine() -> dict:
     }
 
 
-def _f(x: float | None, fmt: str = "6.2f") -> str:
-    return "-" if x is None else format(x, fmt)
+def fmt(x: float | None, spec: str = "6.2f") -> str:
+    """``x`` formatted, or ``-`` (as wide) for a measurement that does not apply."""
+    if x is not None:
+        return format(x, spec)
+    width = "".join(ch for ch in spec.split(".")[0] if ch.isdigit())
+    return format("-", f">{width}") if width else "-"
+
+
+_f = fmt
 
 
 def table(result: dict) -> str:
@@ -71,13 +78,14 @@ def table(result: dict) -> str:
             f"{_f(c['ceiling_gbps'])} {_f(c['ceiling_progress_gbps'], '7.2f')} "
             f"{_f(c['per_layer_gbps'])} {_f(c['per_layer_busy_gbps'], '7.2f')} "
             f"{_f(c['ucx_gbps'])} {_f(c['memcpy_gbps'])} {c['kvxferd_descriptors']:>6} "
-            f"{c['per_layer_descriptors']:>8} {_f(c['kvxferd_vs_ceiling'], '7.2f')} "
+            f"{_f(c['per_layer_descriptors'], '>8')} {_f(c['kvxferd_vs_ceiling'], '7.2f')} "
             f"{_f(c['kvxferd_vs_per_layer'])}"
         )
     out.append(
         "GB/s medians. kvxferd: engine-side pull call to done (sc: sidecar-reported duration); "
         "ceil: 1 desc/region, busy-polling initiator; ceil-pt and perlay: initiator with a "
-        "progress thread (sidecar/vLLM config); pl-busy: per-layer, busy-polling."
+        "progress thread (sidecar/vLLM config); pl-busy: per-layer, busy-polling. *-reblock: "
+        "the prefill's block sizes differ (tokens mapped); no per-layer scheme exists for it."
     )
     reasons = {c["ucx_reason"] for c in result["cases"] if c["ucx_gbps"] is None}
     for r in sorted(reasons):

@@ -136,3 +136,59 @@ def test_cross_layer_peer_fills_a_per_layer_pool(name):
     p = plan_read(local, remote, ids, ids)
     assert merged(p.local_region, p.local_offset, p.length) == wanted(local, ids)[0]
     assert merged(p.remote_region, p.remote_offset, p.length) == wanted(remote, ids)[0]
+
+
+# Hybrids size blocks per TP and per attention pack: such peers re-block (tokens move).
+REBLOCK = [
+    ("falcon-h1-0.5b", {"tp_size": 4}, {}),
+    ("qwen3-next-80b-a3b", {"tp_size": 4}, {"cross_layer": True}),
+    ("qwen3.5-397b-a17b", {"attn_pack_size": 4}, {}),
+    ("qwen3.5-397b-a17b", {"tp_size": 4}, {}),
+    ("qwen3-next-80b-a3b", {"attn_pack_size": 4}, {"cross_layer": True}),
+]
+
+
+@pytest.mark.parametrize(("name", "prefill", "decode"), REBLOCK)
+def test_planned_hybrids_with_different_block_sizes_re_block(name, prefill, decode):
+    # Pages are megabytes: check byte totals and that no local byte is written twice (the
+    # per-byte token oracle runs on small random manifests in test_reblock).
+    from kvxferd.descriptors import plan_pull, read_geometry
+
+    tp = prefill.get("tp_size", 1)
+    cfg = layout.load_hf_config(name)
+
+    def plan16(**opts) -> Manifest:  # room for a state block in each of up to 13 groups
+        return layout.plan_manifest(cfg, layout.PlanOptions(num_blocks=16, **opts))
+
+    remotes = [plan16(**{**prefill, "tp_rank": r}) for r in range(tp)]
+    local = plan16(**decode)
+    assert local.groups[0].block_size != remotes[0].groups[0].block_size
+    n = local.groups[-1].block_size + 3  # crosses a block boundary on both sides
+    lids, rids = _token_ids(local, n, top=True), _token_ids(remotes[0], n, top=False)
+    plans = [plan_pull(read_geometry(local, remote), lids, rids, n, n) for remote in remotes]
+    reg = np.concatenate([p.local_region for p in plans])
+    off = np.concatenate([p.local_offset for p in plans])
+    ln = np.concatenate([p.length for p in plans])
+    kv_per_token = state = 0
+    for group in local.groups:
+        for layer in group.layers:
+            if isinstance(layer, AttentionLayer):
+                kv_per_token += 2 * layer.k.units * layer.k.unit_bytes // group.kernel_block_size
+            else:
+                state += sum(p.units * p.unit_bytes for p in [*layer.conv, layer.ssm])
+    assert sum(p.kv_bytes for p in plans) == n * kv_per_token
+    assert sum(p.state_bytes for p in plans) == state
+    assert int(ln.sum()) == n * kv_per_token + state
+    once = merged(reg, off, ln)
+    assert sum(e - s for _r, s, e in once) == int(ln.sum()), "a local byte is written twice"
+
+
+def _token_ids(m: Manifest, tokens: int, top: bool) -> list[np.ndarray]:
+    """Disjoint ids per group for ``tokens`` tokens at this side's block sizes (one per mamba)."""
+    out, nxt = [], m.num_blocks - 1 if top else 0
+    for g in m.groups:
+        k = 1 if g.kind == "mamba" else -(-tokens // g.block_size)
+        ids = np.arange(nxt, nxt - k, -1) if top else np.arange(nxt, nxt + k)
+        nxt = nxt - k if top else nxt + k
+        out.append(ids.astype(np.int64))
+    return out
