@@ -28,6 +28,7 @@ from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
 from kvxferd.wire import (
     AbortHoldRequest,
     AnyRegionSpec,
+    DeclineRequest,
     ErrorBody,
     HeartbeatResponse,
     HoldRequest,
@@ -53,6 +54,8 @@ _FINAL = ("done", "failed")
 
 class SidecarError(errors.KvxferdError):
     """The sidecar answered an error no kvxferd class rebuilds (or an unusable answer)."""
+
+    status = 502  # re-raised by a server (the sim): the sidecar behind it failed
 
     def __init__(self, status: int | None, body: ErrorBody) -> None:
         prefix = f"{status} " if status is not None else ""
@@ -135,6 +138,10 @@ def _pull_status(pull_id: str, wait_s: float) -> _Call:
 def _keepalive(tickets: list[Ticket], extend_s: float) -> _Call:
     req = KeepaliveRequest(tickets=tickets, extend_s=extend_s)
     return _Call("POST", "/v1/keepalive", HeartbeatResponse, req)
+
+
+def _decline(tickets: list[Ticket], reason: str) -> _Call:
+    return _Call("POST", "/v1/decline", None, DeclineRequest(tickets=tickets, reason=reason))
 
 
 def _healthz() -> _Call:
@@ -271,6 +278,11 @@ class EngineClient:
         """Holds released since ``cursor``."""
         return self._send(_released(cursor))  # type: ignore[no-any-return]
 
+    def decline(self, tickets: list[Ticket], reason: str = "") -> None:
+        """Tell the prefill sides behind ``tickets`` this engine will not read them (rejected,
+        aborted): their holds are released now, not at lease expiry."""
+        self._send(_decline(tickets, reason))
+
     def healthz(self) -> None:
         """Return once the sidecar answers its liveness probe (SidecarUnreachableError if not)."""
         self._send(_healthz())
@@ -344,6 +356,11 @@ class AsyncEngineClient:
     async def released(self, cursor: int = 0) -> ReleasedHolds:
         """Holds released since ``cursor``."""
         return await self._send(_released(cursor))  # type: ignore[no-any-return]
+
+    async def decline(self, tickets: list[Ticket], reason: str = "") -> None:
+        """Tell the prefill sides behind ``tickets`` this engine will not read them (rejected,
+        aborted): their holds are released now, not at lease expiry."""
+        await self._send(_decline(tickets, reason))
 
     async def healthz(self) -> None:
         """Return once the sidecar answers its liveness probe (SidecarUnreachableError if not)."""

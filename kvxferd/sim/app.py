@@ -1,7 +1,8 @@
 """The simulated engine's HTTP app: OpenAI-compatible routes plus ``/health`` and ``/v1/stats``.
 
-Thin: parse (400/404 naming the field), run the engine, shape the reply (JSON or SSE). Errors
-map to statuses here: pool exhausted 503, pull or hold through a sidecar failed 502.
+Thin: parse (400/404 naming the field), run the engine, shape the reply (JSON or SSE). An
+error's status is its class's ``status`` in kvxferd.errors (pool exhausted 503, pull or hold
+through a sidecar failed 502); an httpx error (a sidecar unreachable) is a 502 too.
 """
 
 from __future__ import annotations
@@ -14,27 +15,11 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvxferd.errors import (
-    HoldError,
-    InvalidRequestError,
-    KvxferdError,
-    PoolExhaustedError,
-    PullError,
-    UnknownModelError,
-)
+from kvxferd.errors import InvalidRequestError, KvxferdError, PullError, status_of
 from kvxferd.sim.engine import Prompt, SimEngine
 from kvxferd.sim.protocol import Kind, Reply, error_body, parse
 
 log = logging.getLogger(__name__)
-
-_STATUS: list[tuple[type[BaseException], int]] = [
-    (UnknownModelError, 404),
-    (InvalidRequestError, 400),
-    (PoolExhaustedError, 503),
-    (PullError, 502),
-    (HoldError, 502),
-    (httpx.HTTPError, 502),
-]
 
 
 def sim_app(engine: SimEngine, served_model: str) -> FastAPI:
@@ -102,7 +87,7 @@ async def _aiter(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
 
 
 def _error(exc: Exception, headers: dict[str, str]) -> Response:
-    status = next((s for t, s in _STATUS if isinstance(exc, t)), 500)
+    status = 502 if isinstance(exc, httpx.HTTPError) else status_of(exc)
     param = getattr(exc, "field", None) if isinstance(exc, InvalidRequestError) else None
     if status == 500:
         if isinstance(exc, KvxferdError):
