@@ -26,6 +26,12 @@ API_VERSION = "1"
 """Version of both HTTP APIs, the ``/v1`` of their paths."""
 REF = "#/components/schemas/{name}"
 
+INTEGERS = (
+    " Integers in bodies are JSON integer literals (1, never 1.0); query parameters also take "
+    "integral numbers."
+)
+"""JSON Schema's integer admits 1.0, which kvxferd's bodies refuse: said once in each document."""
+
 HEALTH = {
     "type": "object",
     "properties": {"status": {"const": "ok", "description": "Always ok."}},
@@ -99,7 +105,7 @@ def document(title: str, description: str, operations: list[Operation]) -> dict[
         "info": {
             "title": title,
             "version": API_VERSION,
-            "description": description,
+            "description": description + INTEGERS,
             "x-protocol-version": PROTOCOL_VERSION,
             "x-manifest-version": MANIFEST_VERSION,
         },
