@@ -69,13 +69,11 @@ class LimitedH11Protocol(H11Protocol):
 
     max_connections = 1024
     header_timeout_s = 10.0
-    refused = 0  # connections closed at accept because the listener was full (per listener)
 
     _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.max_connections:
-            type(self).refused += 1
             self.transport = transport  # type: ignore[assignment]  # for connection_lost
             transport.close()
             return
@@ -112,9 +110,8 @@ class LimitedH11Protocol(H11Protocol):
 
 
 def limited_protocol(limits: EdgeLimits, name: str) -> type[LimitedH11Protocol]:
-    """A protocol class for one listener (its own connection cap and counters)."""
-    attrs = {"max_connections": limits.max_connections,
-             "header_timeout_s": limits.header_timeout_s, "refused": 0}  # fmt: skip
+    """A protocol class for one listener (its own connection cap and head timeout)."""
+    attrs = {"max_connections": limits.max_connections, "header_timeout_s": limits.header_timeout_s}
     return type(f"LimitedH11Protocol_{name}", (LimitedH11Protocol,), attrs)
 
 
