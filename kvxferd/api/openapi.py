@@ -45,7 +45,8 @@ _NAMES = {400: "BadRequest", 401: "Unauthorized", 404: "NotFound", 408: "Request
           503: "ServiceUnavailable"}  # fmt: skip
 """Component name of each error status's response."""
 _EDGE = {
-    400: "The body is not JSON, or nests too deeply (DecodeError).",
+    400: "The body is not JSON, or nests too deeply (DecodeError); or a kvxferd error without "
+         "a status of its own (KvxferdError).",
     401: "Missing or wrong credentials, or a ticket whose HMAC does not match. Carries "
          "WWW-Authenticate.",
     404: "No such thing (or no such route: NotFound).",
@@ -78,7 +79,7 @@ def _error_docs() -> dict[int, tuple[str, str]]:
     tree (kvxferd.errors) that answers with that status."""
     by_status: dict[int, list[str]] = {}
     for cls in errors.tree():
-        if not issubclass(cls, _NOT_SIDECAR):
+        if cls is not errors.KvxferdError and not issubclass(cls, _NOT_SIDECAR):
             by_status.setdefault(cls.status, []).append(cls.__name__)
     out = {}
     for status, name in _NAMES.items():
