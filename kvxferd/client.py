@@ -56,6 +56,8 @@ _FINAL = ("done", "failed")
 class SidecarError(errors.KvxferdError):
     """The sidecar answered an error no kvxferd class rebuilds (or an unusable answer)."""
 
+    status = 502  # re-raised by a server (the sim): the sidecar behind it failed
+
     def __init__(self, status: int | None, body: ErrorBody) -> None:
         prefix = f"{status} " if status is not None else ""
         super().__init__(f"{prefix}{body.error}: {body.detail}")

@@ -24,6 +24,10 @@ HTTP_CLIENT_KEEPALIVE_S = 4.0
 so a client never reuses a connection the server is closing."""
 
 
+_LIMITS = ("engine_max_connections", "peer_max_connections", "max_header_bytes", "max_body_bytes",
+           "header_timeout_s", "body_timeout_s")  # fmt: skip
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     """Settings of one ``kvxferd serve`` process (one engine rank)."""
@@ -69,12 +73,28 @@ class Config:
     """Bound on one handshake or claim HTTP call."""
     log_level: str = "info"
     """Logging level name."""
+    engine_max_connections: int = 256
+    """Most open connections on the engine socket; more are closed at once. Separate from the
+    peer port's, so a flood there never locks the engine out."""
+    peer_max_connections: int = 1024
+    """Most open connections on the peer port; more are closed at once (keep it well below the
+    process's open-file limit, ``ulimit -n``)."""
+    max_header_bytes: int = 16384
+    """Largest HTTP request head (request line and headers) of both APIs; larger: 400, closed."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest HTTP request body of both APIs: a larger Content-Length answers 413 before a byte
+    is read; a chunked body is cut at the limit (413)."""
+    header_timeout_s: float = 10.0
+    """Seconds a new connection (or a started request head) has to deliver its whole request
+    head; then the connection is closed."""
+    body_timeout_s: float = 30.0
+    """Seconds a request body has to arrive completely after its head; then 408 and closed."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.peer_port <= 65535:
             raise ConfigError(f"peer_port: {self.peer_port} is not a TCP port")
         for name in ("default_lease_s", "max_lease_s", "claim_s", "pull_deadline_s",
-                     "auth_skew_s", "max_claim_s", "released_feed_bytes"):  # fmt: skip
+                     "auth_skew_s", "max_claim_s", "released_feed_bytes", *_LIMITS):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.hold_grace_s < 0:

@@ -1,39 +1,54 @@
-"""The one exception tree of kvxferd.
+"""The one exception tree of kvxferd, and the one place that knows what each error means.
 
 Everything kvxferd raises on purpose derives from :class:`KvxferdError`. Foreign errors (NIXL,
 httpx, msgspec) are translated at the module that talks to them, ``raise ... from exc``.
 
-    KvxferdError
-    ├── ConfigError                 a flag, env var or config file is wrong
-    ├── ManifestError               a manifest is inconsistent (names the field)
-    │   └── UnsupportedModelError   the planner cannot lay out this HF config
-    ├── BlockIdError                block ids out of range or for the wrong group (names the field)
-    ├── MemoryRegionError           a region cannot be created, mapped or sized
-    ├── TransportError              a NIXL call failed
-    │   ├── RegistrationError       registering or deregistering memory failed
-    │   ├── PeerDisconnectedError   the remote agent went away mid-transfer
-    │   ├── TransferFailedError     a posted transfer ended in error
-    │   ├── TransferTimeoutError    a transfer did not finish before its deadline
-    │   ├── TransportLookupError    NIXL found no such remote agent, registration or prepped list
-    │   └── DescriptorError         descriptor lists or indices rejected (shape, length, range)
-    ├── HandshakeError              a peer could not be reached or answered nonsense
-    │   └── IncompatiblePeerError   the peer's manifest disagrees (lists the fields)
-    ├── HoldError                   hold/ticket problems on the prefill side
-    │   ├── UnknownHoldError        no such hold (never existed, or already released)
-    │   ├── HoldExpiredError        the hold's lease ran out; its blocks may be reused
-    │   └── HoldRequestError        a hold/claim/heartbeat argument is invalid (names the field)
-    │       └── DuplicateHoldError  the request id already has a live hold
-    ├── AuthError                   a peer's signature or a ticket's MAC is wrong or missing
-    │   └── ClaimMismatchError      a signed ticket that does not bind to its hold (names the field)
-    ├── NotRegisteredError          no engine has registered with this sidecar yet (HTTP 503)
-    ├── AlreadyRegisteredError      this sidecar already has an engine (HTTP 409)
-    ├── UnknownPullError            no pull with that id on this sidecar (HTTP 404)
-    ├── PullError                   a pull did not move every byte it promised (has a reason)
-    ├── StateError                  a pull/hold state moved backward or out of a terminal state
-    ├── InvalidRequestError         an OpenAI-style HTTP request is invalid (names the field)
-    │   └── UnknownModelError       the request names a model this server does not serve
-    ├── PoolExhaustedError          a (simulated) engine has too few free KV blocks right now
-    └── StartupError                a child process (sidecar, sim) did not become ready
+Each class carries two class attributes, inherited unless overridden, from which every table is
+derived (the API codec's statuses, the OpenAPI error documentation, the simulator's and the
+client's mappings, the peer-answer translation and the pull failure reasons):
+
+- ``status``: the HTTP status an API answers when a handler raises it;
+- ``code``: the machine-readable reason code a pull that fails with it reports
+  (``PullStatus.reason``, ``kvxferd_pull_failures_total{reason}``). Named ``code`` because
+  several classes already carry an instance ``reason`` (the human explanation).
+
+An empty cell (st. = status) is inherited from the parent class.
+
+    class                          st.  code              meaning
+    KvxferdError                   400  transfer          base of every error kvxferd raises
+    ├── ConfigError                500                    a flag, env var or config file is wrong
+    ├── ManifestError              422                    a manifest is inconsistent (names field)
+    │   └── UnsupportedModelError                         the planner cannot lay out this config
+    ├── BlockIdError               422  block_ids         bad block ids (names the field)
+    ├── MemoryRegionError          422                    a region cannot be made, mapped, sized
+    ├── TransportError             502                    a NIXL call failed
+    │   ├── RegistrationError                             (de)registering memory failed
+    │   ├── PeerDisconnectedError       peer_disconnected remote agent gone mid-transfer
+    │   ├── TransferFailedError                           a posted transfer ended in error
+    │   ├── TransferTimeoutError        deadline          a transfer missed its deadline
+    │   ├── TransportLookupError                          no such agent, registration, list
+    │   └── DescriptorError                               descriptors or indices rejected
+    ├── HandshakeError             502  handshake         peer unreachable or answered nonsense
+    │   └── IncompatiblePeerError  409  incompatible      manifests disagree (lists fields)
+    ├── HoldError                  502                    bare: a sidecar did not hold blocks
+    │   ├── UnknownHoldError       404  unknown_hold      no such hold (or already released)
+    │   ├── HoldExpiredError       410  hold_expired      lease ran out; blocks may be reused
+    │   └── HoldRequestError       422                    a hold/claim argument is invalid
+    │       └── DuplicateHoldError 409                    the request id has a live hold
+    ├── AuthError                  401  auth              a wrong or missing token or signature
+    │   └── ClaimMismatchError     409                    a signed ticket not binding to its hold
+    ├── NotRegisteredError         503                    no engine has registered yet
+    ├── AlreadyRegisteredError     409                    this sidecar already has an engine
+    ├── UnknownPullError           404                    no pull with that id here
+    ├── PullError                  502  pull              a pull did not move every byte
+    ├── StateError                 409                    a state moved backward (a bug)
+    ├── InvalidRequestError        400                    an OpenAI-style request is invalid
+    │   └── UnknownModelError      404                    a model this server does not serve
+    ├── PoolExhaustedError         503                    too few free KV blocks right now
+    └── StartupError               500                    a child process did not become ready
+
+Outside the tree, a pull that fails with a bare ``TimeoutError`` reports ``deadline`` and with any
+other exception ``internal`` (:func:`reason_code`); an API answers 500 ``InternalError`` for them.
 """
 
 from __future__ import annotations
@@ -42,13 +57,22 @@ from __future__ import annotations
 class KvxferdError(Exception):
     """Base of every error kvxferd raises on purpose."""
 
+    status: int = 400
+    """HTTP status of an API answer for this error (class attribute; see the table above)."""
+    code: str = "transfer"
+    """Reason code of a pull that fails with this error (class attribute)."""
+
 
 class ConfigError(KvxferdError):
     """A flag, environment variable or config file value is wrong."""
 
+    status = 500
+
 
 class ManifestError(KvxferdError):
     """A manifest (or planner input) is inconsistent; ``field`` names the offending path."""
+
+    status = 422
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
@@ -63,6 +87,9 @@ class UnsupportedModelError(ManifestError):
 class BlockIdError(KvxferdError):
     """Block ids that are out of range, duplicated, or given for the wrong group."""
 
+    status = 422
+    code = "block_ids"
+
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
         self.field = field
@@ -72,9 +99,13 @@ class BlockIdError(KvxferdError):
 class MemoryRegionError(KvxferdError):
     """A memory region cannot be created, mapped or has the wrong size."""
 
+    status = 422
+
 
 class TransportError(KvxferdError):
     """A NIXL operation failed."""
+
+    status = 502
 
 
 class RegistrationError(TransportError):
@@ -84,6 +115,8 @@ class RegistrationError(TransportError):
 class PeerDisconnectedError(TransportError):
     """The remote agent disconnected (or was never reachable) during a transfer."""
 
+    code = "peer_disconnected"
+
 
 class TransferFailedError(TransportError):
     """A posted transfer finished in an error state."""
@@ -91,6 +124,8 @@ class TransferFailedError(TransportError):
 
 class TransferTimeoutError(TransportError):
     """A transfer did not complete before its deadline."""
+
+    code = "deadline"
 
 
 class TransportLookupError(TransportError):
@@ -104,9 +139,15 @@ class DescriptorError(TransportError):
 class HandshakeError(KvxferdError):
     """A peer could not be reached for a handshake, or answered something unusable."""
 
+    status = 502
+    code = "handshake"
+
 
 class IncompatiblePeerError(HandshakeError):
     """Two manifests cannot exchange blocks; ``fields`` lists every disagreement."""
+
+    status = 409
+    code = "incompatible"
 
     def __init__(self, fields: dict[str, tuple[object, object]]) -> None:
         detail = "; ".join(f"{k}: local={a!r} remote={b!r}" for k, b, a in _triples(fields))
@@ -121,17 +162,27 @@ def _triples(fields: dict[str, tuple[object, object]]) -> list[tuple[str, object
 class HoldError(KvxferdError):
     """A hold (prefill-side pin of blocks) problem."""
 
+    status = 502
+
 
 class UnknownHoldError(HoldError):
     """No hold with that id exists (it never did, or it was already released)."""
+
+    status = 404
+    code = "unknown_hold"
 
 
 class HoldExpiredError(HoldError):
     """The hold's lease ran out; its blocks may already be reused."""
 
+    status = 410
+    code = "hold_expired"
+
 
 class HoldRequestError(HoldError):
     """A hold, claim or heartbeat argument is invalid; ``field`` names it."""
+
+    status = 422
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
@@ -142,25 +193,51 @@ class HoldRequestError(HoldError):
 class DuplicateHoldError(HoldRequestError):
     """The request id already has a live hold (``field`` is ``request_id``)."""
 
+    status = 409
+
 
 class AuthError(KvxferdError):
     """A peer request's signature, or a ticket's MAC, is missing or wrong."""
+
+    status = 401
+    code = "auth"
+
+
+class ClaimMismatchError(AuthError):
+    """A validly signed ticket that does not bind to the hold it names (block ids, TP shape,
+    reader); ``field`` names what differs (HTTP 409)."""
+
+    status = 409
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
 
 
 class NotRegisteredError(KvxferdError):
     """The call needs a registered engine and none has registered with this sidecar yet."""
 
+    status = 503
+
 
 class AlreadyRegisteredError(KvxferdError):
     """The sidecar already has an engine; a new layout needs a new sidecar (restart it)."""
+
+    status = 409
 
 
 class UnknownPullError(KvxferdError):
     """No pull with that id: never started here, or finished so long ago it was forgotten."""
 
+    status = 404
+
 
 class PullError(KvxferdError):
     """A pull failed; ``reason`` is a short machine-readable code."""
+
+    status = 502
+    code = "pull"
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
@@ -170,6 +247,8 @@ class PullError(KvxferdError):
 
 class StateError(KvxferdError):
     """A state machine was asked to move backward or out of a terminal state (a bug)."""
+
+    status = 409
 
     def __init__(self, current: object, new: object, reason: str) -> None:
         super().__init__(f"{current!r} -> {new!r}: {reason}")
@@ -181,6 +260,8 @@ class StateError(KvxferdError):
 class InvalidRequestError(KvxferdError):
     """An OpenAI-style request (completion, chat) is invalid; ``field`` names the culprit."""
 
+    status = 400
+
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
         self.field = field
@@ -190,20 +271,45 @@ class InvalidRequestError(KvxferdError):
 class UnknownModelError(InvalidRequestError):
     """The request's ``model`` is not the one this server serves (HTTP 404)."""
 
+    status = 404
+
 
 class PoolExhaustedError(KvxferdError):
     """Too few free KV blocks for a request right now (HTTP 503; a retry may succeed)."""
+
+    status = 503
 
 
 class StartupError(KvxferdError):
     """A child process (sidecar, simulated engine) exited or timed out before its ready line."""
 
+    status = 500
 
-class ClaimMismatchError(AuthError):
-    """A validly signed ticket that does not bind to the hold it names (block ids, TP shape,
-    reader); ``field`` names what differs (HTTP 409)."""
 
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
+def reason_code(exc: BaseException) -> str:
+    """The pull failure reason code of any exception (``internal`` for a bug)."""
+    if isinstance(exc, KvxferdError):
+        return exc.code
+    if isinstance(exc, TimeoutError):
+        return "deadline"
+    return "internal"
+
+
+def status_of(exc: BaseException) -> int:
+    """The HTTP status an API answers for ``exc``: its class's ``status``, 500 if foreign.
+
+    Reads the class attribute, never an instance's own ``status`` (clients set that to the status
+    of the answer they got)."""
+    return type(exc).status if isinstance(exc, KvxferdError) else 500
+
+
+def tree() -> list[type[KvxferdError]]:
+    """Every class of the tree (this module's), base first, in definition order."""
+    out: list[type[KvxferdError]] = []
+    todo: list[type[KvxferdError]] = [KvxferdError]
+    while todo:
+        cls = todo.pop(0)
+        if cls.__module__ == __name__ and cls not in out:
+            out.append(cls)
+        todo.extend(cls.__subclasses__())
+    return out

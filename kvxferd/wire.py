@@ -16,9 +16,13 @@ channel this rank holds) occupies ``[i * p.unit_stride, i * p.unit_stride + p.un
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+
+_POSITIVE = {"exclusiveMinimum": 0}
+"""Schema-only constraints (``extra_json_schema``) document what the sidecar checks itself, so
+its answer keeps naming the field with the error class it always used (HoldRequestError, ...)."""
 
 MANIFEST_VERSION = 1
 """Bump when the manifest's meaning changes. 1: first version."""
@@ -306,7 +310,7 @@ class HoldRequest(_Strict, kw_only=True):
     """The engine's request id."""
     block_ids: list[list[int]]
     """Logical block ids per group, in request order."""
-    num_tokens: int
+    num_tokens: Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 0})]
     """Prompt tokens the blocks hold."""
     lease_s: float | None = None
     """Lease length; None uses the sidecar default."""
@@ -336,9 +340,9 @@ class Ticket(_Strict, kw_only=True):
     """Prompt tokens covered."""
     expires_at: float
     """Unix time the hold's lease ends (unless extended by heartbeat)."""
-    tp_rank: int
+    tp_rank: Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 0})]
     """Prefill TP rank whose sidecar holds the blocks (one ticket per prefill rank)."""
-    tp_size: int
+    tp_size: Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 1})]
     """Prefill TP size."""
     peer: str
     """Peer API address (host:port) of that rank's sidecar."""
@@ -358,7 +362,7 @@ class AbortHoldRequest(_Strict, kw_only=True):
 class PullRequest(_Strict, kw_only=True):
     """Engine (decode) -> sidecar: read a ticket's blocks into local blocks."""
 
-    tickets: list[Ticket]
+    tickets: Annotated[list[Ticket], msgspec.Meta(extra_json_schema={"minItems": 1})]
     """The tickets of every prefill TP rank, rank order (same request, same block ids)."""
     block_ids: list[list[int]]
     """Local logical block ids per group, aligned with the tickets' block_ids; -1 skips a block."""
@@ -391,7 +395,7 @@ class KeepaliveRequest(_Strict, kw_only=True):
 
     tickets: list[Ticket]
     """Tickets of the holds to extend: any requests, any prefill ranks (repeats count once)."""
-    extend_s: float
+    extend_s: Annotated[float, msgspec.Meta(extra_json_schema=_POSITIVE)]
     """Seconds from now each lease should last at least (each prefill side caps it)."""
 
 
@@ -530,7 +534,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
 
     hold_ids: list[str]
     """Holds to extend."""
-    extend_s: float
+    extend_s: Annotated[float, msgspec.Meta(extra_json_schema=_POSITIVE)]
     """Seconds to extend each lease by (capped by the prefill side)."""
 
 

@@ -23,27 +23,6 @@ T = TypeVar("T")
 _encoder = msgspec.json.Encoder()
 _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 
-# Exception type -> HTTP status. Checked in order, so subclasses come before their bases.
-_STATUS: list[tuple[type[Exception], int]] = [
-    (errors.ClaimMismatchError, 409),
-    (errors.AuthError, 401),
-    (errors.UnknownHoldError, 404),
-    (errors.UnknownPullError, 404),
-    (errors.NotRegisteredError, 503),
-    (errors.AlreadyRegisteredError, 409),
-    (errors.HoldExpiredError, 410),
-    (errors.IncompatiblePeerError, 409),
-    (errors.DuplicateHoldError, 409),
-    (errors.HoldRequestError, 422),
-    (errors.StateError, 409),
-    (errors.BlockIdError, 422),
-    (errors.ManifestError, 422),
-    (errors.MemoryRegionError, 422),
-    (errors.ConfigError, 500),  # at request time: the server's own settings are wrong
-    (errors.HandshakeError, 502),
-    (errors.TransportError, 502),
-    (errors.KvxferdError, 400),
-]
 _AT = re.compile(r"^(?P<message>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.DOTALL)
 _NAMED = [
     (re.compile(r"^Object contains unknown field `(?P<name>[^`]+)`$"), "unknown field"),
@@ -81,6 +60,11 @@ async def decode(request: Request, kind: type[T]) -> T:
         raise HTTPProblem(422, validation_body(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise HTTPProblem(400, ErrorBody(error="DecodeError", detail=str(exc))) from None
+    except RecursionError:
+        # msgspec decodes nested values (and skips unknown fields) recursively, bounded by
+        # Python's recursion limit: a body nested ~1,000 deep ends here, not in a 500.
+        detail = "JSON nested too deeply (no kvxferd message nests beyond a few levels)"
+        raise HTTPProblem(400, ErrorBody(error="DecodeError", detail=detail)) from None
 
 
 def validation_body(message: str) -> ErrorBody:
@@ -102,13 +86,12 @@ def problem_for(exc: Exception) -> HTTPProblem:
     """Translate a kvxferd error into its HTTP answer (500 for anything unexpected)."""
     if isinstance(exc, HTTPProblem):
         return exc
-    for kind, status in _STATUS:
-        if isinstance(exc, kind):
-            field = getattr(exc, "field", "") or ""
-            if isinstance(exc, errors.IncompatiblePeerError):
-                field = ",".join(exc.fields)
-            body = ErrorBody(error=type(exc).__name__, detail=str(exc), field=field)
-            return HTTPProblem(status, body)
+    if isinstance(exc, errors.KvxferdError):  # the status comes from the error tree
+        field = getattr(exc, "field", "") or ""
+        if isinstance(exc, errors.IncompatiblePeerError):
+            field = ",".join(exc.fields)
+        body = ErrorBody(error=type(exc).__name__, detail=str(exc), field=field)
+        return HTTPProblem(errors.status_of(exc), body)
     return HTTPProblem(500, ErrorBody(error="InternalError", detail=f"{type(exc).__name__}: {exc}"))
 
 

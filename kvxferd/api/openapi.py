@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvxferd import errors
 from kvxferd.api.schema import components
 from kvxferd.wire import MANIFEST_VERSION, PROTOCOL_VERSION, ErrorBody
 
@@ -25,6 +26,12 @@ API_VERSION = "1"
 """Version of both HTTP APIs, the ``/v1`` of their paths."""
 REF = "#/components/schemas/{name}"
 
+INTEGERS = (
+    " Integers in bodies are JSON integer literals (1, never 1.0); query parameters also take "
+    "integral numbers."
+)
+"""JSON Schema's integer admits 1.0, which kvxferd's bodies refuse: said once in each document."""
+
 HEALTH = {
     "type": "object",
     "properties": {"status": {"const": "ok", "description": "Always ok."}},
@@ -32,29 +39,58 @@ HEALTH = {
 }
 """Answer of /healthz (both apps)."""
 
-# Status -> (component name, meaning). The meaning is the same for every operation that lists it.
-ERRORS: dict[int, tuple[str, str]] = {
-    400: ("BadRequest", "The body is not JSON (DecodeError)."),
-    401: ("Unauthorized", "A peer request whose KVX1 signature is missing, stale, replayed or "
-                          "wrong, or a ticket whose HMAC does not match (AuthError). Carries "
-                          "WWW-Authenticate: KVX1."),
-    404: ("NotFound", "No such hold (UnknownHoldError) or pull (UnknownPullError)."),
-    409: ("Conflict", "The sidecar's state forbids it: a live hold for this request id "
-                      "(DuplicateHoldError), an engine already registered "
-                      "(AlreadyRegisteredError), incompatible manifests "
-                      "(IncompatiblePeerError; ``field`` lists the fields that disagree), or a "
-                      "signed ticket that does not bind to its hold (ClaimMismatchError; "
-                      "``field`` names what differs)."),
-    410: ("Gone", "The hold's lease ended; its blocks may already be reused (HoldExpiredError)."),
-    422: ("UnprocessableContent", "A field has the wrong type, is unknown, missing or out of "
-                                  "range; ``field`` is its path, e.g. ``block_ids[0][1]``."),
-    500: ("InternalServerError", "An unexpected error (InternalError) or a setting of the "
-                                 "server that is wrong (ConfigError); the sidecar keeps "
-                                 "serving."),
-    502: ("BadGateway", "NIXL or a peer failed (TransportError, HandshakeError)."),
-    503: ("ServiceUnavailable", "No engine has registered with this sidecar yet "
-                                "(NotRegisteredError)."),
+_NAMES = {400: "BadRequest", 401: "Unauthorized", 404: "NotFound", 408: "RequestTimeout",
+          409: "Conflict", 410: "Gone", 413: "ContentTooLarge", 422: "UnprocessableContent",
+          431: "HeadersTooLarge", 500: "InternalServerError", 502: "BadGateway",
+          503: "ServiceUnavailable"}  # fmt: skip
+"""Component name of each error status's response."""
+_EDGE = {
+    400: "The body is not JSON, or nests too deeply (DecodeError); or a kvxferd error without "
+         "a status of its own (KvxferdError).",
+    401: "Missing or wrong credentials, or a ticket whose HMAC does not match. Carries "
+         "WWW-Authenticate.",
+    404: "No such thing (or no such route: NotFound).",
+    408: "The request body did not arrive within the server's body timeout; the connection "
+         "is closed.",
+    409: "The sidecar's state forbids it; for incompatible manifests ``field`` lists the "
+         "fields that disagree.",
+    410: "The hold's lease ended; its blocks may already be reused.",
+    413: "The body is larger than the server's body limit (announced or while reading); the "
+         "connection is closed.",
+    422: "A field has the wrong type, is unknown, missing or out of range (ValidationError); "
+         "``field`` is its path, e.g. ``block_ids[0][1]``.",
+    431: "The request headers are larger than the server's header limit; the connection is "
+         "closed.",
+    500: "An unexpected error (InternalError); the sidecar keeps serving.",
+    502: "NIXL or a peer failed.",
+    503: "The sidecar cannot serve this yet.",
 }  # fmt: skip
+"""What the HTTP edge itself means by each status; the error classes come from the tree."""
+_NOT_SIDECAR = (errors.InvalidRequestError, errors.PoolExhaustedError)
+"""Error classes only the OpenAI-style servers (sim) raise, never the sidecar APIs."""
+BODY_ERRORS = (408, 413)
+"""Statuses every operation with a request body may answer (limits at the edge)."""
+EDGE_ERRORS = (431,)
+"""Statuses every operation may answer (limits at the edge)."""
+
+
+def _error_docs() -> dict[int, tuple[str, str]]:
+    """Status -> (component name, meaning): the edge's meaning plus every error class of the
+    tree (kvxferd.errors) that answers with that status."""
+    by_status: dict[int, list[str]] = {}
+    for cls in errors.tree():
+        if cls is not errors.KvxferdError and not issubclass(cls, _NOT_SIDECAR):
+            by_status.setdefault(cls.status, []).append(cls.__name__)
+    out = {}
+    for status, name in _NAMES.items():
+        raised = by_status.get(status)
+        meaning = _EDGE[status] + (f" Raised as: {', '.join(raised)}." if raised else "")
+        out[status] = (name, meaning)
+    return out
+
+
+ERRORS: dict[int, tuple[str, str]] = _error_docs()
+"""Status -> (component name, meaning); the meaning is the same for every operation listing it."""
 
 
 def document(title: str, description: str, operations: list[Operation]) -> dict[str, Any]:
@@ -64,13 +100,13 @@ def document(title: str, description: str, operations: list[Operation]) -> dict[
         for kind in (op.request, op.response):
             if isinstance(kind, type) and kind not in structs:
                 structs.append(kind)
-    used = sorted({status for op in operations for status in op.errors})
+    used = sorted({status for op in operations for status in error_statuses(op)})
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {
             "title": title,
             "version": API_VERSION,
-            "description": description,
+            "description": description + INTEGERS,
             "x-protocol-version": PROTOCOL_VERSION,
             "x-manifest-version": MANIFEST_VERSION,
         },
@@ -127,10 +163,16 @@ def _operation(op: Operation) -> dict[str, Any]:
     if op.response is not None:
         ok["content"] = _json(op.response, op.media_type)
     out["responses"] = {str(op.status): ok}
-    for status in op.errors:
+    for status in error_statuses(op):
         out["responses"][str(status)] = {"$ref": f"#/components/responses/{ERRORS[status][0]}"}
     out["security"] = [{"kvx1": []}] if op.auth else []
     return out
+
+
+def error_statuses(op: Operation) -> list[int]:
+    """The error statuses an operation documents: its own, plus the body limits' if it has one."""
+    extra = BODY_ERRORS if op.request is not None else ()
+    return sorted({*op.errors, *extra, *EDGE_ERRORS})
 
 
 def _json(kind: type | dict[str, Any], media_type: str = "application/json") -> dict[str, Any]:

@@ -1,5 +1,8 @@
 """Run a sidecar: the engine API on a Unix socket (0600) and the peer API on TCP, one loop.
 
+Each API is its own uvicorn server with its own connection cap; both bound header and body sizes
+and read times (kvxferd.api.limits).
+
 We bind both sockets ourselves (uvicorn would make the Unix socket 0666) and handle SIGINT and
 SIGTERM once for both servers. When both listen, one line goes to stdout:
 ``kvxferd ready engine_socket=PATH peer=HOST:PORT engine_id=ID epoch=N``.
@@ -15,8 +18,10 @@ import signal
 import sys
 
 import uvicorn
+from fastapi import FastAPI
 
 from kvxferd.api.engine import engine_app
+from kvxferd.api.limits import BodyLimit, EdgeLimits, uvicorn_limits
 from kvxferd.api.peer import peer_app
 from kvxferd.api.sockets import bind_tcp, bind_unix
 from kvxferd.config import HTTP_SERVER_KEEPALIVE_S, Config
@@ -32,6 +37,32 @@ class _Server(uvicorn.Server):
         return contextlib.nullcontext()
 
 
+def edge_limits(config: Config, listener: str) -> EdgeLimits:
+    """The limits of the ``engine`` or ``peer`` listener: separate connection caps, shared sizes
+    and timeouts."""
+    cap = config.engine_max_connections if listener == "engine" else config.peer_max_connections
+    return EdgeLimits(
+        max_connections=cap,
+        max_header_bytes=config.max_header_bytes,
+        max_body_bytes=config.max_body_bytes,
+        header_timeout_s=config.header_timeout_s,
+        body_timeout_s=config.body_timeout_s,
+    )
+
+
+def _uvicorn_config(config: Config, app: FastAPI, listener: str) -> uvicorn.Config:
+    """One listener's uvicorn server: its own app, connection cap and edge limits."""
+    limits = edge_limits(config, listener)
+    return uvicorn.Config(
+        BodyLimit(app, limits.max_body_bytes, limits.body_timeout_s, limits.max_header_bytes),
+        log_level=config.log_level.lower(),
+        access_log=False,
+        lifespan="off",
+        timeout_keep_alive=HTTP_SERVER_KEEPALIVE_S,
+        **uvicorn_limits(limits, listener),
+    )
+
+
 async def serve(config: Config) -> None:
     """Run until SIGINT/SIGTERM; then stop accepting, finish, release everything."""
     engine_sock = bind_unix(config.engine_socket)
@@ -44,15 +75,10 @@ async def serve(config: Config) -> None:
     sidecar = Sidecar(config)
     port = peer_sock.getsockname()[1]
     sidecar.peer_address = f"{config.advertised_host}:{port}"
-    level = config.log_level.lower()
     servers = [
-        (_Server(uvicorn.Config(engine_app(sidecar), log_level=level, access_log=False,
-                                lifespan="off", timeout_keep_alive=HTTP_SERVER_KEEPALIVE_S)),
-         engine_sock),
-        (_Server(uvicorn.Config(peer_app(sidecar), log_level=level, access_log=False,
-                                lifespan="off", timeout_keep_alive=HTTP_SERVER_KEEPALIVE_S)),
-         peer_sock),
-    ]  # fmt: skip
+        (_Server(_uvicorn_config(config, engine_app(sidecar), "engine")), engine_sock),
+        (_Server(_uvicorn_config(config, peer_app(sidecar), "peer")), peer_sock),
+    ]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -25,8 +25,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, metavar="N",
                    help="TCP port (default 8000; 0 = any free)")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
-                   help="bound on each backend call in seconds (default 30)")  # fmt: skip
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="default of the connect, first-byte and idle timeouts (default 30)",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        metavar="S",
+        help="bound on connecting to a backend (default: --timeout)",
+    )
+    p.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        metavar="S",
+        help="bound on the first byte of a backend's answer: the prefill's answer, a "
+        "streaming decode's headers (default: --timeout)",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        metavar="S",
+        help="bound on the silence between chunks of an answer; a stream is never "
+        "cut while bytes keep coming (default: --timeout)",
+    )
+    p.add_argument("--generation-timeout", type=float, default=600.0, metavar="S",
+                   help="first-byte bound of a non-streaming decode, whose first byte is its "
+                   "whole answer: the longest generation (default 600)")  # fmt: skip
     p.add_argument("--log-level", default="warning", metavar="LEVEL",
                    help="debug, info, warning, error")  # fmt: skip
     p.set_defaults(func=run)
@@ -37,13 +65,24 @@ def run(args: argparse.Namespace) -> int:
     from kvxferd.cli import setup_logging
     from kvxferd.proxy import ProxySettings, RoundRobin, serve_proxy
 
-    if args.timeout <= 0:
-        raise ConfigError(f"--timeout: must be > 0, got {args.timeout}")
+    for flag in ("timeout", "connect_timeout", "first_byte_timeout", "idle_timeout",
+                 "generation_timeout"):  # fmt: skip
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be > 0, got {value}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: {args.port} is not a TCP port")
     RoundRobin("prefill", args.prefill)  # validates the URLs before binding anything
     RoundRobin("decode", args.decode)
     setup_logging(args.log_level)
-    settings = ProxySettings(tuple(args.prefill), tuple(args.decode), args.timeout)
+    settings = ProxySettings(
+        tuple(args.prefill),
+        tuple(args.decode),
+        args.timeout,
+        connect_s=args.connect_timeout,
+        first_byte_s=args.first_byte_timeout,
+        idle_s=args.idle_timeout,
+        generation_s=args.generation_timeout,
+    )
     asyncio.run(serve_proxy(settings, args.host, args.port, args.log_level))
     return 0

@@ -5,6 +5,14 @@ of the body with ``max_tokens=1``, ``stream=false`` and the ``kv_transfer_params
 ``kv_transfer_params`` it answers with, and send the ORIGINAL body plus those params to the
 decode, relaying its reply byte for byte (SSE when the client asked to stream). Both backends get
 the same ``X-Request-Id``. Nothing here depends on kvxferd-only fields, so real vLLM works too.
+
+Timeouts are per phase, so a healthy answer is never cut while bytes keep coming: connect, first
+byte (the prefill's answer; a streaming decode's headers), idle (between chunks of any body) and,
+for a non-streaming decode whose first byte is its whole answer, the generation bound.
+
+When the decode call fails or is refused, the prefill is told (``POST /v1/kv/release`` with the
+``kv_transfer_params`` it returned, best effort, in the background) so it frees the blocks it
+holds for that decode now, not at lease expiry; a server without that route just answers 404.
 """
 
 from __future__ import annotations
@@ -24,7 +32,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
-from kvxferd.proxy.failures import bad_backend_reply, describe_failure, error_response, unreachable
+from kvxferd.proxy.failures import (
+    BackendTimeout,
+    bad_backend_reply,
+    describe_failure,
+    error_response,
+    unreachable,
+)
 from kvxferd.proxy.routing import Backend, RoundRobin
 
 log = logging.getLogger(__name__)
@@ -39,18 +53,52 @@ KV_TRANSFER_STUB: dict[str, Any] = {
 }
 """What a prefill is told: compute the prompt, keep the KV for a remote decode to read."""
 
+RELEASE_PATH = "/v1/kv/release"
+"""Prefill route freeing the KV it holds for a decode that will not read it (kvxferd sim)."""
 _BACKEND_ERRORS = (httpx.HTTPError, TimeoutError)
 _SSE = "text/event-stream"
 
 
 @dataclass(frozen=True)
 class ProxySettings:
-    """Backend base URLs and the bound on every backend call."""
+    """Backend base URLs and the bounds of each phase of a backend call."""
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     timeout_s: float = 30.0
-    """Prefill: whole call. Decode: until its headers, then between chunks. /health, /v1/models."""
+    """Default of ``connect_s``, ``first_byte_s`` and ``idle_s`` (the ``--timeout`` flag)."""
+    connect_s: float | None = None
+    """Bound on opening a connection to a backend (refused: at once)."""
+    first_byte_s: float | None = None
+    """Bound from sending a request to the first byte of its answer: the prefill's answer, a
+    streaming decode's headers, /health and /v1/models."""
+    idle_s: float | None = None
+    """Bound on the silence between two chunks of an answer being relayed or read."""
+    generation_s: float = 600.0
+    """A non-streaming decode answers only once it has generated everything, so its first byte
+    is its whole answer: this bound (at least ``first_byte``) replaces the first-byte one."""
+    release_on_failure: bool = True
+    """Tell the prefill (``POST /v1/kv/release``) when its decode call fails or is refused."""
+
+    @property
+    def connect(self) -> float:
+        """The connect bound in seconds."""
+        return self.connect_s if self.connect_s is not None else self.timeout_s
+
+    @property
+    def first_byte(self) -> float:
+        """The first-byte bound in seconds."""
+        return self.first_byte_s if self.first_byte_s is not None else self.timeout_s
+
+    @property
+    def idle(self) -> float:
+        """The idle (between chunks) bound in seconds."""
+        return self.idle_s if self.idle_s is not None else self.timeout_s
+
+    @property
+    def generation(self) -> float:
+        """The first-byte bound of a non-streaming decode."""
+        return max(self.generation_s, self.first_byte)
 
 
 def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
@@ -72,7 +120,8 @@ def proxy_app(
     """Build the app; ``transport`` replaces the network in unit tests (httpx.MockTransport)."""
     prefills = RoundRobin("prefill", settings.prefill)
     decodes = RoundRobin("decode", settings.decode)
-    timeout_s = settings.timeout_s
+    first_byte, idle, generation = settings.first_byte, settings.idle, settings.generation
+    releases: set[asyncio.Task[None]] = set()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -81,18 +130,20 @@ def proxy_app(
             max_keepalive_connections=64,
             keepalive_expiry=HTTP_CLIENT_KEEPALIVE_S,
         )
-        async with httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s), limits=limits, transport=transport
-        ) as client:
+        # Reads are bounded per phase below (first byte, idle); httpx bounds connect and writes.
+        timeout = httpx.Timeout(connect=settings.connect, read=None, write=idle, pool=idle)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
             app.state.client = client
             yield
+            if releases:  # bounded: each release is bounded by connect + first byte
+                await asyncio.wait(releases, timeout=settings.connect + first_byte)
 
     app = FastAPI(title="kvxferd proxy", lifespan=lifespan)
 
     async def relay(request: Request, path: str, chat: bool) -> Response:
         try:
             body = await request.json()
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
             return error_response(400, f"request body is not JSON: {exc}", "invalid_request_error")
         if not isinstance(body, dict):
             return error_response(
@@ -106,18 +157,17 @@ def proxy_app(
 
         prefill = prefills.next()
         try:
-            async with asyncio.timeout(timeout_s):
-                p_resp = await client.post(
-                    prefill.url + path, json=prefill_body(body, chat), headers=headers
-                )
+            p_resp, p_content = await _call(client, client.build_request(
+                "POST", prefill.url + path, json=prefill_body(body, chat), headers=headers
+            ), first_byte, idle)  # fmt: skip
         except _BACKEND_ERRORS as exc:
             log.warning("request %s: prefill %s failed: %s", request_id, prefill.url,
                         describe_failure(exc))  # fmt: skip
-            return unreachable(prefill, exc, timeout_s)
+            return unreachable(prefill, exc, first_byte)
         if p_resp.status_code >= 400:
-            return _passthrough(p_resp.status_code, p_resp.content, p_resp.headers, request_id)
+            return _passthrough(p_resp.status_code, p_content, p_resp.headers, request_id)
         try:
-            params = p_resp.json().get("kv_transfer_params")
+            params = json.loads(p_content).get("kv_transfer_params")
         except (ValueError, AttributeError):
             return bad_backend_reply(prefill, "answered a body that is not a JSON object")
         if not isinstance(params, dict):
@@ -125,28 +175,42 @@ def proxy_app(
                 prefill, "answered without kv_transfer_params (is its KV connector configured?)"
             )
 
+        def release() -> None:
+            """The decode will not read what the prefill holds: tell the prefill, in the
+            background (the client's answer does not wait for it)."""
+            if settings.release_on_failure:
+                task = asyncio.create_task(
+                    _release(client, prefill, params, headers, first_byte, idle)
+                )
+                releases.add(task)
+                task.add_done_callback(releases.discard)
+
         decode = decodes.next()
         d_body = dict(body)
         d_body["kv_transfer_params"] = params
         d_req = client.build_request("POST", decode.url + path, json=d_body, headers=headers)
+        wait = first_byte if body.get("stream") is True else generation
         try:
-            async with asyncio.timeout(timeout_s):
-                d_resp = await client.send(d_req, stream=True)
+            d_resp = await _send(client, d_req, wait)
         except _BACKEND_ERRORS as exc:
             log.warning("request %s: decode %s failed: %s", request_id, decode.url,
                         describe_failure(exc))  # fmt: skip
-            return unreachable(decode, exc, timeout_s)
+            release()
+            return unreachable(decode, exc, wait)
         media = d_resp.headers.get("content-type", "application/json")
         if d_resp.status_code >= 400 or not media.startswith(_SSE):
             try:
-                content = await d_resp.aread()
+                content = await _read(d_resp, idle)
             except _BACKEND_ERRORS as exc:
-                return unreachable(decode, exc, timeout_s)
+                release()
+                return unreachable(decode, exc, idle)
             finally:
                 await d_resp.aclose()
+            if d_resp.status_code >= 400:
+                release()
             return _passthrough(d_resp.status_code, content, d_resp.headers, request_id)
         return StreamingResponse(
-            _stream(d_resp, decode, request_id),
+            _stream(d_resp, decode, request_id, idle),
             status_code=d_resp.status_code,
             media_type=media,
             headers={"X-Request-Id": request_id},
@@ -165,17 +229,18 @@ def proxy_app(
         decode = decodes.backends[0]
         client: httpx.AsyncClient = request.app.state.client
         try:
-            async with asyncio.timeout(timeout_s):
-                resp = await client.get(decode.url + "/v1/models")
+            resp, content = await _call(
+                client, client.build_request("GET", decode.url + "/v1/models"), first_byte, idle
+            )
         except _BACKEND_ERRORS as exc:
-            return unreachable(decode, exc, timeout_s)
-        return _passthrough(resp.status_code, resp.content, resp.headers, None)
+            return unreachable(decode, exc, first_byte)
+        return _passthrough(resp.status_code, content, resp.headers, None)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         client: httpx.AsyncClient = request.app.state.client
         everyone = [*prefills.backends, *decodes.backends]
-        verdicts = await asyncio.gather(*(_probe(client, b, timeout_s) for b in everyone))
+        verdicts = await asyncio.gather(*(_probe(client, b, first_byte, idle) for b in everyone))
         report: dict[str, Any] = {"prefill": {}, "decode": {}}
         for backend, verdict in zip(everyone, verdicts, strict=True):
             report[backend.role][backend.url] = verdict
@@ -188,20 +253,89 @@ def proxy_app(
     return app
 
 
-async def _probe(client: httpx.AsyncClient, backend: Backend, timeout_s: float) -> str:
-    """``"ok"`` when the backend's /health answers 2xx within the bound, else the reason."""
+async def _call(
+    client: httpx.AsyncClient, request: httpx.Request, first_byte: float, idle: float
+) -> tuple[httpx.Response, bytes]:
+    """Send ``request``: its answer's head within ``first_byte``, then its body with at most
+    ``idle`` seconds between chunks. The (closed) response and its decoded body."""
+    resp = await _send(client, request, first_byte)
     try:
-        async with asyncio.timeout(timeout_s):
-            resp = await client.get(backend.url + "/health")
+        return resp, await _read(resp, idle)
+    finally:
+        await resp.aclose()
+
+
+async def _send(
+    client: httpx.AsyncClient, request: httpx.Request, first_byte: float
+) -> httpx.Response:
+    """Send ``request`` and wait (at most ``first_byte`` s) for its answer's head; streamed."""
+    try:
+        async with asyncio.timeout(first_byte):
+            return await client.send(request, stream=True)
+    except TimeoutError:
+        raise BackendTimeout("first byte", first_byte) from None
+
+
+async def _read(resp: httpx.Response, idle: float) -> bytes:
+    """The whole (decoded) body of a streamed response, at most ``idle`` s between chunks."""
+    return b"".join([chunk async for chunk in _chunks(resp, idle)])
+
+
+async def _chunks(resp: httpx.Response, idle: float) -> AsyncIterator[bytes]:
+    """The response's body chunks as they come; TimeoutError after ``idle`` s of silence."""
+    chunks = resp.aiter_bytes()
+    while True:
+        try:
+            async with asyncio.timeout(idle):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise BackendTimeout("next chunk", idle) from None
+        yield chunk
+
+
+async def _release(
+    client: httpx.AsyncClient,
+    prefill: Backend,
+    params: dict[str, Any],
+    headers: dict[str, str],
+    first_byte: float,
+    idle: float,
+) -> None:
+    """Ask the prefill to free what it holds for a decode that will not read it (best effort)."""
+    request = client.build_request(
+        "POST", prefill.url + RELEASE_PATH, json={"kv_transfer_params": params}, headers=headers
+    )
+    try:
+        resp, _ = await _call(client, request, first_byte, idle)
+    except _BACKEND_ERRORS as exc:
+        log.warning("prefill %s: release failed: %s", prefill.url, describe_failure(exc))
+        return
+    if resp.status_code >= 400 and resp.status_code != 404:  # 404: no such route (vLLM)
+        log.warning("prefill %s: release answered %d", prefill.url, resp.status_code)
+
+
+async def _probe(
+    client: httpx.AsyncClient, backend: Backend, first_byte: float, idle: float
+) -> str:
+    """``"ok"`` when the backend's /health answers 2xx within the bounds, else the reason."""
+    try:
+        resp, _ = await _call(
+            client, client.build_request("GET", backend.url + "/health"), first_byte, idle
+        )
     except _BACKEND_ERRORS as exc:
         return describe_failure(exc)
     return "ok" if resp.status_code < 300 else f"HTTP {resp.status_code}"
 
 
-async def _stream(resp: httpx.Response, decode: Backend, request_id: str) -> AsyncIterator[bytes]:
-    """Relay the decode's SSE bytes as they come; a broken stream ends with an SSE error event."""
+async def _stream(
+    resp: httpx.Response, decode: Backend, request_id: str, idle: float
+) -> AsyncIterator[bytes]:
+    """Relay the decode's SSE bytes as they come (never cut while they keep coming); a broken or
+    silent (``idle`` s) stream ends with an SSE error event."""
     try:
-        async for chunk in resp.aiter_bytes():  # decoded if the decode compressed
+        async for chunk in _chunks(resp, idle):  # decoded if the decode compressed
             yield chunk
     except _BACKEND_ERRORS as exc:
         reason = describe_failure(exc)

@@ -19,8 +19,19 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
     return JSONResponse(body, status_code=status)
 
 
+class BackendTimeout(TimeoutError):
+    """A phase of a backend call (``connect``, ``first byte``, ``idle``) ran past its bound."""
+
+    def __init__(self, phase: str, seconds: float) -> None:
+        super().__init__(f"no {phase} within {seconds:g} s")
+        self.phase = phase
+        self.seconds = seconds
+
+
 def describe_failure(exc: BaseException) -> str:
     """A short reason for a failed backend call (the exception type says timeout vs refused)."""
+    if isinstance(exc, BackendTimeout):
+        return f"timed out: {exc}"
     if isinstance(exc, TimeoutError | httpx.TimeoutException):
         return f"timed out ({type(exc).__name__})"
     text = str(exc) or type(exc).__name__
@@ -30,7 +41,11 @@ def describe_failure(exc: BaseException) -> str:
 def unreachable(backend: Backend, exc: BaseException, timeout_s: float) -> JSONResponse:
     """502 for a backend that could not be reached or did not answer within ``timeout_s``."""
     reason = describe_failure(exc)
-    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+    if isinstance(exc, httpx.ConnectTimeout):
+        reason += " (connect)"
+    elif isinstance(exc, TimeoutError | httpx.TimeoutException) and not isinstance(
+        exc, BackendTimeout
+    ):
         reason += f" after {timeout_s:g} s"
     return error_response(
         502, f"{backend.role} backend {backend.url} unreachable: {reason}", "bad_gateway"

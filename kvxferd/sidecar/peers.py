@@ -273,15 +273,15 @@ def _remote_error(address: str, resp: httpx.Response) -> Exception:
         detail, error, body_field = body.detail, body.error, body.field
     except msgspec.MsgspecError:
         detail = resp.text[:200]
-    if resp.status_code == 404:
+    if resp.status_code == UnknownHoldError.status:
         return UnknownHoldError(f"peer {address}: {detail}")
-    if resp.status_code == 410:
+    if resp.status_code == HoldExpiredError.status:
         return HoldExpiredError(f"peer {address}: {detail}")
-    if resp.status_code == 401:
+    if resp.status_code == AuthError.status:
         return AuthError(f"peer {address} refused our signature: {detail}")
-    if resp.status_code == 409 and error == "ClaimMismatchError":
+    if resp.status_code == ClaimMismatchError.status and error == "ClaimMismatchError":
         return ClaimMismatchError(body_field, f"peer {address}: {detail}")
-    if resp.status_code == 409 and error == "IncompatiblePeerError":
+    if resp.status_code == IncompatiblePeerError.status and error == "IncompatiblePeerError":
         # The peer compared manifests and names the disagreeing fields (comma-separated).
         exc = IncompatiblePeerError({f: (None, None) for f in body_field.split(",") if f})
         exc.args = (f"peer {address} finds us incompatible: {detail}",)

@@ -20,17 +20,11 @@ from msgspec import structs
 
 from kvxferd import descriptors
 from kvxferd.errors import (
-    AuthError,
     BlockIdError,
-    HandshakeError,
-    HoldExpiredError,
-    IncompatiblePeerError,
     KvxferdError,
     PeerDisconnectedError,
-    PullError,
-    TransferTimeoutError,
-    UnknownHoldError,
     UnknownPullError,
+    reason_code,
 )
 from kvxferd.sidecar.states import PullState
 from kvxferd.wire import ClaimRequest, Manifest, PullRequest, PullStatus, Ticket
@@ -43,21 +37,6 @@ log = logging.getLogger(__name__)
 
 _KEEP_FINISHED = 4096  # finished pulls remembered for status queries
 _KEEP_GEOMETRIES = 256  # per-peer read geometries cached (keyed by peer epoch)
-
-# Exception type -> failure reason code (checked in order; subclasses first).
-_REASONS: list[tuple[type[BaseException], str]] = [
-    (HoldExpiredError, "hold_expired"),
-    (UnknownHoldError, "unknown_hold"),
-    (AuthError, "auth"),
-    (IncompatiblePeerError, "incompatible"),
-    (HandshakeError, "handshake"),
-    (PeerDisconnectedError, "peer_disconnected"),
-    (TransferTimeoutError, "deadline"),
-    (TimeoutError, "deadline"),
-    (BlockIdError, "block_ids"),
-    (PullError, "pull"),
-    (KvxferdError, "transfer"),
-]
 
 
 @dataclass
@@ -180,7 +159,7 @@ class PullRunner:
         except BaseException as exc:  # every failure path ends FAILED with a reason
             while isinstance(exc, BaseExceptionGroup):  # the TaskGroup's; its first cause
                 exc = exc.exceptions[0]
-            reason = next((r for t, r in _REASONS if isinstance(exc, t)), "internal")
+            reason = reason_code(exc)  # the error class's own code (kvxferd.errors)
             self._fail(pull, reason, str(exc) or type(exc).__name__)
             if reason != "internal":
                 log.warning("pull %s failed: %s: %s", pull.pull_id, reason, exc)

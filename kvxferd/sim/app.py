@@ -1,7 +1,8 @@
 """The simulated engine's HTTP app: OpenAI-compatible routes plus ``/health`` and ``/v1/stats``.
 
-Thin: parse (400/404 naming the field), run the engine, shape the reply (JSON or SSE). Errors
-map to statuses here: pool exhausted 503, pull or hold through a sidecar failed 502.
+Thin: parse (400/404 naming the field), run the engine, shape the reply (JSON or SSE). An
+error's status is its class's ``status`` in kvxferd.errors (pool exhausted 503, pull or hold
+through a sidecar failed 502); an httpx error (a sidecar unreachable) is a 502 too.
 """
 
 from __future__ import annotations
@@ -14,27 +15,19 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvxferd.errors import (
-    HoldError,
-    InvalidRequestError,
-    KvxferdError,
-    PoolExhaustedError,
-    PullError,
-    UnknownModelError,
-)
+from kvxferd.errors import InvalidRequestError, KvxferdError, PullError, status_of
+from kvxferd.proxy.app import RELEASE_PATH
 from kvxferd.sim.engine import Prompt, SimEngine
-from kvxferd.sim.protocol import Kind, Reply, error_body, parse
+from kvxferd.sim.protocol import (
+    Kind,
+    Reply,
+    error_body,
+    parse,
+    raw_transfer_params,
+    release_params,
+)
 
 log = logging.getLogger(__name__)
-
-_STATUS: list[tuple[type[BaseException], int]] = [
-    (UnknownModelError, 404),
-    (InvalidRequestError, 400),
-    (PoolExhaustedError, 503),
-    (PullError, 502),
-    (HoldError, 502),
-    (httpx.HTTPError, 502),
-]
 
 
 def sim_app(engine: SimEngine, served_model: str) -> FastAPI:
@@ -67,6 +60,17 @@ def sim_app(engine: SimEngine, served_model: str) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await _serve(engine, served_model, request, "chat")
 
+    @app.post(RELEASE_PATH)
+    async def release(request: Request) -> Response:
+        """A prefill's holds for a decode that will not read them (the proxy says so): abort
+        them now. Body: ``{"kv_transfer_params": <what this prefill answered>}``."""
+        try:
+            params = release_params(await request.body())
+            ranks = await engine.give_up(params)
+        except Exception as exc:
+            return _error(exc, {})
+        return JSONResponse({"released": ranks})
+
     return app
 
 
@@ -74,8 +78,14 @@ async def _serve(engine: SimEngine, model: str, request: Request, kind: Kind) ->
     engine.stats.requests += 1
     rid = request.headers.get("x-request-id") or uuid.uuid4().hex
     headers = {"X-Request-Id": rid}
+    body = await request.body()
     try:
-        parsed = parse(kind, await request.body(), model)
+        parsed = parse(kind, body, model)
+    except InvalidRequestError as exc:  # refused before the engine saw it: free the prefill
+        engine.stats.requests_failed += 1
+        engine.decline_params(raw_transfer_params(body), f"rejected: {exc.field}")
+        return _error(exc, headers)
+    try:
         prompt = Prompt(
             tokens=parsed.tokens,
             max_tokens=parsed.max_tokens,
@@ -102,7 +112,7 @@ async def _aiter(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
 
 
 def _error(exc: Exception, headers: dict[str, str]) -> Response:
-    status = next((s for t, s in _STATUS if isinstance(exc, t)), 500)
+    status = 502 if isinstance(exc, httpx.HTTPError) else status_of(exc)
     param = getattr(exc, "field", None) if isinstance(exc, InvalidRequestError) else None
     if status == 500:
         if isinstance(exc, KvxferdError):

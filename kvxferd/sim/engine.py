@@ -24,10 +24,12 @@ import httpx
 from kvxferd.client import AsyncEngineClient
 from kvxferd.errors import (
     HoldError,
+    HoldExpiredError,
     InvalidRequestError,
     KvxferdError,
     PoolExhaustedError,
     PullError,
+    UnknownHoldError,
 )
 from kvxferd.layout import request_blocks
 from kvxferd.pattern import (
@@ -64,6 +66,8 @@ class EngineSettings:
     """Deadline of one request's pull."""
     release_poll_s: float = 0.1
     """Interval of the released-holds poll while holds are outstanding."""
+    decline_timeout_s: float = 10.0
+    """Bound on one decline call to the sidecar (it runs in the background)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ class _Held:
 
     blocks: list[int]
     pending: set[int]
+    hold_ids: list[str] = field(default_factory=list)
+    """Each rank's hold id (the tickets' ``hold_id``, rank order)."""
     reasons: set[str] = field(default_factory=set)
 
 
@@ -128,6 +134,7 @@ class SimEngine:
         self._held: dict[str, _Held] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._declines: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -140,7 +147,9 @@ class SimEngine:
             ]
 
     async def close(self) -> None:
-        """Stop the pollers and close the sidecar clients."""
+        """Finish pending declines (bounded), stop the pollers and close the sidecar clients."""
+        if self._declines:
+            await asyncio.wait(self._declines, timeout=self.settings.decline_timeout_s)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -201,7 +210,8 @@ class SimEngine:
         except BaseException:
             self.blocks.free(flat)
             raise
-        self._held[prompt.request_id] = _Held(flat, set(range(len(self.clients))))
+        hold_ids = [t.hold_id for t in tickets]
+        self._held[prompt.request_id] = _Held(flat, set(range(len(self.clients))), hold_ids)
         self._wake.set()
         params = tp.prefill_answer(
             engine_id=self.settings.engine_id,
@@ -213,11 +223,16 @@ class SimEngine:
 
     async def _decode(self, prompt: Prompt, params: dict[str, Any]) -> Generation:
         tickets = tp.parse_tickets(params)
-        need = self._need(prompt)
-        self._check_tickets(tickets, need, len(prompt.tokens))
         seed = prompt_seed(prompt.tokens)
         n = len(prompt.tokens)
-        lease = self._take_blocks(seed, need, n)
+        try:
+            need = self._need(prompt)
+            self._check_tickets(tickets, need, n)
+            lease = self._take_blocks(seed, need, n)
+        except BaseException as exc:  # refused before reading: the prefill holds are useless
+            self.decline(tickets, "aborted" if isinstance(exc, asyncio.CancelledError) else
+                         f"rejected: {type(exc).__name__}")  # fmt: skip
+            raise
         keep, settled = False, True
         try:
             # Our own block ids and the token count: the prefill's block sizes may differ.
@@ -231,6 +246,7 @@ class SimEngine:
             else:
                 self.stats.pulls_failed += 1
                 log.warning("pull for %s failed: %s", prompt.request_id, outcome.reason)
+                self.decline(tickets, f"pull failed: {outcome.reason}")  # never read now
                 if self.settings.on_pull_failure == "fail" or not settled:
                     raise PullError("pull_failed", f"KV pull from the prefill failed: "
                                     f"{outcome.reason}")  # fmt: skip
@@ -241,6 +257,68 @@ class SimEngine:
         finally:
             self._return_blocks(lease, keep, settled)
         return Generation(generate(digest, prompt.max_tokens), len(prompt.tokens))
+
+    # -- holds a decode will not read ----------------------------------------------------------
+
+    def decline(self, tickets: list[Ticket], reason: str) -> None:
+        """Decode side: tell the prefill sides behind ``tickets`` this engine will not read them
+        (through rank 0's sidecar, in the background, bounded), so their holds end now."""
+        if self.settings.role != "decode" or not self.clients or not tickets:
+            return
+        task = asyncio.create_task(self._decline(tickets, reason), name="decline")
+        self._declines.add(task)
+        task.add_done_callback(self._declines.discard)
+
+    def decline_params(self, params: Any, reason: str) -> None:
+        """:meth:`decline` for a request refused before its ``kv_transfer_params`` were parsed:
+        decline whatever well-formed tickets they carry (nothing when there are none)."""
+        if self.settings.role != "decode" or not tp.has_remote_prefill(params):
+            return
+        try:
+            tickets = tp.parse_tickets(params)
+        except InvalidRequestError:
+            return  # no usable tickets: nothing we could decline
+        self.decline(tickets, reason)
+
+    async def _decline(self, tickets: list[Ticket], reason: str) -> None:
+        self.stats.declined += 1
+        try:
+            async with asyncio.timeout(self.settings.decline_timeout_s):
+                await self.clients[0].decline(tickets, reason)
+        except (KvxferdError, httpx.HTTPError, TimeoutError) as exc:
+            self.stats.declines_failed += 1
+            log.warning("declining %d tickets (%s) failed: %s", len(tickets), reason, exc)
+
+    async def give_up(self, params: Any) -> int:
+        """Prefill side: abort the holds of a request whose decode will not read them (the proxy
+        says so with the ``kv_transfer_params`` we answered). Only a caller that has the
+        request's tickets can: every rank's hold id must match. The number of ranks aborted
+        (0 when the request is unknown or already released); its blocks come back through the
+        released feed as usual."""
+        if not isinstance(params, dict):
+            raise InvalidRequestError(tp.FIELD, "must be the object the prefill answered")
+        held = self._held.get(str(params.get("remote_request_id")))
+        given = params.get("kvxferd_tickets")
+        if held is None or self.settings.role != "prefill":
+            return 0
+        if (
+            not isinstance(given, list)
+            or [t.get("hold_id") if isinstance(t, dict) else None for t in given] != held.hold_ids
+        ):
+            return 0
+        aborted = 0
+        for rank in sorted(held.pending):
+            try:
+                await self.clients[rank].abort(held.hold_ids[rank])
+                aborted += 1
+            except (UnknownHoldError, HoldExpiredError):
+                continue  # released meanwhile (read, expired, declined): the feed says so
+            except (KvxferdError, httpx.HTTPError) as exc:
+                log.warning("rank %d: giving up hold %s failed: %s", rank, held.hold_ids[rank],
+                            exc)  # fmt: skip
+        if aborted:
+            self.stats.holds_given_up += 1
+        return aborted
 
     # -- blocks -------------------------------------------------------------------------------
 

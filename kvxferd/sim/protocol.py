@@ -36,10 +36,7 @@ class ParsedRequest:
 
 def parse(kind: Kind, body: bytes, served_model: str) -> ParsedRequest:
     """Validate a request body; InvalidRequestError (UnknownModelError) names the field."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequestError("body", f"not valid JSON: {exc}") from None
+    data = _json(body)
     if not isinstance(data, dict):
         raise InvalidRequestError("body", f"expected a JSON object, got {type(data).__name__}")
     model = data.get("model")
@@ -66,6 +63,36 @@ def parse(kind: Kind, body: bytes, served_model: str) -> ParsedRequest:
         include_usage=bool(options.get("include_usage", False)),
         kv_transfer_params=params,
     )
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError("body", f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequestError("body", "JSON nested too deeply") from None
+
+
+def raw_transfer_params(body: bytes) -> Any:
+    """The ``kv_transfer_params`` of a body that may be invalid otherwise (None if unreadable):
+    a refused request may still carry tickets whose holds should be declined."""
+    try:
+        data = _json(body)
+    except InvalidRequestError:
+        return None
+    return data.get("kv_transfer_params") if isinstance(data, dict) else None
+
+
+def release_params(body: bytes) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a ``/v1/kv/release`` body (InvalidRequestError if none)."""
+    data = _json(body)
+    params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+    if not isinstance(params, dict):
+        raise InvalidRequestError(
+            "kv_transfer_params", "required: the object the prefill answered with"
+        )
+    return params
 
 
 def _max_tokens(data: dict[str, Any], kind: Kind) -> int:

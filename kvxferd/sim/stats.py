@@ -44,6 +44,14 @@ class SimStats:
     """Of those, released because a lease ran out on some rank (no decode read them)."""
     holds_outstanding: int = 0
     """Prefill requests still held for a decode."""
+    holds_given_up: int = 0
+    """Prefill requests whose holds were aborted because their decode will not read them
+    (``POST /v1/kv/release``, e.g. from the proxy when the decode refused)."""
+    declined: int = 0
+    """Decode requests refused or failed before reading, whose tickets were declined (the
+    prefill holds released at once instead of at lease expiry)."""
+    declines_failed: int = 0
+    """Of those, declines the sidecar did not accept (logged; the holds then expire)."""
     local: int = 0
     """Requests computed locally (colocated, or without kv_transfer_params)."""
     blocks_pulled: int = 0

@@ -141,7 +141,7 @@ def test_a_keepalive_reaches_the_sidecar_typed_and_answers_heartbeats(fake_engin
         (errors.MemoryRegionError("no such segment"), 422, ""),
         (errors.RegistrationError("ucx said no"), 502, ""),
         (errors.StateError("done", "pending", "backward"), 409, ""),
-        (errors.PullError("hold_expired", "too late"), 400, ""),
+        (errors.PullError("hold_expired", "too late"), 502, ""),
     ],
     ids=lambda v: type(v).__name__ if isinstance(v, Exception) else None,
 )  # fmt: skip

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from kvxferd.api import engine, peer
-from kvxferd.api.openapi import ERRORS
+from kvxferd.api.openapi import ERRORS, error_statuses
 from kvxferd.wire import ErrorBody, PullStatus, Ticket
 
 DOCS = {"engine": (engine.engine_document, engine.OPERATIONS),
@@ -85,8 +85,11 @@ def test_every_error_status_answers_an_error_body(api):
     doc, operations = api
     for op in operations:
         responses = doc["paths"][op.path][op.method.lower()]["responses"]
-        assert {int(s) for s in responses} == {op.status, *op.errors}
-        for status in op.errors:
+        assert {int(s) for s in responses} == {op.status, *error_statuses(op)}
+        assert set(op.errors) <= set(error_statuses(op))
+        if op.request is not None:  # the body limits of the edge
+            assert {408, 413} <= set(error_statuses(op))
+        for status in error_statuses(op):
             resolved = _resolve(doc, responses[str(status)]["$ref"])
             assert resolved["description"] == ERRORS[status][1]
             schema = resolved["content"]["application/json"]["schema"]

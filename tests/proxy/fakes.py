@@ -44,6 +44,10 @@ class FakeBackend:
     omit_params: bool = False
     """Prefill answers without kv_transfer_params (like an engine without a KV connector)."""
     healthy: bool = True
+    delay_s: float = 0.0
+    """Slow but alive: wait this long before a JSON answer, and between two SSE events."""
+    stall: threading.Event | None = None
+    """A stream stops after its first event until this event is set (a silent decode)."""
 
     def completion_text(self, body: dict[str, Any]) -> str:
         params = body.get("kv_transfer_params") or {}
@@ -65,7 +69,9 @@ def fake_app(fake: FakeBackend) -> FastAPI:
             return JSONResponse({"error": error}, status_code=fake.fail_status)
         text = "p" if fake.role == "prefill" else fake.completion_text(body)
         if body.get("stream"):
-            return StreamingResponse(_sse(fake.name, text, chat), media_type="text/event-stream")
+            events = _sse(fake.name, text, chat, fake.delay_s, fake.stall)
+            return StreamingResponse(events, media_type="text/event-stream")
+        await asyncio.sleep(fake.delay_s)
         reply = _choice_body(fake.name, text, chat)
         if fake.role == "prefill" and not fake.omit_params:
             reply["kv_transfer_params"] = {
@@ -87,6 +93,11 @@ def fake_app(fake: FakeBackend) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await complete(request, chat=True)
+
+    @app.post("/v1/kv/release")
+    async def release(request: Request) -> dict[str, Any]:
+        fake.seen.append(Seen(request.url.path, await request.json(), dict(request.headers)))
+        return {"released": 1}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -128,10 +139,15 @@ def sse_events(name: str, text: str, chat: bool) -> list[bytes]:
     return out
 
 
-async def _sse(name: str, text: str, chat: bool) -> AsyncIterator[bytes]:
-    for event in sse_events(name, text, chat):
+async def _sse(
+    name: str, text: str, chat: bool, gap_s: float = 0.0, stall: threading.Event | None = None
+) -> AsyncIterator[bytes]:
+    for i, event in enumerate(sse_events(name, text, chat)):
+        if i == 1 and stall is not None:
+            while not stall.is_set():
+                await asyncio.sleep(0.01)
         yield event
-        await asyncio.sleep(0)
+        await asyncio.sleep(gap_s)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import pytest
 from kvxferd.proxy import ProxySettings, proxy_app
 from kvxferd.proxy.app import KV_TRANSFER_STUB
 from tests.proxy.fakes import FakeBackend, Served, fake_app, free_port, serve_app, sse_events
+from tests.sidecar.harness import wait_until
 
 CLIENT_TIMEOUT_S = 30.0
 
@@ -36,7 +37,11 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
     started: list[Served] = []
 
     def make(
-        n_prefill: int = 1, n_decode: int = 1, timeout_s: float = 10.0, extra_prefill: str = ""
+        n_prefill: int = 1,
+        n_decode: int = 1,
+        timeout_s: float = 10.0,
+        extra_prefill: str = "",
+        **phases: float,
     ) -> Rig:
         prefills = [FakeBackend(f"P{i}", "prefill") for i in range(n_prefill)]
         decodes = [FakeBackend(f"D{i}", "decode") for i in range(n_decode)]
@@ -44,7 +49,8 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
         started.extend(backends)
         p_urls = [b.url for b in backends[:n_prefill]] + ([extra_prefill] if extra_prefill else [])
         d_urls = [b.url for b in backends[n_prefill:]]
-        proxy = serve_app(proxy_app(ProxySettings(tuple(p_urls), tuple(d_urls), timeout_s)))
+        settings = ProxySettings(tuple(p_urls), tuple(d_urls), timeout_s, **phases)  # type: ignore[arg-type]
+        proxy = serve_app(proxy_app(settings))
         started.append(proxy)
         return Rig(prefills, decodes, proxy, backends)
 
@@ -278,3 +284,105 @@ def test_stub_is_vllms_shape() -> None:
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None,
     }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ timeouts by phase
+
+SHORT_S = 0.3  # every per-phase bound of the proxy in these tests
+
+
+def _released(fake: FakeBackend) -> list[dict[str, object]]:
+    return [s.body for s in fake.seen if s.path == "/v1/kv/release"]
+
+
+def test_a_slow_but_alive_stream_longer_than_every_bound_is_relayed_whole(make_rig) -> None:
+    rig = make_rig(timeout_s=SHORT_S, generation_s=SHORT_S)
+    rig.decodes[0].delay_s = SHORT_S / 3  # 6 events: twice the bound in all, never silent long
+    with rig.client() as c, c.stream("POST", "/v1/completions", json=completion(stream=True)) as r:
+        got = b"".join(r.iter_raw())
+    expected = sse_events("D0", "D0 decoded from P0", chat=False)
+    assert len(expected) * rig.decodes[0].delay_s > SHORT_S
+    assert got == b"".join(expected)
+    assert _released(rig.prefills[0]) == []
+
+
+def test_a_long_non_streaming_generation_is_bound_by_the_generation_timeout(make_rig) -> None:
+    rig = make_rig(timeout_s=SHORT_S, generation_s=30.0)
+    rig.decodes[0].delay_s = 3 * SHORT_S  # longer than the first-byte bound, as in issue 10 item 9
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion())
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "D0 decoded from P0"
+
+
+def test_a_generation_past_its_bound_is_a_502_naming_the_decode_and_frees_the_prefill(
+    make_rig,
+) -> None:
+    rig = make_rig(timeout_s=SHORT_S, generation_s=SHORT_S)
+    rig.decodes[0].hang = threading.Event()
+    try:
+        with rig.client() as c:
+            resp = c.post("/v1/completions", json=completion())
+    finally:
+        rig.decodes[0].hang.set()
+    assert resp.status_code == 502
+    message = resp.json()["error"]["message"]
+    assert rig.backends[1].url in message and "decode" in message
+    assert f"no first byte within {SHORT_S:g} s" in message
+    _wait_release(rig)
+
+
+def test_a_stream_silent_past_the_idle_bound_ends_with_an_error_event(make_rig) -> None:
+    rig = make_rig(timeout_s=SHORT_S)
+    rig.decodes[0].stall = threading.Event()
+    try:
+        with rig.client() as c:
+            resp = c.post("/v1/completions", json=completion(stream=True))
+    finally:
+        rig.decodes[0].stall.set()
+    assert resp.status_code == 200  # the headers had gone out
+    events = [e for e in resp.text.split("\n\n") if e]
+    last = json.loads(events[-1].removeprefix("data: "))
+    assert rig.backends[1].url in last["error"]["message"]
+    assert f"no next chunk within {SHORT_S:g} s" in last["error"]["message"]
+
+
+def test_a_refused_decode_connection_is_still_a_502_naming_it(make_rig) -> None:
+    rig = make_rig(connect_s=SHORT_S, first_byte_s=30.0, generation_s=30.0)
+    rig.backends[1].stop()
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion())
+    assert resp.status_code == 502
+    message = resp.json()["error"]["message"]
+    assert rig.backends[1].url in message and "ConnectError" in message
+    _wait_release(rig)
+
+
+# ------------------------------------------------------------------------------ release
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_decode_makes_the_proxy_release_the_prefill(make_rig, stream: bool) -> None:
+    rig = make_rig()
+    rig.decodes[0].fail_status = 400
+    with rig.client() as c:
+        resp = c.post(
+            "/v1/completions", json=completion(stream=stream), headers={"X-Request-Id": "r9"}
+        )
+    assert resp.status_code == 400
+    [body] = _wait_release(rig)
+    [decoded] = rig.decodes[0].seen
+    assert body == {"kv_transfer_params": decoded.body["kv_transfer_params"]}
+    assert [s.headers["x-request-id"] for s in rig.prefills[0].seen] == ["r9", "r9"]
+
+
+def test_a_served_decode_releases_nothing(make_rig) -> None:
+    rig = make_rig()
+    with rig.client() as c:
+        assert c.post("/v1/completions", json=completion()).status_code == 200
+    assert _released(rig.prefills[0]) == []
+
+
+def _wait_release(rig: Rig) -> list[dict[str, object]]:
+    wait_until(lambda: _released(rig.prefills[0]), 30.0, "the release call to the prefill")
+    return _released(rig.prefills[0])

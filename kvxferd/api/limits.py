@@ -1,0 +1,208 @@
+"""Limits at the HTTP edge of the sidecar's two APIs: connections, header and body sizes, and read
+timeouts, so neither hostile nor broken clients can pin memory, descriptors or the event loop.
+
+uvicorn offers part of this and we use it: ``h11_max_incomplete_event_size`` bounds the bytes
+buffered for a request head still arriving (400 past it) and ``timeout_keep_alive`` closes idle
+connections between requests. What it lacks we add:
+
+- ``limit_concurrency`` only answers 503 to *requests* over the limit; a connection that never
+  sends a request is accepted and kept forever (its keep-alive timer starts after a response).
+  :func:`limited_protocol` makes uvicorn's h11 protocol close connections beyond a per-listener
+  cap at once, and close a connection whose request head is not complete within a timeout
+  (idle openers and slow-header senders alike).
+- h11 does not bound a head that arrives whole in one read: :class:`BodyLimit` answers 431
+  when the headers add up to more than the limit.
+- Nothing bounds a body. :class:`BodyLimit` (ASGI middleware) answers 413 when Content-Length
+  announces more than the limit (before reading a byte), counts while reading (chunked bodies
+  are cut at the limit, 413) and answers 408 when the body does not arrive in time. Both close
+  the connection.
+
+Each listener is its own uvicorn server with its own cap, so a flood of the peer port never
+takes the engine socket's capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+import msgspec
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from kvxferd.wire import ErrorBody
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class EdgeLimits:
+    """The limits of one listener (from kvxferd.config.Config)."""
+
+    max_connections: int
+    """Open connections beyond this are closed as soon as they are accepted."""
+    max_header_bytes: int
+    """Largest request head (request line and headers); larger ones answer 400 and close."""
+    max_body_bytes: int
+    """Largest request body; larger ones answer 413 and close."""
+    header_timeout_s: float
+    """A connection's request head must be complete this long after its first byte (or after
+    the connection opened); else the connection is closed."""
+    body_timeout_s: float
+    """A request body must be complete this long after its head; else 408 and close."""
+
+
+class LimitedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a per-listener connection cap and a request-head timeout.
+
+    Configured through class attributes by :func:`limited_protocol` (uvicorn builds the protocol
+    with a fixed signature)."""
+
+    max_connections = 1024
+    header_timeout_s = 10.0
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.max_connections:
+            self.transport = transport  # type: ignore[assignment]  # for connection_lost
+            transport.close()
+            return
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.transport.is_closing():
+            self._cancel_head_timer()
+        elif self.conn.their_state is h11.IDLE:
+            self._arm_head_timer()  # bytes of a head came, but not all of it yet
+        else:
+            self._cancel_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.debug("closing a connection whose request head did not come in time")
+            self.transport.close()
+
+
+def limited_protocol(limits: EdgeLimits, name: str) -> type[LimitedH11Protocol]:
+    """A protocol class for one listener (its own connection cap and head timeout)."""
+    attrs = {"max_connections": limits.max_connections, "header_timeout_s": limits.header_timeout_s}
+    return type(f"LimitedH11Protocol_{name}", (LimitedH11Protocol,), attrs)
+
+
+def uvicorn_limits(limits: EdgeLimits, name: str) -> dict[str, Any]:
+    """Keyword arguments of ``uvicorn.Config`` that apply ``limits`` to one listener."""
+    return {
+        "http": limited_protocol(limits, name),
+        "h11_max_incomplete_event_size": limits.max_header_bytes,
+    }
+
+
+class BodyLimit:
+    """ASGI middleware: check the head's size (431), read the whole body up front, bounded in
+    size and time, then hand it to ``app``. 413 (announced or counted past ``max_body_bytes``)
+    and 408 (not complete within ``body_timeout_s``) close the connection; the app never sees
+    such a request."""
+
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float, max_header_bytes: int
+    ) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.max_header_bytes = max_header_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        head = sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+        if head > self.max_header_bytes:
+            detail = f"request headers of {head} bytes exceed the limit of {self.max_header_bytes}"
+            await _reject(send, 431, "HeadersTooLarge", detail)
+            return
+        announced = _content_length(scope)
+        if announced is not None and announced > self.max_body_bytes:
+            await _reject(send, 413, "PayloadTooLarge", self._too_large(f"{announced}"))
+            return
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return  # the client is gone: nobody to answer
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        await _reject(send, 413, "PayloadTooLarge", self._too_large(f"> {size}"))
+                        return
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            detail = f"the request body did not arrive within {self.body_timeout_s:g} s"
+            await _reject(send, 408, "RequestTimeout", detail)
+            return
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later calls wait for the disconnect, as usual
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self, size: str) -> str:
+        return f"request body of {size} bytes is larger than the limit of {self.max_body_bytes}"
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # h11 rejects a malformed Content-Length before we see it
+    return None
+
+
+async def _reject(send: Send, status: int, error: str, detail: str) -> None:
+    """An ErrorBody answer that closes the connection (its unread body is never read)."""
+    body = msgspec.json.encode(ErrorBody(error=error, detail=detail))
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,90 @@
+"""A decode that will not read frees the prefill's blocks at once, not at lease expiry: through
+the proxy, a refused decode makes the proxy release the prefill's holds (``/v1/kv/release``), and
+the decode declines the tickets it refused. Real sims and sidecars, the proxy in-process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvxferd.proxy import ProxySettings, proxy_app
+from tests.proxy.fakes import serve_app
+from tests.sidecar.harness import wait_until
+from tests.sim.procs import STUB, Sim, start_sims
+
+pytestmark = pytest.mark.nixl
+
+MODEL = "granite-4.0-h-tiny"
+POOL = ["--config", MODEL, "--pool-blocks", "30"]
+LEASE_S = 600  # far longer than any wait below: only a release can free the blocks in time
+BOUND_S = 30.0
+PROMPT = "The quick brown fox jumps over the lazy dog, twice."
+
+
+@pytest.fixture(scope="module")
+def sims() -> Iterator[dict[str, Sim]]:
+    procs = start_sims({
+        "prefill": ["--role", "prefill", "--lease", str(LEASE_S), *POOL],
+        "decode": ["--role", "decode", *POOL],
+    })  # fmt: skip
+    yield procs
+    for sim in procs.values():
+        sim.child.terminate()
+    for sim in procs.values():
+        sim.child.stop()
+
+
+@pytest.fixture
+def proxy(sims: dict[str, Sim]) -> Iterator[str]:
+    settings = ProxySettings((sims["prefill"].url,), (sims["decode"].url,), timeout_s=BOUND_S)
+    served = serve_app(proxy_app(settings))
+    yield served.url
+    served.stop()
+
+
+def _all_free(sim: Sim) -> bool:
+    s = sim.stats()
+    return s["blocks_free"] == s["blocks_total"] and s["holds_outstanding"] == 0
+
+
+def _prefill(p: Sim) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": STUB}
+    resp = p.post("/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["kv_transfer_params"]
+
+
+def test_a_decode_refusing_through_the_proxy_leaves_no_hold_on_the_prefill(sims, proxy):
+    p, d = sims["prefill"], sims["decode"]
+    wait_until(lambda: _all_free(p), BOUND_S, "earlier holds to end")
+    before, d_before = p.stats(), d.stats()
+    resp = httpx.post(f"{proxy}/v1/completions", timeout=BOUND_S,
+                      json={"prompt": PROMPT, "max_tokens": 0})  # fmt: skip
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
+    wait_until(lambda: _all_free(p), BOUND_S, "the prefill's hold to be released")
+    after = p.stats()
+    assert after["holds_released"] == before["holds_released"] + 1
+    assert after["holds_expired"] == before["holds_expired"]  # released, not expired
+    assert after["holds_given_up"] == before["holds_given_up"] + 1
+    assert d.stats()["declined"] == d_before["declined"] + 1  # the decode declined too
+
+
+def test_release_needs_the_requests_tickets_and_happens_once(sims):
+    p = sims["prefill"]
+    wait_until(lambda: _all_free(p), BOUND_S, "earlier holds to end")
+    params = _prefill(p)
+    assert p.stats()["holds_outstanding"] == 1
+    forged = {**params, "kvxferd_tickets": [{**params["kvxferd_tickets"][0], "hold_id": "x"}]}
+    assert p.post("/v1/kv/release", {"kv_transfer_params": forged}).json() == {"released": 0}
+    assert p.stats()["holds_outstanding"] == 1
+    assert p.post("/v1/kv/release", {"kv_transfer_params": params}).json() == {"released": 1}
+    wait_until(lambda: _all_free(p), BOUND_S, "the released blocks to come back")
+    assert p.post("/v1/kv/release", {"kv_transfer_params": params}).json() == {"released": 0}
+
+
+def test_a_release_without_params_is_a_400_naming_them(sims):
+    resp = sims["prefill"].post("/v1/kv/release", {"nope": 1})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "kv_transfer_params"
