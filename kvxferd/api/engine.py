@@ -139,7 +139,7 @@ OPERATIONS = [
     Operation("POST", "/v1/holds/abort", abort, AbortHoldRequest, None, status=204,
               errors=(400, 404, 410, 422, 500, 503), needs_engine=True),
     Operation("POST", "/v1/pulls", pull, PullRequest, PullAccepted, status=202,
-              errors=(400, 422, 500, 503), needs_engine=True),
+              errors=(400, 401, 422, 500, 503), needs_engine=True),
     Operation("GET", "/v1/pulls/{pull_id}", pull_status, None, PullStatus, query=(WAIT,),
               errors=(404, 422, 500)),
     Operation("POST", "/v1/keepalive", keepalive, KeepaliveRequest, HeartbeatResponse,

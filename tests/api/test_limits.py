@@ -16,7 +16,7 @@ import pytest
 from kvxferd.api import engine, peer
 from kvxferd.client import EngineClient
 from kvxferd.wire import ErrorBody
-from tests.api.conftest import AUTH, JSON
+from tests.api.conftest import signed
 from tests.sidecar.harness import start_sidecar, wait_until
 
 LIMITS = {
@@ -215,7 +215,8 @@ def _bodies(op) -> list[str]:  # noqa: ANN001
 def test_json_nested_1000_deep_is_a_4xx_naming_the_problem(fake_engine, fake_peer, app, op):
     client = fake_engine if app == "engine" else fake_peer
     for body in _bodies(op):
-        resp = client.post(op.path, content=body, headers={**JSON, **AUTH})
+        raw = body.encode()
+        resp = client.post(op.path, content=raw, headers=signed("POST", op.path, raw))
         assert 400 <= resp.status_code < 500, (body[:40], resp.text[:300])
         error = msgspec.json.decode(resp.content, type=ErrorBody)
         if resp.status_code == 400:
