@@ -28,10 +28,10 @@ from kvxferd.descriptors.tpslice import check_units, read_units
 from kvxferd.errors import BlockIdError, IncompatiblePeerError, ManifestError
 from kvxferd.wire import AttentionLayer, Manifest
 
-_ATTN_FIELDS = ("index", "total_kv_heads", "head_size", "dtype", "head_layout")
+_ATTN_FIELDS = ("index", "total_kv_heads", "head_size", "dtype", "head_layout", "head_size_v")
 _MAMBA_FIELDS = ("index", "mamba_type", "conv_dtype", "ssm_dtype", "conv_layout")
 _GROUP_FIELDS = ("kind", "block_size", "kernel_block_size", "sliding_window")
-_PART_FIELDS = ("name", "units_total", "unit_bytes")
+_PART_FIELDS = ("name", "units_total", "unit_bytes", "rows")
 
 
 def _check_remote(remote: Manifest) -> None:
