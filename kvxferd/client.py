@@ -31,6 +31,7 @@ from kvxferd.wire import (
     ErrorBody,
     HeartbeatResponse,
     HoldRequest,
+    Identity,
     KeepaliveRequest,
     Manifest,
     PullAccepted,
@@ -40,6 +41,7 @@ from kvxferd.wire import (
     RegisterResponse,
     ReleasedHolds,
     Ticket,
+    UnregisterRequest,
 )
 
 T = TypeVar("T")
@@ -135,6 +137,14 @@ def _pull_status(pull_id: str, wait_s: float) -> _Call:
 def _keepalive(tickets: list[Ticket], extend_s: float) -> _Call:
     req = KeepaliveRequest(tickets=tickets, extend_s=extend_s)
     return _Call("POST", "/v1/keepalive", HeartbeatResponse, req)
+
+
+def _unregister(generation: int) -> _Call:
+    return _Call("POST", "/v1/unregister", None, UnregisterRequest(generation=generation))
+
+
+def _identity() -> _Call:
+    return _Call("GET", "/v1/identity", Identity)
 
 
 def _healthz() -> _Call:
@@ -275,6 +285,14 @@ class EngineClient:
         """Return once the sidecar answers its liveness probe (SidecarUnreachableError if not)."""
         self._send(_healthz())
 
+    def unregister(self, generation: int) -> None:
+        """Forget the registered memory of ``generation`` (sleep, re-init, restart)."""
+        self._send(_unregister(generation))
+
+    def identity(self) -> Identity:
+        """Engine id, epoch, generation and peer address of this sidecar."""
+        return self._send(_identity())  # type: ignore[no-any-return]
+
     def _send(self, call: _Call) -> Any:
         try:
             resp = self._http.request(call.method, call.path, **call.request_args())
@@ -344,6 +362,14 @@ class AsyncEngineClient:
     async def released(self, cursor: int = 0) -> ReleasedHolds:
         """Holds released since ``cursor``."""
         return await self._send(_released(cursor))  # type: ignore[no-any-return]
+
+    async def unregister(self, generation: int) -> None:
+        """Forget the registered memory of ``generation`` (sleep, re-init, restart)."""
+        await self._send(_unregister(generation))
+
+    async def identity(self) -> Identity:
+        """Engine id, epoch, generation and peer address of this sidecar."""
+        return await self._send(_identity())  # type: ignore[no-any-return]
 
     async def healthz(self) -> None:
         """Return once the sidecar answers its liveness probe (SidecarUnreachableError if not)."""

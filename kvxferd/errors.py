@@ -26,6 +26,7 @@ httpx, msgspec) are translated at the module that talks to them, ``raise ... fro
     ├── AuthError                   a peer presented a wrong or missing token
     ├── NotRegisteredError          no engine has registered with this sidecar yet (HTTP 503)
     ├── AlreadyRegisteredError      this sidecar already has an engine (HTTP 409)
+    ├── StaleGenerationError        not the current registration generation (HTTP 409)
     ├── UnknownPullError            no pull with that id on this sidecar (HTTP 404)
     ├── PullError                   a pull did not move every byte it promised (has a reason)
     ├── StateError                  a pull/hold state moved backward or out of a terminal state
@@ -152,6 +153,10 @@ class NotRegisteredError(KvxferdError):
 
 class AlreadyRegisteredError(KvxferdError):
     """The sidecar already has an engine; a new layout needs a new sidecar (restart it)."""
+
+
+class StaleGenerationError(KvxferdError):
+    """The call names a registration generation that is not the current one."""
 
 
 class UnknownPullError(KvxferdError):

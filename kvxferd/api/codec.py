@@ -30,6 +30,7 @@ _STATUS: list[tuple[type[Exception], int]] = [
     (errors.UnknownPullError, 404),
     (errors.NotRegisteredError, 503),
     (errors.AlreadyRegisteredError, 409),
+    (errors.StaleGenerationError, 409),
     (errors.HoldExpiredError, 410),
     (errors.IncompatiblePeerError, 409),
     (errors.DuplicateHoldError, 409),
