@@ -458,6 +458,6 @@ class HoldTable:
         self._cursor += 1
         self._log.append((self._cursor, record))
         self._recent[hold.hold_id] = record
-        self.counters.released[reason] += 1
+        self.counters.released[reason] = self.counters.released.get(reason, 0) + 1
         logger.debug("hold %s (request %s) released: %s", hold.hold_id, hold.request_id, reason)
         return record
