@@ -225,7 +225,9 @@ class HoldTable:
             raise DuplicateHoldError(
                 "request_id", f"{request.request_id!r} already has live hold {existing.hold_id}"
             )
-        hold_id = secrets.token_hex(16)
+        hold_id = request.hold_id or secrets.token_hex(16)  # stand-in until issue 10's claim grace
+        if request.hold_id and (hold_id in self._holds or hold_id in self._recent):
+            raise DuplicateHoldError("hold_id", f"{hold_id!r} is already used")
         while hold_id in self._holds or hold_id in self._recent:
             hold_id = secrets.token_hex(16)
         hold = Hold(

@@ -16,6 +16,7 @@ except ImportError:  # the main venv: `make test-vllm` runs these in .venv-vllm
         """Say why tests/vllm did not run here."""
         return "tests/vllm skipped: vllm is not installed here (make test-vllm runs them)"
 
+
 CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
 
 
