@@ -125,7 +125,9 @@ def build(model_dir: str, *, num_blocks: int, layout: str | None = None, **kw: A
     """Config, specs and kv-cache config in one call."""
     config = engine_config(model_dir, num_blocks=num_blocks, **kw)
     specs = layer_specs(config)
-    return Engine(config, specs, plan(config, specs, layout))
+    kv_cache_config = plan(config, specs, layout)
+    config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks  # as the engine core sets it
+    return Engine(config, specs, kv_cache_config)
 
 
 def allocate(engine: Engine, layout: str, buffer: torch.Tensor | None = None) -> dict[str, Any]:
