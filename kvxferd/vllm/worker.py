@@ -43,6 +43,7 @@ class WorkerSide:
         self.client = EngineClient(socket_path)
         self.model, self.tp_rank, self.tp_size = model, tp_rank, tp_size
         self.generation = -1
+        self.manifest: Any = None  # what was registered (offsets from the segment start)
         self._pulls: dict[str, str] = {}  # pull id -> request id
         self._pull_blocks: dict[str, list[list[int]]] = {}
         self._holds: dict[str, str] = {}  # request id -> hold id
@@ -74,6 +75,7 @@ class WorkerSide:
         if ident.generation >= 0:
             self.client.unregister(ident.generation)
         resp = self.client.register(manifest, [RegionSpec(name=name, size_bytes=size)])
+        self.manifest = manifest
         self.generation = resp.generation
 
     def run(self, orders: StepOrders) -> None:
