@@ -87,9 +87,14 @@ def test_a_request_moves_byte_exact_between_two_vllm_workers(engines, model, lay
         with p_side.client() as c:
             ident = c.identity()
         hybrid = engine.config.model_config.is_hybrid
-        sched = SchedulerSide(engine_id="P", tp_size=1, secret=TOKEN.encode(),
-                              identities=lambda: [ident], block_size=engine.config.cache_config.block_size,
-                              partial_prefill=hybrid)  # fmt: skip
+        sched = SchedulerSide(
+            engine_id="P",
+            tp_size=1,
+            secret=TOKEN.encode(),
+            identities=lambda: [ident],
+            block_size=engine.config.cache_config.block_size,
+            partial_prefill=hybrid,
+        )
         n = 300
         p_ids = _ids(engine, 1, n)
         request = SimpleNamespace(
