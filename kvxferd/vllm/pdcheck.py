@@ -79,7 +79,9 @@ class Rank:
     def arrays(self) -> list[np.ndarray]:
         """Each manifest region's bytes."""
         host = self.shm.host_view()
-        return [host[r.source_offset : r.source_offset + r.size_bytes] for r in self.manifest.regions]
+        return [
+            host[r.source_offset : r.source_offset + r.size_bytes] for r in self.manifest.regions
+        ]
 
     def step(self, meta: Any) -> tuple[set[str] | None, set[str] | None]:
         """One worker step: the scheduler's metadata in, finished sets out."""
@@ -172,10 +174,16 @@ def run(
         tmp, ["p0", "d0"], "--log-level", "warning", token=TOKEN, env=env, merge_stderr=True
     )
     os.environ["KVXFERD_PEER_TOKEN"] = TOKEN
-    max_len = max(1024, prompt_tokens + 8)
+    max_len = prompt_tokens + 16  # small: --num-blocks must cover one max-length request
     engines = [
-        cpu.build(mdir, num_blocks=num_blocks, layout=layout, max_model_len=max_len,
-                  extra_config={"sidecar_socket": s.socket}, engine_id=name)  # fmt: skip
+        cpu.build(
+            mdir,
+            num_blocks=num_blocks,
+            layout=layout,
+            max_model_len=max_len,
+            extra_config={"sidecar_socket": s.socket},
+            engine_id=name,
+        )  # fmt: skip
         for s, name in zip(sidecars, ["prefill", "decode"], strict=True)
     ]
     kinds = [type(g.kv_cache_spec).__name__ for g in engines[0].kv_cache_config.kv_cache_groups]

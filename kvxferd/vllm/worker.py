@@ -10,11 +10,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
+
 from kvxferd.client import EngineClient
-from kvxferd.errors import KvxferdError
+from kvxferd.errors import KvxferdError, MemoryRegionError
+from kvxferd.memory import CudaIpcRegion
 from kvxferd.vllm.manifest import backing_allocation, vllm_manifest
 from kvxferd.vllm.scheduler import StepOrders
 from kvxferd.wire import (
+    CudaRegionSpec,
     DeclineRequest,
     HoldRequest,
     PullRequest,
@@ -49,17 +53,29 @@ class WorkerSide:
         self._holds: dict[str, str] = {}  # request id -> hold id
         self._cursor = 0
         self._load_errors: set[int] = set()
+        self._ipc: Any = None  # the exported CUDA IPC region, kept open while registered
 
     def register(self, kv_caches: dict[str, Any], kv_cache_config: Any, total_heads: int) -> None:
         """Describe the allocation and register it; a sidecar left registered by an earlier
         engine is unregistered first (a restarted engine beside a running sidecar)."""
         alloc = backing_allocation(kv_caches)
-        seg = shm_segment(alloc.base)
-        if seg is None:
-            raise KvxferdError(
-                "the KV cache is not in shared memory (CPU) and CUDA IPC is GPU-only"
+        first = next(iter(kv_caches.values()))
+        if first.is_cuda:  # GPU: the sidecar maps the allocation by CUDA IPC (untested here)
+            name = f"vllm-kv-r{self.tp_rank}"
+            self._ipc = CudaIpcRegion.export(first, name)
+            device = first.device.index or 0
+            source: Any = CudaRegionSpec(
+                handle=self._ipc.handle.to_bytes(), size_bytes=alloc.size, device_id=device
             )
-        name, start, size = seg
+            start, mem = alloc.base, "VRAM"
+        else:
+            seg = shm_segment(alloc.base)
+            if seg is None:
+                raise MemoryRegionError(
+                    "the KV cache is not in a /dev/shm segment, so the sidecar cannot map it"
+                )
+            name, start, size = seg
+            source, mem, device = RegionSpec(name=name, size_bytes=size), "DRAM", 0
         manifest = vllm_manifest(
             kv_caches,
             kv_cache_config,
@@ -69,12 +85,11 @@ class WorkerSide:
             total_kv_heads=total_heads,
             region_prefix=f"{name}-r",
         )
-        lead = alloc.base - start
-        manifest = _shift(manifest, lead)
+        manifest = _shift(manifest, alloc.base - start, mem, device)
         ident = self.client.identity()
         if ident.generation >= 0:
             self.client.unregister(ident.generation)
-        resp = self.client.register(manifest, [RegionSpec(name=name, size_bytes=size)])
+        resp = self.client.register(manifest, [source])
         self.manifest = manifest
         self.generation = resp.generation
 
@@ -146,12 +161,12 @@ class WorkerSide:
         self.client.close()
 
 
-def _shift(manifest: Any, lead: int) -> Any:
-    """Region offsets counted from the shared-memory segment's start, not the allocation's."""
-    import msgspec
-
+def _shift(manifest: Any, lead: int, mem: str, device: int) -> Any:
+    """Region offsets counted from the mapped source's start (not the allocation's), and the
+    source's memory type."""
     regions = [
-        msgspec.structs.replace(r, source_offset=r.source_offset + lead) for r in manifest.regions
+        msgspec.structs.replace(r, source_offset=r.source_offset + lead, mem=mem, device_id=device)
+        for r in manifest.regions
     ]
     return msgspec.structs.replace(manifest, regions=regions)
 
