@@ -147,6 +147,9 @@ class SchedulerSide:
     def finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         """A prefill finished: mint one ticket per rank, order the holds, delay the free."""
         params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill") and params.get("kvxferd_tickets"):
+            self.decline(request)  # a decode request that ends before it loaded: free the prefill
+            return False, None
         if not params.get("do_remote_decode"):
             return False, None
         status = getattr(request.status, "name", str(request.status))

@@ -97,4 +97,66 @@ def test_prefill_then_decode_through_the_real_scheduler(engines, model, monkeypa
     assert [len(g) for g in pulls[0].block_ids] == [len(g) for g in tickets[0].block_ids]
     _step(decode, KVConnectorOutput(finished_recving={"d1"}))
     out, _ = _step(decode)
-    assert out.num_scheduled_tokens.get("d1", 0) == (1 if not hybrid else 1)
+    # Loaded: only the tail is computed (the last token; with partial prefill it was not sent).
+    assert out.num_scheduled_tokens.get("d1", 0) == 1
+
+
+def _prefill_params(engine, monkeypatch, n: int) -> dict:
+    prefill = _scheduler(engine, monkeypatch)
+    prefill.add_request(_request("p", n, {"do_remote_decode": True}))
+    _, engine_out = _step(prefill)
+    outputs = [o for eo in engine_out.values() for o in eo.outputs]
+    return next(o.kv_transfer_params for o in outputs if o.kv_transfer_params)
+
+
+def test_a_decode_aborted_before_it_loads_declines_the_prefill_hold(engines, monkeypatch):
+    from vllm.v1.request import RequestStatus
+
+    engine = engines("dense", num_blocks=32)
+    params = _prefill_params(engine, monkeypatch, 300)
+    decode = _scheduler(engine, monkeypatch)
+    free = decode.kv_cache_manager.block_pool.get_num_free_blocks()
+    decode.add_request(_request("d", 300, dict(params)))
+    decode.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    out, _ = _step(decode)
+    assert out.kv_connector_metadata.orders.declines == [params["kvxferd_tickets"]]
+    assert out.kv_connector_metadata.orders.pulls == []
+    assert decode.kv_cache_manager.block_pool.get_num_free_blocks() == free
+
+
+def test_a_failed_load_frees_the_blocks_and_vllm_recomputes(engines, monkeypatch):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    engine = engines("dense", num_blocks=32)
+    params = _prefill_params(engine, monkeypatch, 300)
+    monkeypatch.setattr(engine.config.kv_transfer_config, "kv_load_failure_policy", "recompute")
+    decode = _scheduler(engine, monkeypatch)
+    decode.add_request(_request("d", 300, dict(params)))
+    out, _ = _step(decode)
+    pull = out.kv_connector_metadata.orders.pulls[0]
+    bad = {b for g in pull.block_ids for b in g if b >= 0}
+    _step(decode, KVConnectorOutput(finished_recving={"d"}, invalid_block_ids=bad))
+    out, _ = _step(decode)
+    # The blocks whose bytes never arrived are computed locally: the whole prompt is scheduled.
+    assert out.num_scheduled_tokens.get("d", 0) == 300
+    assert out.kv_connector_metadata.orders.pulls == []
+
+
+def test_a_decode_prefix_cache_hit_pulls_only_the_blocks_it_lacks(engines, monkeypatch):
+    from vllm.v1.request import RequestStatus
+
+    engine = engines("dense", num_blocks=32)
+    bs = engine.config.cache_config.block_size
+    n = 3 * bs + 44
+    params = _prefill_params(engine, monkeypatch, n)
+    decode = _scheduler(engine, monkeypatch)
+    # A local request with the same first two blocks fills the decode's prefix cache.
+    decode.add_request(_request("local", 2 * bs + 10, None))
+    _step(decode)
+    decode.finish_requests("local", RequestStatus.FINISHED_ABORTED)
+    decode.add_request(_request("d", n, dict(params)))
+    out, _ = _step(decode)
+    pull = out.kv_connector_metadata.orders.pulls[0]
+    (attn,) = pull.block_ids
+    assert attn[:2] == [-1, -1] and all(b > 0 for b in attn[2:]), attn
+    assert len(attn) == len(params["kvxferd_tickets"][0]["block_ids"][0])
