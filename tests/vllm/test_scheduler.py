@@ -142,10 +142,11 @@ def test_a_failed_load_frees_the_blocks_and_vllm_recomputes(engines, monkeypatch
     assert out.kv_connector_metadata.orders.pulls == []
 
 
-def test_a_decode_prefix_cache_hit_pulls_only_the_blocks_it_lacks(engines, monkeypatch):
+@pytest.mark.parametrize("model", ["dense", "nemotron-h"])
+def test_a_decode_prefix_cache_hit_pulls_only_the_blocks_it_lacks(engines, model, monkeypatch):
     from vllm.v1.request import RequestStatus
 
-    engine = engines("dense", num_blocks=32)
+    engine = engines(model, num_blocks=48)
     bs = engine.config.cache_config.block_size
     n = 3 * bs + 44
     params = _prefill_params(engine, monkeypatch, n)
@@ -157,6 +158,11 @@ def test_a_decode_prefix_cache_hit_pulls_only_the_blocks_it_lacks(engines, monke
     decode.add_request(_request("d", n, dict(params)))
     out, _ = _step(decode)
     pull = out.kv_connector_metadata.orders.pulls[0]
-    (attn,) = pull.block_ids
-    assert attn[:2] == [-1, -1] and all(b > 0 for b in attn[2:]), attn
-    assert len(attn) == len(params["kvxferd_tickets"][0]["block_ids"][0])
+    kinds = [type(g.kv_cache_spec).__name__ for g in engine.kv_cache_config.kv_cache_groups]
+    remote = params["kvxferd_tickets"][0]["block_ids"]
+    for kind, local, theirs in zip(kinds, pull.block_ids, remote, strict=True):
+        assert len(local) == len(theirs)
+        if kind == "MambaSpec":  # one running state, pulled whole (no "one local block" limit)
+            assert len(local) == 1 and local[0] > 0
+        else:
+            assert local[:2] == [-1, -1] and all(b > 0 for b in local[2:]), local
