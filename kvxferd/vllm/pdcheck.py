@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -171,25 +172,27 @@ def run(
     mdir = model_dir(config, tmp)
     env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
     sidecars = launcher.start_sidecars(
-        tmp, ["p0", "d0"], "--log-level", "warning", token=TOKEN, env=env, merge_stderr=True
-    )
+        tmp, ["p0", "d0"], "--log-level", "warning", token=TOKEN, env=env, merge_stderr=True,
+        die_with_parent=True,
+    )  # fmt: skip
     os.environ["KVXFERD_PEER_TOKEN"] = TOKEN
     max_len = prompt_tokens + 16  # small: --num-blocks must cover one max-length request
-    engines = [
-        cpu.build(
-            mdir,
-            num_blocks=num_blocks,
-            layout=layout,
-            max_model_len=max_len,
-            extra_config={"sidecar_socket": s.socket},
-            engine_id=name,
-        )  # fmt: skip
-        for s, name in zip(sidecars, ["prefill", "decode"], strict=True)
-    ]
-    kinds = [type(g.kv_cache_spec).__name__ for g in engines[0].kv_cache_config.kv_cache_groups]
-    report = Report(model=str(engines[0].config.model_config.architecture), groups=kinds)
     ranks: list[Rank] = []
     try:
+        engines = [
+            cpu.build(
+                mdir,
+                num_blocks=num_blocks,
+                layout=layout,
+                max_model_len=max_len,
+                extra_config={"sidecar_socket": s.socket},
+                engine_id=name,
+            )  # fmt: skip
+            for s, name in zip(sidecars, ["prefill", "decode"], strict=True)
+        ]
+        groups = engines[0].kv_cache_config.kv_cache_groups
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        report = Report(model=str(engines[0].config.model_config.architecture), groups=kinds)
         ranks = [Rank(e, layout) for e in engines]
         prefill, decode = ranks
         p_sched, d_sched = (_scheduler(e) for e in engines)
@@ -246,6 +249,7 @@ def run(
             rank.close()
         for s in sidecars:
             s.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     return report
 
 
