@@ -54,6 +54,8 @@ class WorkerSide:
         self._cursor = 0
         self._load_errors: set[int] = set()
         self._ipc: Any = None  # the exported CUDA IPC region, kept open while registered
+        self._refused: set[str] = set()  # pulls the sidecar refused: finished, with errors
+        self._unheld: set[str] = set()  # holds the sidecar refused: free the blocks at once
 
     def register(self, kv_caches: dict[str, Any], kv_cache_config: Any, total_heads: int) -> None:
         """Describe the allocation and register it; a sidecar left registered by an earlier
@@ -96,14 +98,19 @@ class WorkerSide:
     def run(self, orders: StepOrders) -> None:
         """Place this step's holds, start its pulls, send its declines."""
         for h in orders.holds:
-            self.client.hold(
-                HoldRequest(
-                    request_id=h.request_id,
-                    block_ids=h.block_ids,
-                    num_tokens=h.num_tokens,
-                    hold_id=h.hold_id,
+            try:
+                self.client.hold(
+                    HoldRequest(
+                        request_id=h.request_id,
+                        block_ids=h.block_ids,
+                        num_tokens=h.num_tokens,
+                        hold_id=h.hold_id,
+                    )
                 )
-            )
+            except KvxferdError as exc:  # no hold: nobody can read, so free the blocks now
+                log.warning("hold for %s refused: %s", h.request_id, exc)
+                self._unheld.add(h.request_id)
+                continue
             self._holds[h.request_id] = h.hold_id
         for p in orders.pulls:
             tickets = [Ticket(**t) for t in p.tickets]
@@ -118,6 +125,7 @@ class WorkerSide:
             except KvxferdError as exc:  # refused: vLLM recomputes these blocks
                 log.warning("pull for %s refused: %s", p.request_id, exc)
                 self._load_errors.update(b for g in p.block_ids for b in g if b >= 0)
+                self._refused.add(p.request_id)
                 continue
             self._pulls[accepted.pull_id] = p.request_id
             self._pull_blocks[accepted.pull_id] = p.block_ids
@@ -128,7 +136,7 @@ class WorkerSide:
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose holds ended, requests whose pulls ended) since the last step."""
-        recving = set()
+        recving, self._refused = self._refused, set()
         for pull_id, request_id in list(self._pulls.items()):
             status = self.client.pull_status(pull_id)
             if status.state in ("done", "failed"):
@@ -137,7 +145,7 @@ class WorkerSide:
                 if status.state == "failed":
                     self._load_errors.update(b for g in blocks for b in g if b >= 0)
                 recving.add(request_id)
-        sending = set()
+        sending, self._unheld = self._unheld, set()
         if self._holds:
             feed = self.client.released(self._cursor)
             self._cursor = feed.cursor

@@ -132,3 +132,44 @@ def test_a_request_moves_byte_exact_between_two_vllm_workers(engines, model, lay
                 rank.close()
         p_side.stop()
         d_side.stop()
+
+
+def test_a_pull_that_cannot_complete_reports_its_blocks_as_load_errors(engines, tmp_path):
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    p_side, d_side = start_sidecars(str(tmp_path), ["p", "d"])
+    prefill = decode = None
+    try:
+        prefill, decode = Rank(engine, "LBHNC", p_side), Rank(engine, "LBHNC", d_side)
+        with p_side.client() as c:
+            ident = c.identity()
+        sched = SchedulerSide(
+            engine_id="P",
+            tp_size=1,
+            secret=TOKEN.encode(),
+            identities=lambda: [ident],
+            block_size=engine.config.cache_config.block_size,
+            partial_prefill=False,
+        )
+        request = SimpleNamespace(
+            request_id="r1",
+            prompt_token_ids=list(range(300)),
+            kv_transfer_params={"do_remote_decode": True},
+            status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
+        )
+        _delay, params = sched.finished(request, ([3, 4, 5],))
+        sched.take_orders()  # the prefill worker never places the hold: the claim finds none
+        dreq = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(300)),
+                               kv_transfer_params=dict(params))  # fmt: skip
+        count, _ = sched.matched_tokens(dreq, 0)
+        sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: [[9, 10, 11]]), count)
+        decode.step(sched.take_orders())
+        got = wait_until(lambda: decode.step(type(sched.orders)())[1], 60, "the pull to end")
+        assert got == {"d1"}
+        assert decode.connector.get_block_ids_with_load_errors() == {9, 10, 11}
+        assert decode.connector.get_block_ids_with_load_errors() == set()  # reported once
+    finally:
+        for rank in (prefill, decode):
+            if rank is not None:
+                rank.close()
+        p_side.stop()
+        d_side.stop()
