@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 export UCX_NET_DEVICES ?= lo
 
-.PHONY: setup tools test lint format demo clean
+.PHONY: setup tools vllm-venv test test-vllm lint format demo clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,11 +27,20 @@ format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: lint tools
+# .venv-vllm: vLLM 0.33.0 (CPU-usable parts) beside kvxferd for tests/vllm; idempotent (stamp).
+vllm-venv:
+	scripts/vllm-venv.sh
+
+test: lint tools vllm-venv
 	$(VENV)/bin/pytest
+	$(MAKE) test-vllm
+
+# tests/vllm need vllm, so they run in .venv-vllm (the main run skips them, saying why).
+test-vllm: vllm-venv
+	KVXFERD_REQUIRE_TOOLS=1 .venv-vllm/bin/pytest -p no:cacheprovider tests/vllm
 
 demo: setup
 	$(VENV)/bin/kvxferd demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .venv-vllm .pytest_cache .ruff_cache build *.egg-info

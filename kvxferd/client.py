@@ -33,6 +33,7 @@ from kvxferd.wire import (
     ErrorBody,
     HeartbeatResponse,
     HoldRequest,
+    Identity,
     KeepaliveRequest,
     Manifest,
     PullAccepted,
@@ -42,6 +43,7 @@ from kvxferd.wire import (
     RegisterResponse,
     ReleasedHolds,
     Ticket,
+    UnregisterRequest,
 )
 
 T = TypeVar("T")
@@ -144,6 +146,14 @@ def _keepalive(tickets: list[Ticket], extend_s: float) -> _Call:
 def _decline(tickets: list[Ticket], reason: str) -> _Call:
     req = DeclineRequest(tickets=tickets, reason=reason)
     return _Call("POST", "/v1/decline", DeclineResponse, req)
+
+
+def _unregister(generation: int) -> _Call:
+    return _Call("POST", "/v1/unregister", None, UnregisterRequest(generation=generation))
+
+
+def _identity() -> _Call:
+    return _Call("GET", "/v1/identity", Identity)
 
 
 def _healthz() -> _Call:
@@ -289,6 +299,14 @@ class EngineClient:
         """Return once the sidecar answers its liveness probe (SidecarUnreachableError if not)."""
         self._send(_healthz())
 
+    def unregister(self, generation: int) -> None:
+        """Forget the registered memory of ``generation`` (sleep, re-init, restart)."""
+        self._send(_unregister(generation))
+
+    def identity(self) -> Identity:
+        """Engine id, epoch, generation and peer address of this sidecar."""
+        return self._send(_identity())  # type: ignore[no-any-return]
+
     def _send(self, call: _Call) -> Any:
         try:
             resp = self._http.request(call.method, call.path, **call.request_args())
@@ -362,6 +380,14 @@ class AsyncEngineClient:
     async def released(self, cursor: int = 0, limit: int | None = None) -> ReleasedHolds:
         """One page of holds released since ``cursor`` (``more``: ask again at once)."""
         return await self._send(_released(cursor, limit))  # type: ignore[no-any-return]
+
+    async def unregister(self, generation: int) -> None:
+        """Forget the registered memory of ``generation`` (sleep, re-init, restart)."""
+        await self._send(_unregister(generation))
+
+    async def identity(self) -> Identity:
+        """Engine id, epoch, generation and peer address of this sidecar."""
+        return await self._send(_identity())  # type: ignore[no-any-return]
 
     async def healthz(self) -> None:
         """Return once the sidecar answers its liveness probe (SidecarUnreachableError if not)."""

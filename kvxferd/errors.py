@@ -39,6 +39,7 @@ An empty cell (st. = status) is inherited from the parent class.
     │   └── ClaimMismatchError     409                    a signed ticket not binding to its hold
     ├── NotRegisteredError         503                    no engine has registered yet
     ├── AlreadyRegisteredError     409                    this sidecar already has an engine
+    ├── StaleGenerationError       409                    not the current registration generation
     ├── UnknownPullError           404                    no pull with that id here
     ├── PullError                  502  pull              a pull did not move every byte
     ├── StateError                 409                    a state moved backward (a bug)
@@ -223,6 +224,12 @@ class NotRegisteredError(KvxferdError):
 
 class AlreadyRegisteredError(KvxferdError):
     """The sidecar already has an engine; a new layout needs a new sidecar (restart it)."""
+
+    status = 409
+
+
+class StaleGenerationError(KvxferdError):
+    """The call names a registration generation that is not the current one."""
 
     status = 409
 

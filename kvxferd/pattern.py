@@ -83,17 +83,17 @@ def verify_pattern(
         if _equal(actual, expected):
             continue
         wrong = actual != expected
-        n, j, i, b = np.unravel_index(int(np.argmax(wrong)), wrong.shape)
+        n, j, i, row, b = np.unravel_index(int(np.argmax(wrong)), wrong.shape)
         g, r, layer, part, ids, first = slot
-        offset = int(i) * part.unit_stride + int(b)
+        offset = int(i) * part.unit_stride + int(row) * part.row_stride + int(b)
         return Mismatch(
             group=g,
             layer=layer.name,
             block=int(ids[first + n]),
             part=part.name,
             offset=offset,
-            expected=int(expected[n, j, i, b]),
-            actual=int(actual[n, j, i, b]),
+            expected=int(expected[n, j, i, row, b]),
+            actual=int(actual[n, j, i, row, b]),
             sub_block=int(j),
             region=r,
             address=part.offset + int(units[n, j]) * part.block_stride + offset,
@@ -115,7 +115,7 @@ def _slots(
 ) -> Iterator[tuple[_Slot, np.ndarray, np.ndarray, np.ndarray]]:
     """(where, part view, block-unit index array, expected bytes) per part and chunk of blocks.
 
-    ``expected`` has shape (blocks, sub-blocks, units, unit_bytes); ``view[units]`` addresses
+    ``expected`` has shape (blocks, sub-blocks, units, rows, unit_bytes); ``view[units]`` addresses
     the same bytes in the region.
     """
     arrays = _check_regions(manifest, regions)
@@ -141,7 +141,7 @@ def _slots(
                 gunits = _global_units(part, manifest.tp_rank, manifest.tp_size, where)
                 top_unit = int(ids.max()) * ratio + ratio - 1
                 view = _part_view(region, part, top_unit, writeable, where)
-                per_block = ratio * part.units * part.unit_bytes
+                per_block = ratio * part.units * part.rows * part.unit_bytes
                 step = max(1, _CHUNK_BYTES // max(per_block, 1))
                 for first in range(0, ids.size, step):
                     chunk = ids[first : first + step]
@@ -183,7 +183,10 @@ def _global_units(part: Part, tp_rank: int, tp_size: int, where: str) -> np.ndar
 def _content(
     seed: int, layer_index: int, part: Part, ordinals: np.ndarray, ratio: int, gunits: np.ndarray
 ) -> np.ndarray:
-    """Pattern bytes of shape (len(ordinals), ratio, units, unit_bytes) as uint8."""
+    """Pattern bytes of shape (len(ordinals), ratio, units, rows, unit_bytes) as uint8.
+
+    A unit's rows are one byte stream (rows == 1: the unit's bytes), so content does not
+    depend on where a layout puts the rows."""
     digest = hashlib.blake2b(f"{seed}|{layer_index}|{part.name}".encode(), digest_size=16).digest()
     unit_key = np.uint64(int.from_bytes(digest[:8], "little"))
     byte_key = np.uint64(int.from_bytes(digest[8:], "little"))
@@ -195,10 +198,12 @@ def _content(
     )
     h = _mix(h ^ unit_key)
     # ... xor-ed with a hash stream over the unit's bytes, 8 bytes per word.
-    words = -(-part.unit_bytes // 8)
+    nbytes = part.rows * part.unit_bytes
+    words = -(-nbytes // 8)
     stream = _mix(np.arange(words, dtype=np.uint64) * _BYTE ^ byte_key)
     data = (h[..., None] ^ stream).astype("<u8", copy=False)
-    return data.view(np.uint8)[..., : part.unit_bytes]
+    out = data.view(np.uint8)[..., :nbytes]
+    return out.reshape(*out.shape[:-1], part.rows, part.unit_bytes)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -214,17 +219,20 @@ def _mix(x: np.ndarray) -> np.ndarray:
 def _part_view(
     region: np.ndarray, part: Part, top_unit: int, writeable: bool, where: str
 ) -> np.ndarray:
-    """A (block unit, TP unit, byte) strided view of ``part`` over units 0..top_unit."""
+    """A (block unit, TP unit, row, byte) strided view of ``part`` over units 0..top_unit."""
     if min(part.offset, part.block_stride, part.unit_stride, part.unit_bytes, part.units) < 0:
         raise ManifestError(where, "negative offset, stride or size")
+    if part.rows < 1 or part.row_stride < 0:
+        raise ManifestError(where, "rows must be positive, row_stride not negative")
     last = part.offset + top_unit * part.block_stride
-    last += (part.units - 1) * part.unit_stride + part.unit_bytes
+    last += (part.units - 1) * part.unit_stride + (part.rows - 1) * part.row_stride
+    last += part.unit_bytes
     if last > region.size:
         raise ManifestError(where, f"block unit {top_unit} ends at byte {last} > {region.size}")
     return np.lib.stride_tricks.as_strided(
         region[part.offset :],
-        shape=(top_unit + 1, part.units, part.unit_bytes),
-        strides=(part.block_stride, part.unit_stride, 1),
+        shape=(top_unit + 1, part.units, part.rows, part.unit_bytes),
+        strides=(part.block_stride, part.unit_stride, part.row_stride, 1),
         writeable=writeable,
     )
 

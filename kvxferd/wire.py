@@ -11,7 +11,8 @@ versions, where ``MANIFEST_VERSION`` is checked before anything else.
 Byte addressing used throughout: a *block unit* is a kernel block for attention parts and a
 logical block for mamba parts. Part ``p`` of block unit ``u`` starts at
 ``region_base + p.offset + u * p.block_stride``; within it, TP unit ``i`` (a head, group or
-channel this rank holds) occupies ``[i * p.unit_stride, i * p.unit_stride + p.unit_bytes)``.
+channel this rank holds) occupies ``[i * p.unit_stride, i * p.unit_stride + p.unit_bytes)``,
+repeated ``p.rows`` times ``p.row_stride`` apart (rows > 1 only for vLLM's packed K|V rows).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ class Part(_Strict, kw_only=True):
     """TP units of this part across all ranks, before any replication."""
     sliceable: bool = True
     """Whether a rank may read a subset of the units (False for NHD K/V and SD conv)."""
+    rows: int = 1
+    """Runs per TP unit: a unit is ``rows`` runs of ``unit_bytes``, ``row_stride`` apart (vLLM
+    packs K|V per token, so a head's K is one run per token); 1: one run."""
+    row_stride: int = 0
+    """Bytes between consecutive runs of one TP unit (unused when ``rows == 1``)."""
 
 
 class AttentionLayer(_Strict, kw_only=True, tag="attention"):
@@ -104,6 +110,8 @@ class AttentionLayer(_Strict, kw_only=True, tag="attention"):
     """The K part."""
     v: Part
     """The V part."""
+    head_size_v: int = 0
+    """Elements per V head when it differs from ``head_size`` (0: the same)."""
 
 
 class MambaLayer(_Strict, kw_only=True, tag="mamba"):

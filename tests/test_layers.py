@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "kvxferd.client": 6,
     "kvxferd.sim": 7,
     "kvxferd.proxy": 7,
+    "kvxferd.vllm": 7,
     "kvxferd.demo": 7,
     "kvxferd.cli": 7,
     "kvxferd.commands": 7,
@@ -93,3 +94,11 @@ def test_only_the_transport_imports_nixl_and_pure_layers_do_no_io(path):
 def test_every_module_has_a_layer():
     assert all(_layer(_module_name(p)) is not None for p in MODULES)
     assert len(MODULES) > 50
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: _module_name(p))
+def test_only_the_vllm_connector_imports_vllm(path):
+    module = _module_name(path)
+    roots = {name.split(".")[0] for name in _imports(path)}
+    if not module.startswith("kvxferd.vllm"):
+        assert "vllm" not in roots, f"{module} imports vllm (an optional extra)"

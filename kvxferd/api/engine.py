@@ -17,6 +17,7 @@ from kvxferd.wire import (
     DeclineResponse,
     HeartbeatResponse,
     HoldRequest,
+    Identity,
     KeepaliveRequest,
     PullAccepted,
     PullRequest,
@@ -25,6 +26,7 @@ from kvxferd.wire import (
     RegisterResponse,
     ReleasedHolds,
     Ticket,
+    UnregisterRequest,
 )
 
 if TYPE_CHECKING:
@@ -48,6 +50,22 @@ async def register(sidecar: Sidecar, req: RegisterRequest) -> RegisterResponse:
     restart the sidecar to change the layout.
     """
     return await sidecar.register(req)
+
+
+async def unregister(sidecar: Sidecar, req: UnregisterRequest) -> None:
+    """Forget the engine's memory (sleep mode, KV-cache re-init, an engine restart).
+
+    In-flight pulls end FAILED once none of their READs can still write, live holds are released
+    ``unregistered``, NIXL registrations are dropped and the sources unmapped. A stale
+    ``generation`` is a 409. Registering again starts generation + 1.
+    """
+    await sidecar.unregister(req)
+
+
+async def identity(sidecar: Sidecar) -> Identity:
+    """Who this sidecar is (engine id, epoch, generation, peer address, TP rank, default lease),
+    so a scheduler process can mint tickets itself; generation -1 while nothing is registered."""
+    return sidecar.identity()
 
 
 async def hold(sidecar: Sidecar, req: HoldRequest) -> Ticket:
@@ -134,6 +152,9 @@ LIMIT = Query(
 OPERATIONS = [
     Operation("POST", "/v1/register", register, RegisterRequest, RegisterResponse,
               errors=(400, 409, 422, 500, 502)),
+    Operation("POST", "/v1/unregister", unregister, UnregisterRequest, None, status=204,
+              errors=(400, 409, 422, 500, 503), needs_engine=True),
+    Operation("GET", "/v1/identity", identity, None, Identity, errors=(500,)),
     Operation("POST", "/v1/holds", hold, HoldRequest, Ticket,
               errors=(400, 409, 422, 500, 503), needs_engine=True),
     Operation("POST", "/v1/holds/abort", abort, AbortHoldRequest, None, status=204,

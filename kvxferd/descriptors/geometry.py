@@ -83,7 +83,10 @@ def check_geometry(manifest: Manifest) -> None:
                     raise ManifestError(f"{pf}.unit_stride", "TP units overlap")
                 if p.offset < 0 or p.block_stride < 0:
                     raise ManifestError(pf, "offset and block_stride must not be negative")
+                if p.rows < 1 or (p.rows > 1 and p.row_stride < p.unit_bytes):
+                    raise ManifestError(f"{pf}.rows", "rows must be positive and not overlap")
                 end = p.offset + (units - 1) * p.block_stride + (p.units - 1) * p.unit_stride
+                end += (p.rows - 1) * p.row_stride
                 if end + p.unit_bytes > size:
                     raise ManifestError(
                         pf, f"block unit {units - 1} ends at {end + p.unit_bytes} > region {size}"

@@ -31,10 +31,10 @@ from kvxferd.descriptors.tpslice import check_units, read_units
 from kvxferd.errors import BlockIdError, IncompatiblePeerError, ManifestError
 from kvxferd.wire import AttentionLayer, Manifest
 
-_ATTN_FIELDS = ("index", "total_kv_heads", "head_size", "dtype", "head_layout")
+_ATTN_FIELDS = ("index", "total_kv_heads", "head_size", "dtype", "head_layout", "head_size_v")
 _MAMBA_FIELDS = ("index", "mamba_type", "conv_dtype", "ssm_dtype", "conv_layout")
 _GROUP_FIELDS = ("kind", "sliding_window")
-_PART_FIELDS = ("name", "units_total")
+_PART_FIELDS = ("name", "units_total", "rows")
 
 
 def _check_remote(remote: Manifest) -> None:
@@ -97,7 +97,7 @@ def compare_manifests(local: Manifest, remote: Manifest) -> dict[str, tuple[obje
         for (name, lp), (_n, rp) in zip(lparts, rparts, strict=False):
             for f in _PART_FIELDS:
                 cmp(f"{lf}.{name}.{f}", getattr(lp, f), getattr(rp, f))
-            if lp.unit_bytes * rk != rp.unit_bytes * lk:
+            if lp.unit_bytes * lp.rows * rk != rp.unit_bytes * rp.rows * lk:
                 diff[f"{lf}.{name}.unit_bytes"] = (lp.unit_bytes, rp.unit_bytes)
     if diff:
         return diff
@@ -179,6 +179,17 @@ class ReadGeometry:
         return coalesce_plan(plan) if coalesce else plan
 
 
+def _has_rows(*manifests: Manifest) -> bool:
+    """Whether any part is split into per-token rows (vLLM's packed K|V layout)."""
+    return any(
+        p.rows > 1
+        for m in manifests
+        for g in m.groups
+        for layer in g.layers
+        for _name, p in layer_parts(layer)
+    )
+
+
 def read_geometry(local: Manifest, remote: Manifest) -> ReadGeometry:
     """Validate a (local rank, remote rank) pair and precompute its per-block-unit pieces.
 
@@ -191,7 +202,12 @@ def read_geometry(local: Manifest, remote: Manifest) -> ReadGeometry:
     if diff:
         raise IncompatiblePeerError(diff)
     groups = local.groups
-    if reblock_fields(local, remote):
+    reblocked = reblock_fields(local, remote)
+    if reblocked and _has_rows(local, remote):
+        # Re-blocking maps token rows of whole-unit parts; vLLM's packed K|V rows are not
+        # supported there yet, so such peers must use equal block sizes.
+        raise IncompatiblePeerError(reblocked)
+    if reblocked:
         return ReadGeometry(
             local_blocks=local.num_blocks,
             remote_blocks=remote.num_blocks,

@@ -47,22 +47,26 @@ class _Rows:
         self.ridx: list[np.ndarray] = []
 
     def add(self, lreg: int, lp: Part, lidx: np.ndarray, rreg: int, rp: Part, ridx) -> None:
-        """The units ``lidx`` of local part ``lp`` receive units ``ridx`` of remote ``rp``."""
-        self.scalars.append(
-            (
-                lreg,
-                lp.offset,
-                lp.unit_stride,
-                lp.block_stride,
-                rreg,
-                rp.offset,
-                rp.unit_stride,
-                rp.block_stride,
-                lp.unit_bytes,
+        """The units ``lidx`` of local part ``lp`` receive units ``ridx`` of remote ``rp``.
+
+        A part with rows (packed K|V) adds one piece per row; merging joins K and V rows again.
+        """
+        for r in range(lp.rows):
+            self.scalars.append(
+                (
+                    lreg,
+                    lp.offset + r * lp.row_stride,
+                    lp.unit_stride,
+                    lp.block_stride,
+                    rreg,
+                    rp.offset + r * rp.row_stride,
+                    rp.unit_stride,
+                    rp.block_stride,
+                    lp.unit_bytes,
+                )
             )
-        )
-        self.lidx.append(lidx)
-        self.ridx.append(ridx)
+            self.lidx.append(lidx)
+            self.ridx.append(ridx)
 
     def pieces(self) -> Pieces:
         """One piece per TP unit, then adjacent pieces merged."""

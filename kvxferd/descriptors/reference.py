@@ -41,7 +41,7 @@ def reference_descriptor_count(manifest: Manifest, block_ids_per_group: Sequence
 
 def _extent(part: Part, field: str) -> int:
     """Bytes of one block unit of a part, which vLLM addresses as one contiguous range."""
-    if part.units > 1 and part.unit_stride != part.unit_bytes:
+    if part.rows > 1 or (part.units > 1 and part.unit_stride != part.unit_bytes):
         raise ManifestError(field, "the reference scheme needs contiguous TP units")
     return part.units * part.unit_bytes
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+import numpy as np
+
 from kvxferd.errors import ManifestError
 from kvxferd.layout.overlap import Series, first_overlap
 from kvxferd.wire import (
@@ -42,6 +44,51 @@ def part_series(part: Part, count: int, label: str) -> list[Series]:
     return [
         Series(part.offset + i * part.unit_stride, part.block_stride, part.unit_bytes, count, label)
         for i in range(part.units)
+    ]
+
+
+def packed_series(layer: AttentionLayer | MambaLayer, count: int, label: str) -> list[Series]:
+    """A layer whose parts have rows (vLLM's packed K|V) as interval series of its merged runs.
+
+    K and V rows interleave, so each alone is many runs; together they usually tile each head (or
+    the whole block unit). Runs of one block unit are merged where adjacent; two parts sharing a
+    byte raise ManifestError naming the layer.
+    """
+    parts = layer_parts(layer)
+    stride = parts[0].block_stride
+    if any(p.block_stride != stride for p in parts):
+        raise _fail(f"{label}.k.block_stride", "parts of a packed layer differ in block stride")
+    starts, lengths = [], []
+    for p in parts:
+        grid = (
+            p.offset
+            + np.arange(p.units, dtype=np.int64)[:, None] * p.unit_stride
+            + np.arange(p.rows, dtype=np.int64)[None, :] * p.row_stride
+        ).ravel()
+        starts.append(grid)
+        lengths.append(np.full(grid.size, p.unit_bytes, dtype=np.int64))
+    start, length = np.concatenate(starts), np.concatenate(lengths)
+    order = np.argsort(start, kind="stable")
+    start, length = start[order], length[order]
+    end = start + length
+    if np.any(start[1:] < end[:-1]):
+        raise _fail(label, "its K and V runs overlap inside a block unit")
+    new = np.flatnonzero(np.r_[True, start[1:] != end[:-1]])
+    last = np.r_[new[1:], start.size] - 1
+    return [
+        Series(int(start[a]), stride, int(end[b] - start[a]), count, label)
+        for a, b in zip(new, last, strict=True)
+    ]
+
+
+def _series(layer: AttentionLayer | MambaLayer, count: int, lf: str) -> list[Series]:
+    """All interval series of one layer (merged runs for a packed layer)."""
+    if any(p.rows > 1 for p in layer_parts(layer)):
+        return packed_series(layer, count, lf)
+    return [
+        s
+        for part, pname in zip(layer_parts(layer), _part_names(layer), strict=True)
+        for s in part_series(part, count, f"{lf}.{pname}")
     ]
 
 
@@ -93,6 +140,8 @@ def _check_part(part: Part, f: str) -> None:
         raise _fail(f"{f}.offset", f"{part.offset} < 0")
     if min(part.units, part.unit_bytes, part.units_total) < 1:
         raise _fail(f"{f}.units", "units, unit_bytes and units_total must be positive")
+    if part.rows < 1 or (part.rows > 1 and part.row_stride < part.unit_bytes):
+        raise _fail(f"{f}.rows", f"{part.rows} rows {part.row_stride} B apart overlap or none")
     if part.units > 1 and part.unit_stride < part.unit_bytes:
         raise _fail(f"{f}.unit_stride", f"{part.unit_stride} < unit_bytes {part.unit_bytes}")
     if part.block_stride < 1:
@@ -105,10 +154,11 @@ def _check_attention(m: Manifest, g: Group, layer: AttentionLayer, f: str) -> No
         raise _fail(f"{f}.num_kv_heads", f"{layer.num_kv_heads}, expected {want_heads}")
     if not 0 <= layer.pack_index < m.attn_pack_size:
         raise _fail(f"{f}.pack_index", f"{layer.pack_index} not in [0, {m.attn_pack_size})")
-    head = g.kernel_block_size * layer.head_size * DTYPE_BYTES[layer.dtype]
     for name, part in (("k", layer.k), ("v", layer.v)):
+        size = layer.head_size_v if name == "v" and layer.head_size_v else layer.head_size
+        head = g.kernel_block_size * size * DTYPE_BYTES[layer.dtype]
         pf = f"{f}.{name}"
-        if part.units * part.unit_bytes != head * layer.num_kv_heads:
+        if part.units * part.unit_bytes * part.rows != head * layer.num_kv_heads:
             raise _fail(
                 f"{pf}.unit_bytes",
                 f"units*unit_bytes={part.units * part.unit_bytes} != kernel_block_size*heads*"
@@ -116,7 +166,7 @@ def _check_attention(m: Manifest, g: Group, layer: AttentionLayer, f: str) -> No
             )
         if layer.head_layout == "HND" and part.units != layer.num_kv_heads:
             raise _fail(f"{pf}.units", f"HND holds one unit per head ({layer.num_kv_heads})")
-        if layer.head_layout == "NHD" and (part.units != 1 or part.sliceable):
+        if part.rows == 1 and layer.head_layout == "NHD" and (part.units != 1 or part.sliceable):
             raise _fail(f"{pf}.sliceable", "NHD heads interleave: one unsliceable unit")
 
 
@@ -177,7 +227,8 @@ def _part_names(layer: AttentionLayer | MambaLayer) -> list[str]:
 
 def _page_local(part: Part, per_block: int, page: int) -> bool:
     """Whether logical block b's units of ``part`` all lie in ``[b*page, (b+1)*page)``."""
-    extent = (part.units - 1) * part.unit_stride + part.unit_bytes
+    extent = (part.units - 1) * part.unit_stride + (part.rows - 1) * part.row_stride
+    extent += part.unit_bytes
     return (
         part.block_stride * per_block == page
         and part.offset + (per_block - 1) * part.block_stride + extent <= page
@@ -186,7 +237,8 @@ def _page_local(part: Part, per_block: int, page: int) -> bool:
 
 def _geometry(layer: AttentionLayer | MambaLayer) -> tuple:
     return tuple(
-        (p.offset, p.block_stride, p.units, p.unit_bytes, p.unit_stride) for p in layer_parts(layer)
+        (p.offset, p.block_stride, p.units, p.unit_bytes, p.unit_stride, p.rows, p.row_stride)
+        for p in layer_parts(layer)
     )
 
 
@@ -200,24 +252,18 @@ def _check_placement(m: Manifest) -> None:
         for li, layer in enumerate(g.layers):
             lf = f"groups[{gi}].layers[{li}]"
             region = m.regions[layer.region]
-            for part, pname in zip(layer_parts(layer), _part_names(layer), strict=True):
-                for s in part_series(part, count, f"{lf}.{pname}"):
-                    if s.end > region.size_bytes:
-                        raise _fail(
-                            s.label,
-                            f"last block unit ends at {s.end}, past regions[{layer.region}] "
-                            f"size {region.size_bytes}",
-                        )
+            for s in _series(layer, count, lf):
+                if s.end > region.size_bytes:
+                    raise _fail(
+                        s.label,
+                        f"last block unit ends at {s.end}, past regions[{layer.region}] "
+                        f"size {region.size_bytes}",
+                    )
             by_region[layer.region][gi].append((lf, layer))
     for r, groups in by_region.items():
         for gi, members in groups.items():
             count = units_per_block(m.groups[gi]) * m.num_blocks
-            series = [
-                s
-                for lf, layer in members
-                for part, pname in zip(layer_parts(layer), _part_names(layer), strict=True)
-                for s in part_series(part, count, f"{lf}.{pname}")
-            ]
+            series = [s for lf, layer in members for s in _series(layer, count, lf)]
             hit = first_overlap(series)
             if hit is not None:
                 raise _fail(hit[1].label, f"overlaps {hit[0].label} in regions[{r}]")

@@ -9,7 +9,7 @@ from kvxferd.memory.region import (
     check_region_size,
 )
 from kvxferd.memory.shm import SHM_DIR, SharedMemoryRegion
-from kvxferd.memory.spec import open_region
+from kvxferd.memory.spec import check_sources, open_region
 
 __all__ = [
     "MAX_NAME_LEN",
@@ -20,6 +20,7 @@ __all__ = [
     "RegionSource",
     "SharedMemoryRegion",
     "check_region_name",
+    "check_sources",
     "check_region_size",
     "open_region",
 ]

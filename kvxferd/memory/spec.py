@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvxferd.errors import MemoryRegionError
+from kvxferd.errors import ManifestError, MemoryRegionError
 from kvxferd.memory.cuda_ipc import CudaIpcRegion
 from kvxferd.memory.region import RegionSource
 from kvxferd.memory.shm import SharedMemoryRegion
-from kvxferd.wire import AnyRegionSpec, CudaRegionSpec, RegionSpec
+from kvxferd.wire import AnyRegionSpec, CudaRegionSpec, RegionSpec, RegisterRequest
 
 
 def open_region(spec: AnyRegionSpec, name: str = "") -> RegionSource:
@@ -17,3 +17,36 @@ def open_region(spec: AnyRegionSpec, name: str = "") -> RegionSource:
         label = name or f"cuda{spec.device_id}"
         return CudaIpcRegion.open(label, spec.handle, spec.size_bytes, spec.device_id)
     raise MemoryRegionError(f"unknown region spec type {type(spec).__name__}")
+
+
+def check_sources(req: RegisterRequest) -> list[int]:
+    """The source index of each manifest region, checked to lie inside its allocation.
+
+    A region with ``source == -1`` is its own source (one allocation per region, the same index);
+    otherwise it is ``source_offset`` bytes into ``req.regions[source]`` (vLLM's one backing
+    buffer per worker, many regions). Raises ManifestError naming the field.
+    """
+    regions = req.manifest.regions
+    legacy = all(r.source < 0 for r in regions)
+    if legacy and len(req.regions) != len(regions):
+        raise ManifestError(
+            "regions", f"{len(req.regions)} region sources for {len(regions)} regions"
+        )
+    out = []
+    for i, region in enumerate(regions):
+        src = i if region.source < 0 else region.source
+        if not 0 <= src < len(req.regions):
+            raise ManifestError(f"manifest.regions[{i}].source", f"no source {src}")
+        if region.source_offset < 0:
+            raise ManifestError(f"manifest.regions[{i}].source_offset", "must not be negative")
+        end = region.source_offset + region.size_bytes
+        if end > req.regions[src].size_bytes:
+            field = "size_bytes" if legacy else "source_offset"
+            raise ManifestError(
+                f"regions[{i}].{field}" if legacy else f"manifest.regions[{i}].{field}",
+                f"{req.regions[src].size_bytes} < manifest region size {region.size_bytes}"
+                if legacy
+                else f"region ends at {end}, past source {src} ({req.regions[src].size_bytes} B)",
+            )
+        out.append(src)
+    return out

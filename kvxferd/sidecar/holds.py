@@ -412,6 +412,12 @@ class HoldTable:
         self._release(hold, "declined", now)
         return DeclineOutcome.RELEASED
 
+    def release(
+        self, hold_id: str, reason: HoldReleaseReason, now: float | None = None
+    ) -> ReleasedHold:
+        """Release a live hold for ``reason`` (e.g. ``unregistered``, ``declined``)."""
+        return self._release(self.get(hold_id), reason, self._now(now))
+
     def heartbeat(
         self, hold_ids: Iterable[str], extend_s: float, now: float | None = None
     ) -> tuple[list[str], list[str]]:
@@ -501,7 +507,7 @@ class HoldTable:
             reason=reason,
         )
         self._released.append(record)
-        self.counters.released[reason] += 1
+        self.counters.released[reason] = self.counters.released.get(reason, 0) + 1
         logger.debug("hold %s (request %s) released: %s", hold.hold_id, hold.request_id, reason)
         return record
 

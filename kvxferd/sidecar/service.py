@@ -25,12 +25,12 @@ from kvxferd.errors import (
     ClaimMismatchError,
     HoldRequestError,
     KvxferdError,
-    ManifestError,
     NotRegisteredError,
+    StaleGenerationError,
     UnknownHoldError,
 )
 from kvxferd.layout import validate_manifest
-from kvxferd.memory import open_region
+from kvxferd.memory import check_sources, open_region
 from kvxferd.metrics import Metrics
 from kvxferd.sidecar.holds import REAP_SLICE, DeclineOutcome, HoldTable
 from kvxferd.sidecar.keepalive import decline_at_peers, keep_alive
@@ -50,6 +50,7 @@ from kvxferd.wire import (
     Heartbeat,
     HeartbeatResponse,
     HoldRequest,
+    Identity,
     KeepaliveRequest,
     Manifest,
     PullAccepted,
@@ -59,6 +60,7 @@ from kvxferd.wire import (
     RegisterResponse,
     ReleasedHolds,
     Ticket,
+    UnregisterRequest,
 )
 
 log = logging.getLogger(__name__)
@@ -108,6 +110,9 @@ class Sidecar:
         self._hold_waiters: dict[str, tuple[asyncio.Event, list[int]]] = {}
         self._released_reported: dict[str, int] = {}  # release counts already in metrics
         self._notif_wake = asyncio.Event()  # set by a claim: a READ is imminent
+        self.generation = -1  # registration generation; -1 while no engine is registered
+        self._next_generation = 0
+        self._registrations: list[Any] = []  # NIXL registrations of the memory sources
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -145,28 +150,25 @@ class Sidecar:
             raise AlreadyRegisteredError(
                 "register: this sidecar already has an engine; restart it first"
             )
-        if len(req.regions) != len(req.manifest.regions):
-            raise ManifestError(
-                "regions",
-                f"{len(req.regions)} region sources for {len(req.manifest.regions)} regions",
-            )
         validate_manifest(req.manifest)
+        sources = check_sources(req)
         regions = []
         try:
-            for i, (spec, region) in enumerate(zip(req.regions, req.manifest.regions, strict=True)):
-                if spec.size_bytes < region.size_bytes:
-                    raise ManifestError(
-                        f"regions[{i}].size_bytes",
-                        f"{spec.size_bytes} < manifest region size {region.size_bytes}",
-                    )
+            for spec in req.regions:
                 regions.append(open_region(spec))
-            await asyncio.to_thread(self.agent.register, regions)
+            registrations = await asyncio.to_thread(self.agent.register, regions)
         except BaseException:
             for region in regions:
                 region.close()
             raise
         self._regions = regions
-        self._bases = [r.base_addr for r in regions]
+        self._registrations = registrations
+        self._bases = [
+            regions[src].base_addr + region.source_offset
+            for src, region in zip(sources, req.manifest.regions, strict=True)
+        ]
+        self.generation = self._next_generation
+        self._next_generation += 1
         self.manifest = structs.replace(req.manifest, engine_id=self.engine_id, epoch=self.epoch)
         self.holds = HoldTable(
             self.manifest,
@@ -184,7 +186,44 @@ class Sidecar:
             self.manifest.num_blocks,
         )
         return RegisterResponse(
-            engine_id=self.engine_id, epoch=self.epoch, peer_address=self.peer_address
+            engine_id=self.engine_id,
+            epoch=self.epoch,
+            peer_address=self.peer_address,
+            generation=self.generation,
+        )
+
+    async def unregister(self, req: UnregisterRequest) -> None:
+        """Forget the engine's memory: pulls end FAILED (no READ left running), holds are
+        released ``unregistered``, NIXL registrations dropped, sources unmapped."""
+        holds, _ = self._require_engine()
+        if req.generation != self.generation:
+            raise StaleGenerationError(
+                f"unregister: generation {req.generation} is not the registered {self.generation}"
+            )
+        await self.pulls.close()  # cancelled pulls end FAILED once their READs stopped
+        for hold in list(holds.live()):
+            holds.release(hold.hold_id, "unregistered")
+        self._after_release()
+        for reg in self._registrations:
+            await asyncio.to_thread(self.agent.deregister, reg)
+        for region in self._regions:
+            region.close()
+        self._regions, self._registrations, self._bases = [], [], []
+        self.manifest = None
+        self.generation = -1
+        log.info("unregistered generation %d", req.generation)
+
+    def identity(self) -> Identity:
+        """Who this sidecar is, so a scheduler process can mint tickets for its holds."""
+        m = self.manifest
+        return Identity(
+            engine_id=self.engine_id,
+            epoch=self.epoch,
+            generation=self.generation,
+            peer_address=self.peer_address,
+            tp_rank=m.tp_rank if m is not None else -1,
+            tp_size=m.tp_size if m is not None else 0,
+            default_lease_s=self.config.default_lease_s,
         )
 
     def hold(self, req: HoldRequest) -> Ticket:
@@ -207,6 +246,7 @@ class Sidecar:
             tp_rank=manifest.tp_rank,
             tp_size=manifest.tp_size,
             peer=self.peer_address,
+            generation=self.generation,
         )
         return sign_ticket(ticket, self._secret)
 

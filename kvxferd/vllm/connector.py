@@ -1,0 +1,140 @@
+"""KvxferdConnector: vLLM 0.33's KV connector interface over one kvxferd sidecar per rank.
+
+``kv_connector_extra_config``: ``sidecar_socket`` (a path with ``{rank}``), ``peer_token_file``
+(else ``KVXFERD_PEER_TOKEN``), ``partial_prefill`` (default: on for Mamba hybrids).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from kvxferd.client import EngineClient
+from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
+from kvxferd.vllm.worker import WorkerSide
+
+DEFAULT_SOCKET = "/run/kvxferd/engine-{rank}.sock"
+
+
+class KvxferdMetadata(KVConnectorMetadata):
+    """One step's orders from the scheduler to every worker."""
+
+    def __init__(self, orders: StepOrders) -> None:
+        self.orders = orders
+
+
+def _secret(extra: dict[str, Any]) -> bytes:
+    path = extra.get("peer_token_file") or os.environ.get("KVXFERD_PEER_TOKEN_FILE")
+    if path:
+        with open(path, "rb") as f:
+            return f.read().strip()
+    return os.environ.get("KVXFERD_PEER_TOKEN", "").encode()
+
+
+class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
+    """The connector vLLM loads by ``kv_connector_module_path: kvxferd.vllm``."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._socket = extra.get("sidecar_socket", DEFAULT_SOCKET)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            hybrid = bool(vllm_config.model_config.is_hybrid)
+            self._sched = SchedulerSide(
+                engine_id=str(self._kv_transfer_config.engine_id),
+                tp_size=tp_size,
+                secret=_secret(extra),
+                identities=lambda: self._read_identities(tp_size),
+                block_size=vllm_config.cache_config.block_size,
+                partial_prefill=bool(extra.get("partial_prefill", hybrid)),
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+            self._worker = WorkerSide(
+                self._socket.format(rank=rank),
+                model=vllm_config.model_config.model,
+                tp_rank=rank,
+                tp_size=tp_size,
+            )
+
+    def _read_identities(self, tp_size: int) -> list[Any]:
+        out = []
+        for rank in range(tp_size):
+            with EngineClient(self._socket.format(rank=rank), timeout_s=5.0) as client:
+                out.append(client.identity())
+        return out
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """Sleep mode remaps the KV cache; re-registration on wake is not wired yet."""
+        return False
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        assert self._sched is not None
+        return self._sched.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        assert self._sched is not None
+        self._sched.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return KvxferdMetadata(self._sched.take_orders())
+
+    def request_finished(self, request: Any, block_ids: list[int]):
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
+        assert self._sched is not None
+        return self._sched.finished(request, block_ids)
+
+    def notify_kv_transfer_request_rejected(self, request: Any) -> None:  # vLLM hook, if any
+        if self._sched is not None:
+            self._sched.decline(request)
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        heads = self._vllm_config.model_config.get_total_num_kv_heads()
+        self._worker.register(kv_caches, self._kv_cache_config, heads)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, KvxferdMetadata):
+            self._worker.run(meta.orders)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
+        return None  # the decode side pulls; nothing is pushed
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]):
+        if self._worker is None:
+            return None, None
+        return self._worker.finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()

@@ -1,0 +1,262 @@
+"""A prefill and a decode engine on vLLM's real Scheduler, KV allocation and KvxferdConnector,
+each rank beside a real ``kvxferd serve``, requests flowing prefill -> params -> decode, every
+pulled byte verified with kvxferd.pattern. CPU only (vLLM's model never runs: the scheduler gets
+the model runner's outputs made up, the connector and the data plane are real).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvxferd import pattern
+from kvxferd.layout import load_hf_config
+from kvxferd.memory import SharedMemoryRegion
+from kvxferd.sim import sidecars as launcher
+from kvxferd.vllm import cpu
+from kvxferd.vllm.connector import KvxferdConnector
+
+TOKEN = "vllm-pd-check-secret"
+_FILL = {  # what vLLM's config classes need that layout-only configs may lack (no weights load)
+    "vocab_size": 1024,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "layer_norm_epsilon": 1e-5,
+    "intermediate_size": 512,
+}
+
+
+@dataclass
+class Report:
+    """The --json answer."""
+
+    model: str
+    groups: list[str]
+    verified: bool = True
+    requests_ok: int = 0
+    requests_failed: int = 0
+    kv_bytes: int = 0
+    state_bytes: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+def model_dir(config: str, tmp: str) -> str:
+    """A directory holding ``config`` (a path or a bundled name), filled with harmless
+    defaults for fields vLLM's config classes need and a layout does not."""
+    hf = load_hf_config(config)
+    hf = {**_FILL, **hf}
+    out = os.path.join(tmp, "model")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf, f)
+    return out
+
+
+class Rank:
+    """One engine rank: vLLM's views over a shm segment, its worker-role connector."""
+
+    def __init__(self, engine: cpu.Engine, layout: str) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        size = engine.kv_cache_config.kv_cache_tensors[0].size
+        self.shm = SharedMemoryRegion.create(f"kvx-pd-{uuid.uuid4().hex[:8]}", size)
+        buf = torch.frombuffer(self.shm.host_view(), dtype=torch.int8)
+        self.views = cpu.allocate(engine, layout, buffer=buf)
+        self.connector = KvxferdConnector(
+            engine.config, KVConnectorRole.WORKER, engine.kv_cache_config
+        )
+        self.connector.register_kv_caches(self.views)
+        self.manifest = self.connector._worker.manifest
+
+    def arrays(self) -> list[np.ndarray]:
+        """Each manifest region's bytes."""
+        host = self.shm.host_view()
+        return [
+            host[r.source_offset : r.source_offset + r.size_bytes] for r in self.manifest.regions
+        ]
+
+    def step(self, meta: Any) -> tuple[set[str] | None, set[str] | None]:
+        """One worker step: the scheduler's metadata in, finished sets out."""
+        self.connector.bind_connector_metadata(meta)
+        self.connector.start_load_kv(None)
+        self.connector.clear_connector_metadata()
+        return self.connector.get_finished(set())
+
+    def close(self) -> None:
+        self.connector.shutdown()
+        self.shm.close()
+
+
+def _scheduler(engine: cpu.Engine) -> Any:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    return Scheduler(
+        vllm_config=engine.config,
+        kv_cache_config=engine.kv_cache_config,
+        structured_output_manager=StructuredOutputManager(engine.config),
+        block_size=engine.config.cache_config.block_size,
+    )
+
+
+def _request(rid: str, tokens: list[int], params: dict, block_size: int) -> Any:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    req = Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
+    req.kv_transfer_params = params
+    return req
+
+
+def _step(sched: Any, connector_output: Any = None) -> tuple[Any, dict]:
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    out = sched.schedule()
+    ids = list(out.num_scheduled_tokens)
+    mro = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[1] for _ in ids],
+        kv_connector_output=connector_output,
+    )
+    return out, sched.update_from_output(out, mro)
+
+
+def _bytes(manifest: Any, ids: list[list[int]]) -> tuple[int, int]:
+    """(attention, state) bytes of the listed blocks of this rank."""
+    kv = state = 0
+    for group, gids in zip(manifest.groups, ids, strict=True):
+        n = sum(1 for b in gids if b >= 0)
+        ratio = group.block_size // group.kernel_block_size
+        for layer in group.layers:
+            parts = [layer.k, layer.v] if group.kind != "mamba" else [*layer.conv, layer.ssm]
+            b = sum(p.units * p.rows * p.unit_bytes for p in parts) * n * ratio
+            if group.kind == "mamba":
+                state += b
+            else:
+                kv += b
+    return kv, state
+
+
+def run(
+    config: str,
+    *,
+    requests: int = 4,
+    num_blocks: int = 64,
+    layout: str = "LBHNC",
+    prompt_tokens: int = 300,
+    timeout_s: float = 120.0,
+) -> Report:
+    """Move ``requests`` prompts from a prefill to a decode engine; verify every byte."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    tmp = tempfile.mkdtemp(prefix="kvx-pd-")
+    mdir = model_dir(config, tmp)
+    env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+    sidecars = launcher.start_sidecars(
+        tmp, ["p0", "d0"], "--log-level", "warning", token=TOKEN, env=env, merge_stderr=True,
+        die_with_parent=True,
+    )  # fmt: skip
+    os.environ["KVXFERD_PEER_TOKEN"] = TOKEN
+    max_len = prompt_tokens + 16  # small: --num-blocks must cover one max-length request
+    ranks: list[Rank] = []
+    try:
+        engines = [
+            cpu.build(
+                mdir,
+                num_blocks=num_blocks,
+                layout=layout,
+                max_model_len=max_len,
+                extra_config={"sidecar_socket": s.socket},
+                engine_id=name,
+            )  # fmt: skip
+            for s, name in zip(sidecars, ["prefill", "decode"], strict=True)
+        ]
+        groups = engines[0].kv_cache_config.kv_cache_groups
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        report = Report(model=str(engines[0].config.model_config.architecture), groups=kinds)
+        ranks = [Rank(e, layout) for e in engines]
+        prefill, decode = ranks
+        p_sched, d_sched = (_scheduler(e) for e in engines)
+        bs = engines[0].config.cache_config.block_size
+        for i in range(requests):
+            rid = f"req-{i}"
+            tokens = [int(t) for t in np.random.default_rng(i).integers(1, 1000, prompt_tokens)]
+            p_sched.add_request(_request(rid, tokens, {"do_remote_decode": True}, bs))
+            out, eng_out = _step(p_sched)
+            outs = [o for eo in eng_out.values() for o in eo.outputs if o.kv_transfer_params]
+            params = outs[0].kv_transfer_params
+            held = [list(g) for g in params["kvxferd_tickets"][0]["block_ids"]]
+            pattern.write_pattern(prefill.manifest, prefill.arrays(), held, seed=1000 + i)
+            prefill.step(out.kv_connector_metadata)
+            # vLLM builds a step's metadata before the step's outputs finish requests: the hold
+            # the finished prefill minted rides in the next step's metadata.
+            out, _ = _step(p_sched)
+            prefill.step(out.kv_connector_metadata)
+
+            d_sched.add_request(_request(f"d-{i}", tokens, dict(params), bs))
+            out, _ = _step(d_sched)
+            pulls = out.kv_connector_metadata.orders.pulls
+            decode.step(out.kv_connector_metadata)
+            deadline = time.monotonic() + timeout_s
+            from kvxferd.vllm.scheduler import StepOrders
+
+            recv = None
+            while recv is None and time.monotonic() < deadline:
+                _sending, recv = decode.step(type(out.kv_connector_metadata)(StepOrders()))
+                if recv is None:
+                    time.sleep(0.01)
+            errors = decode.connector.get_block_ids_with_load_errors()
+            _step(d_sched, KVConnectorOutput(finished_recving=recv or set()))
+            target = pulls[0].block_ids if pulls else [[] for _ in held]
+            bad = pattern.verify_pattern(decode.manifest, decode.arrays(), target, 1000 + i)
+            if recv is None or errors or bad is not None:
+                report.requests_failed += 1
+                report.verified = False
+                report.failures.append(f"{rid}: {bad or errors or 'pull did not finish'}")
+                continue
+            kv, state = _bytes(decode.manifest, target)
+            report.kv_bytes += kv
+            report.state_bytes += state
+            report.requests_ok += 1
+            sending = None
+            while sending is None and time.monotonic() < deadline:
+                sending, _ = prefill.step(type(out.kv_connector_metadata)(StepOrders()))
+                if sending is None:
+                    time.sleep(0.01)
+            _step(p_sched, KVConnectorOutput(finished_sending=sending or set()))
+            d_sched.finish_requests(f"d-{i}", _finished_status())
+    finally:
+        for rank in ranks:
+            rank.close()
+        for s in sidecars:
+            s.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return report
+
+
+def _finished_status() -> Any:
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus.FINISHED_ABORTED
+
+
+__all__ = ["Report", "run"]

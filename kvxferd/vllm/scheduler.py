@@ -1,0 +1,202 @@
+"""The scheduler side of the connector: tickets minted here, holds and pulls handed to workers.
+
+``request_finished_all_groups`` must answer at once, so the scheduler process mints each prefill
+rank's ticket itself (the shared secret read locally, each rank's Identity read once) and the
+workers place the holds with the minted ids in the same step. On the decode side a request with
+tickets loads asynchronously (WAITING_FOR_REMOTE_KVS) and pulls only the blocks it lacks.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvxferd.sidecar.tickets import sign_ticket
+from kvxferd.wire import Identity, Ticket
+
+NULL_BLOCK = 0
+"""vLLM's reserved null block: never held, never pulled."""
+
+
+@dataclass
+class HoldOrder:
+    """A hold every prefill worker places with the id its ticket names."""
+
+    request_id: str
+    hold_id: str
+    block_ids: list[list[int]]
+    num_tokens: int
+
+
+@dataclass
+class PullOrder:
+    """A pull the decode workers start: remote tickets, local blocks (-1: already local)."""
+
+    request_id: str
+    tickets: list[dict[str, Any]]
+    block_ids: list[list[int]]
+    num_tokens: int
+
+
+@dataclass
+class StepOrders:
+    """What the workers do this step (vLLM's connector metadata carries it)."""
+
+    holds: list[HoldOrder] = field(default_factory=list)
+    pulls: list[PullOrder] = field(default_factory=list)
+    declines: list[list[dict[str, Any]]] = field(default_factory=list)
+
+
+def live_ids(ids: list[int]) -> list[int]:
+    """A group's block ids without vLLM's null block (Mamba groups are mostly null)."""
+    return [b for b in ids if b != NULL_BLOCK]
+
+
+def local_targets(remote: list[list[int]], local: list[list[int]], skip: int) -> list[list[int]]:
+    """Per group, the local blocks aligned with the remote ones (both from the end, so a Mamba
+    group's running state meets its state block); -1 for the first ``skip`` attention blocks
+    the decode already holds (prefix-cache hit)."""
+    out = []
+    for r, loc in zip(remote, local, strict=True):
+        mine = live_ids(loc)[-len(r) :] if r else []
+        if len(mine) < len(r):
+            mine = [-1] * (len(r) - len(mine)) + mine
+        if len(r) > 1 and skip:
+            mine = [-1] * min(skip, len(r)) + mine[skip:]
+        out.append(mine)
+    return out
+
+
+class SchedulerSide:
+    """Per-engine scheduler state of the connector (one instance in the scheduler process)."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        tp_size: int,
+        secret: bytes,
+        identities: Callable[[], list[Identity]],
+        block_size: int,
+        partial_prefill: bool,
+    ) -> None:
+        self.engine_id = engine_id
+        self.tp_size = tp_size
+        self._secret = secret
+        self._identities = identities
+        self._known: list[Identity] | None = None
+        self.block_size = block_size
+        self.partial_prefill = partial_prefill  # Mamba: the decode recomputes the last token
+        self.orders = StepOrders()
+        self._loads: dict[str, int] = {}  # request id -> external tokens to load
+
+    def identities(self) -> list[Identity]:
+        """Each prefill rank's sidecar identity (read once; again after a re-registration)."""
+        if self._known is None:
+            self._known = self._identities()
+        return self._known
+
+    # ---------------------------------------------------------------- decode side
+
+    def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        """Tokens the prefill holds beyond what is local: load them asynchronously."""
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill") or not params.get("kvxferd_tickets"):
+            return 0, False
+        remote = int(params.get("remote_num_tokens", len(request.prompt_token_ids)))
+        count = max(0, remote - num_computed)
+        return count, count > 0
+
+    def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        """Blocks are allocated: queue the pull of the blocks the decode lacks."""
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # load once
+        tickets = params.get("kvxferd_tickets") or []
+        if num_external <= 0 or not tickets:
+            return
+        remote_num = int(params.get("remote_num_tokens", len(request.prompt_token_ids)))
+        local_done = max(0, remote_num - num_external)
+        remote_ids = tickets[0]["block_ids"]
+        local = [list(g) for g in blocks.get_block_ids()]
+        targets = local_targets(remote_ids, local, local_done // self.block_size)
+        self.orders.pulls.append(
+            PullOrder(
+                request_id=request.request_id,
+                tickets=tickets,
+                block_ids=targets,
+                num_tokens=remote_num,
+            )
+        )
+
+    def decline(self, request: Any) -> None:
+        """A decode that will not read releases the prefill's holds at once."""
+        params = request.kv_transfer_params or {}
+        tickets = params.get("kvxferd_tickets")
+        if tickets and params.get("do_remote_prefill", True):
+            self.orders.declines.append(tickets)
+
+    # ---------------------------------------------------------------- prefill side
+
+    def finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """A prefill finished: mint one ticket per rank, order the holds, delay the free."""
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill") and params.get("kvxferd_tickets"):
+            self.decline(request)  # a decode request that ends before it loaded: free the prefill
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        status = getattr(request.status, "name", str(request.status))
+        if status != "FINISHED_LENGTH_CAPPED":
+            return False, None
+        ids = [live_ids(list(g)) for g in block_ids]
+        if not any(ids):
+            return False, None
+        num_tokens = len(request.prompt_token_ids)
+        if self.partial_prefill:
+            num_tokens = max(0, num_tokens - 1)
+        hold_id = secrets.token_hex(16)
+        now = time.time()
+        tickets = []
+        for ident in self.identities():
+            ticket = Ticket(
+                engine_id=ident.engine_id,
+                epoch=ident.epoch,
+                hold_id=hold_id,
+                request_id=request.request_id,
+                block_ids=ids,
+                num_tokens=num_tokens,
+                expires_at=now + ident.default_lease_s,
+                tp_rank=ident.tp_rank,
+                tp_size=ident.tp_size,
+                peer=ident.peer_address,
+                generation=ident.generation,
+            )
+            tickets.append(msgspec.to_builtins(sign_ticket(ticket, self._secret)))
+        self.orders.holds.append(HoldOrder(request.request_id, hold_id, ids, num_tokens))
+        first = self.identities()[0]
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_block_ids": ids,
+            "remote_host": first.peer_address.rsplit(":", 1)[0],
+            "remote_port": int(first.peer_address.rsplit(":", 1)[-1] or 0),
+            "remote_request_id": request.request_id,
+            "tp_size": self.tp_size,
+            "remote_num_tokens": num_tokens,
+            "remote_blocks_expiry_time": now + first.default_lease_s,
+            "remote_registration_generation": first.generation,
+            "kvxferd_tickets": tickets,
+        }
+
+    def take_orders(self) -> StepOrders:
+        """This step's orders for the workers (and a fresh list for the next step)."""
+        orders, self.orders = self.orders, StepOrders()
+        return orders

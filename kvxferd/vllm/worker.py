@@ -1,0 +1,182 @@
+"""The worker side of the connector: one kvxferd sidecar per rank, driven over the engine API.
+
+Registers vLLM's one backing allocation as many regions (a POSIX shared-memory segment on CPU,
+a CUDA IPC handle on GPU), places the holds the scheduler minted, starts the pulls, and turns
+pull outcomes and hold releases into vLLM's per-step ``get_finished`` answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from kvxferd.client import EngineClient
+from kvxferd.errors import KvxferdError, MemoryRegionError
+from kvxferd.memory import CudaIpcRegion
+from kvxferd.vllm.manifest import backing_allocation, vllm_manifest
+from kvxferd.vllm.scheduler import StepOrders
+from kvxferd.wire import (
+    CudaRegionSpec,
+    DeclineRequest,
+    HoldRequest,
+    PullRequest,
+    RegionSpec,
+    Ticket,
+)
+
+log = logging.getLogger(__name__)
+
+
+def shm_segment(address: int) -> tuple[str, int, int] | None:
+    """(name, mapping start, size) of the /dev/shm segment mapped at ``address``, if any."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi and len(fields) > 5 and fields[5].startswith("/dev/shm/"):
+                return fields[5][len("/dev/shm/") :], lo, hi - lo
+    return None
+
+
+class WorkerSide:
+    """One rank's connector state: its sidecar client, pulls in flight, the released cursor."""
+
+    def __init__(self, socket_path: str, *, model: str, tp_rank: int, tp_size: int) -> None:
+        self.client = EngineClient(socket_path)
+        self.model, self.tp_rank, self.tp_size = model, tp_rank, tp_size
+        self.generation = -1
+        self.manifest: Any = None  # what was registered (offsets from the segment start)
+        self._pulls: dict[str, str] = {}  # pull id -> request id
+        self._pull_blocks: dict[str, list[list[int]]] = {}
+        self._holds: dict[str, str] = {}  # request id -> hold id
+        self._cursor = 0
+        self._load_errors: set[int] = set()
+        self._ipc: Any = None  # the exported CUDA IPC region, kept open while registered
+        self._refused: set[str] = set()  # pulls the sidecar refused: finished, with errors
+        self._unheld: set[str] = set()  # holds the sidecar refused: free the blocks at once
+
+    def register(self, kv_caches: dict[str, Any], kv_cache_config: Any, total_heads: int) -> None:
+        """Describe the allocation and register it; a sidecar left registered by an earlier
+        engine is unregistered first (a restarted engine beside a running sidecar)."""
+        alloc = backing_allocation(kv_caches)
+        first = next(iter(kv_caches.values()))
+        if first.is_cuda:  # GPU: the sidecar maps the allocation by CUDA IPC (untested here)
+            name = f"vllm-kv-r{self.tp_rank}"
+            self._ipc = CudaIpcRegion.export(first, name)
+            device = first.device.index or 0
+            source: Any = CudaRegionSpec(
+                handle=self._ipc.handle.to_bytes(), size_bytes=alloc.size, device_id=device
+            )
+            start, mem = alloc.base, "VRAM"
+        else:
+            seg = shm_segment(alloc.base)
+            if seg is None:
+                raise MemoryRegionError(
+                    "the KV cache is not in a /dev/shm segment, so the sidecar cannot map it"
+                )
+            name, start, size = seg
+            source, mem, device = RegionSpec(name=name, size_bytes=size), "DRAM", 0
+        manifest = vllm_manifest(
+            kv_caches,
+            kv_cache_config,
+            model=self.model,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            total_kv_heads=total_heads,
+            region_prefix=f"{name}-r",
+        )
+        manifest = _shift(manifest, alloc.base - start, mem, device)
+        ident = self.client.identity()
+        if ident.generation >= 0:
+            self.client.unregister(ident.generation)
+        resp = self.client.register(manifest, [source])
+        self.manifest = manifest
+        self.generation = resp.generation
+
+    def run(self, orders: StepOrders) -> None:
+        """Place this step's holds, start its pulls, send its declines."""
+        for h in orders.holds:
+            try:
+                self.client.hold(
+                    HoldRequest(
+                        request_id=h.request_id,
+                        block_ids=h.block_ids,
+                        num_tokens=h.num_tokens,
+                        hold_id=h.hold_id,
+                    )
+                )
+            except KvxferdError as exc:  # no hold: nobody can read, so free the blocks now
+                log.warning("hold for %s refused: %s", h.request_id, exc)
+                self._unheld.add(h.request_id)
+                continue
+            self._holds[h.request_id] = h.hold_id
+        for p in orders.pulls:
+            tickets = [Ticket(**t) for t in p.tickets]
+            req = PullRequest(
+                tickets=tickets,
+                block_ids=p.block_ids,
+                request_id=p.request_id,
+                num_tokens=p.num_tokens,
+            )
+            try:
+                accepted = self.client.pull(req)
+            except KvxferdError as exc:  # refused: vLLM recomputes these blocks
+                log.warning("pull for %s refused: %s", p.request_id, exc)
+                self._load_errors.update(b for g in p.block_ids for b in g if b >= 0)
+                self._refused.add(p.request_id)
+                continue
+            self._pulls[accepted.pull_id] = p.request_id
+            self._pull_blocks[accepted.pull_id] = p.block_ids
+        for tickets in orders.declines:
+            decline = getattr(self.client, "decline", None)  # issue 10 adds it
+            if decline is not None:
+                decline([Ticket(**t) for t in tickets], "rejected")
+
+    def finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose holds ended, requests whose pulls ended) since the last step."""
+        recving, self._refused = self._refused, set()
+        for pull_id, request_id in list(self._pulls.items()):
+            status = self.client.pull_status(pull_id)
+            if status.state in ("done", "failed"):
+                del self._pulls[pull_id]
+                blocks = self._pull_blocks.pop(pull_id)
+                if status.state == "failed":
+                    self._load_errors.update(b for g in blocks for b in g if b >= 0)
+                recving.add(request_id)
+        sending, self._unheld = self._unheld, set()
+        if self._holds:
+            feed = self.client.released(self._cursor)
+            self._cursor = feed.cursor
+            for rel in feed.holds:
+                if self._holds.pop(rel.request_id, None) is not None:
+                    sending.add(rel.request_id)
+        return sending or None, recving or None
+
+    def load_errors(self) -> set[int]:
+        """Local block ids whose pull failed since the last call (vLLM recomputes them)."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def close(self) -> None:
+        """Unregister (the memory goes away with the engine) and close the client."""
+        try:
+            if self.generation >= 0:
+                self.client.unregister(self.generation)
+        except KvxferdError as exc:
+            log.warning("unregister at shutdown failed: %s", exc)
+        self.client.close()
+
+
+def _shift(manifest: Any, lead: int, mem: str, device: int) -> Any:
+    """Region offsets counted from the mapped source's start (not the allocation's), and the
+    source's memory type."""
+    regions = [
+        msgspec.structs.replace(r, source_offset=r.source_offset + lead, mem=mem, device_id=device)
+        for r in manifest.regions
+    ]
+    return msgspec.structs.replace(manifest, regions=regions)
+
+
+__all__ = ["DeclineRequest", "WorkerSide", "shm_segment"]

@@ -1,0 +1,94 @@
+"""Registration over the engine API: regions inside one allocation, unregister with a
+generation, register again, and the identity a scheduler reads to mint tickets."""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvxferd.memory import SharedMemoryRegion
+from kvxferd.wire import ErrorBody, Identity, RegionSpec, RegisterRequest, RegisterResponse
+from tests.api.conftest import JSON
+
+
+def _one_allocation(manifest, name: str):
+    """The manifest's regions laid out back to back in ONE segment (vLLM's backing buffer)."""
+    offsets, at = [], 4096  # a leading gap: region 0 does not start at the allocation
+    for r in manifest.regions:
+        offsets.append(at)
+        at += r.size_bytes
+    regions = [
+        msgspec.structs.replace(r, source=0, source_offset=off)
+        for r, off in zip(manifest.regions, offsets, strict=True)
+    ]
+    shm = SharedMemoryRegion.create(name, at)
+    return msgspec.structs.replace(manifest, regions=regions), shm
+
+
+def _post(client, path: str, body) -> object:
+    return client.post(path, content=msgspec.json.encode(body), headers=JSON)
+
+
+def test_regions_inside_one_allocation_are_based_at_their_offsets(fresh):
+    manifest, shm = _one_allocation(fresh.manifest, f"kvx-src-{id(fresh)}")
+    try:
+        req = RegisterRequest(
+            manifest=manifest, regions=[RegionSpec(name=shm.name, size_bytes=shm.size)]
+        )
+        resp = _post(fresh.engine, "/v1/register", req)
+        assert resp.status_code == 200, resp.text
+        bases = fresh.sidecar.region_bases
+        base = min(bases) - manifest.regions[0].source_offset
+        assert [b - base for b in bases] == [r.source_offset for r in manifest.regions]
+        assert len(fresh.sidecar._registrations) == 1  # the allocation, registered once
+    finally:
+        shm.close()
+
+
+def test_a_region_past_its_allocation_is_a_422_naming_its_source_offset(fresh):
+    manifest, shm = _one_allocation(fresh.manifest, f"kvx-src-short-{id(fresh)}")
+    try:
+        short = RegionSpec(name=shm.name, size_bytes=shm.size - 1)
+        resp = _post(
+            fresh.engine, "/v1/register", RegisterRequest(manifest=manifest, regions=[short])
+        )
+        assert resp.status_code == 422, resp.text
+        body = msgspec.json.decode(resp.content, type=ErrorBody)
+        assert body.field == f"manifest.regions[{len(manifest.regions) - 1}].source_offset"
+        assert fresh.sidecar.manifest is None
+    finally:
+        shm.close()
+
+
+def test_unregister_then_register_again_starts_the_next_generation(fresh):
+    ident = msgspec.json.decode(fresh.engine.get("/v1/identity").content, type=Identity)
+    assert (ident.generation, ident.tp_rank, ident.tp_size) == (-1, -1, 0)
+    req = RegisterRequest(manifest=fresh.manifest, regions=fresh.pool.specs())
+    first = msgspec.json.decode(
+        _post(fresh.engine, "/v1/register", req).content, type=RegisterResponse
+    )
+    assert first.generation == 0
+    held = fresh.engine.post(
+        "/v1/holds", json={"request_id": "r1", "block_ids": [[1]], "num_tokens": 3}
+    )
+    assert held.status_code == 200, held.text
+    assert _post(fresh.engine, "/v1/register", req).status_code == 409  # still registered
+    stale = fresh.engine.post("/v1/unregister", json={"generation": 5})
+    assert stale.status_code == 409
+    assert fresh.engine.post("/v1/unregister", json={"generation": 0}).status_code == 204
+    assert fresh.sidecar.holds.released_since(0).holds[0].reason == "unregistered"
+    assert (
+        fresh.engine.post(
+            "/v1/holds", json={"request_id": "r2", "block_ids": [[1]], "num_tokens": 3}
+        ).status_code
+        == 503
+    )
+    again = msgspec.json.decode(
+        _post(fresh.engine, "/v1/register", req).content, type=RegisterResponse
+    )
+    assert again.generation == 1 and again.epoch == first.epoch
+    ident = msgspec.json.decode(fresh.engine.get("/v1/identity").content, type=Identity)
+    assert (ident.generation, ident.engine_id, ident.tp_size) == (1, first.engine_id, 1)
+    ticket = fresh.engine.post(
+        "/v1/holds", json={"request_id": "r3", "block_ids": [[1]], "num_tokens": 3}
+    ).json()
+    assert ticket["generation"] == 1

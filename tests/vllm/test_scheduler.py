@@ -1,0 +1,168 @@
+"""The real vLLM v1 Scheduler drives KvxferdConnector: a finished prefill answers its params at
+once with one minted ticket per rank; a decode with those params loads asynchronously."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxferd.sidecar.tickets import verify_ticket
+from kvxferd.wire import Identity, Ticket
+
+SECRET = b"test-secret"
+
+
+def _scheduler(engine, monkeypatch):
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    monkeypatch.setenv("KVXFERD_PEER_TOKEN", SECRET.decode())
+    sched = Scheduler(
+        vllm_config=engine.config,
+        kv_cache_config=engine.kv_cache_config,
+        structured_output_manager=StructuredOutputManager(engine.config),
+        block_size=engine.config.cache_config.block_size,
+    )
+    ident = Identity(engine_id="P", epoch=7, generation=0, peer_address="127.0.0.1:9",
+                     tp_rank=0, tp_size=1, default_lease_s=30.0)  # fmt: skip
+    sched.connector._sched._known = [ident]
+    return sched
+
+
+def _request(rid: str, n: int, params: dict | None, block_size: int = 128):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+
+    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params} if params else None)
+    req = Request(request_id=rid, prompt_token_ids=list(range(1, n + 1)), sampling_params=sp,
+                  pooling_params=None,
+                  block_hasher=get_request_block_hasher(block_size, sha256))  # fmt: skip
+    req.kv_transfer_params = params
+    return req
+
+
+def _step(sched, connector_output=None):
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    out = sched.schedule()
+    ids = list(out.num_scheduled_tokens)
+    mro = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[7] for _ in ids],
+        kv_connector_output=connector_output,
+    )
+    return out, sched.update_from_output(out, mro)
+
+
+@pytest.mark.parametrize("model", ["dense", "nemotron-h", "qwen3-next"])
+def test_prefill_then_decode_through_the_real_scheduler(engines, model, monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: F401
+    from vllm.v1.outputs import KVConnectorOutput
+
+    engine = engines(model, num_blocks=32)
+    prefill = _scheduler(engine, monkeypatch)
+    n = 300
+    prefill.add_request(_request("p1", n, {"do_remote_decode": True}))
+    out, engine_out = _step(prefill)
+    meta = out.kv_connector_metadata
+    outputs = [o for eo in engine_out.values() for o in eo.outputs]
+    params = next(o.kv_transfer_params for o in outputs if o.kv_transfer_params)
+    assert params["do_remote_prefill"] and params["remote_engine_id"]
+    tickets = [Ticket(**t) for t in params["kvxferd_tickets"]]
+    verify_ticket(tickets[0], SECRET)
+    hybrid = model != "dense"
+    assert params["remote_num_tokens"] == (n - 1 if hybrid else n)
+    # The hold is ordered in the next step's metadata, and the blocks stay allocated.
+    out2, _ = _step(prefill)
+    holds = out2.kv_connector_metadata.orders.holds + meta.orders.holds
+    assert [h.hold_id for h in holds] == [tickets[0].hold_id]
+    assert all(0 not in ids for ids in holds[0].block_ids)
+    free_before = prefill.kv_cache_manager.block_pool.get_num_free_blocks()
+    _step(prefill, KVConnectorOutput(finished_sending={"p1"}))
+    assert prefill.kv_cache_manager.block_pool.get_num_free_blocks() > free_before
+
+    decode = _scheduler(engine, monkeypatch)
+    decode.add_request(_request("d1", n, dict(params)))
+    out, _ = _step(decode)
+    from vllm.v1.request import RequestStatus
+
+    req = decode.requests["d1"]
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    pulls = out.kv_connector_metadata.orders.pulls
+    assert len(pulls) == 1 and pulls[0].request_id == "d1"
+    assert [len(g) for g in pulls[0].block_ids] == [len(g) for g in tickets[0].block_ids]
+    _step(decode, KVConnectorOutput(finished_recving={"d1"}))
+    out, _ = _step(decode)
+    # Loaded: only the tail is computed (the last token; with partial prefill it was not sent).
+    assert out.num_scheduled_tokens.get("d1", 0) == 1
+
+
+def _prefill_params(engine, monkeypatch, n: int) -> dict:
+    prefill = _scheduler(engine, monkeypatch)
+    prefill.add_request(_request("p", n, {"do_remote_decode": True}))
+    _, engine_out = _step(prefill)
+    outputs = [o for eo in engine_out.values() for o in eo.outputs]
+    return next(o.kv_transfer_params for o in outputs if o.kv_transfer_params)
+
+
+def test_a_decode_aborted_before_it_loads_declines_the_prefill_hold(engines, monkeypatch):
+    from vllm.v1.request import RequestStatus
+
+    engine = engines("dense", num_blocks=32)
+    params = _prefill_params(engine, monkeypatch, 300)
+    decode = _scheduler(engine, monkeypatch)
+    free = decode.kv_cache_manager.block_pool.get_num_free_blocks()
+    decode.add_request(_request("d", 300, dict(params)))
+    decode.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    out, _ = _step(decode)
+    assert out.kv_connector_metadata.orders.declines == [params["kvxferd_tickets"]]
+    assert out.kv_connector_metadata.orders.pulls == []
+    assert decode.kv_cache_manager.block_pool.get_num_free_blocks() == free
+
+
+def test_a_failed_load_frees_the_blocks_and_vllm_recomputes(engines, monkeypatch):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    engine = engines("dense", num_blocks=32)
+    params = _prefill_params(engine, monkeypatch, 300)
+    monkeypatch.setattr(engine.config.kv_transfer_config, "kv_load_failure_policy", "recompute")
+    decode = _scheduler(engine, monkeypatch)
+    decode.add_request(_request("d", 300, dict(params)))
+    out, _ = _step(decode)
+    pull = out.kv_connector_metadata.orders.pulls[0]
+    bad = {b for g in pull.block_ids for b in g if b >= 0}
+    _step(decode, KVConnectorOutput(finished_recving={"d"}, invalid_block_ids=bad))
+    out, _ = _step(decode)
+    # The blocks whose bytes never arrived are computed locally: the whole prompt is scheduled.
+    assert out.num_scheduled_tokens.get("d", 0) == 300
+    assert out.kv_connector_metadata.orders.pulls == []
+
+
+@pytest.mark.parametrize("model", ["dense", "nemotron-h"])
+def test_a_decode_prefix_cache_hit_pulls_only_the_blocks_it_lacks(engines, model, monkeypatch):
+    from vllm.v1.request import RequestStatus
+
+    engine = engines(model, num_blocks=48)
+    bs = engine.config.cache_config.block_size
+    n = 3 * bs + 44
+    params = _prefill_params(engine, monkeypatch, n)
+    decode = _scheduler(engine, monkeypatch)
+    # A local request with the same first two blocks fills the decode's prefix cache.
+    decode.add_request(_request("local", 2 * bs + 10, None))
+    _step(decode)
+    decode.finish_requests("local", RequestStatus.FINISHED_ABORTED)
+    decode.add_request(_request("d", n, dict(params)))
+    out, _ = _step(decode)
+    pull = out.kv_connector_metadata.orders.pulls[0]
+    kinds = [type(g.kv_cache_spec).__name__ for g in engine.kv_cache_config.kv_cache_groups]
+    remote = params["kvxferd_tickets"][0]["block_ids"]
+    for kind, local, theirs in zip(kinds, pull.block_ids, remote, strict=True):
+        assert len(local) == len(theirs)
+        if kind == "MambaSpec":  # one running state, pulled whole (no "one local block" limit)
+            assert len(local) == 1 and local[0] > 0
+        else:
+            assert local[:2] == [-1, -1] and all(b > 0 for b in local[2:]), local

@@ -1,0 +1,175 @@
+"""The worker side on vLLM's own ``allocate_kv_cache`` tensors, placed in shared memory: a
+prefill and a decode connector, each with a real ``kvxferd serve`` sidecar, move a request's
+blocks over real NIXL; every byte of every layer and part is checked with kvxferd.pattern, and
+nothing outside the pulled blocks changes."""
+
+from __future__ import annotations
+
+import uuid
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kvxferd import pattern
+from kvxferd.memory import SharedMemoryRegion
+from kvxferd.vllm.connector import KvxferdConnector, KvxferdMetadata
+from kvxferd.vllm.scheduler import SchedulerSide
+from tests.sidecar.harness import SENTINEL, TOKEN, changed_outside, start_sidecars, wait_until
+
+pytestmark = pytest.mark.nixl
+
+
+class Rank:
+    """One engine rank: vLLM's views over a shm segment and its connector (worker role)."""
+
+    def __init__(self, engine, layout: str, sidecar) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from kvxferd.vllm import cpu
+
+        size = engine.kv_cache_config.kv_cache_tensors[0].size
+        self.shm = SharedMemoryRegion.create(f"kvx-vllm-{uuid.uuid4().hex[:8]}", size)
+        self.shm.host_view()[:] = SENTINEL
+        buf = torch.frombuffer(self.shm.host_view(), dtype=torch.int8)
+        self.views = cpu.allocate(engine, layout, buffer=buf)
+        extra = engine.config.kv_transfer_config.kv_connector_extra_config
+        extra["sidecar_socket"] = sidecar.socket
+        self.connector = KvxferdConnector(
+            engine.config, KVConnectorRole.WORKER, engine.kv_cache_config
+        )
+        self.connector.register_kv_caches(self.views)
+        self.manifest = self.connector._worker.manifest
+
+    def arrays(self) -> list[np.ndarray]:
+        host = self.shm.host_view()
+        return [
+            host[r.source_offset : r.source_offset + r.size_bytes] for r in self.manifest.regions
+        ]
+
+    def step(self, orders) -> tuple:
+        self.connector.bind_connector_metadata(KvxferdMetadata(orders))
+        self.connector.start_load_kv(None)
+        self.connector.clear_connector_metadata()
+        return self.connector.get_finished(set())
+
+    def close(self) -> None:
+        self.connector.shutdown()
+        self.shm.close()
+
+
+def _ids(engine, first: int, n_tokens: int) -> list[list[int]]:
+    """Distinct block ids per group (one shared pool): attention a block per 128 tokens, Mamba
+    null blocks then the running-state block at the end (vLLM's align mode)."""
+    per = -(-n_tokens // engine.config.cache_config.block_size)
+    out, nxt = [], first
+    for group in engine.kv_cache_config.kv_cache_groups:
+        if type(group.kv_cache_spec).__name__ == "MambaSpec":
+            out.append([0] * (per - 1) + [nxt])
+            nxt += 1
+        else:
+            out.append(list(range(nxt, nxt + per)))
+            nxt += per
+    return out
+
+
+@pytest.mark.parametrize(
+    "model,layout",
+    [("dense", "LBHNC"), ("dense", "BLNHC"), ("nemotron-h", "LBHNC"), ("qwen3-next", "BHLNC")],
+)
+def test_a_request_moves_byte_exact_between_two_vllm_workers(engines, model, layout, tmp_path):
+    engine = engines(model, layout, num_blocks=24)
+    p_side, d_side = start_sidecars(str(tmp_path), ["p", "d"])
+    prefill = decode = None
+    try:
+        prefill, decode = Rank(engine, layout, p_side), Rank(engine, layout, d_side)
+        with p_side.client() as c:
+            ident = c.identity()
+        hybrid = engine.config.model_config.is_hybrid
+        sched = SchedulerSide(
+            engine_id="P",
+            tp_size=1,
+            secret=TOKEN.encode(),
+            identities=lambda: [ident],
+            block_size=engine.config.cache_config.block_size,
+            partial_prefill=hybrid,
+        )
+        n = 300
+        p_ids = _ids(engine, 1, n)
+        request = SimpleNamespace(
+            request_id="r1",
+            prompt_token_ids=list(range(n)),
+            kv_transfer_params={"do_remote_decode": True},
+            status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
+        )
+        delay, params = sched.finished(request, tuple(p_ids))
+        assert delay and params["kvxferd_tickets"]
+        held = [[b for b in g if b] for g in p_ids]
+        pattern.write_pattern(prefill.manifest, prefill.arrays(), held, seed=11)
+        assert prefill.step(sched.take_orders()) == (None, None)  # hold placed
+
+        d_ids = _ids(engine, 7, n)
+        before = [a.copy() for a in decode.arrays()]
+        dreq = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(n)),
+                               kv_transfer_params=dict(params))  # fmt: skip
+        count, is_async = sched.matched_tokens(dreq, 0)
+        assert is_async and count == (n - 1 if hybrid else n)
+        sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: d_ids), count)
+        decode.step(sched.take_orders())
+        got = wait_until(lambda: decode.step(type(sched.orders)())[1], 60, "the pull to finish")
+        assert got == {"d1"}
+        assert decode.connector.get_block_ids_with_load_errors() == set()
+        wanted = [[b for b in g if b] for g in d_ids]
+        assert pattern.verify_pattern(decode.manifest, decode.arrays(), wanted, seed=11) is None
+        assert changed_outside(before, decode.arrays(), decode.manifest, wanted) == 0
+        # The reader's notification ends the hold: the prefill frees its blocks once.
+        sending = wait_until(lambda: prefill.step(type(sched.orders)())[0], 30, "hold release")
+        assert sending == {"r1"}
+    finally:
+        for rank in (prefill, decode):
+            if rank is not None:
+                rank.close()
+        p_side.stop()
+        d_side.stop()
+
+
+def test_a_pull_that_cannot_complete_reports_its_blocks_as_load_errors(engines, tmp_path):
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    p_side, d_side = start_sidecars(str(tmp_path), ["p", "d"])
+    prefill = decode = None
+    try:
+        prefill, decode = Rank(engine, "LBHNC", p_side), Rank(engine, "LBHNC", d_side)
+        with p_side.client() as c:
+            ident = c.identity()
+        sched = SchedulerSide(
+            engine_id="P",
+            tp_size=1,
+            secret=TOKEN.encode(),
+            identities=lambda: [ident],
+            block_size=engine.config.cache_config.block_size,
+            partial_prefill=False,
+        )
+        request = SimpleNamespace(
+            request_id="r1",
+            prompt_token_ids=list(range(300)),
+            kv_transfer_params={"do_remote_decode": True},
+            status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
+        )
+        _delay, params = sched.finished(request, ([3, 4, 5],))
+        sched.take_orders()  # the prefill worker never places the hold: the claim finds none
+        dreq = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(300)),
+                               kv_transfer_params=dict(params))  # fmt: skip
+        count, _ = sched.matched_tokens(dreq, 0)
+        sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: [[9, 10, 11]]), count)
+        decode.step(sched.take_orders())
+        got = wait_until(lambda: decode.step(type(sched.orders)())[1], 60, "the pull to end")
+        assert got == {"d1"}
+        assert decode.connector.get_block_ids_with_load_errors() == {9, 10, 11}
+        assert decode.connector.get_block_ids_with_load_errors() == set()  # reported once
+    finally:
+        for rank in (prefill, decode):
+            if rank is not None:
+                rank.close()
+        p_side.stop()
+        d_side.stop()
