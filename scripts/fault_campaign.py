@@ -13,7 +13,8 @@ be filled); otherwise the shm_full kind is skipped with its reason.
 
 Prints one line per fault and a summary; writes the JSON (keys: faults, hangs, stale_or_corrupt,
 writes_after_failed, leaked_holds, leaked_handles, crashes, leftover_shm, secret_leaks, by_kind);
-exits 1 when any invariant was violated (soak: when any request failed or a byte was wrong).
+exits 1 when any invariant was violated (soak: when any request failed or a byte was wrong), 2
+when the targets did not start.
 Everything is bounded: N faults, each with its own deadlines; it stops by itself.
 """
 
@@ -42,6 +43,8 @@ from benchlib.faults.listener import ForgedPeer  # noqa: E402
 from benchlib.faults.pair import Pair, write_toy_config  # noqa: E402
 from benchlib.faults.rest import Rest  # noqa: E402
 from benchlib.faults.tally import INVARIANTS, Tally  # noqa: E402
+
+from kvxferd.errors import StartupError  # noqa: E402
 
 PAIR_KINDS = ("kill9", "sigstop", "deadline", "lease", "ticket", "body", "flood", "shm_full")
 SIM_KINDS = ("sim_kill9", "sim_sigstop", "sim_forged_ticket")
@@ -97,7 +100,11 @@ def main(argv: list[str]) -> int:
             _write(args.json, result)
             print(json.dumps(result, indent=1))
             return 0 if result["ok"] else 1
-        tally = run_campaign(args, tmp, config, env, secret, private_why)
+        try:
+            tally = run_campaign(args, tmp, config, env, secret, private_why)
+        except StartupError as exc:
+            print(f"fault_campaign: the targets did not start: {exc}", file=sys.stderr)
+            return 2
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report = tally.report()

@@ -106,3 +106,21 @@ def test_quick_campaign_keeps_the_invariants_that_hold_today(quick):
     assert status == (1 if found else 0), output[-2000:]
     if not NOT_YET:
         assert status == 0
+
+
+@pytest.mark.nixl
+def test_soak_verifies_every_request_and_reports_growth_per_process(tmp_path):
+    out = tmp_path / "soak.json"
+    cmd = [sys.executable, str(SCRIPT), "--soak-seconds", "3", "--concurrency", "2",
+           "--json", str(out)]  # fmt: skip
+    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["failed_requests"] == 0
+    assert result["decode_verified_ok"] == result["requests"] > 0
+    assert result["decode_verified_failed"] == 0
+    names = set(result["processes"])
+    assert {"prefill-sim", "decode-sim", "prefill-sidecar0", "decode-sidecar0", "proxy"} <= names
+    for p in result["processes"].values():
+        assert {"rss_mib_per_1k", "fds_per_1k", "threads_per_1k"} <= set(p)
