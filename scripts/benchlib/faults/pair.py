@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvxferd import descriptors
 from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
 from kvxferd.sim.kvpool import RankPool
 from kvxferd.wire import HoldRequest, Manifest, Ticket
@@ -47,6 +48,23 @@ def write_toy_config(tmp: str) -> str:
     with open(path, "w") as fh:
         json.dump(TOY_CONFIG, fh)
     return path
+
+
+def block_rows(manifest: Manifest, ids: list[int]) -> list[tuple[int, np.ndarray]]:
+    """Where the blocks ``ids`` live, per region: ``(unit, rows)`` such that the rows of
+    ``region.reshape(-1, unit)`` are exactly their bytes (layouts put K, V and layers anywhere
+    in a region, so block ``b`` is not row ``b``)."""
+    arr = [np.asarray(ids, dtype=np.int64)]
+    plan = descriptors.plan_read(manifest, manifest, arr, arr, coalesce=False)
+    out = []
+    for r, region in enumerate(manifest.regions):
+        sel = plan.local_region == r
+        off, length = plan.local_offset[sel], plan.length[sel]
+        unit = int(np.gcd.reduce(np.concatenate([off, length, [region.size_bytes]])))
+        counts = length // unit
+        first = np.repeat(off // unit - (np.cumsum(counts) - counts), counts)
+        out.append((unit, first + np.arange(int(counts.sum()))))
+    return out
 
 
 def _manifest(config: str, tag: str) -> Manifest:
@@ -121,13 +139,15 @@ class Pair:
 
     @staticmethod
     def pages(pool: RankPool, ids: list[int]) -> list[np.ndarray]:
-        """Per region, the rows of ``ids`` (a copy)."""
-        return [v.reshape(NUM_BLOCKS, -1)[ids] for v in pool.views]
+        """Every byte of the blocks ``ids`` (all their layers' parts), per region (a copy)."""
+        return [v.reshape(-1, unit)[rows] for v, (unit, rows) in
+                zip(pool.views, block_rows(pool.manifest, ids), strict=True)]  # fmt: skip
 
     @staticmethod
     def fill(pool: RankPool, ids: list[int], value: int) -> None:
-        for v in pool.views:
-            v.reshape(NUM_BLOCKS, -1)[ids] = value
+        """Set every byte of the blocks ``ids`` to ``value``."""
+        for v, (unit, rows) in zip(pool.views, block_rows(pool.manifest, ids), strict=True):
+            v.reshape(-1, unit)[rows] = value
 
     # -------------------------------------------------------------- prefill side
 
