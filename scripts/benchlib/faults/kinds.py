@@ -32,6 +32,18 @@ def _normal_pull(ctx: Ctx, kind: str, n: int, deadline_s: float, lease_s: float 
     return rec, run
 
 
+PHASES = ("pending", "claiming", "transferring", "transferring")
+"""Where kills and stops aim (a handshake is only due after a restart, so it is hit then)."""
+
+
+def _reach_phase(ctx: Ctx, run: P.PullRun, n: int) -> str:
+    """Wait until the pull reaches a random phase, then a random part of its expected length;
+    the state it was in when the fault struck."""
+    state = P.watch(ctx.pair, run, ctx.rng.choice(PHASES))
+    time.sleep(ctx.rng.uniform(0.0, 0.5 * ctx.pull_s * n / 750))
+    return state
+
+
 def kill9(ctx: Ctx, kind: str) -> None:
     """kill -9 the prefill or decode sidecar at a random point of a pull; restart it on the
     same port; the pull must end by its deadline, and a FAILED one must not write later."""
@@ -41,7 +53,7 @@ def kill9(ctx: Ctx, kind: str) -> None:
     rec, run = _normal_pull(ctx, kind, n, deadline_s=ctx.rng.uniform(1.0, 4.0))
     if run is None:
         return
-    phase = P.watch(ctx.pair, run, ctx.rng.uniform(0.0, 1.5 * ctx.pull_s * n / 750))
+    phase = _reach_phase(ctx, run, n)
     node.kill()
     ctx.tally.note(kind, f"{side}@{phase}")
     if side == "prefill":
@@ -60,7 +72,7 @@ def sigstop(ctx: Ctx, kind: str) -> None:
     _rec, run = _normal_pull(ctx, kind, n, deadline_s=ctx.rng.uniform(0.5, 3.0))
     if run is None:
         return
-    phase = P.watch(ctx.pair, run, ctx.rng.uniform(0.0, 1.5 * ctx.pull_s * n / 750))
+    phase = _reach_phase(ctx, run, n)
     pids = osproc.tree(node.pid)
     osproc.stop(pids)
     try:

@@ -76,18 +76,22 @@ def status(pair: Pair, pull_id: str, wait_s: float = 0.0) -> PullStatus | None:
         return None
 
 
-def watch(pair: Pair, run: PullRun, delay_s: float) -> str:
-    """Poll the pull until ``delay_s`` passed or it ended; the last state seen (its phase)."""
-    end = run.started + delay_s
+ORDER = ("pending", "handshaking", "claiming", "transferring", "done", "failed")
+
+
+def watch(pair: Pair, run: PullRun, phase: str, timeout_s: float = 2.0) -> str:
+    """Poll the pull until it reached ``phase`` (or a later one), or ``timeout_s`` passed; the
+    state it is in then (the phase a fault hits)."""
+    end = run.started + timeout_s
     state = "pending"
     while time.monotonic() < end:
         st = status(pair, run.pull_id)
         if st is None:
             return "unknown"
         state = st.state
-        if state in FINAL:
+        if ORDER.index(state) >= ORDER.index(phase):
             break
-        time.sleep(0.002)
+        time.sleep(0.001)
     return state
 
 
