@@ -83,10 +83,8 @@ class ForgedPeer:
                     break
                 chunks.append(chunk)
                 total += len(chunk)
-                if b"\r\n\r\n" in b"".join(chunks[-2:]) and total > 0:
-                    head = b"".join(chunks)
-                    if _complete(head):
-                        break
+                if _complete(b"".join(chunks)):
+                    break
         except (TimeoutError, OSError):
             pass
         return b"".join(chunks)

@@ -115,8 +115,10 @@ class Pair:
         self.p_blocks = Blocks()
         self.d_blocks = Blocks()
         self.holds: dict[str, HoldRec] = {}
-        self.released_ids: set[str] = set()
-        self.duplicates: list[HoldRec] = []
+        self.released_ids: dict[str, str] = {}
+        """Hold ids seen in the feed -> the kind that placed them ("" when not ours)."""
+        self.duplicates: list[tuple[str, str]] = []
+        """(kind, hold id) of every hold the feed reported a second time."""
         self._cursor = 0
         self._feed_generation = 0
         self._lock = threading.Lock()
@@ -193,15 +195,11 @@ class Pair:
                 return 0
             self._cursor = feed.cursor
             for h in feed.holds:
-                if h.hold_id in self.released_ids:
-                    rec = self.holds.get(h.hold_id)
-                    self.duplicates.append(rec or HoldRec(Ticket(
-                        engine_id="", epoch=0, hold_id=h.hold_id, request_id=h.request_id,
-                        block_ids=h.block_ids, num_tokens=0, expires_at=0, tp_rank=0, tp_size=1,
-                        peer=""), [], 0, "unknown", 0, 0))  # fmt: skip
-                    continue
-                self.released_ids.add(h.hold_id)
                 rec = self.holds.pop(h.hold_id, None)
+                if h.hold_id in self.released_ids:
+                    self.duplicates.append((self.released_ids[h.hold_id], h.hold_id))
+                    continue
+                self.released_ids[h.hold_id] = rec.kind if rec is not None else ""
                 if rec is not None:
                     self.fill(self.p.pool, rec.blocks, SCRIBBLE)
                     self.p_blocks.give(rec.blocks)
@@ -225,7 +223,7 @@ class Pair:
                 del self.holds[r.ticket.hold_id]
             return late
 
-    def take_duplicates(self) -> list[HoldRec]:
+    def take_duplicates(self) -> list[tuple[str, str]]:
         with self._lock:
             out, self.duplicates = self.duplicates, []
             return out

@@ -10,6 +10,7 @@ FAILED: the destination blocks are snapshotted at once and compared after the de
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,7 +51,7 @@ class PullRun:
 
 
 def start(pair: Pair, tickets: list[Ticket], dest: list[int], seed: int, deadline_s: float,
-          holds: list[HoldRec] = (), must_fail: str = "") -> PullRun | str:  # fmt: skip
+          holds: Sequence[HoldRec] = (), must_fail: str = "") -> PullRun | str:  # fmt: skip
     """Start a pull into ``dest``; a PullRun, or the refusal text (a 4xx is a fine answer)."""
     req = PullRequest(tickets=tickets, block_ids=[dest], deadline_s=deadline_s)
     started = time.monotonic()

@@ -53,10 +53,9 @@ class Rest:
         for rec in pair.overdue(time.time() if not final else float("inf")):
             self.tally.violate(rec.kind, "leaked_holds", f"hold {rec.ticket.hold_id[:8]} of "
                                f"{len(rec.blocks)} blocks never released")  # fmt: skip
-        for rec in pair.take_duplicates():
-            self.tally.violate(
-                rec.kind, "leaked_holds", f"hold {rec.ticket.hold_id[:8]} released twice"
-            )
+        for placed_by, hold_id in pair.take_duplicates():
+            what = f"hold {hold_id[:8]} released twice"
+            self.tally.violate(placed_by or kind, "leaked_holds", what)
 
     def handles(self, kind: str) -> None:
         for node in (self.pair.p, self.pair.d):
