@@ -85,6 +85,8 @@ def main(argv: list[str]) -> int:
     if not args.no_namespace:
         shm.reexec_private([str(Path(__file__).resolve()), *argv])
     private_why = shm.enter_private()
+    if args.no_namespace:
+        private_why = "--no-namespace: /dev/shm is the host's (shm_full skipped)"
     osproc.limit_children_nofile()
     secret = secrets.token_hex(16)
     os.environ["KVXFERD_PEER_TOKEN"] = secret
