@@ -118,8 +118,8 @@ def request(variant: str, t: Target, rng) -> tuple[bytes, bytes, bool]:  # noqa:
     elif variant == "huge_header":
         body = b"{}"
         return _head(t, len(body), body, "X-Pad: " + "a" * (256 << 10)), body, False
-    else:  # stalled: announce a gigabyte, send one byte, go quiet
-        return _head(t, 1_000_000_000, b""), b"{", True
+    else:  # stalled: announce 1 MB (under any body limit), send one byte, go quiet
+        return _head(t, 1_000_000, b""), b"{", True
     return _head(t, len(body), body), body, False
 
 
