@@ -1,0 +1,1 @@
+"""The fault campaign's parts: targets (sidecar pair, sims), fault kinds, invariant checks."""
