@@ -32,6 +32,7 @@ httpx, msgspec) are translated at the module that talks to them, ``raise ... fro
     ├── InvalidRequestError         an OpenAI-style HTTP request is invalid (names the field)
     │   └── UnknownModelError       the request names a model this server does not serve
     ├── PoolExhaustedError          a (simulated) engine has too few free KV blocks right now
+    ├── StoreError                  a store request or setting is invalid (names the field)
     └── StartupError                a child process (sidecar, sim) did not become ready
 """
 
@@ -196,3 +197,12 @@ class PoolExhaustedError(KvxferdError):
 
 class StartupError(KvxferdError):
     """A child process (sidecar, simulated engine) exited or timed out before its ready line."""
+
+
+class StoreError(KvxferdError):
+    """A store (offload tier) request or setting is invalid; ``field`` names the culprit."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason

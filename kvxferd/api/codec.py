@@ -38,6 +38,7 @@ _STATUS: list[tuple[type[Exception], int]] = [
     (errors.BlockIdError, 422),
     (errors.ManifestError, 422),
     (errors.MemoryRegionError, 422),
+    (errors.StoreError, 422),
     (errors.ConfigError, 500),  # at request time: the server's own settings are wrong
     (errors.HandshakeError, 502),
     (errors.TransportError, 502),

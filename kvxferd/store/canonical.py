@@ -1,0 +1,194 @@
+"""The canonical form of a group's bytes: independent of kernel block size and TP layout.
+
+Attention: for each layer, K then V, each *global* KV head's token rows (``head_size * dtype``
+bytes per token) in token order, whatever the engine's kernel block size, head layout (HND or
+NHD), K/V order or pool layout. Mamba/GDN: for each layer and state part (conv sections, SSM),
+each global TP unit's bytes (the state is not per token). Global units follow the TP ownership
+rule of :mod:`kvxferd.descriptors.tpslice`, so a unit saved by rank 1 of TP 2 is the same bytes
+a TP-1 rank holds at that unit: a TP-2 save loads at TP 1 and the reverse.
+
+A :class:`Section` is one (layer, part) over a contiguous range of global units. The group
+fingerprint hashes what must match for bytes to be reusable (model, kind, layer list, dtypes,
+head sizes, state part sizes, chunk size); TP size, block sizes and layouts stay out of it.
+Unsliceable Mamba parts (SD conv) are per-rank shards: their unit count and size enter the
+fingerprint, so they are reused only at the same TP size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from kvxferd.descriptors import owned_units
+from kvxferd.errors import BlockIdError, StoreError
+from kvxferd.wire import DTYPE_BYTES, AttentionLayer, Group, Manifest, Part
+
+FORMAT_VERSION = 1
+"""Version of the canonical format and file layout; part of every fingerprint."""
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One (layer, part) of a group as the store sees it on this rank."""
+
+    layer: int
+    """Model layer index."""
+    name: str
+    """Part name: k, v, a conv section, ssm."""
+    region: int
+    part: Part
+    units_total: int
+    """Global TP units (KV heads for attention)."""
+    owned: range
+    """Global units this rank holds, in local order."""
+    row_bytes: int
+    """Attention: bytes of one head's one token; mamba: bytes of one unit (the whole state)."""
+    attention: AttentionLayer | None
+
+
+def part_specs(manifest: Manifest, g: int) -> list[PartSpec]:
+    """The group's parts in canonical order (layers in manifest order; k, v / conv..., ssm)."""
+    group = manifest.groups[g]
+    tp, rank = manifest.tp_size, manifest.tp_rank
+    out = []
+    for layer in group.layers:
+        if isinstance(layer, AttentionLayer):
+            row = layer.head_size * DTYPE_BYTES[layer.dtype]
+            owned = owned_units(layer.total_kv_heads, tp, rank, f"groups[{g}].total_kv_heads")
+            for part in (layer.k, layer.v):
+                out.append(
+                    PartSpec(layer.index, part.name, layer.region, part, layer.total_kv_heads,
+                             owned, row, layer)  # fmt: skip
+                )
+        else:
+            for part in [*layer.conv, layer.ssm]:
+                owned = owned_units(part.units_total, tp, rank, f"groups[{g}].{part.name}")
+                out.append(
+                    PartSpec(layer.index, part.name, layer.region, part, part.units_total,
+                             owned, part.unit_bytes, None)  # fmt: skip
+                )
+    return out
+
+
+def group_fingerprint(manifest: Manifest, g: int, chunk_tokens: int) -> str:
+    """16 hex digits naming what a reader's group must share with a writer's."""
+    group = manifest.groups[g]
+    if group.kind == "sliding_window":
+        raise StoreError(f"groups[{g}].kind", "sliding-window groups are not stored (yet)")
+    desc: list[object] = [FORMAT_VERSION, manifest.model, group.kind, chunk_tokens]
+    for layer in group.layers:
+        if isinstance(layer, AttentionLayer):
+            desc.append([layer.index, layer.name, layer.dtype, layer.head_size,
+                         layer.total_kv_heads])  # fmt: skip
+        else:
+            parts = [
+                [p.name, p.units_total, p.unit_bytes] + ([] if p.sliceable else ["shard"])
+                for p in [*layer.conv, layer.ssm]
+            ]
+            desc.append([layer.index, layer.name, layer.mamba_type, layer.conv_dtype,
+                         layer.ssm_dtype, parts])  # fmt: skip
+    return hashlib.blake2b(msgspec.json.encode(desc), digest_size=8).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------
+# Views over engine memory
+
+
+def _attention_view(region: np.ndarray, spec: PartSpec, group: Group, nblocks: int) -> np.ndarray:
+    """(kernel block, local head, token row, byte) view of one attention part."""
+    layer, part = spec.attention, spec.part
+    assert layer is not None
+    kbs, row, heads = group.kernel_block_size, spec.row_bytes, layer.num_kv_heads
+    nku = nblocks * (group.block_size // kbs)
+    if layer.head_layout == "HND":
+        strides = (part.block_stride, part.unit_stride, row, 1)
+    else:  # NHD: (kbs, heads, row) inside one unit
+        strides = (part.block_stride, row, heads * row, 1)
+    last = part.offset + (nku - 1) * part.block_stride + part.units * part.unit_stride
+    if last > region.size:
+        raise StoreError(f"layers.{layer.name}.{part.name}", "part reaches past its region")
+    return np.lib.stride_tricks.as_strided(
+        region[part.offset :], shape=(nku, heads, kbs, row), strides=strides
+    )
+
+
+def _state_view(region: np.ndarray, spec: PartSpec, nblocks: int) -> np.ndarray:
+    """(block, local unit, byte) view of one mamba part."""
+    p = spec.part
+    last = p.offset + (nblocks - 1) * p.block_stride + (p.units - 1) * p.unit_stride + p.unit_bytes
+    if last > region.size:
+        raise StoreError(f"layers.{spec.layer}.{p.name}", "part reaches past its region")
+    return np.lib.stride_tricks.as_strided(
+        region[p.offset :], shape=(nblocks, p.units, p.unit_bytes),
+        strides=(p.block_stride, p.unit_stride, 1),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TokenMap:
+    """Where tokens ``[start, end)`` of a request sit in an attention group's kernel blocks."""
+
+    kernel_units: np.ndarray
+    rows: np.ndarray
+    aligned: bool
+    """Whole kernel blocks: gather/scatter by block instead of by token."""
+
+
+def token_map(group: Group, block_ids: np.ndarray, start: int, end: int, field: str) -> TokenMap:
+    """Kernel block and row of each token; BlockIdError if a token's block is missing."""
+    t = np.arange(start, end, dtype=np.int64)
+    ordinal = t // group.block_size
+    if ordinal.size and int(ordinal[-1]) >= block_ids.size:
+        raise BlockIdError(field, f"{block_ids.size} blocks hold fewer than {end} tokens")
+    ids = block_ids[ordinal]
+    if ids.size and int(ids.min()) < 0:
+        raise BlockIdError(field, f"a block of tokens [{start}, {end}) is -1")
+    kbs = group.kernel_block_size
+    ku = ids * (group.block_size // kbs) + (t % group.block_size) // kbs
+    aligned = start % kbs == 0 and (end - start) % kbs == 0
+    return TokenMap(ku, t % kbs, aligned)
+
+
+def gather_attention(
+    region: np.ndarray, spec: PartSpec, group: Group, nblocks: int, tm: TokenMap
+) -> np.ndarray:
+    """(local head, token, row) canonical bytes of one attention part over the token map."""
+    view = _attention_view(region, spec, group, nblocks)
+    if tm.aligned:
+        kbs = group.kernel_block_size
+        blocks = view[tm.kernel_units[::kbs]]  # (nk, heads, kbs, row)
+        out = np.ascontiguousarray(blocks.transpose(1, 0, 2, 3))
+        return out.reshape(blocks.shape[1], -1, spec.row_bytes)
+    return np.ascontiguousarray(view[tm.kernel_units, :, tm.rows, :].transpose(1, 0, 2))
+
+
+def scatter_attention(
+    region: np.ndarray, spec: PartSpec, group: Group, nblocks: int, tm: TokenMap,
+    heads: slice, data: np.ndarray,
+) -> None:  # fmt: skip
+    """Write (head, token, row) ``data`` into local heads ``heads`` over the token map."""
+    view = _attention_view(region, spec, group, nblocks)
+    if tm.aligned:
+        kbs = group.kernel_block_size
+        h = data.shape[0]
+        view[tm.kernel_units[::kbs], heads] = data.reshape(h, -1, kbs, spec.row_bytes).transpose(
+            1, 0, 2, 3
+        )
+    else:
+        view[tm.kernel_units, heads, tm.rows, :] = data.transpose(1, 0, 2)
+
+
+def gather_state(region: np.ndarray, spec: PartSpec, nblocks: int, block: int) -> np.ndarray:
+    """(local unit, byte) bytes of one mamba part in ``block``."""
+    return np.ascontiguousarray(_state_view(region, spec, nblocks)[block])
+
+
+def scatter_state(
+    region: np.ndarray, spec: PartSpec, nblocks: int, block: int, units: slice, data: np.ndarray
+) -> None:
+    """Write (unit, byte) ``data`` into local units ``units`` of ``block``."""
+    view = _state_view(region, spec, nblocks)
+    view[block, units] = data

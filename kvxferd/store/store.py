@@ -1,0 +1,351 @@
+"""The store: save a request's blocks as canonical chunks, look prefixes up, load them back.
+
+Per group coverage: an attention group stores every chunk's KV; a Mamba/GDN group stores its
+running state at the end of each saved request, under the key of the chunk that ends there
+(the engine's state block holds the state after the last token). A lookup finds, per group, the
+attention chunks present from the start and the chunks with a state; the match is the longest
+prefix every group can serve (the minimum rule; a state must sit exactly at its end). Groups that
+disagree are logged, never an error.
+
+Every entry is checked (header digest, section CRCs, sizes) before any of its bytes reach engine
+memory; a corrupt entry is deleted from its tier, counted, and the load fails with
+``store_corrupt`` (chunks loaded before it are not valid either: the engine treats a failed load
+as no load). Writes go to the DRAM pool and through to files; reads prefer DRAM and promote.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvxferd.descriptors import owned_units
+from kvxferd.errors import BlockIdError, PullError, StoreError
+from kvxferd.store import format as fmt
+from kvxferd.store.canonical import (
+    PartSpec,
+    gather_attention,
+    gather_state,
+    group_fingerprint,
+    part_specs,
+    scatter_attention,
+    scatter_state,
+    token_map,
+)
+from kvxferd.store.keys import check_keys, chunk_spans
+from kvxferd.store.tiers import DramTier, EntryId, FileTier
+from kvxferd.wire import Manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveOutcome:
+    """What a save did."""
+
+    chunks_saved: int = 0
+    chunks_present: int = 0
+    kv_bytes: int = 0
+    state_bytes: int = 0
+    dram_bytes: int = 0
+    file_bytes: int = 0
+    duration_s: float = 0.0
+
+
+@dataclass
+class LookupOutcome:
+    """Matched tokens per group and the prefix all groups can serve."""
+
+    per_group: list[int]
+    matched: int
+    disagree: bool = False
+
+
+@dataclass
+class LoadOutcome:
+    """What a load moved, by kind and by tier."""
+
+    tokens: int = 0
+    kv_bytes: int = 0
+    state_bytes: int = 0
+    dram_bytes: int = 0
+    file_bytes: int = 0
+    duration_s: float = 0.0
+    chunks: int = 0
+
+
+@dataclass
+class _Plan:
+    """Which entry serves which global units, per units_total (for one key and group)."""
+
+    source: dict[tuple[int, int], EntryId] = field(default_factory=dict)
+
+
+class Store:
+    """DRAM pool + file directory of canonical chunks; thread-safe, one per sidecar."""
+
+    def __init__(
+        self, root: str, chunk_tokens: int, dram_bytes: int, file_bytes: int, fsync: bool = False
+    ) -> None:
+        if chunk_tokens < 1:
+            raise StoreError("store_chunk_tokens", f"{chunk_tokens} < 1")
+        if dram_bytes < 0 or file_bytes < 0:
+            raise StoreError("store_dram_bytes", "capacities must be >= 0")
+        self.chunk_tokens = chunk_tokens
+        self.dram = DramTier(dram_bytes)
+        self.files = FileTier(root, file_bytes, fsync=fsync)
+        self.disagreements = 0
+
+    # -- save -----------------------------------------------------------------------------------
+
+    def save(
+        self,
+        manifest: Manifest,
+        regions: Sequence[np.ndarray],
+        block_ids: Sequence[Sequence[int]],
+        keys: Sequence[str],
+        num_tokens: int,
+    ) -> SaveOutcome:
+        """Store every chunk of every group the request's blocks hold (present ones skipped)."""
+        t0 = time.perf_counter()
+        ids = self._check(manifest, block_ids, keys, num_tokens)
+        out = SaveOutcome()
+        spans = chunk_spans(num_tokens, self.chunk_tokens)
+        for g, group in enumerate(manifest.groups):
+            fp = group_fingerprint(manifest, g, self.chunk_tokens)
+            specs = part_specs(manifest, g)
+            if group.kind == "mamba":
+                block = int(ids[g][-1]) if ids[g].size else -1
+                if block < 0 or not spans:
+                    continue
+                chunks = [(len(spans) - 1, None)]
+            else:
+                chunks = [(c, None) for c in range(len(spans))]
+            for c, _ in chunks:
+                eid = EntryId(keys[c], fp, manifest.tp_size, manifest.tp_rank)
+                if self.dram.has(eid) or self.files.has(eid):
+                    out.chunks_present += 1
+                    continue
+                s, e = spans[c]
+                if group.kind == "mamba":
+                    datas = [gather_state(regions[p.region], p, manifest.num_blocks, block)
+                             for p in specs]  # fmt: skip
+                    out.state_bytes += sum(d.nbytes for d in datas)
+                else:
+                    try:
+                        tm = token_map(group, ids[g], s, e, f"block_ids[{g}]")
+                    except BlockIdError:
+                        break  # a missing block ends what this group can save
+                    datas = [gather_attention(regions[p.region], p, group, manifest.num_blocks,
+                                              tm) for p in specs]  # fmt: skip
+                    out.kv_bytes += sum(d.nbytes for d in datas)
+                header = fmt.Header(
+                    key=keys[c], group_fp=fp, kind=group.kind, chunk=c, tokens=e - s,
+                    writer_tp_size=manifest.tp_size, writer_tp_rank=manifest.tp_rank,
+                    writer_block_size=group.block_size,
+                    writer_kernel_block_size=group.kernel_block_size,
+                    sections=[fmt.section(p.layer, p.name, p.owned.start, d)
+                              for p, d in zip(specs, datas, strict=True)],
+                )  # fmt: skip
+                buffers = fmt.encode(header, datas)
+                size = sum(len(b) for b in buffers)
+                if self.dram.put(eid, b"".join(buffers)):
+                    out.dram_bytes += size
+                if self.files.write(eid, buffers):
+                    out.file_bytes += size
+                out.chunks_saved += 1
+        out.duration_s = time.perf_counter() - t0
+        return out
+
+    # -- lookup ---------------------------------------------------------------------------------
+
+    def lookup(self, manifest: Manifest, keys: Sequence[str], num_tokens: int) -> LookupOutcome:
+        """Tokens each group can serve from the start of the prompt, and their minimum."""
+        check_keys(keys, num_tokens, self.chunk_tokens)
+        spans = chunk_spans(num_tokens, self.chunk_tokens)
+        ends = [0] + [e for _s, e in spans]
+        attention: list[int] = []  # chunks covered from the start
+        states: list[set[int]] = []  # chunks with a state
+        per_group = []
+        for g, group in enumerate(manifest.groups):
+            fp = group_fingerprint(manifest, g, self.chunk_tokens)
+            specs = part_specs(manifest, g)
+            if group.kind == "mamba":
+                have = {c for c in range(len(keys)) if self._plan(keys[c], fp, specs)}
+                states.append(have)
+                per_group.append(ends[max(have) + 1] if have else 0)
+            else:
+                n = 0
+                while n < len(keys) and self._plan(keys[n], fp, specs):
+                    n += 1
+                attention.append(n)
+                per_group.append(ends[n])
+        limit = min(attention) if attention else len(keys)
+        if states:
+            common = set.intersection(*states)
+            m = max((c + 1 for c in common if c + 1 <= limit), default=0)
+        else:
+            m = limit
+        matched = ends[m]
+        disagree = any(t != matched for t in per_group)
+        if disagree:
+            self.disagreements += 1
+            log.warning("store groups disagree on the prefix: %s tokens per group, using %d",
+                        per_group, matched)  # fmt: skip
+        return LookupOutcome(per_group, matched, disagree)
+
+    # -- load -----------------------------------------------------------------------------------
+
+    def load(
+        self,
+        manifest: Manifest,
+        regions: Sequence[np.ndarray],
+        block_ids: Sequence[Sequence[int]],
+        keys: Sequence[str],
+        num_tokens: int,
+    ) -> LoadOutcome:
+        """Write the first ``num_tokens`` tokens (all groups) into the blocks; PullError
+        ``store_miss`` or ``store_corrupt`` when an entry is absent or fails its checks."""
+        t0 = time.perf_counter()
+        ids = self._check(manifest, block_ids, keys, num_tokens)
+        spans = chunk_spans(num_tokens, self.chunk_tokens)
+        out = LoadOutcome(tokens=num_tokens)
+        if not spans:
+            return out
+        work = []
+        for g, group in enumerate(manifest.groups):
+            fp = group_fingerprint(manifest, g, self.chunk_tokens)
+            specs = part_specs(manifest, g)
+            if group.kind == "mamba":
+                if not ids[g].size or ids[g][-1] < 0:
+                    raise BlockIdError(f"block_ids[{g}]", "no state block to load into")
+                chunks = [len(spans) - 1]
+            else:
+                token_map(group, ids[g], 0, num_tokens, f"block_ids[{g}]")  # all blocks given
+                chunks = list(range(len(spans)))
+            for c in chunks:
+                plan = self._plan(keys[c], fp, specs)
+                if plan is None:
+                    raise PullError("store_miss", f"group {g} chunk {c} is not in the store")
+                work.append((g, c, specs, plan))
+        for g, c, specs, plan in work:
+            self._load_chunk(manifest, regions, ids[g], g, c, spans[c], specs, plan, out)
+        out.duration_s = time.perf_counter() - t0
+        return out
+
+    def _load_chunk(self, manifest, regions, ids, g, c, span, specs, plan, out) -> None:  # noqa: ANN001, PLR0913
+        group = manifest.groups[g]
+        s, e = span
+        tm = None if group.kind == "mamba" else token_map(group, ids, s, e, f"block_ids[{g}]")
+        by_spec = {(p.layer, p.name): p for p in specs}
+        for eid in dict.fromkeys(plan.source.values()):
+            header, datas = self._fetch(eid, out)
+            if header.tokens != e - s or header.chunk != c or header.kind != group.kind:
+                self._corrupt(eid, "header does not match the request's chunk")
+            for sec, data in zip(header.sections, datas, strict=True):
+                spec = by_spec.get((sec.layer, sec.part))
+                if spec is None:
+                    continue
+                for lo, hi in _runs(plan, eid, spec, sec):
+                    local = slice(lo - spec.owned.start, hi - spec.owned.start)
+                    rows = data[(lo - sec.unit_start) * sec.unit_bytes :
+                                (hi - sec.unit_start) * sec.unit_bytes]  # fmt: skip
+                    arr = np.frombuffer(rows, dtype=np.uint8)
+                    if tm is None:
+                        arr = arr.reshape(hi - lo, sec.unit_bytes)
+                        scatter_state(regions[spec.region], spec, manifest.num_blocks,
+                                      int(ids[-1]), local, arr)  # fmt: skip
+                        out.state_bytes += arr.nbytes
+                    else:
+                        arr = arr.reshape(hi - lo, e - s, spec.row_bytes)
+                        scatter_attention(regions[spec.region], spec, group, manifest.num_blocks,
+                                          tm, local, arr)  # fmt: skip
+                        out.kv_bytes += arr.nbytes
+        out.chunks += 1
+
+    def _fetch(self, eid: EntryId, out: LoadOutcome) -> tuple[fmt.Header, list[memoryview]]:
+        data = self.dram.get(eid)
+        tier = "dram"
+        if data is None:
+            data = self.files.read(eid)
+            tier = "file"
+            if data is None:
+                raise PullError("store_miss", f"{eid.filename} went away (evicted)")
+        try:
+            header, start = fmt.read_header(data, len(data))
+            datas = fmt.sections(header, memoryview(data)[start:])
+            if header.key != eid.key or header.group_fp != eid.group_fp:
+                raise fmt.CorruptEntry("key or group fingerprint differs from the file name")
+        except fmt.CorruptEntry as exc:
+            (self.dram if tier == "dram" else self.files).drop(eid, corrupt=True)
+            raise PullError("store_corrupt", f"{eid.filename}: {exc}") from None
+        if tier == "dram":
+            out.dram_bytes += len(data)
+        else:
+            out.file_bytes += len(data)
+            self.dram.put(eid, bytes(data))
+        return header, datas
+
+    def _corrupt(self, eid: EntryId, why: str) -> None:
+        self.dram.drop(eid, corrupt=True)
+        self.files.drop(eid, corrupt=True)
+        raise PullError("store_corrupt", f"{eid.filename}: {why}")
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _plan(self, key: str, fp: str, specs: list[PartSpec]) -> _Plan | None:
+        """Entries that together hold every unit this rank needs, or None."""
+        found = dict.fromkeys(self.dram.writers(key, fp) + self.files.writers(key, fp))
+        if not found:
+            return None
+        plan = _Plan()
+        for total, owned in {(p.units_total, p.owned) for p in specs}:
+            for u in owned:
+                src = next((e for e in found if u in _owned(total, e)), None)
+                if src is None:
+                    return None
+                plan.source[(total, u)] = src
+        return plan
+
+    def _check(
+        self, manifest: Manifest, block_ids: Sequence[Sequence[int]], keys: Sequence[str], n: int
+    ) -> list[np.ndarray]:
+        check_keys(keys, n, self.chunk_tokens)
+        if len(block_ids) != len(manifest.groups):
+            raise BlockIdError("block_ids", f"{len(block_ids)} groups, the manifest has "
+                               f"{len(manifest.groups)}")  # fmt: skip
+        out = []
+        for g, group_ids in enumerate(block_ids):
+            arr = np.asarray(group_ids, dtype=np.int64).reshape(-1)
+            bad = np.flatnonzero((arr < -1) | (arr >= manifest.num_blocks))
+            if bad.size:
+                i = int(bad[0])
+                raise BlockIdError(f"block_ids[{g}][{i}]", f"{arr[i]} outside [-1, "
+                                   f"{manifest.num_blocks})")  # fmt: skip
+            out.append(arr)
+        return out
+
+
+def _owned(total: int, eid: EntryId) -> range:
+    try:
+        return owned_units(total, eid.tp_size, eid.tp_rank)
+    except Exception:  # noqa: BLE001 - a writer TP that cannot split these units serves none
+        return range(0)
+
+
+def _runs(plan: _Plan, eid: EntryId, spec: PartSpec, sec: fmt.Section) -> list[tuple[int, int]]:
+    """Runs ``[lo, hi)`` of global units this section supplies to this rank (per the plan)."""
+    lo_bound = max(sec.unit_start, spec.owned.start)
+    hi_bound = min(sec.unit_start + sec.units, spec.owned.stop)
+    runs: list[tuple[int, int]] = []
+    for u in range(lo_bound, hi_bound):
+        if plan.source.get((spec.units_total, u)) != eid:
+            continue
+        if runs and runs[-1][1] == u:
+            runs[-1] = (runs[-1][0], u + 1)
+        else:
+            runs.append((u, u + 1))
+    return runs

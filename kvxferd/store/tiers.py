@@ -1,0 +1,278 @@
+"""The two tiers: a bounded host-DRAM pool and a directory of files, each evicting LRU by bytes.
+
+Both hold encoded entries (:mod:`kvxferd.store.format`) under an :class:`EntryId`. Files are
+written to a temporary name and renamed into place, so a reader never sees a half-written entry
+under its final name; leftover temporaries (a crash mid-write) are removed at start. fsync
+policy: none by default. The store is a cache: after a power loss a renamed file may be empty or
+torn, and its checksums then fail, so it is deleted and counted instead of loaded. ``fsync=True``
+syncs each file before its rename, for directories shared with something that needs durability.
+
+The file tier's byte bound is per process, over the files it knows: its own writes, what it
+found at start and what lookups discover; sidecars sharing a directory should split the budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+SUFFIX = ".kvx"
+_TMP = ".tmp"
+
+
+class EntryId(NamedTuple):
+    """One chunk of one group as saved by one rank of one TP size."""
+
+    key: str
+    group_fp: str
+    tp_size: int
+    tp_rank: int
+
+    @property
+    def filename(self) -> str:
+        """``<key>-<group fp>-t<tp>r<rank>.kvx``."""
+        return f"{self.key}-{self.group_fp}-t{self.tp_size}r{self.tp_rank}{SUFFIX}"
+
+
+def parse_filename(name: str) -> EntryId | None:
+    """The EntryId of a store file name, None for anything else."""
+    if not name.endswith(SUFFIX):
+        return None
+    try:
+        key, fp, tag = name[: -len(SUFFIX)].split("-")
+        tp, rank = tag[1:].split("r")
+        if tag[0] != "t":
+            return None
+        return EntryId(key, fp, int(tp), int(rank))
+    except ValueError:
+        return None
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier (monotonic except ``bytes`` and ``entries``)."""
+
+    bytes: int = 0
+    entries: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    partial_removed: int = 0
+
+
+class DramTier:
+    """Encoded entries in host memory, least recently used evicted past ``capacity`` bytes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.stats = TierStats()
+        self._entries: OrderedDict[EntryId, bytes] = OrderedDict()
+        self._by_key: dict[tuple[str, str], set[EntryId]] = {}
+        self._lock = threading.Lock()
+
+    def writers(self, key: str, group_fp: str) -> list[EntryId]:
+        """Entries held for (key, group)."""
+        with self._lock:
+            return list(self._by_key.get((key, group_fp), ()))
+
+    def has(self, eid: EntryId) -> bool:
+        """Whether the entry is held (no LRU update)."""
+        with self._lock:
+            return eid in self._entries
+
+    def get(self, eid: EntryId) -> bytes | None:
+        """The entry's bytes (marks it recently used), None if absent."""
+        with self._lock:
+            data = self._entries.get(eid)
+            if data is not None:
+                self._entries.move_to_end(eid)
+            return data
+
+    def put(self, eid: EntryId, data: bytes) -> bool:
+        """Keep ``data``, evicting LRU entries; False if it alone exceeds the capacity."""
+        if len(data) > self.capacity:
+            return False
+        with self._lock:
+            if eid in self._entries:
+                self._entries.move_to_end(eid)
+                return True
+            while self.stats.bytes + len(data) > self.capacity and self._entries:
+                self._remove(next(iter(self._entries)))
+                self.stats.evictions += 1
+            self._entries[eid] = data
+            self._by_key.setdefault((eid.key, eid.group_fp), set()).add(eid)
+            self.stats.bytes += len(data)
+            self.stats.entries += 1
+            return True
+
+    def drop(self, eid: EntryId, corrupt: bool = False) -> None:
+        """Forget an entry (counted as corrupt when it failed its checks)."""
+        with self._lock:
+            if eid in self._entries:
+                self._remove(eid)
+                self.stats.corrupt += int(corrupt)
+
+    def _remove(self, eid: EntryId) -> None:
+        data = self._entries.pop(eid)
+        ids = self._by_key[(eid.key, eid.group_fp)]
+        ids.discard(eid)
+        if not ids:
+            del self._by_key[(eid.key, eid.group_fp)]
+        self.stats.bytes -= len(data)
+        self.stats.entries -= 1
+
+
+class FileTier:
+    """Entries as files under ``root/<key[:2]>/``, LRU (by use, then mtime) past ``capacity``."""
+
+    def __init__(self, root: str | os.PathLike[str], capacity: int, fsync: bool = False) -> None:
+        self.root = Path(root)
+        self.capacity = capacity
+        self.fsync = fsync
+        self.stats = TierStats()
+        self._sizes: OrderedDict[EntryId, int] = OrderedDict()
+        self._lock = threading.Lock()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    def path(self, eid: EntryId) -> Path:
+        """Where the entry's file lives."""
+        return self.root / eid.key[:2] / eid.filename
+
+    def writers(self, key: str, group_fp: str) -> list[EntryId]:
+        """Entries on disk for (key, group), including ones other processes wrote."""
+        prefix = f"{key}-{group_fp}-"
+        try:
+            names = [n for n in os.listdir(self.root / key[:2]) if n.startswith(prefix)]
+        except FileNotFoundError:
+            return []
+        out = [e for e in map(parse_filename, names) if e is not None]
+        with self._lock:
+            for eid in out:
+                if eid not in self._sizes:
+                    with contextlib.suppress(FileNotFoundError):
+                        self._add(eid, self.path(eid).stat().st_size)
+        return out
+
+    def has(self, eid: EntryId) -> bool:
+        """Whether the entry's file exists."""
+        return self.path(eid).is_file()
+
+    def write(self, eid: EntryId, buffers: Sequence[bytes | memoryview]) -> bool:
+        """Write the entry (temp + rename) unless present; False if it was not written."""
+        size = sum(len(b) for b in buffers)
+        final = self.path(eid)
+        if size > self.capacity or final.exists():
+            return False
+        final.parent.mkdir(exist_ok=True)
+        tmp = final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            _write_all(fd, buffers)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.replace(tmp, final)
+        with self._lock:
+            self._add(eid, size)
+            self._evict(keep=eid)
+        return True
+
+    def read(self, eid: EntryId) -> bytearray | None:
+        """The file's bytes (and its mtime refreshed: LRU across restarts), None if gone."""
+        path = self.path(eid)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                buf = bytearray(size)
+                view, got = memoryview(buf), 0
+                while got < size:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+            os.utime(path)
+        except FileNotFoundError:
+            with self._lock:
+                self._forget(eid)
+            return None
+        with self._lock:
+            if eid in self._sizes:
+                self._sizes.move_to_end(eid)
+            else:
+                self._add(eid, size)
+        return buf if got == size else buf[:got]
+
+    def drop(self, eid: EntryId, corrupt: bool = False) -> None:
+        """Delete an entry's file (counted as corrupt when it failed its checks)."""
+        self.path(eid).unlink(missing_ok=True)
+        with self._lock:
+            self._forget(eid)
+            self.stats.corrupt += int(corrupt)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        found = []
+        for sub in self.root.iterdir():
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                if entry.name.endswith(_TMP):
+                    Path(entry.path).unlink(missing_ok=True)
+                    self.stats.partial_removed += 1
+                    continue
+                eid = parse_filename(entry.name)
+                if eid is not None:
+                    st = entry.stat()
+                    found.append((st.st_mtime_ns, eid, st.st_size))
+        with self._lock:
+            for _mtime, eid, size in sorted(found):
+                self._add(eid, size)
+            self._evict(keep=None)
+
+    def _add(self, eid: EntryId, size: int) -> None:
+        if eid in self._sizes:
+            return
+        self._sizes[eid] = size
+        self.stats.bytes += size
+        self.stats.entries += 1
+
+    def _forget(self, eid: EntryId) -> None:
+        size = self._sizes.pop(eid, None)
+        if size is not None:
+            self.stats.bytes -= size
+            self.stats.entries -= 1
+
+    def _evict(self, keep: EntryId | None) -> None:
+        for eid in list(self._sizes):
+            if self.stats.bytes <= self.capacity:
+                return
+            if eid == keep:
+                continue
+            self.path(eid).unlink(missing_ok=True)
+            self._forget(eid)
+            self.stats.evictions += 1
+
+
+def _write_all(fd: int, buffers: Sequence[bytes | memoryview]) -> None:
+    """os.writev until every byte is written (writev may stop short)."""
+    pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while pending:
+        n = os.writev(fd, pending[:512])
+        while n and pending:
+            if n >= len(pending[0]):
+                n -= len(pending.pop(0))
+            else:
+                pending[0] = pending[0][n:]
+                n = 0
