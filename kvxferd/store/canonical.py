@@ -60,15 +60,31 @@ def part_specs(manifest: Manifest, g: int) -> list[PartSpec]:
             owned = owned_units(layer.total_kv_heads, tp, rank, f"groups[{g}].total_kv_heads")
             for part in (layer.k, layer.v):
                 out.append(
-                    PartSpec(layer.index, part.name, layer.region, part, layer.total_kv_heads,
-                             owned, row, layer)  # fmt: skip
+                    PartSpec(
+                        layer.index,
+                        part.name,
+                        layer.region,
+                        part,
+                        layer.total_kv_heads,
+                        owned,
+                        row,
+                        layer,
+                    )  # fmt: skip
                 )
         else:
             for part in [*layer.conv, layer.ssm]:
                 owned = owned_units(part.units_total, tp, rank, f"groups[{g}].{part.name}")
                 out.append(
-                    PartSpec(layer.index, part.name, layer.region, part, part.units_total,
-                             owned, part.unit_bytes, None)  # fmt: skip
+                    PartSpec(
+                        layer.index,
+                        part.name,
+                        layer.region,
+                        part,
+                        part.units_total,
+                        owned,
+                        part.unit_bytes,
+                        None,
+                    )  # fmt: skip
                 )
     return out
 
@@ -192,3 +208,16 @@ def scatter_state(
     """Write (unit, byte) ``data`` into local units ``units`` of ``block``."""
     view = _state_view(region, spec, nblocks)
     view[block, units] = data
+
+
+def fill_tokens(
+    manifest: Manifest, regions: list[np.ndarray], g: int, block_ids: np.ndarray,
+    start: int, end: int, value: int,
+) -> None:  # fmt: skip
+    """Set every attention byte of tokens ``[start, end)`` of group ``g`` to ``value`` (tests and
+    the simulator poison rows so that a load that skipped them cannot pass verification)."""
+    group = manifest.groups[g]
+    tm = token_map(group, np.asarray(block_ids, dtype=np.int64), start, end, f"block_ids[{g}]")
+    for spec in part_specs(manifest, g):
+        view = _attention_view(regions[spec.region], spec, group, manifest.num_blocks)
+        view[tm.kernel_units, :, tm.rows, :] = value

@@ -1,0 +1,67 @@
+"""Tier bounds: the DRAM pool and the file directory never hold more than their capacity, evict
+least recently used first, and the file tier rebuilds its view from disk after a restart."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxferd.store.tiers import DramTier, EntryId, FileTier, parse_filename
+from tests.store.helpers import DENSE, filled, keys, plan, store
+
+
+def _eid(i: int) -> EntryId:
+    return EntryId(f"{i:032x}", "00112233aabbccdd", 2, 1)
+
+
+def test_entry_file_names_round_trip():
+    eid = _eid(7)
+    assert parse_filename(eid.filename) == eid
+    assert parse_filename("junk.kvx") is None and parse_filename(eid.filename + ".tmp") is None
+
+
+def test_dram_pool_is_bounded_and_lru():
+    tier = DramTier(capacity=300)
+    for i in range(3):
+        assert tier.put(_eid(i), bytes(100))
+    assert tier.get(_eid(0)) is not None  # 0 is now the most recently used
+    assert tier.put(_eid(3), bytes(100))
+    assert tier.stats.bytes <= 300 and tier.stats.evictions == 1
+    assert tier.has(_eid(0)) and not tier.has(_eid(1)) and tier.has(_eid(3))
+    assert not tier.put(_eid(4), bytes(301))  # never fits: refused, nothing evicted
+    assert tier.stats.entries == 3
+
+
+def test_file_tier_is_bounded_and_lru(tmp_path):
+    tier = FileTier(tmp_path, capacity=250)
+    for i in range(2):
+        assert tier.write(_eid(i), [bytes(100)])
+    assert tier.read(_eid(0)) == bytes(100)  # touch 0
+    assert tier.write(_eid(2), [bytes(100)])
+    assert tier.stats.bytes <= 250 and tier.stats.evictions == 1
+    assert tier.has(_eid(0)) and not tier.has(_eid(1)) and tier.has(_eid(2))
+    assert sum(p.stat().st_size for p in tmp_path.rglob("*.kvx")) <= 250
+    assert not tier.write(_eid(2), [bytes(100)])  # present: not rewritten
+
+
+def test_file_tier_restart_evicts_oldest_to_a_smaller_budget(tmp_path):
+    tier = FileTier(tmp_path, capacity=1000)
+    for i in range(5):
+        tier.write(_eid(i), [bytes(100)])
+        tier.read(_eid(i))  # mtime order = write order
+    smaller = FileTier(tmp_path, capacity=250)
+    assert smaller.stats.bytes == 200 and smaller.stats.entries == 2
+    assert [e for e in map(_eid, range(5)) if smaller.has(e)] == [_eid(3), _eid(4)]
+
+
+@pytest.mark.parametrize("dram", [0, 1 << 20])
+def test_store_stays_within_both_budgets(tmp_path, dram):
+    m = plan(DENSE, blocks=10)
+    chunk, tokens = 16, 128  # 8 chunks of 1 MiB each
+    regions, ids = filled(m, tokens, seed=3)
+    s = store(tmp_path, chunk, dram=dram, files=3 << 20)
+    out = s.save(m, regions, ids, keys(tokens, chunk), tokens)
+    assert out.chunks_saved == 8
+    assert s.dram.stats.bytes <= dram and s.files.stats.bytes <= 3 << 20
+    assert s.files.stats.evictions >= 5
+    # the leading chunks were evicted first, so nothing matches from the start
+    assert s.lookup(m, keys(tokens, chunk), tokens).matched == 0
