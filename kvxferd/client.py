@@ -39,6 +39,12 @@ from kvxferd.wire import (
     RegisterRequest,
     RegisterResponse,
     ReleasedHolds,
+    StoreLoadRequest,
+    StoreLoadStatus,
+    StoreLookup,
+    StoreLookupRequest,
+    StoreSaved,
+    StoreSaveRequest,
     Ticket,
 )
 
@@ -143,6 +149,18 @@ def _healthz() -> _Call:
 
 def _released(cursor: int) -> _Call:
     return _Call("GET", "/v1/released", ReleasedHolds, params={"cursor": cursor})
+
+
+def _store_save(req: StoreSaveRequest) -> _Call:
+    return _Call("POST", "/v1/store/save", StoreSaved, req)
+
+
+def _store_lookup(req: StoreLookupRequest) -> _Call:
+    return _Call("POST", "/v1/store/lookup", StoreLookup, req)
+
+
+def _store_load(req: StoreLoadRequest) -> _Call:
+    return _Call("POST", "/v1/store/load", StoreLoadStatus, req)
 
 
 def _wait_pull(
@@ -271,6 +289,18 @@ class EngineClient:
         """Holds released since ``cursor``."""
         return self._send(_released(cursor))  # type: ignore[no-any-return]
 
+    def store_save(self, req: StoreSaveRequest) -> StoreSaved:
+        """Save a request's blocks to the store."""
+        return self._send(_store_save(req))  # type: ignore[no-any-return]
+
+    def store_lookup(self, req: StoreLookupRequest) -> StoreLookup:
+        """Tokens of a prompt the store can serve."""
+        return self._send(_store_lookup(req))  # type: ignore[no-any-return]
+
+    def store_load(self, req: StoreLoadRequest) -> StoreLoadStatus:
+        """Load a prompt's first tokens from the store into local blocks."""
+        return self._send(_store_load(req))  # type: ignore[no-any-return]
+
     def healthz(self) -> None:
         """Return once the sidecar answers its liveness probe (SidecarUnreachableError if not)."""
         self._send(_healthz())
@@ -344,6 +374,18 @@ class AsyncEngineClient:
     async def released(self, cursor: int = 0) -> ReleasedHolds:
         """Holds released since ``cursor``."""
         return await self._send(_released(cursor))  # type: ignore[no-any-return]
+
+    async def store_save(self, req: StoreSaveRequest) -> StoreSaved:
+        """Save a request's blocks to the store."""
+        return await self._send(_store_save(req))  # type: ignore[no-any-return]
+
+    async def store_lookup(self, req: StoreLookupRequest) -> StoreLookup:
+        """Tokens of a prompt the store can serve."""
+        return await self._send(_store_lookup(req))  # type: ignore[no-any-return]
+
+    async def store_load(self, req: StoreLoadRequest) -> StoreLoadStatus:
+        """Load a prompt's first tokens from the store into local blocks."""
+        return await self._send(_store_load(req))  # type: ignore[no-any-return]
 
     async def healthz(self) -> None:
         """Return once the sidecar answers its liveness probe (SidecarUnreachableError if not)."""

@@ -30,6 +30,7 @@ from kvxferd.memory import open_region
 from kvxferd.metrics import Metrics
 from kvxferd.sidecar.holds import HoldTable
 from kvxferd.sidecar.keepalive import keep_alive
+from kvxferd.sidecar.offload import Offload
 from kvxferd.sidecar.peers import PeerTable
 from kvxferd.sidecar.pulls import Pull, PullRunner
 from kvxferd.sidecar.tickets import sign_ticket, verify_ticket
@@ -93,6 +94,7 @@ class Sidecar:
         self._secret = config.peer_token.encode()
         self._released_reported: dict[str, int] = {}  # release counts already in metrics
         self._notif_wake = asyncio.Event()  # set by a claim: a READ is imminent
+        self.offload = Offload(config, self.metrics, self._store_target)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -264,6 +266,11 @@ class Sidecar:
         if self.manifest is None or self.holds is None:
             raise NotRegisteredError("no engine has registered with this sidecar yet")
         return self.holds, self.manifest
+
+    def _store_target(self) -> tuple[Manifest, list[Any]]:
+        """The registered manifest and a host view of each region, for the store."""
+        _, manifest = self._require_engine()
+        return manifest, [region.host_view() for region in self._regions]
 
     @property
     def region_bases(self) -> list[int]:

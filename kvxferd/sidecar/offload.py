@@ -1,0 +1,129 @@
+"""The sidecar's store calls (issue 12): save, lookup and load over the engine's own regions.
+
+A thin layer over :class:`kvxferd.store.Store`: the store work runs in a worker thread (numpy
+and file I/O release the GIL), the outcome becomes a wire answer, and metrics follow every
+call. A load never raises for a missing or corrupt entry: it answers ``failed`` with the reason
+(like a pull), and the engine recomputes. Bad input (block ids, keys) is a 4xx naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxferd.config import Config
+from kvxferd.errors import PullError, StoreError
+from kvxferd.metrics import STORE_TIERS, Metrics
+from kvxferd.store import Store
+from kvxferd.store.tiers import TierStats
+from kvxferd.wire import (
+    Manifest,
+    StoreLoadRequest,
+    StoreLoadStatus,
+    StoreLookup,
+    StoreLookupRequest,
+    StoreSaved,
+    StoreSaveRequest,
+)
+
+log = logging.getLogger(__name__)
+
+Target = Callable[[], tuple[Manifest, list[np.ndarray]]]
+"""Returns the registered manifest and a host view of each region (raises if none)."""
+
+
+@dataclass
+class _Reported:
+    """Tier counters already added to the metrics (they are monotonic in the tiers)."""
+
+    evictions: int = 0
+    corrupt: int = 0
+
+
+class Offload:
+    """Store calls of one sidecar; without ``config.store_dir`` every call is a StoreError."""
+
+    def __init__(self, config: Config, metrics: Metrics, target: Target) -> None:
+        self.metrics = metrics
+        self._target = target
+        self.store: Store | None = None
+        if config.store_dir:
+            self.store = Store(
+                config.store_dir,
+                config.store_chunk_tokens,
+                config.store_dram_bytes,
+                config.store_file_bytes,
+            )
+        self._reported = {tier: _Reported() for tier in STORE_TIERS}
+
+    async def save(self, req: StoreSaveRequest) -> StoreSaved:
+        """Copy a request's blocks into the store (entries already there are skipped)."""
+        store, (manifest, regions) = self._require(), self._target()
+        out = await asyncio.to_thread(
+            store.save, manifest, regions, req.block_ids, req.keys, req.num_tokens
+        )
+        self.metrics.store_bytes.labels("dram", "save").inc(out.dram_bytes)
+        self.metrics.store_bytes.labels("file", "save").inc(out.file_bytes)
+        self._sync_tiers()
+        return StoreSaved(
+            chunks_saved=out.chunks_saved, chunks_present=out.chunks_present,
+            kv_bytes=out.kv_bytes, state_bytes=out.state_bytes, dram_bytes=out.dram_bytes,
+            file_bytes=out.file_bytes, duration_s=out.duration_s,
+        )  # fmt: skip
+
+    async def lookup(self, req: StoreLookupRequest) -> StoreLookup:
+        """Tokens each group can serve and the prefix all can (the minimum rule)."""
+        store, (manifest, _regions) = self._require(), self._target()
+        out = await asyncio.to_thread(store.lookup, manifest, req.keys, req.num_tokens)
+        self.metrics.store_lookup_tokens.labels("hit").inc(out.matched)
+        self.metrics.store_lookup_tokens.labels("miss").inc(req.num_tokens - out.matched)
+        if out.disagree:
+            self.metrics.store_disagreements.inc()
+        return StoreLookup(matched_tokens=out.per_group, matched=out.matched, disagree=out.disagree)
+
+    async def load(self, req: StoreLoadRequest) -> StoreLoadStatus:
+        """Write the first ``num_tokens`` tokens into local blocks; failed (with a reason) when an
+        entry is missing or corrupt."""
+        store, (manifest, regions) = self._require(), self._target()
+        try:
+            out = await asyncio.to_thread(
+                store.load, manifest, regions, req.block_ids, req.keys, req.num_tokens
+            )
+        except PullError as exc:
+            log.warning("store load %s failed: %s", req.request_id or "-", exc)
+            self.metrics.store_loads.labels("failed").inc()
+            self._sync_tiers()
+            return StoreLoadStatus(state="failed", reason=exc.reason, detail=exc.detail)
+        self.metrics.store_loads.labels("done").inc()
+        self.metrics.store_bytes.labels("dram", "load").inc(out.dram_bytes)
+        self.metrics.store_bytes.labels("file", "load").inc(out.file_bytes)
+        self._sync_tiers()
+        served = out.dram_bytes + out.file_bytes
+        return StoreLoadStatus(
+            state="done", tokens=out.tokens, kv_bytes=out.kv_bytes, state_bytes=out.state_bytes,
+            dram_bytes=out.dram_bytes, file_bytes=out.file_bytes,
+            dram_hit_rate=out.dram_bytes / served if served else 0.0, duration_s=out.duration_s,
+        )  # fmt: skip
+
+    def _require(self) -> Store:
+        if self.store is None:
+            raise StoreError("store_dir", "this sidecar has no store (start it with --store-dir)")
+        return self.store
+
+    def _sync_tiers(self) -> None:
+        """Resident bytes, evictions and corrupt entries of both tiers into the metrics."""
+        assert self.store is not None
+        tiers: dict[str, TierStats] = {
+            "dram": self.store.dram.stats,
+            "file": self.store.files.stats,
+        }
+        for tier, stats in tiers.items():
+            seen = self._reported[tier]
+            self.metrics.store_resident_bytes.labels(tier).set(stats.bytes)
+            self.metrics.store_evictions.labels(tier).inc(stats.evictions - seen.evictions)
+            self.metrics.store_corrupt.labels(tier).inc(stats.corrupt - seen.corrupt)
+            seen.evictions, seen.corrupt = stats.evictions, stats.corrupt
