@@ -31,6 +31,7 @@ from kvxferd.errors import (
 )
 from kvxferd.layout import request_blocks
 from kvxferd.pattern import Mismatch, verify_pattern, write_pattern
+from kvxferd.sim import storecache
 from kvxferd.sim import transfer_params as tp
 from kvxferd.sim.blocks import BlockAllocator, PrefixCache, PrefixKey
 from kvxferd.sim.digest import rank_digest
@@ -60,6 +61,9 @@ class EngineSettings:
     """Deadline of one request's pull."""
     release_poll_s: float = 0.1
     """Interval of the released-holds poll while holds are outstanding."""
+    store_chunk_tokens: int = 0
+    """Prefill: use the sidecars' store as a prefix-cache tier with chunks of this many tokens
+    (:mod:`kvxferd.sim.storecache`); 0: no store."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +193,10 @@ class SimEngine:
         flat = self._allocate(sum(need))
         ids = self._split(flat, need)
         try:
-            await self._on_ranks(write_pattern, ids, prompt_seed(prompt.tokens))
+            if self.settings.store_chunk_tokens:
+                await storecache.fill(self, prompt.tokens, ids, prompt_seed(prompt.tokens))
+            else:
+                await self._on_ranks(write_pattern, ids, prompt_seed(prompt.tokens))
             digest = await self._digest(ids)
             tickets = await self._hold(prompt.request_id, ids, len(prompt.tokens))
         except BaseException:
