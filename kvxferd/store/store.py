@@ -7,8 +7,9 @@ attention chunks present from the start and the chunks with a state; the match i
 prefix every group can serve (the minimum rule; a state must sit exactly at its end). Groups that
 disagree are logged, never an error.
 
-Every entry is checked (header digest, section CRCs, sizes) before any of its bytes reach engine
-memory; a corrupt entry is deleted from its tier, counted, and the load fails with
+Every entry read from a file is checked (header digest, section CRCs, sizes) before any of its
+bytes reach engine memory (DRAM entries are buffers this process gathered or already checked);
+a corrupt entry is deleted, counted, and the load fails with
 ``store_corrupt`` (chunks loaded before it are not valid either: the engine treats a failed load
 as no load). Writes go to the DRAM pool and through to files; reads prefer DRAM and promote.
 """
@@ -36,7 +37,7 @@ from kvxferd.store.canonical import (
     token_map,
 )
 from kvxferd.store.keys import check_keys, chunk_spans
-from kvxferd.store.tiers import DramTier, EntryId, FileTier
+from kvxferd.store.tiers import Cached, DramTier, EntryId, FileTier
 from kvxferd.wire import Manifest
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class Store:
                 )  # fmt: skip
                 buffers = fmt.encode(header, datas)
                 size = sum(len(b) for b in buffers)
-                if self.dram.put(eid, b"".join(buffers)):
+                if self.dram.put(eid, Cached(header, buffers[1:], size)):  # type: ignore[arg-type]
                     out.dram_bytes += size
                 if self.files.write(eid, buffers):
                     out.file_bytes += size
@@ -267,26 +268,24 @@ class Store:
         out.chunks += 1
 
     def _fetch(self, eid: EntryId, out: LoadOutcome) -> tuple[fmt.Header, list[memoryview]]:
-        data = self.dram.get(eid)
-        tier = "dram"
+        """The entry from DRAM, else from its file (every checksum checked, then kept in DRAM)."""
+        cached = self.dram.get(eid)
+        if cached is not None:
+            out.dram_bytes += cached.size
+            return cached.header, cached.sections
+        data = self.files.read(eid)
         if data is None:
-            data = self.files.read(eid)
-            tier = "file"
-            if data is None:
-                raise PullError("store_miss", f"{eid.filename} went away (evicted)")
+            raise PullError("store_miss", f"{eid.filename} went away (evicted)")
         try:
             header, start = fmt.read_header(data, len(data))
             datas = fmt.sections(header, memoryview(data)[start:])
             if header.key != eid.key or header.group_fp != eid.group_fp:
                 raise fmt.CorruptEntry("key or group fingerprint differs from the file name")
         except fmt.CorruptEntry as exc:
-            (self.dram if tier == "dram" else self.files).drop(eid, corrupt=True)
+            self.files.drop(eid, corrupt=True)
             raise PullError("store_corrupt", f"{eid.filename}: {exc}") from None
-        if tier == "dram":
-            out.dram_bytes += len(data)
-        else:
-            out.file_bytes += len(data)
-            self.dram.put(eid, bytes(data))
+        out.file_bytes += len(data)
+        self.dram.put(eid, Cached(header, datas, len(data)))
         return header, datas
 
     def _corrupt(self, eid: EntryId, why: str) -> None:

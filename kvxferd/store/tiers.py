@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from kvxferd.store.format import Header
+
 SUFFIX = ".kvx"
 _TMP = ".tmp"
 
@@ -66,13 +68,24 @@ class TierStats:
     partial_removed: int = 0
 
 
+@dataclass(frozen=True)
+class Cached:
+    """An entry held in DRAM: its parsed header and section bytes (checked when they came from
+    a file, gathered by this process when saved), and its encoded size."""
+
+    header: Header
+    sections: list[memoryview]
+    size: int
+
+
 class DramTier:
-    """Encoded entries in host memory, least recently used evicted past ``capacity`` bytes."""
+    """Entries in host memory, least recently used evicted past ``capacity`` bytes. No copy and
+    no checksum pass: an entry is kept as the buffers it was saved or read into."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.stats = TierStats()
-        self._entries: OrderedDict[EntryId, bytes] = OrderedDict()
+        self._entries: OrderedDict[EntryId, Cached] = OrderedDict()
         self._by_key: dict[tuple[str, str], set[EntryId]] = {}
         self._lock = threading.Lock()
 
@@ -86,28 +99,28 @@ class DramTier:
         with self._lock:
             return eid in self._entries
 
-    def get(self, eid: EntryId) -> bytes | None:
-        """The entry's bytes (marks it recently used), None if absent."""
+    def get(self, eid: EntryId) -> Cached | None:
+        """The entry (marks it recently used), None if absent."""
         with self._lock:
             data = self._entries.get(eid)
             if data is not None:
                 self._entries.move_to_end(eid)
             return data
 
-    def put(self, eid: EntryId, data: bytes) -> bool:
+    def put(self, eid: EntryId, data: Cached) -> bool:
         """Keep ``data``, evicting LRU entries; False if it alone exceeds the capacity."""
-        if len(data) > self.capacity:
+        if data.size > self.capacity:
             return False
         with self._lock:
             if eid in self._entries:
                 self._entries.move_to_end(eid)
                 return True
-            while self.stats.bytes + len(data) > self.capacity and self._entries:
+            while self.stats.bytes + data.size > self.capacity and self._entries:
                 self._remove(next(iter(self._entries)))
                 self.stats.evictions += 1
             self._entries[eid] = data
             self._by_key.setdefault((eid.key, eid.group_fp), set()).add(eid)
-            self.stats.bytes += len(data)
+            self.stats.bytes += data.size
             self.stats.entries += 1
             return True
 
@@ -124,7 +137,7 @@ class DramTier:
         ids.discard(eid)
         if not ids:
             del self._by_key[(eid.key, eid.group_fp)]
-        self.stats.bytes -= len(data)
+        self.stats.bytes -= data.size
         self.stats.entries -= 1
 
 

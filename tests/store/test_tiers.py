@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from kvxferd.store.tiers import DramTier, EntryId, FileTier, parse_filename
+from kvxferd.store.format import Header
+from kvxferd.store.tiers import Cached, DramTier, EntryId, FileTier, parse_filename
 from tests.store.helpers import DENSE, filled, keys, plan, store
 
 
 def _eid(i: int) -> EntryId:
     return EntryId(f"{i:032x}", "00112233aabbccdd", 2, 1)
+
+
+def _cached(size: int) -> Cached:
+    header = Header(key="0" * 32, group_fp="0" * 16, kind="mamba", chunk=0, tokens=1,
+                    writer_tp_size=1, writer_tp_rank=0, writer_block_size=1,
+                    writer_kernel_block_size=1, sections=[])  # fmt: skip
+    return Cached(header, [], size)
 
 
 def test_entry_file_names_round_trip():
@@ -22,12 +30,12 @@ def test_entry_file_names_round_trip():
 def test_dram_pool_is_bounded_and_lru():
     tier = DramTier(capacity=300)
     for i in range(3):
-        assert tier.put(_eid(i), bytes(100))
+        assert tier.put(_eid(i), _cached(100))
     assert tier.get(_eid(0)) is not None  # 0 is now the most recently used
-    assert tier.put(_eid(3), bytes(100))
+    assert tier.put(_eid(3), _cached(100))
     assert tier.stats.bytes <= 300 and tier.stats.evictions == 1
     assert tier.has(_eid(0)) and not tier.has(_eid(1)) and tier.has(_eid(3))
-    assert not tier.put(_eid(4), bytes(301))  # never fits: refused, nothing evicted
+    assert not tier.put(_eid(4), _cached(301))  # never fits: refused, nothing evicted
     assert tier.stats.entries == 3
 
 
