@@ -145,27 +145,29 @@ def _state_view(region: np.ndarray, spec: PartSpec, nblocks: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TokenMap:
-    """Where tokens ``[start, end)`` of a request sit in an attention group's kernel blocks."""
+    """Where tokens ``[start, end)`` of a request sit in an attention group's kernel blocks: one
+    segment per kernel block touched, so gather and scatter copy whole row runs, once."""
 
-    kernel_units: np.ndarray
-    rows: np.ndarray
-    aligned: bool
-    """Whole kernel blocks: gather/scatter by block instead of by token."""
+    segments: list[tuple[int, int, int, int]]
+    """(kernel block, first row, row count, offset in the token range)."""
+    tokens: int
 
 
 def token_map(group: Group, block_ids: np.ndarray, start: int, end: int, field: str) -> TokenMap:
-    """Kernel block and row of each token; BlockIdError if a token's block is missing."""
-    t = np.arange(start, end, dtype=np.int64)
-    ordinal = t // group.block_size
-    if ordinal.size and int(ordinal[-1]) >= block_ids.size:
+    """The segments of tokens ``[start, end)``; BlockIdError if a token's block is missing."""
+    bs, kbs = group.block_size, group.kernel_block_size
+    if end > start and (end - 1) // bs >= block_ids.size:
         raise BlockIdError(field, f"{block_ids.size} blocks hold fewer than {end} tokens")
-    ids = block_ids[ordinal]
-    if ids.size and int(ids.min()) < 0:
-        raise BlockIdError(field, f"a block of tokens [{start}, {end}) is -1")
-    kbs = group.kernel_block_size
-    ku = ids * (group.block_size // kbs) + (t % group.block_size) // kbs
-    aligned = start % kbs == 0 and (end - start) % kbs == 0
-    return TokenMap(ku, t % kbs, aligned)
+    segments, t = [], start
+    while t < end:
+        block = int(block_ids[t // bs])
+        if block < 0:
+            raise BlockIdError(field, f"a block of tokens [{start}, {end}) is -1")
+        row = t % kbs
+        n = min(kbs - row, end - t)
+        segments.append((block * (bs // kbs) + (t % bs) // kbs, row, n, t - start))
+        t += n
+    return TokenMap(segments, end - start)
 
 
 def gather_attention(
@@ -173,12 +175,10 @@ def gather_attention(
 ) -> np.ndarray:
     """(local head, token, row) canonical bytes of one attention part over the token map."""
     view = _attention_view(region, spec, group, nblocks)
-    if tm.aligned:
-        kbs = group.kernel_block_size
-        blocks = view[tm.kernel_units[::kbs]]  # (nk, heads, kbs, row)
-        out = np.ascontiguousarray(blocks.transpose(1, 0, 2, 3))
-        return out.reshape(blocks.shape[1], -1, spec.row_bytes)
-    return np.ascontiguousarray(view[tm.kernel_units, :, tm.rows, :].transpose(1, 0, 2))
+    out = np.empty((view.shape[1], tm.tokens, spec.row_bytes), dtype=np.uint8)
+    for ku, row, n, at in tm.segments:
+        out[:, at : at + n] = view[ku, :, row : row + n]
+    return out
 
 
 def scatter_attention(
@@ -187,14 +187,8 @@ def scatter_attention(
 ) -> None:  # fmt: skip
     """Write (head, token, row) ``data`` into local heads ``heads`` over the token map."""
     view = _attention_view(region, spec, group, nblocks)
-    if tm.aligned:
-        kbs = group.kernel_block_size
-        h = data.shape[0]
-        view[tm.kernel_units[::kbs], heads] = data.reshape(h, -1, kbs, spec.row_bytes).transpose(
-            1, 0, 2, 3
-        )
-    else:
-        view[tm.kernel_units, heads, tm.rows, :] = data.transpose(1, 0, 2)
+    for ku, row, n, at in tm.segments:
+        view[ku, heads, row : row + n] = data[:, at : at + n]
 
 
 def gather_state(region: np.ndarray, spec: PartSpec, nblocks: int, block: int) -> np.ndarray:
@@ -220,4 +214,5 @@ def fill_tokens(
     tm = token_map(group, np.asarray(block_ids, dtype=np.int64), start, end, f"block_ids[{g}]")
     for spec in part_specs(manifest, g):
         view = _attention_view(regions[spec.region], spec, group, manifest.num_blocks)
-        view[tm.kernel_units, :, tm.rows, :] = value
+        for ku, row, n, _at in tm.segments:
+            view[ku, :, row : row + n] = value

@@ -169,15 +169,17 @@ class Store:
         spans = chunk_spans(num_tokens, self.chunk_tokens)
         ends = [0] + [e for _s, e in spans]
         attention: list[int] = []  # chunks covered from the start
-        states: list[set[int]] = []  # chunks with a state
+        states: list[tuple[str, list[PartSpec]]] = []
         per_group = []
         for g, group in enumerate(manifest.groups):
             fp = group_fingerprint(manifest, g, self.chunk_tokens)
             specs = part_specs(manifest, g)
             if group.kind == "mamba":
-                have = {c for c in range(len(keys)) if self._plan(keys[c], fp, specs)}
-                states.append(have)
-                per_group.append(ends[max(have) + 1] if have else 0)
+                states.append((fp, specs))
+                latest = next(
+                    (c for c in reversed(range(len(keys))) if self._plan(keys[c], fp, specs)), -1
+                )
+                per_group.append(ends[latest + 1])
             else:
                 n = 0
                 while n < len(keys) and self._plan(keys[n], fp, specs):
@@ -185,11 +187,13 @@ class Store:
                 attention.append(n)
                 per_group.append(ends[n])
         limit = min(attention) if attention else len(keys)
-        if states:
-            common = set.intersection(*states)
-            m = max((c + 1 for c in common if c + 1 <= limit), default=0)
-        else:
-            m = limit
+        m = limit
+        if states:  # the latest chunk within the limit where every Mamba group has its state
+            m = next(
+                (c + 1 for c in reversed(range(limit))
+                 if all(self._plan(keys[c], fp, specs) for fp, specs in states)),
+                0,
+            )  # fmt: skip
         matched = ends[m]
         disagree = any(t != matched for t in per_group)
         if disagree:
