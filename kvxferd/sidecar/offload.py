@@ -109,6 +109,11 @@ class Offload:
             dram_hit_rate=out.dram_bytes / served if served else 0.0, duration_s=out.duration_s,
         )  # fmt: skip
 
+    def close(self) -> None:
+        """Stop the store's I/O threads (calls in progress finish first)."""
+        if self.store is not None:
+            self.store.close()
+
     def _require(self) -> Store:
         if self.store is None:
             raise StoreError("store_dir", "this sidecar has no store (start it with --store-dir)")

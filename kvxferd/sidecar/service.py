@@ -119,6 +119,7 @@ class Sidecar:
                 await task
         await self.pulls.close()
         await self.peers.close()
+        await asyncio.to_thread(self.offload.close)
         await asyncio.to_thread(self.agent.close)
         for region in self._regions:
             region.close()

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +43,12 @@ from kvxferd.store.tiers import Cached, DramTier, EntryId, FileTier
 from kvxferd.wire import Manifest
 
 log = logging.getLogger(__name__)
+
+_IO_THREADS = 2
+"""Threads that write entries (save) and read and check them (load) beside the gather/scatter:
+file I/O and CRC32 release the GIL, so they overlap with the numpy copies."""
+_AHEAD = 4
+"""Entries in flight per call (bounds the memory a call holds beyond the engine's blocks)."""
 
 
 @dataclass
@@ -99,6 +107,11 @@ class Store:
         self.dram = DramTier(dram_bytes)
         self.files = FileTier(root, file_bytes, fsync=fsync)
         self.disagreements = 0
+        self._io = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="kvxferd-store")
+
+    def close(self) -> None:
+        """Stop the I/O threads (after the calls in progress). Idempotent."""
+        self._io.shutdown(wait=True)
 
     # -- save -----------------------------------------------------------------------------------
 
@@ -115,6 +128,7 @@ class Store:
         ids = self._check(manifest, block_ids, keys, num_tokens)
         out = SaveOutcome()
         spans = chunk_spans(num_tokens, self.chunk_tokens)
+        writes: deque[Future[int]] = deque()
         for g, group in enumerate(manifest.groups):
             fp = group_fingerprint(manifest, g, self.chunk_tokens)
             specs = part_specs(manifest, g)
@@ -155,11 +169,17 @@ class Store:
                 size = sum(len(b) for b in buffers)
                 if self.dram.put(eid, Cached(header, buffers[1:], size)):  # type: ignore[arg-type]
                     out.dram_bytes += size
-                if self.files.write(eid, buffers):
-                    out.file_bytes += size
+                if len(writes) >= _AHEAD:  # bounded: at most _AHEAD entries wait for the disk
+                    out.file_bytes += writes.popleft().result()
+                writes.append(self._io.submit(self._write, eid, buffers, size))
                 out.chunks_saved += 1
+        while writes:
+            out.file_bytes += writes.popleft().result()
         out.duration_s = time.perf_counter() - t0
         return out
+
+    def _write(self, eid: EntryId, buffers: list[bytes | memoryview], size: int) -> int:
+        return size if self.files.write(eid, buffers) else 0
 
     # -- lookup ---------------------------------------------------------------------------------
 
@@ -236,18 +256,38 @@ class Store:
                 if plan is None:
                     raise PullError("store_miss", f"group {g} chunk {c} is not in the store")
                 work.append((g, c, specs, plan))
-        for g, c, specs, plan in work:
-            self._load_chunk(manifest, regions, ids[g], g, c, spans[c], specs, plan, out)
+        # Entries are read and checked by the I/O threads, up to _AHEAD ahead of the scatter.
+        order = iter([eid for *_x, plan in work for eid in dict.fromkeys(plan.source.values())])
+        ahead: deque[Future[tuple[fmt.Header, list[memoryview], str, int]]] = deque()
+
+        def fetch(eid: EntryId) -> tuple[fmt.Header, list[memoryview]]:
+            while len(ahead) < _AHEAD and (nxt := next(order, None)) is not None:
+                ahead.append(self._io.submit(self._fetch, nxt))
+            header, datas, tier, size = ahead.popleft().result()
+            if tier == "dram":
+                out.dram_bytes += size
+            else:
+                out.file_bytes += size
+            return header, datas
+
+        try:
+            for g, c, specs, plan in work:
+                self._load_chunk(manifest, regions, ids[g], g, c, spans[c], specs, plan, out,
+                                 fetch)  # fmt: skip
+        finally:
+            for f in ahead:
+                f.cancel()
+            wait(ahead)
         out.duration_s = time.perf_counter() - t0
         return out
 
-    def _load_chunk(self, manifest, regions, ids, g, c, span, specs, plan, out) -> None:  # noqa: ANN001, PLR0913
+    def _load_chunk(self, manifest, regions, ids, g, c, span, specs, plan, out, fetch) -> None:  # noqa: ANN001, PLR0913
         group = manifest.groups[g]
         s, e = span
         tm = None if group.kind == "mamba" else token_map(group, ids, s, e, f"block_ids[{g}]")
         by_spec = {(p.layer, p.name): p for p in specs}
         for eid in dict.fromkeys(plan.source.values()):
-            header, datas = self._fetch(eid, out)
+            header, datas = fetch(eid)
             if header.tokens != e - s or header.chunk != c or header.kind != group.kind:
                 self._corrupt(eid, "header does not match the request's chunk")
             for sec, data in zip(header.sections, datas, strict=True):
@@ -271,12 +311,12 @@ class Store:
                         out.kv_bytes += arr.nbytes
         out.chunks += 1
 
-    def _fetch(self, eid: EntryId, out: LoadOutcome) -> tuple[fmt.Header, list[memoryview]]:
-        """The entry from DRAM, else from its file (every checksum checked, then kept in DRAM)."""
+    def _fetch(self, eid: EntryId) -> tuple[fmt.Header, list[memoryview], str, int]:
+        """(header, sections, tier, bytes) of an entry: from DRAM, else from its file (every
+        checksum checked, then kept in DRAM). Runs in an I/O thread."""
         cached = self.dram.get(eid)
         if cached is not None:
-            out.dram_bytes += cached.size
-            return cached.header, cached.sections
+            return cached.header, cached.sections, "dram", cached.size
         data = self.files.read(eid)
         if data is None:
             raise PullError("store_miss", f"{eid.filename} went away (evicted)")
@@ -288,9 +328,8 @@ class Store:
         except fmt.CorruptEntry as exc:
             self.files.drop(eid, corrupt=True)
             raise PullError("store_corrupt", f"{eid.filename}: {exc}") from None
-        out.file_bytes += len(data)
         self.dram.put(eid, Cached(header, datas, len(data)))
-        return header, datas
+        return header, datas, "file", len(data)
 
     def _corrupt(self, eid: EntryId, why: str) -> None:
         self.dram.drop(eid, corrupt=True)

@@ -14,6 +14,7 @@ found at start and what lookups discover; sidecars sharing a directory should sp
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import threading
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvxferd.store.format import Header
+
+log = logging.getLogger(__name__)
 
 SUFFIX = ".kvx"
 _TMP = ".tmp"
@@ -66,6 +69,7 @@ class TierStats:
     evictions: int = 0
     corrupt: int = 0
     partial_removed: int = 0
+    write_errors: int = 0
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,7 @@ class FileTier:
         prefix = f"{key}-{group_fp}-"
         try:
             names = [n for n in os.listdir(self.root / key[:2]) if n.startswith(prefix)]
-        except FileNotFoundError:
+        except OSError:  # no such directory (nothing saved under this prefix), or unreadable
             return []
         out = [e for e in map(parse_filename, names) if e is not None]
         with self._lock:
@@ -183,23 +187,33 @@ class FileTier:
         final = self.path(eid)
         if size > self.capacity or final.exists():
             return False
-        final.parent.mkdir(exist_ok=True)
         tmp = final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            _write_all(fd, buffers)
-            if self.fsync:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
+            final.parent.mkdir(exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            return self._write_failed(final, exc)
+        try:
+            try:
+                _write_all(fd, buffers)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except OSError as exc:  # disk full, directory gone: the DRAM tier still has the entry
             tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        os.replace(tmp, final)
+            return self._write_failed(final, exc)
         with self._lock:
             self._add(eid, size)
             self._evict(keep=eid)
         return True
+
+    def _write_failed(self, path: Path, exc: OSError) -> bool:
+        log.warning("store file %s not written: %s", path, exc)
+        with self._lock:
+            self.stats.write_errors += 1
+        return False
 
     def read(self, eid: EntryId) -> bytearray | None:
         """The file's bytes (and its mtime refreshed: LRU across restarts), None if gone."""
@@ -218,6 +232,9 @@ class FileTier:
         except FileNotFoundError:
             with self._lock:
                 self._forget(eid)
+            return None
+        except OSError as exc:  # unreadable: a miss (the load fails, the engine recomputes)
+            log.warning("store file %s unreadable: %s", path, exc)
             return None
         with self._lock:
             if eid in self._sizes:

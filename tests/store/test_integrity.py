@@ -96,3 +96,21 @@ def test_missing_entry_is_a_miss_not_a_crash(tmp_path, saved):
     with pytest.raises(PullError) as err:
         store(tmp_path, CHUNK).load(m, pool(m), block_ids(m, TOKENS), keys(TOKENS, CHUNK), TOKENS)
     assert err.value.reason == "store_miss"
+
+
+def test_unwritable_directory_keeps_the_entry_in_dram(tmp_path):
+    """A file that cannot be written (here: the chunk's directory is a file) is counted; the
+    save still answers, the DRAM tier serves the load."""
+    m = plan(DENSE, blocks=6)
+    regions, ids = filled(m, TOKENS, SEED)
+    k = keys(TOKENS, CHUNK)
+    s = store(tmp_path, CHUNK)
+    for key in k:
+        (tmp_path / key[:2]).write_bytes(b"not a directory")
+    out = s.save(m, regions, ids, k, TOKENS)
+    assert out.chunks_saved == 2 and out.file_bytes == 0 and out.dram_bytes > 0
+    assert s.files.stats.write_errors == 2
+    target, tids = pool(m), block_ids(m, TOKENS)
+    assert s.load(m, target, tids, k, TOKENS).dram_bytes > 0
+    assert verify_pattern(m, target, tids, SEED) is None
+    s.close()
