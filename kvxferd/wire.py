@@ -547,8 +547,8 @@ class StoreLoadStatus(_Strict, kw_only=True):
     state: Literal["done", "failed"]
     """done: every byte of ``num_tokens`` tokens is in the blocks; failed: treat them as unset."""
     reason: str = ""
-    """Failure code: store_miss (an entry is gone), store_corrupt (an entry failed its checks,
-    now deleted), invalid (bad block ids)."""
+    """Failure code: store_miss (an entry is not there, or went away), store_corrupt (an entry
+    failed its checks and was deleted)."""
     detail: str = ""
     """Human-readable failure detail."""
     tokens: int = 0

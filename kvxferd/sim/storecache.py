@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
@@ -68,7 +68,7 @@ async def fill(engine: SimEngine, tokens: list[int], ids: list[list[int]], seed:
             return
     except (KvxferdError, httpx.HTTPError) as exc:
         log.warning("store lookup failed, computing instead: %s", exc)
-    await engine._on_ranks(write_pattern, ids, seed)
+    await _on_ranks(engine, write_pattern, ids, seed)
     save = StoreSaveRequest(request_id=f"sim-{seed:x}", block_ids=ids, keys=keys, num_tokens=n)
     results = await asyncio.gather(
         *(c.store_save(save) for c in engine.clients), return_exceptions=True
@@ -79,6 +79,15 @@ async def fill(engine: SimEngine, tokens: list[int], ids: list[list[int]], seed:
         log.warning("store save failed on %d rank(s): %s", len(bad), bad[0])
     else:
         stats.store_saves += 1
+
+
+async def _on_ranks(
+    engine: SimEngine, fn: Callable[..., Any], ids: list[list[int]], seed: int
+) -> list[Any]:
+    """``fn(manifest, views, ids, seed)`` on every rank's pool at once, in worker threads."""
+    return await asyncio.gather(
+        *(asyncio.to_thread(fn, p.manifest, p.views, ids, seed) for p in engine.pools)
+    )
 
 
 async def _load(
@@ -99,7 +108,7 @@ async def _load(
         return False
     stats.store_kv_bytes += sum(s.kv_bytes for s in done)
     stats.store_state_bytes += sum(s.state_bytes for s in done)
-    found = await engine._on_ranks(verify_pattern, ids, seed)
+    found = await _on_ranks(engine, verify_pattern, ids, seed)
     wrong = [m for m in found if m is not None]
     if wrong:
         stats.store_verified_failed += 1

@@ -171,11 +171,13 @@ def token_map(group: Group, block_ids: np.ndarray, start: int, end: int, field: 
 
 
 def gather_attention(
-    region: np.ndarray, spec: PartSpec, group: Group, nblocks: int, tm: TokenMap
-) -> np.ndarray:
-    """(local head, token, row) canonical bytes of one attention part over the token map."""
+    region: np.ndarray, spec: PartSpec, group: Group, nblocks: int, tm: TokenMap,
+    out: np.ndarray,
+) -> np.ndarray:  # fmt: skip
+    """(local head, token, row) canonical bytes of one attention part over the token map, into
+    ``out`` (a flat uint8 array of exactly that many bytes)."""
     view = _attention_view(region, spec, group, nblocks)
-    out = np.empty((view.shape[1], tm.tokens, spec.row_bytes), dtype=np.uint8)
+    out = out.reshape(view.shape[1], tm.tokens, spec.row_bytes)
     for ku, row, n, at in tm.segments:
         out[:, at : at + n] = view[ku, :, row : row + n]
     return out
@@ -191,9 +193,20 @@ def scatter_attention(
         view[ku, heads, row : row + n] = data[:, at : at + n]
 
 
-def gather_state(region: np.ndarray, spec: PartSpec, nblocks: int, block: int) -> np.ndarray:
-    """(local unit, byte) bytes of one mamba part in ``block``."""
-    return np.ascontiguousarray(_state_view(region, spec, nblocks)[block])
+def gather_state(
+    region: np.ndarray, spec: PartSpec, nblocks: int, block: int, out: np.ndarray
+) -> np.ndarray:
+    """(local unit, byte) bytes of one mamba part in ``block``, into ``out`` (flat uint8)."""
+    out = out.reshape(spec.part.units, spec.part.unit_bytes)
+    out[:] = _state_view(region, spec, nblocks)[block]
+    return out
+
+
+def part_bytes(spec: PartSpec, group: Group, tokens: int) -> int:
+    """Canonical bytes of one part of one chunk on this rank (``tokens`` rows for attention)."""
+    if spec.attention is None:
+        return spec.part.units * spec.part.unit_bytes
+    return spec.attention.num_kv_heads * tokens * spec.row_bytes
 
 
 def scatter_state(

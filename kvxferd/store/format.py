@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from collections.abc import Sequence
 
 import msgspec
 import numpy as np
@@ -66,12 +65,11 @@ def payload_bytes(header: Header) -> int:
     return sum(s.units * s.unit_bytes for s in header.sections)
 
 
-def encode(header: Header, chunks: Sequence[np.ndarray]) -> list[bytes | memoryview]:
-    """The entry as buffers to write in order (prefix+header, then each section's bytes)."""
+def encode_head(header: Header) -> bytes:
+    """The entry's prefix and header; the sections' bytes follow it, in header order."""
     head = _enc.encode(header)
     digest = hashlib.blake2b(head, digest_size=16).digest()
-    return [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(head), digest) + head,
-            *(memoryview(c).cast("B") for c in chunks)]  # fmt: skip
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(head), digest) + head
 
 
 def section(layer: int, part: str, unit_start: int, data: np.ndarray) -> Section:

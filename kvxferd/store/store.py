@@ -33,12 +33,14 @@ from kvxferd.store.canonical import (
     gather_attention,
     gather_state,
     group_fingerprint,
+    part_bytes,
     part_specs,
     scatter_attention,
     scatter_state,
     token_map,
 )
 from kvxferd.store.keys import check_keys, chunk_spans
+from kvxferd.store.pool import BufferPool
 from kvxferd.store.tiers import Cached, DramTier, EntryId, FileTier
 from kvxferd.wire import Manifest
 
@@ -48,6 +50,9 @@ _IO_THREADS = 2
 """Threads that write entries (save) and read and check them (load) beside the gather/scatter:
 file I/O and CRC32 release the GIL, so they overlap with the numpy copies."""
 _AHEAD = 4
+STAGING_BYTES = 256 << 20
+"""Free buffers the pool keeps beyond the DRAM tier's capacity, for staging file reads and
+writes (bounds the memory of a store: DRAM capacity + this + the entries in flight)."""
 """Entries in flight per call (bounds the memory a call holds beyond the engine's blocks)."""
 
 
@@ -97,14 +102,17 @@ class Store:
     """DRAM pool + file directory of canonical chunks; thread-safe, one per sidecar."""
 
     def __init__(
-        self, root: str, chunk_tokens: int, dram_bytes: int, file_bytes: int, fsync: bool = False
-    ) -> None:
+        self, root: str, chunk_tokens: int, dram_bytes: int, file_bytes: int, fsync: bool = False,
+        pool: BufferPool | None = None,
+    ) -> None:  # fmt: skip
         if chunk_tokens < 1:
             raise StoreError("store_chunk_tokens", f"{chunk_tokens} < 1")
         if dram_bytes < 0 or file_bytes < 0:
             raise StoreError("store_dram_bytes", "capacities must be >= 0")
         self.chunk_tokens = chunk_tokens
         self.dram = DramTier(dram_bytes)
+        self.pool = pool or BufferPool(dram_bytes + STAGING_BYTES)
+        """Entry buffers (pass one to share a warm pool between stores, as the benchmark does)."""
         self.files = FileTier(root, file_bytes, fsync=fsync)
         self.disagreements = 0
         self._io = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="kvxferd-store")
@@ -145,41 +153,65 @@ class Store:
                     out.chunks_present += 1
                     continue
                 s, e = spans[c]
-                if group.kind == "mamba":
-                    datas = [gather_state(regions[p.region], p, manifest.num_blocks, block)
-                             for p in specs]  # fmt: skip
-                    out.state_bytes += sum(d.nbytes for d in datas)
-                else:
+                tm = None
+                if group.kind != "mamba":
                     try:
                         tm = token_map(group, ids[g], s, e, f"block_ids[{g}]")
                     except BlockIdError:
                         break  # a missing block ends what this group can save
-                    datas = [gather_attention(regions[p.region], p, group, manifest.num_blocks,
-                                              tm) for p in specs]  # fmt: skip
-                    out.kv_bytes += sum(d.nbytes for d in datas)
-                header = fmt.Header(
-                    key=keys[c], group_fp=fp, kind=group.kind, chunk=c, tokens=e - s,
-                    writer_tp_size=manifest.tp_size, writer_tp_rank=manifest.tp_rank,
-                    writer_block_size=group.block_size,
-                    writer_kernel_block_size=group.kernel_block_size,
-                    sections=[fmt.section(p.layer, p.name, p.owned.start, d)
-                              for p, d in zip(specs, datas, strict=True)],
-                )  # fmt: skip
-                buffers = fmt.encode(header, datas)
-                size = sum(len(b) for b in buffers)
-                if self.dram.put(eid, Cached(header, buffers[1:], size)):  # type: ignore[arg-type]
-                    out.dram_bytes += size
+                cached = self._gather(manifest, regions, g, specs, eid, c, e - s, tm, ids[g], out)
+                if self.dram.put(eid, cached):
+                    out.dram_bytes += cached.size
                 if len(writes) >= _AHEAD:  # bounded: at most _AHEAD entries wait for the disk
                     out.file_bytes += writes.popleft().result()
-                writes.append(self._io.submit(self._write, eid, buffers, size))
+                writes.append(self._io.submit(self._write, eid, cached))  # owns our reference
                 out.chunks_saved += 1
         while writes:
             out.file_bytes += writes.popleft().result()
         out.duration_s = time.perf_counter() - t0
         return out
 
-    def _write(self, eid: EntryId, buffers: list[bytes | memoryview], size: int) -> int:
-        return size if self.files.write(eid, buffers) else 0
+    def _gather(self, manifest, regions, g, specs, eid, c, tokens, tm, ids, out) -> Cached:  # noqa: ANN001, PLR0913
+        """One entry's sections gathered into one pooled buffer, checksummed."""
+        group = manifest.groups[g]
+        sizes = [part_bytes(p, group, tokens) for p in specs]
+        buf = self.pool.take(sum(sizes))
+        datas, at = [], 0
+        try:
+            for p, n in zip(specs, sizes, strict=True):
+                dst = buf.array[at : at + n]
+                if tm is None:
+                    datas.append(gather_state(regions[p.region], p, manifest.num_blocks,
+                                              int(ids[-1]), dst))  # fmt: skip
+                else:
+                    datas.append(gather_attention(regions[p.region], p, group,
+                                                  manifest.num_blocks, tm, dst))  # fmt: skip
+                at += n
+        except BaseException:
+            buf.release()
+            raise
+        if tm is None:
+            out.state_bytes += at
+        else:
+            out.kv_bytes += at
+        header = fmt.Header(
+            key=eid.key, group_fp=eid.group_fp, kind=group.kind, chunk=c, tokens=tokens,
+            writer_tp_size=manifest.tp_size, writer_tp_rank=manifest.tp_rank,
+            writer_block_size=group.block_size, writer_kernel_block_size=group.kernel_block_size,
+            sections=[fmt.section(p.layer, p.name, p.owned.start, d)
+                      for p, d in zip(specs, datas, strict=True)],
+        )  # fmt: skip
+        head = fmt.encode_head(header)
+        sections = [memoryview(d).cast("B") for d in datas]
+        return Cached(header, sections, len(head) + at, buf, head)
+
+    def _write(self, eid: EntryId, cached: Cached) -> int:
+        """Write one entry's file (an I/O thread); releases the saver's buffer reference."""
+        try:
+            payload = memoryview(cached.buffer.array)[: cached.size - len(cached.head)]
+            return cached.size if self.files.write(eid, [cached.head, payload]) else 0
+        finally:
+            cached.buffer.release()
 
     # -- lookup ---------------------------------------------------------------------------------
 
@@ -258,17 +290,17 @@ class Store:
                 work.append((g, c, specs, plan))
         # Entries are read and checked by the I/O threads, up to _AHEAD ahead of the scatter.
         order = iter([eid for *_x, plan in work for eid in dict.fromkeys(plan.source.values())])
-        ahead: deque[Future[tuple[fmt.Header, list[memoryview], str, int]]] = deque()
+        ahead: deque[Future[tuple[Cached, str]]] = deque()
 
-        def fetch(eid: EntryId) -> tuple[fmt.Header, list[memoryview]]:
+        def fetch(eid: EntryId) -> Cached:
             while len(ahead) < _AHEAD and (nxt := next(order, None)) is not None:
                 ahead.append(self._io.submit(self._fetch, nxt))
-            header, datas, tier, size = ahead.popleft().result()
+            cached, tier = ahead.popleft().result()
             if tier == "dram":
-                out.dram_bytes += size
+                out.dram_bytes += cached.size
             else:
-                out.file_bytes += size
-            return header, datas
+                out.file_bytes += cached.size
+            return cached
 
         try:
             for g, c, specs, plan in work:
@@ -278,6 +310,9 @@ class Store:
             for f in ahead:
                 f.cancel()
             wait(ahead)
+            for f in ahead:  # fetched but not scattered (the load failed): let their buffers go
+                if not f.cancelled() and f.exception() is None:
+                    f.result()[0].buffer.release()
         out.duration_s = time.perf_counter() - t0
         return out
 
@@ -287,49 +322,64 @@ class Store:
         tm = None if group.kind == "mamba" else token_map(group, ids, s, e, f"block_ids[{g}]")
         by_spec = {(p.layer, p.name): p for p in specs}
         for eid in dict.fromkeys(plan.source.values()):
-            header, datas = fetch(eid)
-            if header.tokens != e - s or header.chunk != c or header.kind != group.kind:
-                self._corrupt(eid, "header does not match the request's chunk")
-            for sec, data in zip(header.sections, datas, strict=True):
-                spec = by_spec.get((sec.layer, sec.part))
-                if spec is None:
-                    continue
-                for lo, hi in _runs(plan, eid, spec, sec):
-                    local = slice(lo - spec.owned.start, hi - spec.owned.start)
-                    rows = data[(lo - sec.unit_start) * sec.unit_bytes :
-                                (hi - sec.unit_start) * sec.unit_bytes]  # fmt: skip
-                    arr = np.frombuffer(rows, dtype=np.uint8)
-                    if tm is None:
-                        arr = arr.reshape(hi - lo, sec.unit_bytes)
-                        scatter_state(regions[spec.region], spec, manifest.num_blocks,
-                                      int(ids[-1]), local, arr)  # fmt: skip
-                        out.state_bytes += arr.nbytes
-                    else:
-                        arr = arr.reshape(hi - lo, e - s, spec.row_bytes)
-                        scatter_attention(regions[spec.region], spec, group, manifest.num_blocks,
-                                          tm, local, arr)  # fmt: skip
-                        out.kv_bytes += arr.nbytes
+            cached = fetch(eid)
+            try:
+                self._scatter(manifest, regions, ids, g, c, span, plan, eid, cached, tm, by_spec,
+                              out)  # fmt: skip
+            finally:
+                cached.buffer.release()
         out.chunks += 1
 
-    def _fetch(self, eid: EntryId) -> tuple[fmt.Header, list[memoryview], str, int]:
-        """(header, sections, tier, bytes) of an entry: from DRAM, else from its file (every
-        checksum checked, then kept in DRAM). Runs in an I/O thread."""
+    def _scatter(self, manifest, regions, ids, g, c, span, plan, eid, cached, tm, by_spec, out):  # noqa: ANN001, ANN202, PLR0913
+        """Write one entry's sections (the units the plan takes from it) into the blocks."""
+        group = manifest.groups[g]
+        s, e = span
+        header = cached.header
+        if header.tokens != e - s or header.chunk != c or header.kind != group.kind:
+            self._corrupt(eid, "header does not match the request's chunk")
+        for sec, data in zip(header.sections, cached.sections, strict=True):
+            spec = by_spec.get((sec.layer, sec.part))
+            if spec is None:
+                continue
+            for lo, hi in _runs(plan, eid, spec, sec):
+                local = slice(lo - spec.owned.start, hi - spec.owned.start)
+                rows = data[(lo - sec.unit_start) * sec.unit_bytes :
+                            (hi - sec.unit_start) * sec.unit_bytes]  # fmt: skip
+                arr = np.frombuffer(rows, dtype=np.uint8)
+                if tm is None:
+                    arr = arr.reshape(hi - lo, sec.unit_bytes)
+                    scatter_state(regions[spec.region], spec, manifest.num_blocks, int(ids[-1]),
+                                  local, arr)  # fmt: skip
+                    out.state_bytes += arr.nbytes
+                else:
+                    arr = arr.reshape(hi - lo, e - s, spec.row_bytes)
+                    scatter_attention(regions[spec.region], spec, group, manifest.num_blocks, tm,
+                                      local, arr)  # fmt: skip
+                    out.kv_bytes += arr.nbytes
+
+    def _fetch(self, eid: EntryId) -> tuple[Cached, str]:
+        """An entry (holding a buffer reference for the caller) and its tier: from DRAM, else
+        from its file (every checksum checked, then kept in DRAM). Runs in an I/O thread."""
         cached = self.dram.get(eid)
         if cached is not None:
-            return cached.header, cached.sections, "dram", cached.size
-        data = self.files.read(eid)
-        if data is None:
+            return cached, "dram"
+        read = self.files.read(eid, self.pool.take)
+        if read is None:
             raise PullError("store_miss", f"{eid.filename} went away (evicted)")
+        buf, size = read
+        data = memoryview(buf.array)[:size]
         try:
-            header, start = fmt.read_header(data, len(data))
-            datas = fmt.sections(header, memoryview(data)[start:])
+            header, start = fmt.read_header(data, size)
+            datas = fmt.sections(header, data[start:])
             if header.key != eid.key or header.group_fp != eid.group_fp:
                 raise fmt.CorruptEntry("key or group fingerprint differs from the file name")
         except fmt.CorruptEntry as exc:
+            buf.release()
             self.files.drop(eid, corrupt=True)
             raise PullError("store_corrupt", f"{eid.filename}: {exc}") from None
-        self.dram.put(eid, Cached(header, datas, len(data)))
-        return header, datas, "file", len(data)
+        cached = Cached(header, datas, size, buf)
+        self.dram.put(eid, cached)
+        return cached, "file"
 
     def _corrupt(self, eid: EntryId, why: str) -> None:
         self.dram.drop(eid, corrupt=True)

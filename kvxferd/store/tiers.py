@@ -19,12 +19,13 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from kvxferd.store.format import Header
+from kvxferd.store.pool import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +76,20 @@ class TierStats:
 @dataclass(frozen=True)
 class Cached:
     """An entry held in DRAM: its parsed header and section bytes (checked when they came from
-    a file, gathered by this process when saved), and its encoded size."""
+    a file, gathered by this process when saved) inside a pooled buffer, and its encoded size."""
 
     header: Header
     sections: list[memoryview]
     size: int
+    buffer: Buffer
+    head: bytes = b""
+    """The encoded prefix and header (saved entries: what their file starts with)."""
 
 
 class DramTier:
     """Entries in host memory, least recently used evicted past ``capacity`` bytes. No copy and
-    no checksum pass: an entry is kept as the buffers it was saved or read into."""
+    no checksum pass: an entry is kept in the buffer it was saved or read into. The tier holds
+    one reference to each entry's buffer; :meth:`get` hands out another."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -104,25 +109,28 @@ class DramTier:
             return eid in self._entries
 
     def get(self, eid: EntryId) -> Cached | None:
-        """The entry (marks it recently used), None if absent."""
+        """The entry with a reference the caller releases (marks it recently used), or None."""
         with self._lock:
             data = self._entries.get(eid)
             if data is not None:
                 self._entries.move_to_end(eid)
+                data.buffer.acquire()
             return data
 
     def put(self, eid: EntryId, data: Cached) -> bool:
-        """Keep ``data``, evicting LRU entries; False if it alone exceeds the capacity."""
+        """Keep ``data`` (taking a reference), evicting LRU entries; False if it alone exceeds
+        the capacity or the entry is already held."""
         if data.size > self.capacity:
             return False
         with self._lock:
             if eid in self._entries:
                 self._entries.move_to_end(eid)
-                return True
+                return False
             while self.stats.bytes + data.size > self.capacity and self._entries:
                 self._remove(next(iter(self._entries)))
                 self.stats.evictions += 1
             self._entries[eid] = data
+            data.buffer.acquire()
             self._by_key.setdefault((eid.key, eid.group_fp), set()).add(eid)
             self.stats.bytes += data.size
             self.stats.entries += 1
@@ -135,8 +143,15 @@ class DramTier:
                 self._remove(eid)
                 self.stats.corrupt += int(corrupt)
 
+    def clear(self) -> None:
+        """Forget every entry (their buffers go back to the pool once no reader holds them)."""
+        with self._lock:
+            for eid in list(self._entries):
+                self._remove(eid)
+
     def _remove(self, eid: EntryId) -> None:
         data = self._entries.pop(eid)
+        data.buffer.release()
         ids = self._by_key[(eid.key, eid.group_fp)]
         ids.discard(eid)
         if not ids:
@@ -215,14 +230,16 @@ class FileTier:
             self.stats.write_errors += 1
         return False
 
-    def read(self, eid: EntryId) -> bytearray | None:
-        """The file's bytes (and its mtime refreshed: LRU across restarts), None if gone."""
+    def read(self, eid: EntryId, alloc: Callable[[int], Buffer]) -> tuple[Buffer, int] | None:
+        """The file's bytes in a buffer from ``alloc`` and how many there are (the mtime is
+        refreshed: LRU across restarts), None if the file is gone or unreadable."""
         path = self.path(eid)
+        buf = None
         try:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                buf = bytearray(size)
-                view, got = memoryview(buf), 0
+                buf = alloc(size)
+                view, got = memoryview(buf.array)[:size], 0
                 while got < size:
                     n = f.readinto(view[got:])
                     if not n:
@@ -230,18 +247,22 @@ class FileTier:
                     got += n
             os.utime(path)
         except FileNotFoundError:
+            if buf is not None:
+                buf.release()
             with self._lock:
                 self._forget(eid)
             return None
         except OSError as exc:  # unreadable: a miss (the load fails, the engine recomputes)
             log.warning("store file %s unreadable: %s", path, exc)
+            if buf is not None:
+                buf.release()
             return None
         with self._lock:
             if eid in self._sizes:
                 self._sizes.move_to_end(eid)
             else:
                 self._add(eid, size)
-        return buf if got == size else buf[:got]
+        return buf, got
 
     def drop(self, eid: EntryId, corrupt: bool = False) -> None:
         """Delete an entry's file (counted as corrupt when it failed its checks)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvxferd.store.format import Header
+from kvxferd.store.pool import BufferPool, size_class
 from kvxferd.store.tiers import Cached, DramTier, EntryId, FileTier, parse_filename
 from tests.store.helpers import DENSE, filled, keys, plan, store
 
@@ -14,11 +15,14 @@ def _eid(i: int) -> EntryId:
     return EntryId(f"{i:032x}", "00112233aabbccdd", 2, 1)
 
 
-def _cached(size: int) -> Cached:
+POOL = BufferPool(free_limit=1 << 20)
+
+
+def _cached(size: int, pool: BufferPool = POOL) -> Cached:
     header = Header(key="0" * 32, group_fp="0" * 16, kind="mamba", chunk=0, tokens=1,
                     writer_tp_size=1, writer_tp_rank=0, writer_block_size=1,
                     writer_kernel_block_size=1, sections=[])  # fmt: skip
-    return Cached(header, [], size)
+    return Cached(header, [], size, pool.take(size))
 
 
 def test_entry_file_names_round_trip():
@@ -39,11 +43,44 @@ def test_dram_pool_is_bounded_and_lru():
     assert tier.stats.entries == 3
 
 
+def test_size_classes_waste_at_most_a_quarter():
+    for n in (1, 65536, 65537, 100_000, 1 << 20, (1 << 20) + 1, 3_000_000, 123_456_789):
+        c = size_class(n)
+        assert c >= n and (n <= 65536 or c <= n * 1.25)
+
+
+def test_evicted_buffer_is_reused_only_after_its_last_reader():
+    pool = BufferPool(free_limit=1 << 30)
+    tier = DramTier(capacity=150_000)
+    first = _cached(100_000, pool)
+    tier.put(_eid(0), first)
+    first.buffer.release()  # the saver's reference: now only the tier holds it
+    reading = tier.get(_eid(0))  # a load scattering from it
+    assert reading is first
+    tier.put(_eid(1), _cached(100_000, pool))  # evicts entry 0 while it is being read
+    assert not tier.has(_eid(0))
+    assert pool.free_bytes == 0  # still in use: not handed out again
+    reading.buffer.release()
+    assert pool.free_bytes == size_class(100_000)
+    again = pool.take(100_000)
+    assert again.array is first.buffer.array and pool.allocated == 2  # reused, not allocated
+
+
+def test_free_buffers_are_bounded():
+    pool = BufferPool(free_limit=200_000)
+    buffers = [pool.take(100_000) for _ in range(3)]
+    for b in buffers:
+        b.release()
+    assert pool.free_bytes <= 200_000
+
+
 def test_file_tier_is_bounded_and_lru(tmp_path):
     tier = FileTier(tmp_path, capacity=250)
     for i in range(2):
         assert tier.write(_eid(i), [bytes(100)])
-    assert tier.read(_eid(0)) == bytes(100)  # touch 0
+    buf, n = tier.read(_eid(0), POOL.take)  # touch 0
+    assert n == 100 and not buf.array[:n].any()
+    buf.release()
     assert tier.write(_eid(2), [bytes(100)])
     assert tier.stats.bytes <= 250 and tier.stats.evictions == 1
     assert tier.has(_eid(0)) and not tier.has(_eid(1)) and tier.has(_eid(2))
@@ -55,7 +92,7 @@ def test_file_tier_restart_evicts_oldest_to_a_smaller_budget(tmp_path):
     tier = FileTier(tmp_path, capacity=1000)
     for i in range(5):
         tier.write(_eid(i), [bytes(100)])
-        tier.read(_eid(i))  # mtime order = write order
+        tier.read(_eid(i), POOL.take)[0].release()  # mtime order = write order
     smaller = FileTier(tmp_path, capacity=250)
     assert smaller.stats.bytes == 200 and smaller.stats.entries == 2
     assert [e for e in map(_eid, range(5)) if smaller.has(e)] == [_eid(3), _eid(4)]
