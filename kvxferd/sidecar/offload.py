@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxferd.config import Config
-from kvxferd.errors import PullError, StoreError
+from kvxferd.errors import ConfigError, PullError, StoreError
 from kvxferd.metrics import STORE_TIERS, Metrics
 from kvxferd.store import Store
 from kvxferd.store.tiers import TierStats
@@ -52,12 +52,15 @@ class Offload:
         self._target = target
         self.store: Store | None = None
         if config.store_dir:
-            self.store = Store(
-                config.store_dir,
-                config.store_chunk_tokens,
-                config.store_dram_bytes,
-                config.store_file_bytes,
-            )
+            try:
+                self.store = Store(
+                    config.store_dir,
+                    config.store_chunk_tokens,
+                    config.store_dram_bytes,
+                    config.store_file_bytes,
+                )
+            except OSError as exc:
+                raise ConfigError(f"store_dir: {config.store_dir}: {exc.strerror}") from exc
         self._reported = {tier: _Reported() for tier in STORE_TIERS}
 
     async def save(self, req: StoreSaveRequest) -> StoreSaved:
