@@ -72,11 +72,19 @@ def encode_head(header: Header) -> bytes:
     return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(head), digest) + head
 
 
-def section(layer: int, part: str, unit_start: int, data: np.ndarray) -> Section:
-    """The Section of ``data`` (units, ...) with its CRC."""
+def section(layer: int, part: str, unit_start: int, data: np.ndarray, crc: bool = True) -> Section:
+    """The Section of ``data`` (units, ...), with its CRC unless ``crc`` is False (0 then: an
+    entry that only lives in DRAM needs none, see :func:`with_crcs`)."""
     units = data.shape[0]
-    return Section(layer, part, unit_start, units, data.nbytes // max(units, 1),
-                   zlib.crc32(memoryview(data).cast("B")))  # fmt: skip
+    value = zlib.crc32(memoryview(data).cast("B")) if crc else 0
+    return Section(layer, part, unit_start, units, data.nbytes // max(units, 1), value)
+
+
+def with_crcs(header: Header, views: list[memoryview]) -> Header:
+    """The header with every section's CRC computed from its bytes (before a file is written)."""
+    secs = [msgspec.structs.replace(s, crc=zlib.crc32(v)) for s, v in zip(header.sections, views,
+                                                                         strict=True)]  # fmt: skip
+    return msgspec.structs.replace(header, sections=secs)
 
 
 def read_header(prefix_and_more: bytes | memoryview, size: int) -> tuple[Header, int]:

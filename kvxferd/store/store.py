@@ -198,18 +198,20 @@ class Store:
             key=eid.key, group_fp=eid.group_fp, kind=group.kind, chunk=c, tokens=tokens,
             writer_tp_size=manifest.tp_size, writer_tp_rank=manifest.tp_rank,
             writer_block_size=group.block_size, writer_kernel_block_size=group.kernel_block_size,
-            sections=[fmt.section(p.layer, p.name, p.owned.start, d)
+            sections=[fmt.section(p.layer, p.name, p.owned.start, d, crc=False)
                       for p, d in zip(specs, datas, strict=True)],
         )  # fmt: skip
-        head = fmt.encode_head(header)
         sections = [memoryview(d).cast("B") for d in datas]
-        return Cached(header, sections, len(head) + at, buf, head)
+        return Cached(header, sections, len(fmt.encode_head(header)) + at, buf)
 
     def _write(self, eid: EntryId, cached: Cached) -> int:
-        """Write one entry's file (an I/O thread); releases the saver's buffer reference."""
+        """Checksum and write one entry's file (an I/O thread, beside the next gather); releases
+        the saver's buffer reference. The bytes written, 0 if the file tier refused them."""
         try:
-            payload = memoryview(cached.buffer.array)[: cached.size - len(cached.head)]
-            return cached.size if self.files.write(eid, [cached.head, payload]) else 0
+            header = fmt.with_crcs(cached.header, cached.sections)
+            head = fmt.encode_head(header)
+            payload = memoryview(cached.buffer.array)[: fmt.payload_bytes(header)]
+            return len(head) + len(payload) if self.files.write(eid, [head, payload]) else 0
         finally:
             cached.buffer.release()
 

@@ -76,14 +76,13 @@ class TierStats:
 @dataclass(frozen=True)
 class Cached:
     """An entry held in DRAM: its parsed header and section bytes (checked when they came from
-    a file, gathered by this process when saved) inside a pooled buffer, and its encoded size."""
+    a file, gathered by this process when saved: their CRCs are computed only for the file)
+    inside a pooled buffer, and its encoded size."""
 
     header: Header
     sections: list[memoryview]
     size: int
     buffer: Buffer
-    head: bytes = b""
-    """The encoded prefix and header (saved entries: what their file starts with)."""
 
 
 class DramTier:
