@@ -15,8 +15,8 @@ the same bytes (the canonical payload: every KV row and Mamba state of the reque
   entries reuse buffers instead of faulting fresh pages in;
 - crc32: ``zlib.crc32`` over the same bytes (the checksum share of save and load).
 
-Every load's bytes are verified (kvxferd.pattern) before its time counts: the target blocks
-are poisoned first (``kvxferd.sim.storecache.poison``), so only a complete load passes. GB/s
+The first load of each tier is verified (kvxferd.pattern) before any time is taken; the target
+blocks are poisoned first (``kvxferd.sim.storecache.poison``), so only a complete load passes. GB/s
 are 1e9 B/s, medians of ``--repeat`` runs after ``--warmup`` runs. In-process: what the sidecar
 adds (one HTTP call per request, a worker thread) is not in these numbers.
 """
