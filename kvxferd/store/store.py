@@ -21,11 +21,10 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvxferd.descriptors import owned_units
 from kvxferd.errors import BlockIdError, PullError, StoreError
 from kvxferd.store import format as fmt
 from kvxferd.store.canonical import (
@@ -39,6 +38,7 @@ from kvxferd.store.canonical import (
     scatter_state,
     token_map,
 )
+from kvxferd.store.coverage import Plan, plan_sources, unit_runs
 from kvxferd.store.keys import check_keys, chunk_spans
 from kvxferd.store.pool import BufferPool
 from kvxferd.store.tiers import Cached, DramTier, EntryId, FileTier
@@ -50,10 +50,10 @@ _IO_THREADS = 2
 """Threads that write entries (save) and read and check them (load) beside the gather/scatter:
 file I/O and CRC32 release the GIL, so they overlap with the numpy copies."""
 _AHEAD = 4
+"""Entries in flight per call (bounds the memory a call holds beyond the engine's blocks)."""
 STAGING_BYTES = 256 << 20
 """Free buffers the pool keeps beyond the DRAM tier's capacity, for staging file reads and
 writes (bounds the memory of a store: DRAM capacity + this + the entries in flight)."""
-"""Entries in flight per call (bounds the memory a call holds beyond the engine's blocks)."""
 
 
 @dataclass
@@ -89,13 +89,6 @@ class LoadOutcome:
     file_bytes: int = 0
     duration_s: float = 0.0
     chunks: int = 0
-
-
-@dataclass
-class _Plan:
-    """Which entry serves which global units, per units_total (for one key and group)."""
-
-    source: dict[tuple[int, int], EntryId] = field(default_factory=dict)
 
 
 class Store:
@@ -144,10 +137,10 @@ class Store:
                 block = int(ids[g][-1]) if ids[g].size else -1
                 if block < 0 or not spans:
                     continue
-                chunks = [(len(spans) - 1, None)]
+                chunks = [len(spans) - 1]  # the state after the last token
             else:
-                chunks = [(c, None) for c in range(len(spans))]
-            for c, _ in chunks:
+                chunks = list(range(len(spans)))
+            for c in chunks:
                 eid = EntryId(keys[c], fp, manifest.tp_size, manifest.tp_rank)
                 if self.dram.has(eid) or self.files.has(eid):
                     out.chunks_present += 1
@@ -291,7 +284,7 @@ class Store:
                     raise PullError("store_miss", f"group {g} chunk {c} is not in the store")
                 work.append((g, c, specs, plan))
         # Entries are read and checked by the I/O threads, up to _AHEAD ahead of the scatter.
-        order = iter([eid for *_x, plan in work for eid in dict.fromkeys(plan.source.values())])
+        order = iter([eid for *_x, plan in work for eid in plan.entries])
         ahead: deque[Future[tuple[Cached, str]]] = deque()
 
         def fetch(eid: EntryId) -> Cached:
@@ -323,7 +316,7 @@ class Store:
         s, e = span
         tm = None if group.kind == "mamba" else token_map(group, ids, s, e, f"block_ids[{g}]")
         by_spec = {(p.layer, p.name): p for p in specs}
-        for eid in dict.fromkeys(plan.source.values()):
+        for eid in plan.entries:
             cached = fetch(eid)
             try:
                 self._scatter(manifest, regions, ids, g, c, span, plan, eid, cached, tm, by_spec,
@@ -343,7 +336,7 @@ class Store:
             spec = by_spec.get((sec.layer, sec.part))
             if spec is None:
                 continue
-            for lo, hi in _runs(plan, eid, spec, sec):
+            for lo, hi in unit_runs(plan, eid, spec, sec):
                 local = slice(lo - spec.owned.start, hi - spec.owned.start)
                 rows = data[(lo - sec.unit_start) * sec.unit_bytes :
                             (hi - sec.unit_start) * sec.unit_bytes]  # fmt: skip
@@ -390,19 +383,9 @@ class Store:
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _plan(self, key: str, fp: str, specs: list[PartSpec]) -> _Plan | None:
-        """Entries that together hold every unit this rank needs, or None."""
-        found = dict.fromkeys(self.dram.writers(key, fp) + self.files.writers(key, fp))
-        if not found:
-            return None
-        plan = _Plan()
-        for total, owned in {(p.units_total, p.owned) for p in specs}:
-            for u in owned:
-                src = next((e for e in found if u in _owned(total, e)), None)
-                if src is None:
-                    return None
-                plan.source[(total, u)] = src
-        return plan
+    def _plan(self, key: str, fp: str, specs: list[PartSpec]) -> Plan | None:
+        """Entries (DRAM first) that together hold every unit this rank needs, or None."""
+        return plan_sources(self.dram.writers(key, fp) + self.files.writers(key, fp), specs)
 
     def _check(
         self, manifest: Manifest, block_ids: Sequence[Sequence[int]], keys: Sequence[str], n: int
@@ -421,25 +404,3 @@ class Store:
                                    f"{manifest.num_blocks})")  # fmt: skip
             out.append(arr)
         return out
-
-
-def _owned(total: int, eid: EntryId) -> range:
-    try:
-        return owned_units(total, eid.tp_size, eid.tp_rank)
-    except Exception:  # noqa: BLE001 - a writer TP that cannot split these units serves none
-        return range(0)
-
-
-def _runs(plan: _Plan, eid: EntryId, spec: PartSpec, sec: fmt.Section) -> list[tuple[int, int]]:
-    """Runs ``[lo, hi)`` of global units this section supplies to this rank (per the plan)."""
-    lo_bound = max(sec.unit_start, spec.owned.start)
-    hi_bound = min(sec.unit_start + sec.units, spec.owned.stop)
-    runs: list[tuple[int, int]] = []
-    for u in range(lo_bound, hi_bound):
-        if plan.source.get((spec.units_total, u)) != eid:
-            continue
-        if runs and runs[-1][1] == u:
-            runs[-1] = (runs[-1][0], u + 1)
-        else:
-            runs.append((u, u + 1))
-    return runs
