@@ -8,11 +8,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.errors import BlockIdError, StoreError
+from kvxferd.layout import request_blocks
 from kvxferd.pattern import verify_pattern, write_pattern
 from kvxferd.store import chunk_keys
 from kvxferd.wire import StoreLoadRequest, StoreLookupRequest, StoreSaveRequest
 from tests.sidecar.harness import EnginePool, plan, start_sidecar
-from tests.store.helpers import MAMBA2, block_ids
+from tests.store.helpers import DENSE, GDN, MAMBA2, block_ids, poisoned
 
 pytestmark = pytest.mark.nixl
 SEED, CHUNK = 5, 64
@@ -27,11 +28,13 @@ def _metrics(sidecar) -> dict:  # noqa: ANN001
     }
 
 
-def test_save_restart_lookup_load_verifies_every_byte(tmp_path):
+@pytest.mark.parametrize("preset", [DENSE, MAMBA2, GDN])
+def test_save_restart_lookup_load_verifies_every_byte(tmp_path, preset):
     store_dir = str(tmp_path / "store")
     flags = ("--store-dir", store_dir, "--store-chunk-tokens", str(CHUNK))
-    manifest = plan(MAMBA2, num_blocks=24)
-    tokens = manifest.groups[0].block_size
+    probe = plan(preset, num_blocks=1)
+    tokens = 2 * probe.groups[-1].block_size + 5  # ends inside a block
+    manifest = plan(preset, num_blocks=sum(request_blocks(probe, tokens)) + 2)
     prompt = list(range(tokens))
     keys = chunk_keys(prompt, CHUNK)
     src_ids = block_ids(manifest, tokens, descending=True)
@@ -47,18 +50,20 @@ def test_save_restart_lookup_load_verifies_every_byte(tmp_path):
                         request_id="r1", block_ids=src_ids, keys=keys, num_tokens=tokens
                     )  # fmt: skip
                 )
-                assert saved.chunks_saved > 0 and saved.kv_bytes > 0 and saved.state_bytes > 0
+                assert saved.chunks_saved > 0 and saved.kv_bytes > 0
+                assert (saved.state_bytes > 0) == (preset != DENSE)
         finally:
             assert first.stop() == 0
-        for v in pool.views:
-            v[:] = 0
         second = start_sidecar(str(tmp_path), "loader", *flags)
         try:
             with second.client() as client:
                 client.register(manifest, pool.specs())
                 hit = client.store_lookup(StoreLookupRequest(keys=keys, num_tokens=tokens))
                 assert hit.matched == tokens and not hit.disagree
-                dst_ids = block_ids(manifest, tokens)
+                scratch, dst_ids = poisoned(manifest, tokens, SEED)  # the load must write these
+                for view, want in zip(pool.views, scratch, strict=True):
+                    view[:] = want
+                assert verify_pattern(manifest, pool.views, dst_ids, SEED) is not None
                 status = client.store_load(
                     StoreLoadRequest(keys=keys, block_ids=dst_ids, num_tokens=tokens)
                 )
@@ -78,9 +83,11 @@ def test_save_restart_lookup_load_verifies_every_byte(tmp_path):
                 with pytest.raises(BlockIdError) as err:
                     client.store_load(StoreLoadRequest(keys=keys, block_ids=[[999]],
                                                        num_tokens=tokens))  # fmt: skip
-                assert err.value.field == "block_ids"
+                assert err.value.field.startswith("block_ids")
                 with pytest.raises(StoreError) as bad:
-                    client.store_lookup(StoreLookupRequest(keys=keys[:1], num_tokens=tokens))
+                    client.store_lookup(
+                        StoreLookupRequest(keys=[*keys, keys[0]], num_tokens=tokens)
+                    )
                 assert bad.value.field == "keys"
             values = _metrics(second)
             assert values[("kvxferd_store_lookup_tokens_total", (("result", "hit"),))] == tokens
