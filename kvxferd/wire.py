@@ -478,13 +478,17 @@ class StoreSaveRequest(_Strict, kw_only=True):
 
     request_id: str
     """The engine's request id, for logs."""
-    block_ids: list[list[int]]
-    """Logical block ids per group, in request order (mamba: the state block last)."""
     keys: list[str]
     """Chunk keys of the prompt (``kvxferd.store.chunk_keys``): one per ``store_chunk_tokens``
     tokens, the last chunk possibly partial."""
-    num_tokens: int
-    """Tokens the blocks hold (the Mamba state is the state after this many)."""
+    block_ids: list[list[int]] = []
+    """Logical block ids per group, in request order (mamba: the state block last); empty when
+    ``hold_id`` names them."""
+    num_tokens: int = -1
+    """Tokens the blocks hold (the Mamba state is the state after this many); -1 with
+    ``hold_id``: the hold's."""
+    hold_id: str = ""
+    """Save the blocks of this live hold (pinned while it lasts) instead of ``block_ids``."""
 
 
 class StoreSaved(_Strict, kw_only=True):

@@ -99,8 +99,9 @@ async def released(sidecar: Sidecar, cursor: int) -> ReleasedHolds:
 
 
 async def store_save(sidecar: Sidecar, req: StoreSaveRequest) -> StoreSaved:
-    """Copy a request's computed blocks into the store (DRAM pool, then files) in the canonical
-    format; entries already stored are skipped. Free the blocks once this answers."""
+    """Copy a request's computed blocks (``block_ids``, or a live hold's with ``hold_id``) into
+    the store (DRAM pool, then files) in the canonical format; entries already stored are
+    skipped. Free the blocks (release the hold) only once this answers."""
     return await sidecar.offload.save(req)
 
 
@@ -149,7 +150,7 @@ OPERATIONS = [
     Operation("GET", "/v1/released", released, None, ReleasedHolds, query=(CURSOR,),
               errors=(422, 500, 503), needs_engine=True),
     Operation("POST", "/v1/store/save", store_save, StoreSaveRequest, StoreSaved,
-              errors=(400, 422, 500, 503), needs_engine=True),
+              errors=(400, 404, 410, 422, 500, 503), needs_engine=True),
     Operation("POST", "/v1/store/lookup", store_lookup, StoreLookupRequest, StoreLookup,
               errors=(400, 422, 500, 503), needs_engine=True),
     Operation("POST", "/v1/store/load", store_load, StoreLoadRequest, StoreLoadStatus,

@@ -34,6 +34,12 @@ log = logging.getLogger(__name__)
 
 Target = Callable[[], tuple[Manifest, list[np.ndarray]]]
 """Returns the registered manifest and a host view of each region (raises if none)."""
+HoldBlocks = Callable[[str], tuple[list[list[int]], int]]
+"""A live hold's (block ids per group, tokens); raises UnknownHoldError/HoldExpiredError."""
+
+
+def _no_holds(hold_id: str) -> tuple[list[list[int]], int]:
+    raise StoreError("hold_id", "this sidecar cannot look holds up")
 
 
 @dataclass
@@ -47,9 +53,12 @@ class _Reported:
 class Offload:
     """Store calls of one sidecar; without ``config.store_dir`` every call is a StoreError."""
 
-    def __init__(self, config: Config, metrics: Metrics, target: Target) -> None:
+    def __init__(
+        self, config: Config, metrics: Metrics, target: Target, holds: HoldBlocks = _no_holds
+    ) -> None:
         self.metrics = metrics
         self._target = target
+        self._holds = holds
         self.store: Store | None = None
         if config.store_dir:
             try:
@@ -64,10 +73,19 @@ class Offload:
         self._reported = {tier: _Reported() for tier in STORE_TIERS}
 
     async def save(self, req: StoreSaveRequest) -> StoreSaved:
-        """Copy a request's blocks into the store (entries already there are skipped)."""
+        """Copy a request's blocks (or a live hold's) into the store; entries already there are
+        skipped."""
         store, (manifest, regions) = self._require(), self._target()
+        block_ids, num_tokens = req.block_ids, req.num_tokens
+        if req.hold_id:
+            if block_ids:
+                raise StoreError("block_ids", "give block_ids or hold_id, not both")
+            block_ids, held_tokens = self._holds(req.hold_id)
+            num_tokens = held_tokens if num_tokens < 0 else num_tokens
+            if not 0 <= num_tokens <= held_tokens:
+                raise StoreError("num_tokens", f"{num_tokens} outside the hold's {held_tokens}")
         out = await asyncio.to_thread(
-            store.save, manifest, regions, req.block_ids, req.keys, req.num_tokens
+            store.save, manifest, regions, block_ids, req.keys, num_tokens
         )
         self.metrics.store_bytes.labels("dram", "save").inc(out.dram_bytes)
         self.metrics.store_bytes.labels("file", "save").inc(out.file_bytes)

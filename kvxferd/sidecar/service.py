@@ -21,6 +21,7 @@ from kvxferd import descriptors
 from kvxferd.config import Config
 from kvxferd.errors import (
     AlreadyRegisteredError,
+    HoldExpiredError,
     KvxferdError,
     ManifestError,
     NotRegisteredError,
@@ -94,7 +95,7 @@ class Sidecar:
         self._secret = config.peer_token.encode()
         self._released_reported: dict[str, int] = {}  # release counts already in metrics
         self._notif_wake = asyncio.Event()  # set by a claim: a READ is imminent
-        self.offload = Offload(config, self.metrics, self._store_target)
+        self.offload = Offload(config, self.metrics, self._store_target, self._hold_blocks)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -267,6 +268,14 @@ class Sidecar:
         if self.manifest is None or self.holds is None:
             raise NotRegisteredError("no engine has registered with this sidecar yet")
         return self.holds, self.manifest
+
+    def _hold_blocks(self, hold_id: str) -> tuple[list[list[int]], int]:
+        """A live hold's block ids and tokens, for a store save (the hold keeps them pinned)."""
+        holds, _ = self._require_engine()
+        hold = holds.get(hold_id)
+        if hold.expires_at <= time.time():
+            raise HoldExpiredError(f"hold {hold_id}: its lease ended; its blocks may be reused")
+        return hold.block_ids, hold.num_tokens
 
     def _store_target(self) -> tuple[Manifest, list[Any]]:
         """The registered manifest and a host view of each region, for the store."""

@@ -7,11 +7,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvxferd.errors import BlockIdError, StoreError
+from kvxferd.errors import BlockIdError, StoreError, UnknownHoldError
 from kvxferd.layout import request_blocks
 from kvxferd.pattern import verify_pattern, write_pattern
 from kvxferd.store import chunk_keys
-from kvxferd.wire import StoreLoadRequest, StoreLookupRequest, StoreSaveRequest
+from kvxferd.wire import HoldRequest, StoreLoadRequest, StoreLookupRequest, StoreSaveRequest
 from tests.sidecar.harness import EnginePool, plan, start_sidecar
 from tests.store.helpers import DENSE, GDN, MAMBA2, block_ids, poisoned
 
@@ -110,6 +110,44 @@ def test_a_sidecar_without_a_store_says_so(tmp_path):
             with pytest.raises(StoreError) as err:
                 client.store_lookup(StoreLookupRequest(keys=[], num_tokens=0))
             assert err.value.field == "store_dir"
+    finally:
+        assert sidecar.stop() == 0
+        pool.close()
+
+
+def test_save_a_live_hold_by_its_id(tmp_path):
+    """The prefill engine holds its blocks for a decode and saves the same hold to the store."""
+    manifest = plan(DENSE, num_blocks=8)
+    tokens = 40
+    keys = chunk_keys(list(range(tokens)), 16)
+    pool = EnginePool(manifest)
+    ids = block_ids(manifest, tokens, descending=True)
+    write_pattern(manifest, pool.views, ids, SEED)
+    sidecar = start_sidecar(str(tmp_path), "holder", "--store-dir", str(tmp_path / "s"),
+                            "--store-chunk-tokens", "16")  # fmt: skip
+    try:
+        with sidecar.client() as client:
+            client.register(manifest, pool.specs())
+            ticket = client.hold(HoldRequest(request_id="r", block_ids=ids, num_tokens=tokens))
+            saved = client.store_save(
+                StoreSaveRequest(request_id="r", keys=keys, hold_id=ticket.hold_id)
+            )
+            assert saved.chunks_saved == 3 and saved.kv_bytes > 0
+            assert (
+                client.store_lookup(StoreLookupRequest(keys=keys, num_tokens=tokens)).matched == 40
+            )
+            scratch, dst = poisoned(manifest, tokens, SEED)
+            for view, want in zip(pool.views, scratch, strict=True):
+                view[:] = want
+            done = client.store_load(StoreLoadRequest(keys=keys, block_ids=dst, num_tokens=tokens))
+            assert done.state == "done" and done.dram_hit_rate == 1.0
+            assert verify_pattern(manifest, pool.views, dst, SEED) is None
+            with pytest.raises(UnknownHoldError):
+                client.store_save(StoreSaveRequest(request_id="r", keys=keys, hold_id="nope"))
+            with pytest.raises(StoreError) as both:
+                client.store_save(StoreSaveRequest(request_id="r", keys=keys, block_ids=ids,
+                                                   hold_id=ticket.hold_id))  # fmt: skip
+            assert both.value.field == "block_ids"
     finally:
         assert sidecar.stop() == 0
         pool.close()
