@@ -11,8 +11,13 @@ either way, where ``readinto`` is as fast and needs no registration (and the sto
 the transport's NIXL agent).
 
 Modules: :mod:`keys` (chunk hashes), :mod:`canonical` (the format's byte order, fingerprints,
-gather/scatter), :mod:`format` (entry header and checksums), :mod:`tiers` (DRAM pool, file
-directory), :mod:`store` (save, lookup with the minimum-prefix rule, load).
+gather/scatter), :mod:`format` (entry header and checksums), :mod:`coverage` (which entries
+serve which TP units), :mod:`pool` (reusable, reference-counted entry buffers), :mod:`tiers`
+(DRAM pool, file directory), :mod:`store` (save, lookup with the minimum-prefix rule, load).
+
+Not stored yet: sliding-window groups (a save or lookup names the group in a StoreError), and
+Mamba states other than the one at the end of a saved request (vLLM's align mode keeps one per
+block; the API would take them as extra state blocks).
 """
 
 from kvxferd.store.keys import chunk_keys, chunk_spans
