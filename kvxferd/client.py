@@ -42,6 +42,12 @@ from kvxferd.wire import (
     RegisterRequest,
     RegisterResponse,
     ReleasedHolds,
+    StoreLoadRequest,
+    StoreLoadStatus,
+    StoreLookup,
+    StoreLookupRequest,
+    StoreSaved,
+    StoreSaveRequest,
     Ticket,
     UnregisterRequest,
 )
@@ -163,6 +169,18 @@ def _healthz() -> _Call:
 def _released(cursor: int, limit: int | None = None) -> _Call:
     params = {"cursor": cursor} if limit is None else {"cursor": cursor, "limit": limit}
     return _Call("GET", "/v1/released", ReleasedHolds, params=params)
+
+
+def _store_save(req: StoreSaveRequest) -> _Call:
+    return _Call("POST", "/v1/store/save", StoreSaved, req)
+
+
+def _store_lookup(req: StoreLookupRequest) -> _Call:
+    return _Call("POST", "/v1/store/lookup", StoreLookup, req)
+
+
+def _store_load(req: StoreLoadRequest) -> _Call:
+    return _Call("POST", "/v1/store/load", StoreLoadStatus, req)
 
 
 def _wait_pull(
@@ -295,6 +313,18 @@ class EngineClient:
         """One page of holds released since ``cursor`` (``more``: ask again at once)."""
         return self._send(_released(cursor, limit))  # type: ignore[no-any-return]
 
+    def store_save(self, req: StoreSaveRequest) -> StoreSaved:
+        """Save a request's blocks to the store."""
+        return self._send(_store_save(req))  # type: ignore[no-any-return]
+
+    def store_lookup(self, req: StoreLookupRequest) -> StoreLookup:
+        """Tokens of a prompt the store can serve."""
+        return self._send(_store_lookup(req))  # type: ignore[no-any-return]
+
+    def store_load(self, req: StoreLoadRequest) -> StoreLoadStatus:
+        """Load a prompt's first tokens from the store into local blocks."""
+        return self._send(_store_load(req))  # type: ignore[no-any-return]
+
     def healthz(self) -> None:
         """Return once the sidecar answers its liveness probe (SidecarUnreachableError if not)."""
         self._send(_healthz())
@@ -388,6 +418,18 @@ class AsyncEngineClient:
     async def identity(self) -> Identity:
         """Engine id, epoch, generation and peer address of this sidecar."""
         return await self._send(_identity())  # type: ignore[no-any-return]
+
+    async def store_save(self, req: StoreSaveRequest) -> StoreSaved:
+        """Save a request's blocks to the store."""
+        return await self._send(_store_save(req))  # type: ignore[no-any-return]
+
+    async def store_lookup(self, req: StoreLookupRequest) -> StoreLookup:
+        """Tokens of a prompt the store can serve."""
+        return await self._send(_store_lookup(req))  # type: ignore[no-any-return]
+
+    async def store_load(self, req: StoreLoadRequest) -> StoreLoadStatus:
+        """Load a prompt's first tokens from the store into local blocks."""
+        return await self._send(_store_load(req))  # type: ignore[no-any-return]
 
     async def healthz(self) -> None:
         """Return once the sidecar answers its liveness probe (SidecarUnreachableError if not)."""

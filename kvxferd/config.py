@@ -89,6 +89,15 @@ class Config:
     head; then the connection is closed."""
     body_timeout_s: float = 30.0
     """Seconds a request body has to arrive completely after its head; then 408 and closed."""
+    store_dir: str = ""
+    """Directory of the store's file tier (the KV/state offload tier); empty = no store."""
+    store_dram_bytes: int = 1 << 30
+    """Bytes the store's host-DRAM pool may hold (LRU beyond)."""
+    store_file_bytes: int = 64 << 30
+    """Bytes of store files this sidecar keeps in store_dir (LRU beyond; split the budget when
+    sidecars share a directory)."""
+    store_chunk_tokens: int = 64
+    """Tokens per store chunk (hybrid_chunk_size); every engine sharing a store uses the same."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.peer_port <= 65535:
@@ -101,6 +110,9 @@ class Config:
             raise ConfigError(f"hold_grace_s: must be >= 0, got {self.hold_grace_s}")
         if self.default_lease_s > self.max_lease_s:
             raise ConfigError("default_lease_s: larger than max_lease_s")
+        for name in ("store_dram_bytes", "store_file_bytes", "store_chunk_tokens"):
+            if getattr(self, name) < (1 if name == "store_chunk_tokens" else 0):
+                raise ConfigError(f"{name}: out of range, got {getattr(self, name)}")
         if not self.backends:
             raise ConfigError("backends: at least one NIXL backend is needed")
 

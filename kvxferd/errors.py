@@ -46,6 +46,7 @@ An empty cell (st. = status) is inherited from the parent class.
     ├── InvalidRequestError        400                    an OpenAI-style request is invalid
     │   └── UnknownModelError      404                    a model this server does not serve
     ├── PoolExhaustedError         503                    too few free KV blocks right now
+    ├── StoreError                 422                    a store request or setting is invalid
     └── StartupError               500                    a child process did not become ready
 
 Outside the tree, a pull that fails with a bare ``TimeoutError`` reports ``deadline`` and with any
@@ -285,6 +286,17 @@ class PoolExhaustedError(KvxferdError):
     """Too few free KV blocks for a request right now (HTTP 503; a retry may succeed)."""
 
     status = 503
+
+
+class StoreError(KvxferdError):
+    """A store (offload tier) request or setting is invalid; ``field`` names the culprit."""
+
+    status = 422
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
 
 
 class StartupError(KvxferdError):

@@ -93,7 +93,54 @@ class Metrics:
             self.transfer_bytes.labels(kind)
         for phase in PHASES:
             self.phase_duration.labels(phase)
+        add_store_metrics(self, r)
 
     def set_backend(self, backend: str) -> None:
         """Record which NIXL backend carries transfers."""
         self.info.info({"version": __version__, "backend": backend})
+
+
+STORE_TIERS = ("dram", "file")
+"""The store's tiers (label ``tier``)."""
+
+
+def add_store_metrics(m: Metrics, r: CollectorRegistry) -> None:
+    """The store's (offload tier, issue 12) metrics, as attributes of ``m``."""
+    m.store_lookup_tokens = Counter(
+        "kvxferd_store_lookup_tokens",
+        "Prompt tokens looked up in the store: hit (matched) or miss (hit rate = hit / all)",
+        ["result"],
+        registry=r,
+    )
+    m.store_bytes = Counter(
+        "kvxferd_store_bytes", "Entry bytes saved to or loaded from each store tier",
+        ["tier", "op"], registry=r,
+    )  # fmt: skip
+    m.store_resident_bytes = Gauge(
+        "kvxferd_store_resident_bytes", "Bytes held by each store tier", ["tier"], registry=r
+    )
+    m.store_evictions = Counter(
+        "kvxferd_store_evictions", "Store entries evicted (LRU) per tier", ["tier"], registry=r
+    )
+    m.store_corrupt = Counter(
+        "kvxferd_store_corrupt_entries",
+        "Store entries that failed their checksums (deleted, never loaded)",
+        ["tier"],
+        registry=r,
+    )
+    m.store_loads = Counter(
+        "kvxferd_store_loads", "Store loads finished, by outcome", ["outcome"], registry=r
+    )
+    m.store_disagreements = Counter(
+        "kvxferd_store_group_disagreements",
+        "Lookups whose groups matched different prefixes (the minimum was used)",
+        registry=r,
+    )
+    for result in ("hit", "miss"):
+        m.store_lookup_tokens.labels(result)
+    for tier in STORE_TIERS:
+        m.store_resident_bytes.labels(tier)
+        m.store_evictions.labels(tier)
+        m.store_corrupt.labels(tier)
+        for op in ("save", "load"):
+            m.store_bytes.labels(tier, op)

@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "kvxferd.descriptors": 2,
     "kvxferd.memory": 3,
     "kvxferd.transport": 4,
+    "kvxferd.store": 4,
     "kvxferd.metrics": 5,
     "kvxferd.pattern": 5,
     "kvxferd.sidecar": 5,

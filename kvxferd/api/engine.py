@@ -25,6 +25,12 @@ from kvxferd.wire import (
     RegisterRequest,
     RegisterResponse,
     ReleasedHolds,
+    StoreLoadRequest,
+    StoreLoadStatus,
+    StoreLookup,
+    StoreLookupRequest,
+    StoreSaved,
+    StoreSaveRequest,
     Ticket,
     UnregisterRequest,
 )
@@ -125,6 +131,24 @@ async def released(sidecar: Sidecar, cursor: int, limit: int) -> ReleasedHolds:
     return sidecar.released_since(cursor, limit)
 
 
+async def store_save(sidecar: Sidecar, req: StoreSaveRequest) -> StoreSaved:
+    """Copy a request's computed blocks (``block_ids``, or a live hold's with ``hold_id``) into
+    the store (DRAM pool, then files) in the canonical format; entries already stored are
+    skipped. Free the blocks (release the hold) only once this answers."""
+    return await sidecar.offload.save(req)
+
+
+async def store_lookup(sidecar: Sidecar, req: StoreLookupRequest) -> StoreLookup:
+    """Tokens of a prompt the store can serve, per group and for all groups (the minimum)."""
+    return await sidecar.offload.lookup(req)
+
+
+async def store_load(sidecar: Sidecar, req: StoreLoadRequest) -> StoreLoadStatus:
+    """Write a prompt's first tokens from the store into local blocks; answered when done or
+    failed (store_miss, store_corrupt: the blocks hold nothing valid then)."""
+    return await sidecar.offload.load(req)
+
+
 async def healthz(sidecar: Sidecar) -> dict[str, Any]:
     """Liveness: the process answers."""
     return {"status": "ok"}
@@ -169,6 +193,12 @@ OPERATIONS = [
               errors=(400, 401, 422, 500, 503), needs_engine=True),
     Operation("GET", "/v1/released", released, None, ReleasedHolds, query=(CURSOR, LIMIT),
               errors=(422, 500, 503), needs_engine=True),
+    Operation("POST", "/v1/store/save", store_save, StoreSaveRequest, StoreSaved,
+              errors=(400, 404, 410, 422, 500, 503), needs_engine=True),
+    Operation("POST", "/v1/store/lookup", store_lookup, StoreLookupRequest, StoreLookup,
+              errors=(400, 422, 500, 503), needs_engine=True),
+    Operation("POST", "/v1/store/load", store_load, StoreLoadRequest, StoreLoadStatus,
+              errors=(400, 422, 500, 503), needs_engine=True),
     Operation("GET", "/healthz", healthz, None, HEALTH),
 ]  # fmt: skip
 """The route table: served by engine_app, documented by engine_document."""

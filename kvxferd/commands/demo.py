@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--pool-blocks", type=int, default=None, metavar="N",
                    help="KV blocks per sim pool (default: sized to fit memory)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, metavar="N", help="workload seed")
+    p.add_argument("--store", metavar="DIR", default="",
+                   help="prefill sims keep and reuse KV in a store in DIR (a prefix-cache tier; "
+                   "run twice with the same DIR to see hits across a full restart)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(func=run)
 
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         pool_blocks=args.pool_blocks,
         seed=args.seed,
+        store_dir=args.store,
     )
     signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: children stopped, not orphaned
     summary = run_demo(options)

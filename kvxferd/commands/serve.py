@@ -55,6 +55,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--pull-deadline", type=float, dest="pull_deadline_s", metavar="S",
                    help="default pull deadline in seconds")  # fmt: skip
     p.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning, error")
+    p.add_argument("--store-dir", metavar="PATH", help="store file-tier directory (enables it)")
+    p.add_argument("--store-dram-bytes", type=int, metavar="N", help="store DRAM pool bytes")
+    p.add_argument("--store-file-bytes", type=int, metavar="N", help="store file-tier bytes")
+    p.add_argument("--store-chunk-tokens", type=int, metavar="N", help="tokens per store chunk")
     p.set_defaults(func=run)
 
 
@@ -104,6 +108,10 @@ def _load(args: argparse.Namespace) -> Config:
             "max_lease_s": args.max_lease_s,
             "pull_deadline_s": args.pull_deadline_s,
             "log_level": args.log_level,
+            "store_dir": args.store_dir,
+            "store_dram_bytes": args.store_dram_bytes,
+            "store_file_bytes": args.store_file_bytes,
+            "store_chunk_tokens": args.store_chunk_tokens,
         }
     )
 

@@ -59,6 +59,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--sidecar-timeout", type=float, default=60.0, metavar="S",
                    help="how long to wait for the sidecars to start or, attached, to answer "
                    "/healthz; also the bound of each call to them")  # fmt: skip
+    p.add_argument("--store", metavar="DIR", default="",
+                   help="prefill: use the sidecars' store in DIR as a prefix-cache tier (hits "
+                   "survive restarts; loaded bytes are verified)")  # fmt: skip
+    p.add_argument("--store-chunk-tokens", type=int, default=64, metavar="N",
+                   help="tokens per store chunk (default 64)")  # fmt: skip
     p.add_argument("--log-level", default="info", metavar="LEVEL",
                    help="debug, info, warning, error")  # fmt: skip
     p.set_defaults(func=run)
@@ -89,5 +94,7 @@ def run(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             sidecar_timeout_s=args.sidecar_timeout,
             sidecar_sockets=tuple(args.sidecar_sockets),
+            store_dir=args.store,
+            store_chunk_tokens=args.store_chunk_tokens,
         )
     )

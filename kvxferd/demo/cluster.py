@@ -44,6 +44,8 @@ class ClusterSpec:
     ready_timeout_s: float = 180.0
     stop_timeout_s: float = 20.0
     log_level: str = "warning"
+    store_dir: str = ""
+    """Prefill sims use the store in this directory as a prefix-cache tier ("" = none)."""
 
 
 @dataclass
@@ -129,6 +131,8 @@ class Cluster:
             argv += ["--pool-blocks", str(s.pool_blocks)]
         if role == "decode":
             argv += ["--on-pull-failure", s.on_pull_failure]
+        if role == "prefill" and s.store_dir:
+            argv += ["--store", s.store_dir]
         return argv
 
     def _spawn(self, name: str, argv: list[str]) -> Child:

@@ -32,12 +32,15 @@ class DemoOptions:
     pool_blocks: int | None = None
     seed: int = 0
     request_timeout_s: float = 120.0
+    store_dir: str = ""
+    """``--store``: the prefill sims' store directory; hits survive a rerun (every process new)."""
 
 
 def run_demo(opts: DemoOptions) -> Summary:
     """Run the whole demo; progress goes to stderr, the result comes back."""
     jobs = make_jobs(opts.requests, opts.seed)
-    spec = ClusterSpec(opts.config, opts.prefill_tp, opts.decode_tp, opts.pool_blocks)
+    spec = ClusterSpec(opts.config, opts.prefill_tp, opts.decode_tp, opts.pool_blocks,
+                       store_dir=opts.store_dir)  # fmt: skip
     _say(f"starting prefill sim (TP {opts.prefill_tp}), decode sim (TP {opts.decode_tp}), "
          f"colocated reference sim and proxy for {opts.config} on loopback ...")  # fmt: skip
     started = time.perf_counter()
@@ -66,12 +69,24 @@ def _run(opts: DemoOptions, jobs: list[Job], spec: ClusterSpec, started: float) 
                 stats.append(cluster.stats(sim))
             except httpx.HTTPError as exc:
                 unreadable.append(f"decode sim {sim.url}: /v1/stats unreadable: {exc}")
+        prefill_stats = store_stats(cluster, unreadable) if opts.store_dir else []
         _say("stopping ...")
     return summarize(
         outcomes, reference, stats, config=opts.config, prefill_tp=opts.prefill_tp,
         decode_tp=opts.decode_tp, concurrency=opts.concurrency, wall_s=wall,
-        other_failures=unreadable,
+        other_failures=unreadable, prefill_stats=prefill_stats,
     )  # fmt: skip
+
+
+def store_stats(cluster: Cluster, unreadable: list[str]) -> list[dict[str, object]]:
+    """The prefill sims' /v1/stats (their store counters); unreadable ones are failures."""
+    out = []
+    for sim in cluster.prefills:
+        try:
+            out.append(cluster.stats(sim))
+        except httpx.HTTPError as exc:
+            unreadable.append(f"prefill sim {sim.url}: /v1/stats unreadable: {exc}")
+    return out
 
 
 async def reference_texts(

@@ -42,6 +42,10 @@ class Summary:
     latency_p99_s: float
     wall_s: float
     failures: list[str]
+    prompt_tokens: int = 0
+    """Prompt tokens of the answered requests (the decode sims' count)."""
+    store_hit_tokens: int = 0
+    """Prompt tokens the prefill sims loaded from the store (--store) and verified."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,6 +71,7 @@ def summarize(
     concurrency: int,
     wall_s: float,
     other_failures: Sequence[str] = (),
+    prefill_stats: Sequence[Mapping[str, Any]] = (),
 ) -> Summary:
     """Verified means: every request answered, every text equals the colocated one, the decodes
     verified at least one pull and none failed verification or pulling, nothing else failed."""
@@ -91,6 +96,7 @@ def summarize(
         and totals["pulls_failed"] == 0
         and totals["verified_ok"] > 0
         and not other_failures
+        and all(s.get("store_verified_failed", 0) == 0 for s in prefill_stats)
     )
     latencies = [o.latency_s for o in outcomes if o.ok]
     return Summary(
@@ -116,6 +122,8 @@ def summarize(
         latency_p99_s=percentile(latencies, 99),
         wall_s=wall_s,
         failures=failures,
+        prompt_tokens=int(sum(s.get("prompt_tokens", 0) for s in decode_stats)),
+        store_hit_tokens=int(sum(s.get("store_hit_tokens", 0) for s in prefill_stats)),
     )
 
 
@@ -132,6 +140,8 @@ def render(s: Summary) -> str:
         ("latency e2e", f"p50 {s.latency_p50_s * 1e3:.0f} ms, p99 {s.latency_p99_s * 1e3:.0f} ms"),
         ("verification", f"{s.verified_ok} pulls byte-verified, {s.verified_failed} failed; "
                          f"{s.requests_ok - s.mismatches}/{s.requests} texts equal colocated"),
+        ("store", f"{s.store_hit_tokens} of {s.prompt_tokens} prompt tokens loaded from the "
+                  "store and verified"),
         ("verified", "YES" if s.verified else "NO"),
         ("wall time", f"{s.wall_s:.1f} s"),
     ]  # fmt: skip

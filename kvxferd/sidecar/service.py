@@ -23,6 +23,7 @@ from kvxferd.descriptors.geometry import iter_parts
 from kvxferd.errors import (
     AlreadyRegisteredError,
     ClaimMismatchError,
+    HoldExpiredError,
     HoldRequestError,
     KvxferdError,
     NotRegisteredError,
@@ -34,6 +35,7 @@ from kvxferd.memory import check_sources, open_region
 from kvxferd.metrics import Metrics
 from kvxferd.sidecar.holds import REAP_SLICE, DeclineOutcome, HoldTable
 from kvxferd.sidecar.keepalive import decline_at_peers, keep_alive
+from kvxferd.sidecar.offload import Offload
 from kvxferd.sidecar.peers import PeerTable
 from kvxferd.sidecar.pulls import Pull, PullRunner
 from kvxferd.sidecar.signing import PeerKeys
@@ -113,6 +115,7 @@ class Sidecar:
         self.generation = -1  # registration generation; -1 while no engine is registered
         self._next_generation = 0
         self._registrations: list[Any] = []  # NIXL registrations of the memory sources
+        self.offload = Offload(config, self.metrics, self._store_target, self._hold_blocks)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -137,6 +140,7 @@ class Sidecar:
                 await task
         await self.pulls.close()
         await self.peers.close()
+        await asyncio.to_thread(self.offload.close)
         await asyncio.to_thread(self.agent.close)
         for region in self._regions:
             region.close()
@@ -412,6 +416,19 @@ class Sidecar:
         if self.manifest is None or self.holds is None:
             raise NotRegisteredError("no engine has registered with this sidecar yet")
         return self.holds, self.manifest
+
+    def _hold_blocks(self, hold_id: str) -> tuple[list[list[int]], int]:
+        """A live hold's block ids and tokens, for a store save (the hold keeps them pinned)."""
+        holds, _ = self._require_engine()
+        hold = holds.get(hold_id)
+        if hold.expires_at <= time.time():
+            raise HoldExpiredError(f"hold {hold_id}: its lease ended; its blocks may be reused")
+        return hold.block_ids, hold.num_tokens
+
+    def _store_target(self) -> tuple[Manifest, list[Any]]:
+        """The registered manifest and a host view of each region, for the store."""
+        _, manifest = self._require_engine()
+        return manifest, [region.host_view() for region in self._regions]
 
     @property
     def region_bases(self) -> list[int]:

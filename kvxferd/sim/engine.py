@@ -38,6 +38,7 @@ from kvxferd.pattern import (
     verify_token_pattern,
     write_token_pattern,
 )
+from kvxferd.sim import storecache
 from kvxferd.sim import transfer_params as tp
 from kvxferd.sim.blocks import BlockAllocator, PrefixCache, PrefixKey
 from kvxferd.sim.kvpool import RankPool
@@ -68,6 +69,9 @@ class EngineSettings:
     """Interval of the released-holds poll while holds are outstanding."""
     decline_timeout_s: float = 10.0
     """Bound on one decline call to the sidecar (it runs in the background)."""
+    store_chunk_tokens: int = 0
+    """Prefill: use the sidecars' store as a prefix-cache tier with chunks of this many tokens
+    (:mod:`kvxferd.sim.storecache`); 0: no store."""
 
 
 @dataclass(frozen=True)
@@ -204,7 +208,10 @@ class SimEngine:
         ids = self._split(flat, need)
         n = len(prompt.tokens)
         try:
-            await self._on_ranks(write_token_pattern, ids, n, prompt_seed(prompt.tokens))
+            if self.settings.store_chunk_tokens:
+                await storecache.fill(self, prompt.tokens, ids, prompt_seed(prompt.tokens))
+            else:
+                await self._on_ranks(write_token_pattern, ids, n, prompt_seed(prompt.tokens))
             digest = await self._digest(ids, n)
             tickets = await self._hold(prompt.request_id, ids, len(prompt.tokens))
         except BaseException:

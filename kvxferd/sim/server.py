@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 READY_PREFIX = "kvxferd sim ready"
 _DIR_PREFIX = "kvxferd-sim-"
 MAX_LEASE_S = 600.0
+SIM_STORE_DRAM_BYTES = 256 << 20
+"""DRAM pool of each sidecar's store when the sim starts them with --store."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,10 @@ class SimOptions:
     sidecar_sockets: tuple[str, ...] = ()
     """Engine sockets of running sidecars to attach to, one per rank in rank order; empty: start
     our own."""
+    store_dir: str = ""
+    """Prefill: the sidecars' store directory (a prefix-cache tier across restarts); "" = none."""
+    store_chunk_tokens: int = 64
+    """Tokens per store chunk (--store-chunk-tokens of the sidecars)."""
 
 
 class _Server(uvicorn.Server):
@@ -164,6 +170,9 @@ def _start_sidecars(
     extra = ["--peer-host", opts.host, "--log-level", _child_level(opts.log_level)]
     if opts.lease_s is not None:
         extra += ["--lease", str(opts.lease_s), "--max-lease", str(max(opts.lease_s, MAX_LEASE_S))]
+    if opts.store_dir:
+        extra += ["--store-dir", opts.store_dir, "--store-chunk-tokens"]
+        extra += [str(opts.store_chunk_tokens), "--store-dram-bytes", str(SIM_STORE_DRAM_BYTES)]
     names = [f"{engine_id}-tp{r}" for r in range(opts.tp)]
     sidecars = start_sidecars(tmp, names, *extra, token=token,
                               per_rank_args=[["--engine-id", n] for n in names],
@@ -190,6 +199,8 @@ async def _serve(
     settings = EngineSettings(role=opts.role, engine_id=engine_id,
                               on_pull_failure=opts.on_pull_failure, lease_s=opts.lease_s,
                               pull_timeout_s=opts.pull_timeout_s)  # fmt: skip
+    if opts.store_dir and opts.role == "prefill":
+        settings = replace(settings, store_chunk_tokens=opts.store_chunk_tokens)
 
     def alive() -> str:
         return "; ".join(p for p in (s.problem() for s in sidecars) if p)

@@ -64,6 +64,24 @@ class SimStats:
     """Prompt tokens of answered requests."""
     completion_tokens: int = 0
     """Generated tokens of answered requests."""
+    store_lookups: int = 0
+    """Prefill: prompts looked up in the store (--store)."""
+    store_hit_tokens: int = 0
+    """Prefill: prompt tokens loaded from the store and byte-verified instead of computed."""
+    store_kv_bytes: int = 0
+    """Prefill: attention bytes loaded from the store (all ranks)."""
+    store_state_bytes: int = 0
+    """Prefill: Mamba state bytes loaded from the store (all ranks)."""
+    store_verified_ok: int = 0
+    """Prefill: store loads whose every byte matched the pattern on every rank."""
+    store_verified_failed: int = 0
+    """Prefill: store loads with a wrong byte (then computed instead)."""
+    store_loads_failed: int = 0
+    """Prefill: store loads that failed (miss, corrupt entry; then computed instead)."""
+    store_saves: int = 0
+    """Prefill: computed prompts saved to the store on every rank."""
+    store_save_failed: int = 0
+    """Prefill: saves that failed on some rank."""
 
     def as_dict(self) -> dict[str, object]:
         """The JSON object of ``/v1/stats``."""

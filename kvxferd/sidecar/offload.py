@@ -1,0 +1,155 @@
+"""The sidecar's store calls (issue 12): save, lookup and load over the engine's own regions.
+
+A thin layer over :class:`kvxferd.store.Store`: the store work runs in a worker thread (numpy
+and file I/O release the GIL), the outcome becomes a wire answer, and metrics follow every
+call. A load never raises for a missing or corrupt entry: it answers ``failed`` with the reason
+(like a pull), and the engine recomputes. Bad input (block ids, keys) is a 4xx naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxferd.config import Config
+from kvxferd.errors import ConfigError, PullError, StoreError
+from kvxferd.metrics import STORE_TIERS, Metrics
+from kvxferd.store import Store
+from kvxferd.store.tiers import TierStats
+from kvxferd.wire import (
+    Manifest,
+    StoreLoadRequest,
+    StoreLoadStatus,
+    StoreLookup,
+    StoreLookupRequest,
+    StoreSaved,
+    StoreSaveRequest,
+)
+
+log = logging.getLogger(__name__)
+
+Target = Callable[[], tuple[Manifest, list[np.ndarray]]]
+"""Returns the registered manifest and a host view of each region (raises if none)."""
+HoldBlocks = Callable[[str], tuple[list[list[int]], int]]
+"""A live hold's (block ids per group, tokens); raises UnknownHoldError/HoldExpiredError."""
+
+
+def _no_holds(hold_id: str) -> tuple[list[list[int]], int]:
+    raise StoreError("hold_id", "this sidecar cannot look holds up")
+
+
+@dataclass
+class _Reported:
+    """Tier counters already added to the metrics (they are monotonic in the tiers)."""
+
+    evictions: int = 0
+    corrupt: int = 0
+
+
+class Offload:
+    """Store calls of one sidecar; without ``config.store_dir`` every call is a StoreError."""
+
+    def __init__(
+        self, config: Config, metrics: Metrics, target: Target, holds: HoldBlocks = _no_holds
+    ) -> None:
+        self.metrics = metrics
+        self._target = target
+        self._holds = holds
+        self.store: Store | None = None
+        if config.store_dir:
+            try:
+                self.store = Store(
+                    config.store_dir,
+                    config.store_chunk_tokens,
+                    config.store_dram_bytes,
+                    config.store_file_bytes,
+                )
+            except OSError as exc:
+                raise ConfigError(f"store_dir: {config.store_dir}: {exc.strerror}") from exc
+        self._reported = {tier: _Reported() for tier in STORE_TIERS}
+
+    async def save(self, req: StoreSaveRequest) -> StoreSaved:
+        """Copy a request's blocks (or a live hold's) into the store; entries already there are
+        skipped."""
+        store, (manifest, regions) = self._require(), self._target()
+        block_ids, num_tokens = req.block_ids, req.num_tokens
+        if req.hold_id:
+            if block_ids:
+                raise StoreError("block_ids", "give block_ids or hold_id, not both")
+            block_ids, held_tokens = self._holds(req.hold_id)
+            num_tokens = held_tokens if num_tokens < 0 else num_tokens
+            if not 0 <= num_tokens <= held_tokens:
+                raise StoreError("num_tokens", f"{num_tokens} outside the hold's {held_tokens}")
+        out = await asyncio.to_thread(
+            store.save, manifest, regions, block_ids, req.keys, num_tokens
+        )
+        self.metrics.store_bytes.labels("dram", "save").inc(out.dram_bytes)
+        self.metrics.store_bytes.labels("file", "save").inc(out.file_bytes)
+        self._sync_tiers()
+        return StoreSaved(
+            chunks_saved=out.chunks_saved, chunks_present=out.chunks_present,
+            kv_bytes=out.kv_bytes, state_bytes=out.state_bytes, dram_bytes=out.dram_bytes,
+            file_bytes=out.file_bytes, duration_s=out.duration_s,
+        )  # fmt: skip
+
+    async def lookup(self, req: StoreLookupRequest) -> StoreLookup:
+        """Tokens each group can serve and the prefix all can (the minimum rule)."""
+        store, (manifest, _regions) = self._require(), self._target()
+        out = await asyncio.to_thread(store.lookup, manifest, req.keys, req.num_tokens)
+        self.metrics.store_lookup_tokens.labels("hit").inc(out.matched)
+        self.metrics.store_lookup_tokens.labels("miss").inc(req.num_tokens - out.matched)
+        if out.disagree:
+            self.metrics.store_disagreements.inc()
+        return StoreLookup(matched_tokens=out.per_group, matched=out.matched, disagree=out.disagree)
+
+    async def load(self, req: StoreLoadRequest) -> StoreLoadStatus:
+        """Write the first ``num_tokens`` tokens into local blocks; failed (with a reason) when an
+        entry is missing or corrupt."""
+        store, (manifest, regions) = self._require(), self._target()
+        try:
+            out = await asyncio.to_thread(
+                store.load, manifest, regions, req.block_ids, req.keys, req.num_tokens
+            )
+        except PullError as exc:
+            log.warning("store load %s failed: %s", req.request_id or "-", exc)
+            self.metrics.store_loads.labels("failed").inc()
+            self._sync_tiers()
+            return StoreLoadStatus(state="failed", reason=exc.reason, detail=exc.detail)
+        self.metrics.store_loads.labels("done").inc()
+        self.metrics.store_bytes.labels("dram", "load").inc(out.dram_bytes)
+        self.metrics.store_bytes.labels("file", "load").inc(out.file_bytes)
+        self._sync_tiers()
+        served = out.dram_bytes + out.file_bytes
+        return StoreLoadStatus(
+            state="done", tokens=out.tokens, kv_bytes=out.kv_bytes, state_bytes=out.state_bytes,
+            dram_bytes=out.dram_bytes, file_bytes=out.file_bytes,
+            dram_hit_rate=out.dram_bytes / served if served else 0.0, duration_s=out.duration_s,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the store's I/O threads (calls in progress finish first)."""
+        if self.store is not None:
+            self.store.close()
+
+    def _require(self) -> Store:
+        if self.store is None:
+            raise StoreError("store_dir", "this sidecar has no store (start it with --store-dir)")
+        return self.store
+
+    def _sync_tiers(self) -> None:
+        """Resident bytes, evictions and corrupt entries of both tiers into the metrics."""
+        assert self.store is not None
+        tiers: dict[str, TierStats] = {
+            "dram": self.store.dram.stats,
+            "file": self.store.files.stats,
+        }
+        for tier, stats in tiers.items():
+            seen = self._reported[tier]
+            self.metrics.store_resident_bytes.labels(tier).set(stats.bytes)
+            self.metrics.store_evictions.labels(tier).inc(stats.evictions - seen.evictions)
+            self.metrics.store_corrupt.labels(tier).inc(stats.corrupt - seen.corrupt)
+            seen.evictions, seen.corrupt = stats.evictions, stats.corrupt

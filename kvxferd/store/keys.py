@@ -1,0 +1,55 @@
+"""Store keys: chained hashes of token-prefix chunks, like a prefix cache's block hashes.
+
+Chunk ``c`` of a prompt covers tokens ``[c*C, min((c+1)*C, n))`` (``C`` = the store's chunk size,
+vLLM's ``hybrid_chunk_size``); its key hashes the previous key and the chunk's token ids, so a
+key names a whole prefix, never a chunk alone. The last chunk may be partial (it carries the
+Mamba state at the prompt's end).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvxferd.errors import StoreError
+
+KEY_HEX = 32
+"""Hex digits of a key (a 128-bit blake2b digest)."""
+_KEY_RE = re.compile(rf"^[0-9a-f]{{{KEY_HEX}}}$")
+
+
+def chunk_keys(tokens: Sequence[int], chunk_tokens: int, root: bytes = b"") -> list[str]:
+    """The key of every chunk of ``tokens`` (``root`` salts the chain, e.g. a model or seed)."""
+    if chunk_tokens < 1:
+        raise StoreError("chunk_tokens", f"{chunk_tokens} < 1")
+    ids = np.asarray(tokens, dtype="<u4")
+    prev = hashlib.blake2b(root, digest_size=KEY_HEX // 2).digest()
+    keys = []
+    for start in range(0, ids.size, chunk_tokens):
+        h = hashlib.blake2b(prev, digest_size=KEY_HEX // 2)
+        h.update(ids[start : start + chunk_tokens].tobytes())
+        prev = h.digest()
+        keys.append(prev.hex())
+    return keys
+
+
+def chunk_spans(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """``[start, end)`` token span of every chunk of a ``num_tokens`` prompt."""
+    return [(s, min(s + chunk_tokens, num_tokens)) for s in range(0, num_tokens, chunk_tokens)]
+
+
+def check_keys(keys: Sequence[str], num_tokens: int, chunk_tokens: int) -> None:
+    """Keys must be well-formed and exactly one per chunk of ``num_tokens`` (StoreError)."""
+    want = -(-num_tokens // chunk_tokens) if num_tokens > 0 else 0
+    if num_tokens < 0:
+        raise StoreError("num_tokens", f"{num_tokens} < 0")
+    if len(keys) != want:
+        raise StoreError(
+            "keys", f"{len(keys)} keys, {num_tokens} tokens in chunks of {chunk_tokens} need {want}"
+        )
+    for i, key in enumerate(keys):
+        if not isinstance(key, str) or not _KEY_RE.match(key):
+            raise StoreError(f"keys[{i}]", f"not {KEY_HEX} lowercase hex digits")

@@ -1,0 +1,328 @@
+"""The two tiers: a bounded host-DRAM pool and a directory of files, each evicting LRU by bytes.
+
+Both hold encoded entries (:mod:`kvxferd.store.format`) under an :class:`EntryId`. Files are
+written to a temporary name and renamed into place, so a reader never sees a half-written entry
+under its final name; leftover temporaries (a crash mid-write) are removed at start. fsync
+policy: none by default. The store is a cache: after a power loss a renamed file may be empty or
+torn, and its checksums then fail, so it is deleted and counted instead of loaded. ``fsync=True``
+syncs each file before its rename, for directories shared with something that needs durability.
+
+The file tier's byte bound is per process, over the files it knows: its own writes, what it
+found at start and what lookups discover; sidecars sharing a directory should split the budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from kvxferd.store.format import Header
+from kvxferd.store.pool import Buffer
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kvx"
+_TMP = ".tmp"
+
+
+class EntryId(NamedTuple):
+    """One chunk of one group as saved by one rank of one TP size."""
+
+    key: str
+    group_fp: str
+    tp_size: int
+    tp_rank: int
+
+    @property
+    def filename(self) -> str:
+        """``<key>-<group fp>-t<tp>r<rank>.kvx``."""
+        return f"{self.key}-{self.group_fp}-t{self.tp_size}r{self.tp_rank}{SUFFIX}"
+
+
+def parse_filename(name: str) -> EntryId | None:
+    """The EntryId of a store file name, None for anything else."""
+    if not name.endswith(SUFFIX):
+        return None
+    try:
+        key, fp, tag = name[: -len(SUFFIX)].split("-")
+        tp, rank = tag[1:].split("r")
+        if tag[0] != "t":
+            return None
+        return EntryId(key, fp, int(tp), int(rank))
+    except ValueError:
+        return None
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier (monotonic except ``bytes`` and ``entries``)."""
+
+    bytes: int = 0
+    entries: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    partial_removed: int = 0
+    write_errors: int = 0
+
+
+@dataclass(frozen=True)
+class Cached:
+    """An entry held in DRAM: its parsed header and section bytes (checked when they came from
+    a file, gathered by this process when saved: their CRCs are computed only for the file)
+    inside a pooled buffer, and its encoded size."""
+
+    header: Header
+    sections: list[memoryview]
+    size: int
+    buffer: Buffer
+
+
+class DramTier:
+    """Entries in host memory, least recently used evicted past ``capacity`` bytes. No copy and
+    no checksum pass: an entry is kept in the buffer it was saved or read into. The tier holds
+    one reference to each entry's buffer; :meth:`get` hands out another."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.stats = TierStats()
+        self._entries: OrderedDict[EntryId, Cached] = OrderedDict()
+        self._by_key: dict[tuple[str, str], set[EntryId]] = {}
+        self._lock = threading.Lock()
+
+    def writers(self, key: str, group_fp: str) -> list[EntryId]:
+        """Entries held for (key, group)."""
+        with self._lock:
+            return list(self._by_key.get((key, group_fp), ()))
+
+    def has(self, eid: EntryId) -> bool:
+        """Whether the entry is held (no LRU update)."""
+        with self._lock:
+            return eid in self._entries
+
+    def get(self, eid: EntryId) -> Cached | None:
+        """The entry with a reference the caller releases (marks it recently used), or None."""
+        with self._lock:
+            data = self._entries.get(eid)
+            if data is not None:
+                self._entries.move_to_end(eid)
+                data.buffer.acquire()
+            return data
+
+    def put(self, eid: EntryId, data: Cached) -> bool:
+        """Keep ``data`` (taking a reference), evicting LRU entries; False if it alone exceeds
+        the capacity or the entry is already held."""
+        if data.size > self.capacity:
+            return False
+        with self._lock:
+            if eid in self._entries:
+                self._entries.move_to_end(eid)
+                return False
+            while self.stats.bytes + data.size > self.capacity and self._entries:
+                self._remove(next(iter(self._entries)))
+                self.stats.evictions += 1
+            self._entries[eid] = data
+            data.buffer.acquire()
+            self._by_key.setdefault((eid.key, eid.group_fp), set()).add(eid)
+            self.stats.bytes += data.size
+            self.stats.entries += 1
+            return True
+
+    def drop(self, eid: EntryId, corrupt: bool = False) -> None:
+        """Forget an entry (counted as corrupt when it failed its checks)."""
+        with self._lock:
+            if eid in self._entries:
+                self._remove(eid)
+                self.stats.corrupt += int(corrupt)
+
+    def clear(self) -> None:
+        """Forget every entry (their buffers go back to the pool once no reader holds them)."""
+        with self._lock:
+            for eid in list(self._entries):
+                self._remove(eid)
+
+    def _remove(self, eid: EntryId) -> None:
+        data = self._entries.pop(eid)
+        data.buffer.release()
+        ids = self._by_key[(eid.key, eid.group_fp)]
+        ids.discard(eid)
+        if not ids:
+            del self._by_key[(eid.key, eid.group_fp)]
+        self.stats.bytes -= data.size
+        self.stats.entries -= 1
+
+
+class FileTier:
+    """Entries as files under ``root/<key[:2]>/``, LRU (by use, then mtime) past ``capacity``."""
+
+    def __init__(self, root: str | os.PathLike[str], capacity: int, fsync: bool = False) -> None:
+        self.root = Path(root)
+        self.capacity = capacity
+        self.fsync = fsync
+        self.stats = TierStats()
+        self._sizes: OrderedDict[EntryId, int] = OrderedDict()
+        self._lock = threading.Lock()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    def path(self, eid: EntryId) -> Path:
+        """Where the entry's file lives."""
+        return self.root / eid.key[:2] / eid.filename
+
+    def writers(self, key: str, group_fp: str) -> list[EntryId]:
+        """Entries on disk for (key, group), including ones other processes wrote."""
+        prefix = f"{key}-{group_fp}-"
+        try:
+            names = [n for n in os.listdir(self.root / key[:2]) if n.startswith(prefix)]
+        except OSError:  # no such directory (nothing saved under this prefix), or unreadable
+            return []
+        out = [e for e in map(parse_filename, names) if e is not None]
+        with self._lock:
+            for eid in out:
+                if eid not in self._sizes:
+                    with contextlib.suppress(FileNotFoundError):
+                        self._add(eid, self.path(eid).stat().st_size)
+        return out
+
+    def has(self, eid: EntryId) -> bool:
+        """Whether the entry's file exists."""
+        return self.path(eid).is_file()
+
+    def write(self, eid: EntryId, buffers: Sequence[bytes | memoryview]) -> bool:
+        """Write the entry (temp + rename) unless present; False if it was not written."""
+        size = sum(len(b) for b in buffers)
+        final = self.path(eid)
+        if size > self.capacity or final.exists():
+            return False
+        tmp = final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP}")
+        try:
+            final.parent.mkdir(exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            return self._write_failed(final, exc)
+        try:
+            try:
+                _write_all(fd, buffers)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except OSError as exc:  # disk full, directory gone: the DRAM tier still has the entry
+            tmp.unlink(missing_ok=True)
+            return self._write_failed(final, exc)
+        with self._lock:
+            self._add(eid, size)
+            self._evict(keep=eid)
+        return True
+
+    def _write_failed(self, path: Path, exc: OSError) -> bool:
+        log.warning("store file %s not written: %s", path, exc)
+        with self._lock:
+            self.stats.write_errors += 1
+        return False
+
+    def read(self, eid: EntryId, alloc: Callable[[int], Buffer]) -> tuple[Buffer, int] | None:
+        """The file's bytes in a buffer from ``alloc`` and how many there are (the mtime is
+        refreshed: LRU across restarts), None if the file is gone or unreadable."""
+        path = self.path(eid)
+        buf = None
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                buf = alloc(size)
+                view, got = memoryview(buf.array)[:size], 0
+                while got < size:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+            os.utime(path)
+        except FileNotFoundError:
+            if buf is not None:
+                buf.release()
+            with self._lock:
+                self._forget(eid)
+            return None
+        except OSError as exc:  # unreadable: a miss (the load fails, the engine recomputes)
+            log.warning("store file %s unreadable: %s", path, exc)
+            if buf is not None:
+                buf.release()
+            return None
+        with self._lock:
+            if eid in self._sizes:
+                self._sizes.move_to_end(eid)
+            else:
+                self._add(eid, size)
+        return buf, got
+
+    def drop(self, eid: EntryId, corrupt: bool = False) -> None:
+        """Delete an entry's file (counted as corrupt when it failed its checks)."""
+        self.path(eid).unlink(missing_ok=True)
+        with self._lock:
+            self._forget(eid)
+            self.stats.corrupt += int(corrupt)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        found = []
+        for sub in self.root.iterdir():
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                if entry.name.endswith(_TMP):
+                    Path(entry.path).unlink(missing_ok=True)
+                    self.stats.partial_removed += 1
+                    continue
+                eid = parse_filename(entry.name)
+                if eid is not None:
+                    st = entry.stat()
+                    found.append((st.st_mtime_ns, eid, st.st_size))
+        with self._lock:
+            for _mtime, eid, size in sorted(found):
+                self._add(eid, size)
+            self._evict(keep=None)
+
+    def _add(self, eid: EntryId, size: int) -> None:
+        if eid in self._sizes:
+            return
+        self._sizes[eid] = size
+        self.stats.bytes += size
+        self.stats.entries += 1
+
+    def _forget(self, eid: EntryId) -> None:
+        size = self._sizes.pop(eid, None)
+        if size is not None:
+            self.stats.bytes -= size
+            self.stats.entries -= 1
+
+    def _evict(self, keep: EntryId | None) -> None:
+        for eid in list(self._sizes):
+            if self.stats.bytes <= self.capacity:
+                return
+            if eid == keep:
+                continue
+            self.path(eid).unlink(missing_ok=True)
+            self._forget(eid)
+            self.stats.evictions += 1
+
+
+def _write_all(fd: int, buffers: Sequence[bytes | memoryview]) -> None:
+    """os.writev until every byte is written (writev may stop short)."""
+    pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while pending:
+        n = os.writev(fd, pending[:512])
+        while n and pending:
+            if n >= len(pending[0]):
+                n -= len(pending.pop(0))
+            else:
+                pending[0] = pending[0][n:]
+                n = 0

@@ -1,0 +1,116 @@
+"""A corrupt, truncated or half-written entry is never loaded as valid: it is deleted, counted,
+and the load fails with a reason while the lookup stops offering it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvxferd.errors import PullError
+from kvxferd.pattern import verify_pattern
+from kvxferd.store.tiers import SUFFIX
+from tests.store.helpers import DENSE, block_ids, filled, keys, plan, pool, store
+
+SEED, TOKENS, CHUNK = 9, 32, 16
+
+
+@pytest.fixture
+def saved(tmp_path):
+    m = plan(DENSE, blocks=6)
+    regions, ids = filled(m, TOKENS, SEED)
+    store(tmp_path, CHUNK).save(m, regions, ids, keys(TOKENS, CHUNK), TOKENS)
+    files = sorted(tmp_path.rglob(f"*{SUFFIX}"))
+    assert len(files) == 2
+    return m, files
+
+
+def _damage(path, how):  # noqa: ANN001
+    data = bytearray(path.read_bytes())
+    if how == "flip_payload":
+        data[-100] ^= 0x01
+    elif how == "flip_header":
+        data[40] ^= 0x01
+    elif how == "truncate":
+        data = data[: len(data) // 2]
+    elif how == "extend":
+        data += b"\0"
+    elif how == "empty":
+        data = bytearray()
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["flip_payload", "flip_header", "truncate", "extend", "empty"])
+def test_damaged_file_is_refused_deleted_and_counted(tmp_path, saved, how):
+    m, files = saved
+    _damage(files[1], how)
+    s = store(tmp_path, CHUNK)
+    regions, ids = pool(m), block_ids(m, TOKENS)
+    with pytest.raises(PullError) as err:
+        s.load(m, regions, ids, keys(TOKENS, CHUNK), TOKENS)
+    assert err.value.reason == "store_corrupt"
+    assert not files[1].exists() and files[0].exists()
+    assert s.files.stats.corrupt == 1
+    assert s.lookup(m, keys(TOKENS, CHUNK), TOKENS).matched < TOKENS
+
+
+def test_undamaged_neighbour_still_loads(tmp_path, saved):
+    m, files = saved
+    first_chunk = [f for f in files if f.name.startswith(keys(TOKENS, CHUNK)[0])][0]
+    other = [f for f in files if f != first_chunk][0]
+    _damage(other, "truncate")
+    s = store(tmp_path, CHUNK)
+    k = keys(TOKENS, CHUNK)
+    assert s.lookup(m, k, TOKENS).matched == TOKENS  # a lookup does not read payloads
+    regions, ids = pool(m), block_ids(m, TOKENS)
+    s.load(m, regions, ids, k[:1], CHUNK)
+    ids_first = [ids[0][:1]]
+    assert verify_pattern(m, regions, ids_first, SEED) is None
+
+
+def test_leftover_temporary_files_are_removed_at_start(tmp_path, saved):
+    _m, files = saved
+    tmp = files[0].with_name(files[0].name + ".123.abcd.tmp")
+    tmp.write_bytes(b"half an entry")
+    s = store(tmp_path, CHUNK)
+    assert not tmp.exists()
+    assert s.files.stats.partial_removed == 1
+
+
+def test_entry_renamed_to_another_key_is_refused(tmp_path, saved):
+    m, files = saved
+    k = keys(TOKENS, CHUNK)
+    victim = [f for f in files if f.name.startswith(k[0])][0]
+    other = [f for f in files if f != victim][0]
+    os.replace(other, victim)  # chunk 1's bytes under chunk 0's name
+    s = store(tmp_path, CHUNK)
+    with pytest.raises(PullError) as err:
+        s.load(m, pool(m), block_ids(m, TOKENS), k[:1], CHUNK)
+    assert err.value.reason == "store_corrupt"
+    assert not victim.exists()
+
+
+def test_missing_entry_is_a_miss_not_a_crash(tmp_path, saved):
+    m, files = saved
+    files[0].unlink()
+    with pytest.raises(PullError) as err:
+        store(tmp_path, CHUNK).load(m, pool(m), block_ids(m, TOKENS), keys(TOKENS, CHUNK), TOKENS)
+    assert err.value.reason == "store_miss"
+
+
+def test_unwritable_directory_keeps_the_entry_in_dram(tmp_path):
+    """A file that cannot be written (here: the chunk's directory is a file) is counted; the
+    save still answers, the DRAM tier serves the load."""
+    m = plan(DENSE, blocks=6)
+    regions, ids = filled(m, TOKENS, SEED)
+    k = keys(TOKENS, CHUNK)
+    s = store(tmp_path, CHUNK)
+    for key in k:
+        (tmp_path / key[:2]).write_bytes(b"not a directory")
+    out = s.save(m, regions, ids, k, TOKENS)
+    assert out.chunks_saved == 2 and out.file_bytes == 0 and out.dram_bytes > 0
+    assert s.files.stats.write_errors == 2
+    target, tids = pool(m), block_ids(m, TOKENS)
+    assert s.load(m, target, tids, k, TOKENS).dram_bytes > 0
+    assert verify_pattern(m, target, tids, SEED) is None
+    s.close()

@@ -1,0 +1,80 @@
+"""The sidecar's store calls: wire answers and metrics (injected registry) over a real store;
+the target is the manifest and region views a registered engine would give."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvxferd.config import Config
+from kvxferd.errors import ConfigError, StoreError
+from kvxferd.metrics import Metrics
+from kvxferd.pattern import verify_pattern
+from kvxferd.sidecar.offload import Offload
+from kvxferd.store import chunk_keys
+from kvxferd.wire import StoreLoadRequest, StoreLookupRequest, StoreSaveRequest
+from tests.store.helpers import MAMBA2, block_ids, filled, plan, pool
+
+SEED, CHUNK = 11, 64
+
+
+def _value(metrics: Metrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_save_lookup_load_answer_and_count(tmp_path):
+    m = plan(MAMBA2, blocks=24)
+    tokens = m.groups[0].block_size
+    regions, ids = filled(m, tokens, SEED)
+    target = {"regions": regions}
+    metrics = Metrics(CollectorRegistry())
+    cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK, store_dram_bytes=0)
+    off = Offload(cfg, metrics, lambda: (m, target["regions"]))
+    keys = chunk_keys(list(range(tokens)), CHUNK)
+
+    async def run():
+        saved = await off.save(StoreSaveRequest(request_id="r", block_ids=ids, keys=keys,
+                                                num_tokens=tokens))  # fmt: skip
+        assert saved.chunks_saved > 0 and saved.dram_bytes == 0 and saved.file_bytes > 0
+        hit = await off.lookup(StoreLookupRequest(keys=keys, num_tokens=tokens))
+        assert hit.matched == tokens
+        miss = await off.lookup(StoreLookupRequest(keys=chunk_keys([3] * 10, CHUNK), num_tokens=10))
+        assert miss.matched == 0
+        target["regions"] = pool(m)
+        dst = block_ids(m, tokens)
+        done = await off.load(StoreLoadRequest(keys=keys, block_ids=dst, num_tokens=tokens))
+        assert done.state == "done" and done.dram_hit_rate == 0.0 and done.file_bytes > 0
+        assert verify_pattern(m, target["regions"], dst, SEED) is None
+        for f in tmp_path.rglob("*.kvx"):
+            f.write_bytes(f.read_bytes()[:-1])
+            break
+        failed = await off.load(StoreLoadRequest(keys=keys, block_ids=dst, num_tokens=tokens))
+        assert failed.state == "failed" and failed.reason == "store_corrupt"
+
+    asyncio.run(run())
+    off.close()
+    assert _value(metrics, "kvxferd_store_lookup_tokens_total", result="hit") == tokens
+    assert _value(metrics, "kvxferd_store_lookup_tokens_total", result="miss") == 10
+    assert _value(metrics, "kvxferd_store_bytes_total", tier="file", op="save") > 0
+    assert _value(metrics, "kvxferd_store_bytes_total", tier="file", op="load") > 0
+    assert _value(metrics, "kvxferd_store_loads_total", outcome="done") == 1
+    assert _value(metrics, "kvxferd_store_loads_total", outcome="failed") == 1
+    assert _value(metrics, "kvxferd_store_corrupt_entries_total", tier="file") == 1
+    assert _value(metrics, "kvxferd_store_resident_bytes", tier="file") > 0
+
+
+def test_without_a_store_dir_every_call_names_the_setting():
+    off = Offload(Config(), Metrics(CollectorRegistry()), lambda: pytest.fail("not reached"))
+    with pytest.raises(StoreError) as err:
+        asyncio.run(off.lookup(StoreLookupRequest(keys=[], num_tokens=0)))
+    assert err.value.field == "store_dir"
+
+
+def test_unusable_store_dir_is_a_config_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="store_dir"):
+        Offload(Config(store_dir=str(blocker / "sub")), Metrics(CollectorRegistry()), lambda: None)

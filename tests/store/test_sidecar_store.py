@@ -1,0 +1,153 @@
+"""The store through a real sidecar's engine API: save from one sidecar, restart, look up and load
+into other blocks from a new sidecar (new process, empty DRAM pool), every byte verified."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvxferd.errors import BlockIdError, StoreError, UnknownHoldError
+from kvxferd.layout import request_blocks
+from kvxferd.pattern import verify_pattern, write_pattern
+from kvxferd.store import chunk_keys
+from kvxferd.wire import HoldRequest, StoreLoadRequest, StoreLookupRequest, StoreSaveRequest
+from tests.sidecar.harness import EnginePool, plan, start_sidecar
+from tests.store.helpers import DENSE, GDN, MAMBA2, block_ids, poisoned
+
+pytestmark = pytest.mark.nixl
+SEED, CHUNK = 5, 64
+
+
+def _metrics(sidecar) -> dict:  # noqa: ANN001
+    text = httpx.get(f"http://{sidecar.peer}/metrics", follow_redirects=True, timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+
+@pytest.mark.parametrize("preset", [DENSE, MAMBA2, GDN])
+def test_save_restart_lookup_load_verifies_every_byte(tmp_path, preset):
+    store_dir = str(tmp_path / "store")
+    flags = ("--store-dir", store_dir, "--store-chunk-tokens", str(CHUNK))
+    probe = plan(preset, num_blocks=1)
+    tokens = 2 * probe.groups[-1].block_size + 5  # ends inside a block
+    manifest = plan(preset, num_blocks=sum(request_blocks(probe, tokens)) + 2)
+    prompt = list(range(tokens))
+    keys = chunk_keys(prompt, CHUNK)
+    src_ids = block_ids(manifest, tokens, descending=True)
+    pool = EnginePool(manifest)
+    try:
+        write_pattern(manifest, pool.views, src_ids, SEED)
+        first = start_sidecar(str(tmp_path), "saver", *flags)
+        try:
+            with first.client() as client:
+                client.register(manifest, pool.specs())
+                saved = client.store_save(
+                    StoreSaveRequest(
+                        request_id="r1", block_ids=src_ids, keys=keys, num_tokens=tokens
+                    )  # fmt: skip
+                )
+                assert saved.chunks_saved > 0 and saved.kv_bytes > 0
+                assert (saved.state_bytes > 0) == (preset != DENSE)
+        finally:
+            assert first.stop() == 0
+        second = start_sidecar(str(tmp_path), "loader", *flags)
+        try:
+            with second.client() as client:
+                client.register(manifest, pool.specs())
+                hit = client.store_lookup(StoreLookupRequest(keys=keys, num_tokens=tokens))
+                assert hit.matched == tokens and not hit.disagree
+                scratch, dst_ids = poisoned(manifest, tokens, SEED)  # the load must write these
+                for view, want in zip(pool.views, scratch, strict=True):
+                    view[:] = want
+                assert verify_pattern(manifest, pool.views, dst_ids, SEED) is not None
+                status = client.store_load(
+                    StoreLoadRequest(keys=keys, block_ids=dst_ids, num_tokens=tokens)
+                )
+                assert status.state == "done" and status.tokens == tokens
+                assert status.file_bytes > 0 and status.dram_hit_rate == 0.0
+                assert verify_pattern(manifest, pool.views, dst_ids, SEED) is None
+                again = client.store_load(
+                    StoreLoadRequest(keys=keys, block_ids=dst_ids, num_tokens=tokens)
+                )
+                assert again.dram_hit_rate == 1.0
+                missing = client.store_load(
+                    StoreLoadRequest(
+                        keys=chunk_keys([7] * tokens, CHUNK), block_ids=dst_ids, num_tokens=tokens
+                    )  # fmt: skip
+                )
+                assert missing.state == "failed" and missing.reason == "store_miss"
+                with pytest.raises(BlockIdError) as err:
+                    client.store_load(StoreLoadRequest(keys=keys, block_ids=[[999]],
+                                                       num_tokens=tokens))  # fmt: skip
+                assert err.value.field.startswith("block_ids")
+                with pytest.raises(StoreError) as bad:
+                    client.store_lookup(
+                        StoreLookupRequest(keys=[*keys, keys[0]], num_tokens=tokens)
+                    )
+                assert bad.value.field == "keys"
+            values = _metrics(second)
+            assert values[("kvxferd_store_lookup_tokens_total", (("result", "hit"),))] == tokens
+            assert values[("kvxferd_store_loads_total", (("outcome", "done"),))] == 2
+            assert values[("kvxferd_store_loads_total", (("outcome", "failed"),))] == 1
+            assert values[("kvxferd_store_bytes_total", (("op", "load"), ("tier", "file")))] > 0
+        finally:
+            assert second.stop() == 0
+    finally:
+        pool.close()
+
+
+def test_a_sidecar_without_a_store_says_so(tmp_path):
+    manifest = plan("llama-3.1-8b", num_blocks=4)
+    pool = EnginePool(manifest)
+    sidecar = start_sidecar(str(tmp_path), "nostore")
+    try:
+        with sidecar.client() as client:
+            client.register(manifest, pool.specs())
+            with pytest.raises(StoreError) as err:
+                client.store_lookup(StoreLookupRequest(keys=[], num_tokens=0))
+            assert err.value.field == "store_dir"
+    finally:
+        assert sidecar.stop() == 0
+        pool.close()
+
+
+def test_save_a_live_hold_by_its_id(tmp_path):
+    """The prefill engine holds its blocks for a decode and saves the same hold to the store."""
+    manifest = plan(DENSE, num_blocks=8)
+    tokens = 40
+    keys = chunk_keys(list(range(tokens)), 16)
+    pool = EnginePool(manifest)
+    ids = block_ids(manifest, tokens, descending=True)
+    write_pattern(manifest, pool.views, ids, SEED)
+    sidecar = start_sidecar(str(tmp_path), "holder", "--store-dir", str(tmp_path / "s"),
+                            "--store-chunk-tokens", "16")  # fmt: skip
+    try:
+        with sidecar.client() as client:
+            client.register(manifest, pool.specs())
+            ticket = client.hold(HoldRequest(request_id="r", block_ids=ids, num_tokens=tokens))
+            saved = client.store_save(
+                StoreSaveRequest(request_id="r", keys=keys, hold_id=ticket.hold_id)
+            )
+            assert saved.chunks_saved == 3 and saved.kv_bytes > 0
+            assert (
+                client.store_lookup(StoreLookupRequest(keys=keys, num_tokens=tokens)).matched == 40
+            )
+            scratch, dst = poisoned(manifest, tokens, SEED)
+            for view, want in zip(pool.views, scratch, strict=True):
+                view[:] = want
+            done = client.store_load(StoreLoadRequest(keys=keys, block_ids=dst, num_tokens=tokens))
+            assert done.state == "done" and done.dram_hit_rate == 1.0
+            assert verify_pattern(manifest, pool.views, dst, SEED) is None
+            with pytest.raises(UnknownHoldError):
+                client.store_save(StoreSaveRequest(request_id="r", keys=keys, hold_id="nope"))
+            with pytest.raises(StoreError) as both:
+                client.store_save(StoreSaveRequest(request_id="r", keys=keys, block_ids=ids,
+                                                   hold_id=ticket.hold_id))  # fmt: skip
+            assert both.value.field == "block_ids"
+    finally:
+        assert sidecar.stop() == 0
+        pool.close()

@@ -1,0 +1,112 @@
+"""Tier bounds: the DRAM pool and the file directory never hold more than their capacity, evict
+least recently used first, and the file tier rebuilds its view from disk after a restart."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxferd.store.format import Header
+from kvxferd.store.pool import BufferPool, size_class
+from kvxferd.store.tiers import Cached, DramTier, EntryId, FileTier, parse_filename
+from tests.store.helpers import DENSE, filled, keys, plan, store
+
+
+def _eid(i: int) -> EntryId:
+    return EntryId(f"{i:032x}", "00112233aabbccdd", 2, 1)
+
+
+POOL = BufferPool(free_limit=1 << 20)
+
+
+def _cached(size: int, pool: BufferPool = POOL) -> Cached:
+    header = Header(key="0" * 32, group_fp="0" * 16, kind="mamba", chunk=0, tokens=1,
+                    writer_tp_size=1, writer_tp_rank=0, writer_block_size=1,
+                    writer_kernel_block_size=1, sections=[])  # fmt: skip
+    return Cached(header, [], size, pool.take(size))
+
+
+def test_entry_file_names_round_trip():
+    eid = _eid(7)
+    assert parse_filename(eid.filename) == eid
+    assert parse_filename("junk.kvx") is None and parse_filename(eid.filename + ".tmp") is None
+
+
+def test_dram_pool_is_bounded_and_lru():
+    tier = DramTier(capacity=300)
+    for i in range(3):
+        assert tier.put(_eid(i), _cached(100))
+    assert tier.get(_eid(0)) is not None  # 0 is now the most recently used
+    assert tier.put(_eid(3), _cached(100))
+    assert tier.stats.bytes <= 300 and tier.stats.evictions == 1
+    assert tier.has(_eid(0)) and not tier.has(_eid(1)) and tier.has(_eid(3))
+    assert not tier.put(_eid(4), _cached(301))  # never fits: refused, nothing evicted
+    assert tier.stats.entries == 3
+
+
+def test_size_classes_waste_at_most_a_quarter():
+    for n in (1, 65536, 65537, 100_000, 1 << 20, (1 << 20) + 1, 3_000_000, 123_456_789):
+        c = size_class(n)
+        assert c >= n and (n <= 65536 or c <= n * 1.25)
+
+
+def test_evicted_buffer_is_reused_only_after_its_last_reader():
+    pool = BufferPool(free_limit=1 << 30)
+    tier = DramTier(capacity=150_000)
+    first = _cached(100_000, pool)
+    tier.put(_eid(0), first)
+    first.buffer.release()  # the saver's reference: now only the tier holds it
+    reading = tier.get(_eid(0))  # a load scattering from it
+    assert reading is first
+    tier.put(_eid(1), _cached(100_000, pool))  # evicts entry 0 while it is being read
+    assert not tier.has(_eid(0))
+    assert pool.free_bytes == 0  # still in use: not handed out again
+    reading.buffer.release()
+    assert pool.free_bytes == size_class(100_000)
+    again = pool.take(100_000)
+    assert again.array is first.buffer.array and pool.allocated == 2  # reused, not allocated
+
+
+def test_free_buffers_are_bounded():
+    pool = BufferPool(free_limit=200_000)
+    buffers = [pool.take(100_000) for _ in range(3)]
+    for b in buffers:
+        b.release()
+    assert pool.free_bytes <= 200_000
+
+
+def test_file_tier_is_bounded_and_lru(tmp_path):
+    tier = FileTier(tmp_path, capacity=250)
+    for i in range(2):
+        assert tier.write(_eid(i), [bytes(100)])
+    buf, n = tier.read(_eid(0), POOL.take)  # touch 0
+    assert n == 100 and not buf.array[:n].any()
+    buf.release()
+    assert tier.write(_eid(2), [bytes(100)])
+    assert tier.stats.bytes <= 250 and tier.stats.evictions == 1
+    assert tier.has(_eid(0)) and not tier.has(_eid(1)) and tier.has(_eid(2))
+    assert sum(p.stat().st_size for p in tmp_path.rglob("*.kvx")) <= 250
+    assert not tier.write(_eid(2), [bytes(100)])  # present: not rewritten
+
+
+def test_file_tier_restart_evicts_oldest_to_a_smaller_budget(tmp_path):
+    tier = FileTier(tmp_path, capacity=1000)
+    for i in range(5):
+        tier.write(_eid(i), [bytes(100)])
+        tier.read(_eid(i), POOL.take)[0].release()  # mtime order = write order
+    smaller = FileTier(tmp_path, capacity=250)
+    assert smaller.stats.bytes == 200 and smaller.stats.entries == 2
+    assert [e for e in map(_eid, range(5)) if smaller.has(e)] == [_eid(3), _eid(4)]
+
+
+@pytest.mark.parametrize("dram", [0, 1 << 20])
+def test_store_stays_within_both_budgets(tmp_path, dram):
+    m = plan(DENSE, blocks=10)
+    chunk, tokens = 16, 128  # 8 chunks of 1 MiB each
+    regions, ids = filled(m, tokens, seed=3)
+    s = store(tmp_path, chunk, dram=dram, files=3 << 20)
+    out = s.save(m, regions, ids, keys(tokens, chunk), tokens)
+    assert out.chunks_saved == 8
+    assert s.dram.stats.bytes <= dram and s.files.stats.bytes <= 3 << 20
+    assert s.files.stats.evictions >= 5
+    # the leading chunks were evicted first, so nothing matches from the start
+    assert s.lookup(m, keys(tokens, chunk), tokens).matched == 0
