@@ -93,6 +93,7 @@ class Sidecar:
         self.manifest: Manifest | None = None
         self._regions: list[Any] = []
         self._bases: list[int] = []
+        self._sources: list[int] = []  # source (allocation) index of each manifest region
         self.holds: HoldTable | None = None
         self.keys = PeerKeys.of(config.peer_token, config.peer_token_previous) if (
             config.peer_token) else None  # fmt: skip
@@ -166,6 +167,7 @@ class Sidecar:
                 region.close()
             raise
         self._regions = regions
+        self._sources = sources
         self._registrations = registrations
         self._bases = [
             regions[src].base_addr + region.source_offset
@@ -421,14 +423,18 @@ class Sidecar:
         """A live hold's block ids and tokens, for a store save (the hold keeps them pinned)."""
         holds, _ = self._require_engine()
         hold = holds.get(hold_id)
-        if hold.expires_at <= time.time():
+        if hold.expires_at <= time.monotonic():  # hold clocks are monotonic
             raise HoldExpiredError(f"hold {hold_id}: its lease ended; its blocks may be reused")
         return hold.block_ids, hold.num_tokens
 
     def _store_target(self) -> tuple[Manifest, list[Any]]:
         """The registered manifest and a host view of each region, for the store."""
         _, manifest = self._require_engine()
-        return manifest, [region.host_view() for region in self._regions]
+        views = [region.host_view() for region in self._regions]
+        return manifest, [
+            views[src][r.source_offset : r.source_offset + r.size_bytes]
+            for src, r in zip(self._sources, manifest.regions, strict=True)
+        ]
 
     @property
     def region_bases(self) -> list[int]:
