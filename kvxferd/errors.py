@@ -17,7 +17,8 @@ httpx, msgspec) are translated at the module that talks to them, ``raise ... fro
     │   ├── TransportLookupError    NIXL found no such remote agent, registration or prepped list
     │   └── DescriptorError         descriptor lists or indices rejected (shape, length, range)
     ├── HandshakeError              a peer could not be reached or answered nonsense
-    │   └── IncompatiblePeerError   the peer's manifest disagrees (lists the fields)
+    │   ├── IncompatiblePeerError   the peer's manifest disagrees (lists the fields)
+    │   └── ClaimTimeoutError       a claim got no answer in time (pull reason claim_timeout)
     ├── HoldError                   hold/ticket problems on the prefill side
     │   ├── UnknownHoldError        no such hold (never existed, or already released)
     │   ├── HoldExpiredError        the hold's lease ran out; its blocks may be reused
@@ -115,6 +116,10 @@ class IncompatiblePeerError(HandshakeError):
 
 def _triples(fields: dict[str, tuple[object, object]]) -> list[tuple[str, object, object]]:
     return [(k, remote, local) for k, (local, remote) in fields.items()]
+
+
+class ClaimTimeoutError(HandshakeError):
+    """A claim at a prefill sidecar got no answer in time (the pull reason ``claim_timeout``)."""
 
 
 class HoldError(KvxferdError):

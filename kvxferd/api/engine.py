@@ -13,6 +13,7 @@ from kvxferd.api.openapi import HEALTH, document, install_openapi
 from kvxferd.api.operations import Gate, Operation, Query, mount
 from kvxferd.wire import (
     AbortHoldRequest,
+    FinishedPulls,
     HeartbeatResponse,
     HoldRequest,
     KeepaliveRequest,
@@ -76,6 +77,22 @@ async def pull_status(sidecar: Sidecar, pull_id: str, wait: float) -> PullStatus
     return await sidecar.pull_status(pull_id, min(wait, MAX_WAIT_S))
 
 
+async def run_pull(sidecar: Sidecar, req: PullRequest) -> PullStatus:
+    """Run a pull and answer its final status: one engine call per pull.
+
+    Checked like ``POST /v1/pulls`` (4xx naming the field); the answer comes when the pull is
+    done or failed, bounded by its deadline plus the time its READs need to settle (a FAILED
+    answer means none of its READs can still write).
+    """
+    return await sidecar.run_pull(req)
+
+
+async def finished_pulls(sidecar: Sidecar, cursor: int, limit: int) -> FinishedPulls:
+    """Pulls finished since ``cursor`` (done, or failed with the local block ids that hold
+    invalid bytes), oldest first; one non-blocking call per engine step, paged (``more``)."""
+    return sidecar.finished_pulls(cursor, limit)
+
+
 async def keepalive(sidecar: Sidecar, req: KeepaliveRequest) -> HeartbeatResponse:
     """Keep the prefill holds of requests still queued here alive (a heartbeat per prefill side).
 
@@ -110,6 +127,13 @@ CURSOR = Query(
     "The cursor of the previous answer; 0 reads the feed from its start.",
 )
 
+LIMIT = Query(
+    "limit",
+    Annotated[int, msgspec.Meta(ge=1, le=4096)],
+    1024,
+    "Most entries in one page (a page is also cut at 1 MiB).",
+)
+
 OPERATIONS = [
     Operation("POST", "/v1/register", register, RegisterRequest, RegisterResponse,
               errors=(400, 409, 422, 500, 502)),
@@ -119,6 +143,10 @@ OPERATIONS = [
               errors=(400, 404, 410, 422, 500, 503), needs_engine=True),
     Operation("POST", "/v1/pulls", pull, PullRequest, PullAccepted, status=202,
               errors=(400, 422, 500, 503), needs_engine=True),
+    Operation("POST", "/v1/pulls/run", run_pull, PullRequest, PullStatus,
+              errors=(400, 422, 500, 503), needs_engine=True),
+    Operation("GET", "/v1/pulls/finished", finished_pulls, None, FinishedPulls,
+              query=(CURSOR, LIMIT), errors=(422, 500, 503), needs_engine=True),
     Operation("GET", "/v1/pulls/{pull_id}", pull_status, None, PullStatus, query=(WAIT,),
               errors=(404, 422, 500)),
     Operation("POST", "/v1/keepalive", keepalive, KeepaliveRequest, HeartbeatResponse,

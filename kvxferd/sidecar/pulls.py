@@ -1,7 +1,9 @@
 """Pulls on the decode side: handshake, claim, plan, one NIXL READ per prefill rank, notify.
 
 A pull moves forward through PullState and ends DONE only when every READ of every source rank
-completed; anything else ends FAILED with a reason code, never DONE (fail closed).
+completed; anything else ends FAILED with a reason code, never DONE (fail closed), and only
+once none of its READs can still write (kvxferd.sidecar.reads). A READ never outlives the
+claim it reads under: its wait ends at the earlier of the pull's deadline and the claim's end.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import httpx
 import numpy as np
 from msgspec import structs
 
@@ -22,6 +25,7 @@ from kvxferd import descriptors
 from kvxferd.errors import (
     AuthError,
     BlockIdError,
+    ClaimTimeoutError,
     HandshakeError,
     HoldExpiredError,
     IncompatiblePeerError,
@@ -32,8 +36,18 @@ from kvxferd.errors import (
     UnknownHoldError,
     UnknownPullError,
 )
-from kvxferd.sidecar.states import PullState
-from kvxferd.wire import ClaimRequest, Manifest, PullRequest, PullStatus, Ticket
+from kvxferd.sidecar.finished import FinishedFeed
+from kvxferd.sidecar.reads import ABORT_S, SETTLE_S, Reads
+from kvxferd.sidecar.states import PullState, advance
+from kvxferd.wire import (
+    ClaimRequest,
+    FinishedPull,
+    FinishedPulls,
+    Manifest,
+    PullRequest,
+    PullStatus,
+    Ticket,
+)
 
 if TYPE_CHECKING:
     from kvxferd.sidecar.peers import Peer
@@ -50,6 +64,7 @@ _REASONS: list[tuple[type[BaseException], str]] = [
     (UnknownHoldError, "unknown_hold"),
     (AuthError, "auth"),
     (IncompatiblePeerError, "incompatible"),
+    (ClaimTimeoutError, "claim_timeout"),
     (HandshakeError, "handshake"),
     (PeerDisconnectedError, "peer_disconnected"),
     (TransferTimeoutError, "deadline"),
@@ -77,10 +92,29 @@ class Pull:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def advance(self, new: PullState) -> None:
-        """Move forward (never back, never out of DONE/FAILED)."""
-        if self.state in (PullState.DONE, PullState.FAILED) or new < self.state:
+        """Move forward through ``states.advance``; a live state another rank of this pull
+        already passed is no move (ranks progress concurrently). Out of DONE/FAILED raises."""
+        if not self.state.terminal and not new.terminal and new <= self.state:
             return
-        self.state = new
+        self.state = advance(self.state, new)
+
+    def fail(self, reason: str, detail: str) -> None:
+        """End FAILED with a reason code (StateError if it had already ended)."""
+        self.advance(PullState.FAILED)
+        self.reason, self.detail = reason, detail
+
+    def finished(self) -> FinishedPull:
+        """The finished-feed entry of an ended pull: its local ids are invalid unless DONE."""
+        done = self.state is PullState.DONE
+        return FinishedPull(
+            pull_id=self.pull_id,
+            request_id=self.request.request_id,
+            state="done" if done else "failed",
+            reason=self.reason,
+            failed_block_ids=[]
+            if done
+            else [[b for b in g if b >= 0] for g in self.request.block_ids],  # fmt: skip
+        )
 
     def status(self) -> PullStatus:
         """The wire view."""
@@ -106,6 +140,8 @@ class PullRunner:
         self._geometries: OrderedDict[tuple[str, str, int], descriptors.ReadGeometry] = (
             OrderedDict()
         )
+        self.reads = Reads(sidecar.agent, on_stuck=sidecar.peers.forget)
+        self.feed = FinishedFeed()
 
     def _geometry(self, peer: Peer) -> descriptors.ReadGeometry:
         """Per-peer read geometry (checks and per-layer work done once per peer epoch)."""
@@ -148,13 +184,29 @@ class PullRunner:
                 await asyncio.wait_for(pull.done.wait(), wait_s)
         return pull.status()
 
+    async def run(self, req: PullRequest) -> PullStatus:
+        """Start a pull and answer its final status (one engine call per pull).
+
+        Bounded: a pull ends by its deadline plus the time its READs take to settle.
+        """
+        pull = self.start(req)
+        bound = req.deadline_s + SETTLE_S + ABORT_S + 5.0
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(pull.done.wait()), bound)
+        return pull.status()
+
+    def finished_since(self, cursor: int, limit: int) -> FinishedPulls:
+        """The finished-pulls feed from ``cursor`` (one page)."""
+        return self.feed.since(cursor, limit)
+
     async def close(self) -> None:
-        """Cancel running pulls (they end FAILED)."""
+        """Cancel running pulls (they end FAILED once their READs settled)."""
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.reads.close()
 
     async def _run(self, pull: Pull) -> None:
         sc = self._sidecar
@@ -175,7 +227,8 @@ class PullRunner:
             pull.advance(PullState.DONE)
             sc.metrics.pulls.labels("done").inc()
         except asyncio.CancelledError:
-            self._fail(pull, "cancelled", "sidecar shutting down")
+            # The TaskGroup has waited for every rank's READs to settle before this runs.
+            self._fail(pull, "cancelled", "pull cancelled (sidecar shutting down)")
             raise
         except BaseException as exc:  # every failure path ends FAILED with a reason
             while isinstance(exc, BaseExceptionGroup):  # the TaskGroup's; its first cause
@@ -190,11 +243,11 @@ class PullRunner:
             pull.duration_s = time.monotonic() - pull.started
             sc.metrics.phase_duration.labels("total").observe(pull.duration_s)
             sc.metrics.pulls_in_flight.dec()
+            self.feed.add(pull.finished())
             pull.done.set()
 
     def _fail(self, pull: Pull, reason: str, detail: str) -> None:
-        pull.state = PullState.FAILED
-        pull.reason, pull.detail = reason, detail
+        pull.fail(reason, detail)
         self._sidecar.metrics.pulls.labels("failed").inc()
         self._sidecar.metrics.pull_failures.labels(reason).inc()
 
@@ -211,18 +264,22 @@ class PullRunner:
 
         pull.advance(PullState.CLAIMING)
         t0 = time.monotonic()
-        claim = await sc.peers.claim(
-            ticket.peer,
-            ClaimRequest(
-                ticket=ticket,
-                reader=sc.agent.name,
-                reader_tp_size=local.tp_size,
-                claim_s=max(0.001, deadline - time.monotonic()),
-            ),
+        request = ClaimRequest(
+            ticket=ticket,
+            reader=sc.agent.name,
+            reader_tp_size=local.tp_size,
+            claim_s=max(0.001, deadline - time.monotonic()),
         )
+        try:
+            claim = await sc.peers.claim(ticket.peer, request)
+        except HandshakeError as exc:
+            if isinstance(exc.__cause__, (TimeoutError, httpx.TimeoutException)):
+                raise ClaimTimeoutError(f"claim at {ticket.peer} timed out: {exc}") from exc
+            raise
         m.phase_duration.labels("claim").observe(time.monotonic() - t0)
         m.lease_headroom.observe(max(0.0, ticket.expires_at - time.time()))
-        del claim
+        # The claim's end, on our monotonic clock: the READ must be over by then.
+        claim_end = time.monotonic() + (claim.expires_at - time.time())
 
         local_ids, remote_ids = _pairs(pull.request.block_ids, ticket.block_ids)
         plan = self._geometry(peer).plan(local_ids, remote_ids)
@@ -230,9 +287,9 @@ class PullRunner:
         notif = ticket.hold_id.encode()
         if plan.num_descriptors == 0:
             # Nothing to read from this rank (all blocks skipped): still release its hold.
-            await asyncio.to_thread(sc.agent.send_notif, peer.agent_name, notif)
+            sc.agent.send_notif(peer.agent_name, notif)
             return
-        await self._transfer(pull, peer, plan, notif, deadline)
+        await self._transfer(pull, peer, plan, notif, deadline, claim_end)
 
     async def _release_unread(self, ticket: Ticket) -> None:
         """Notify a prefill rank that no decode rank reads, releasing its hold before expiry.
@@ -243,7 +300,7 @@ class PullRunner:
         sc = self._sidecar
         try:
             peer = await sc.peers.get(ticket.peer, ticket.engine_id, ticket.epoch)
-            await asyncio.to_thread(sc.agent.send_notif, peer.agent_name, ticket.hold_id.encode())
+            sc.agent.send_notif(peer.agent_name, ticket.hold_id.encode())
         except KvxferdError as exc:
             log.warning(
                 "could not release unread hold %s at %s (it will expire): %s",
@@ -253,7 +310,13 @@ class PullRunner:
             )
 
     async def _transfer(
-        self, pull: Pull, peer: Peer, plan: descriptors.ReadPlan, notif: bytes, deadline: float
+        self,
+        pull: Pull,
+        peer: Peer,
+        plan: descriptors.ReadPlan,
+        notif: bytes,
+        deadline: float,
+        claim_end: float,
     ) -> None:
         sc = self._sidecar
         bases = np.asarray(sc.region_bases, dtype=np.int64)
@@ -262,25 +325,28 @@ class PullRunner:
         remote_addr = rbases[plan.remote_region] + plan.remote_offset
         t0 = time.monotonic()
         try:
-            transfer = await asyncio.to_thread(
-                sc.agent.read,
+            transfer = await self.reads.read(
+                peer.address,
                 peer.agent_name,
                 (local_addr, plan.length),
                 (remote_addr, plan.length),
                 notif,
+                nbytes=int(plan.kv_bytes + plan.state_bytes),
+                descs=int(plan.num_descriptors),
+                deadline=min(deadline, claim_end),
             )
         except PeerDisconnectedError:
             await sc.peers.forget(peer.address)
             raise
-        try:
-            posted = time.monotonic()
-            await asyncio.to_thread(transfer.wait, max(0.0, deadline - time.monotonic()))
-            wire_s = time.monotonic() - posted
-        except PeerDisconnectedError:
-            await sc.peers.forget(peer.address)
+        except TransferTimeoutError as exc:
+            if claim_end < deadline:
+                raise HoldExpiredError(
+                    f"the claim at {peer.address} ended before the READ completed: {exc}"
+                ) from exc
             raise
-        finally:
-            await asyncio.to_thread(transfer.release)
+        telemetry = transfer.telemetry() or {}
+        wire_s = float(telemetry.get("wall_s", time.monotonic() - t0))
+        posted = time.monotonic() - wire_s
         m = sc.metrics
         total = int(plan.kv_bytes + plan.state_bytes)
         m.phase_duration.labels("post").observe(posted - t0)

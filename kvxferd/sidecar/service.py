@@ -39,6 +39,7 @@ from kvxferd.wire import (
     AbortHoldRequest,
     ClaimRequest,
     ClaimResponse,
+    FinishedPulls,
     Handshake,
     Heartbeat,
     HeartbeatResponse,
@@ -56,8 +57,9 @@ from kvxferd.wire import (
 
 log = logging.getLogger(__name__)
 
-_NOTIF_FAST_S = 0.001  # poll interval while holds are claimed (a read may finish any moment)
-_NOTIF_SLOW_S = 0.05  # poll interval otherwise
+_NOTIF_FAST_S = 0.001  # shortest poll interval, right after a claim or a notification
+_NOTIF_SLOW_S = 0.05  # longest poll interval (and the interval with no hold claimed)
+_NOTIF_LATENCY_SHARE = 20  # poll every elapsed/20: a READ's notification is late by <= ~5%
 _REAP_MAX_SLEEP_S = 1.0
 
 
@@ -206,6 +208,15 @@ class Sidecar:
         """A pull's status, waiting up to ``wait_s`` for it to finish."""
         return await self.pulls.status(pull_id, wait_s)
 
+    async def run_pull(self, req: PullRequest) -> PullStatus:
+        """Run a pull to its end and answer its final status."""
+        self._require_engine()
+        return await self.pulls.run(req)
+
+    def finished_pulls(self, cursor: int, limit: int) -> FinishedPulls:
+        """The finished-pulls feed from ``cursor`` (one page of at most ``limit``)."""
+        return self.pulls.finished_since(cursor, limit)
+
     async def keepalive(self, req: KeepaliveRequest) -> HeartbeatResponse:
         """Heartbeat the holds behind a decode engine's queued tickets at their prefill sides."""
         self._require_engine()
@@ -310,12 +321,21 @@ class Sidecar:
             await asyncio.sleep(min(delay, _REAP_MAX_SLEEP_S) + 0.001)
 
     async def _notif_poller(self) -> None:
-        """Turn readers' NIXL notifications into hold releases."""
+        """Turn readers' NIXL notifications into hold releases.
+
+        Each poll also progresses our UCX worker, which a reader's READ needs to complete when
+        the progress thread is off. After a claim (or a notification) the poller is fast, then
+        backs off in proportion to the time since: polling every ``elapsed / 20`` (1 ms to
+        50 ms) delays a READ that took ``t`` by at most ~t/20, and a claimed hold whose reader
+        never reads costs 20 polls a second instead of 1,000. ``get_new_notifs`` is called on
+        the loop: it releases the GIL and costs microseconds, a thread hop costs more.
+        """
+        hot_since = time.monotonic()
         while True:
             delay = _NOTIF_SLOW_S
             if self.holds is not None:
                 try:
-                    notifs = await asyncio.to_thread(self.agent.get_notifs)
+                    notifs = self.agent.get_notifs()
                 except KvxferdError as exc:
                     log.warning("reading notifications failed: %s", exc)
                     notifs = {}
@@ -324,13 +344,26 @@ class Sidecar:
                         self.holds.notify(message.decode(errors="replace"), reader)
                 if notifs:
                     self._after_release()
+                    hot_since = time.monotonic()  # more may follow (other ranks, other pulls)
                 if self.holds.claimed:
-                    delay = _NOTIF_FAST_S
+                    elapsed = time.monotonic() - hot_since
+                    delay = min(max(elapsed / _NOTIF_LATENCY_SHARE, _NOTIF_FAST_S), _NOTIF_SLOW_S)
             live = self.agent.live_handles()
             self.metrics.nixl_handles.set(live.transfers + live.prepped)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._notif_wake.wait(), delay)
+            if await _woken(self._notif_wake, delay):
+                hot_since = time.monotonic()
             self._notif_wake.clear()
+
+
+async def _woken(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for ``event``; whether it was set."""
+    if event.is_set():
+        return True
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except TimeoutError:
+        return False
+    return True
 
 
 __all__ = ["Pull", "Sidecar"]
