@@ -136,7 +136,7 @@ class PullRunner:
     def __init__(self, sidecar: Sidecar) -> None:
         self._sidecar = sidecar
         self._pulls: OrderedDict[str, Pull] = OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._running: dict[str, asyncio.Task[None]] = {}
         self._geometries: OrderedDict[tuple[str, str, int], descriptors.ReadGeometry] = (
             OrderedDict()
         )
@@ -170,8 +170,8 @@ class PullRunner:
             self._pulls.popitem(last=False)
         self._sidecar.metrics.pulls_in_flight.inc()
         task = asyncio.create_task(self._run(pull), name=f"pull-{pull.pull_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._running[pull.pull_id] = task
+        task.add_done_callback(lambda _: self._running.pop(pull.pull_id, None))
         return pull
 
     async def status(self, pull_id: str, wait_s: float) -> PullStatus:
@@ -183,6 +183,16 @@ class PullRunner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(pull.done.wait(), wait_s)
         return pull.status()
+
+    def cancel(self, pull_id: str) -> Pull:
+        """Cancel a running pull: it ends FAILED (``cancelled``) once its READs settled."""
+        pull = self._pulls.get(pull_id)
+        if pull is None:
+            raise UnknownPullError(f"no pull {pull_id!r} on this sidecar")
+        task = self._running.get(pull_id)
+        if task is not None:
+            task.cancel()
+        return pull
 
     async def run(self, req: PullRequest) -> PullStatus:
         """Start a pull and answer its final status (one engine call per pull).
@@ -201,9 +211,9 @@ class PullRunner:
 
     async def close(self) -> None:
         """Cancel running pulls (they end FAILED once their READs settled)."""
-        for task in list(self._tasks):
+        for task in list(self._running.values()):
             task.cancel()
-        for task in list(self._tasks):
+        for task in list(self._running.values()):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.reads.close()
@@ -228,7 +238,7 @@ class PullRunner:
             sc.metrics.pulls.labels("done").inc()
         except asyncio.CancelledError:
             # The TaskGroup has waited for every rank's READs to settle before this runs.
-            self._fail(pull, "cancelled", "pull cancelled (sidecar shutting down)")
+            self._fail(pull, "cancelled", "pull cancelled (by the engine or at shutdown)")
             raise
         except BaseException as exc:  # every failure path ends FAILED with a reason
             while isinstance(exc, BaseExceptionGroup):  # the TaskGroup's; its first cause
