@@ -88,8 +88,11 @@ async def run_pull(sidecar: Sidecar, req: PullRequest) -> PullStatus:
 
 
 async def finished_pulls(sidecar: Sidecar, cursor: int, limit: int) -> FinishedPulls:
-    """Pulls finished since ``cursor`` (done, or failed with the local block ids that hold
-    invalid bytes), oldest first; one non-blocking call per engine step, paged (``more``)."""
+    """Pulls finished since ``cursor``, oldest first: one non-blocking call per engine step.
+
+    Each entry is done, or failed with the local block ids whose bytes are invalid. Paged:
+    ``more`` says another page is waiting at the returned cursor.
+    """
     return sidecar.finished_pulls(cursor, limit)
 
 
