@@ -14,12 +14,12 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
-from msgspec import structs
 
 from kvxferd import descriptors
 from kvxferd.errors import (
@@ -37,6 +37,7 @@ from kvxferd.errors import (
     UnknownPullError,
 )
 from kvxferd.sidecar.finished import FinishedFeed
+from kvxferd.sidecar.pull_request import pairs, unread_ranks, validate_pull
 from kvxferd.sidecar.reads import ABORT_S, SETTLE_S, Reads
 from kvxferd.sidecar.states import PullState, advance
 from kvxferd.wire import (
@@ -50,8 +51,12 @@ from kvxferd.wire import (
 )
 
 if TYPE_CHECKING:
-    from kvxferd.sidecar.peers import Peer
-    from kvxferd.sidecar.service import Sidecar
+    from kvxferd.metrics import Metrics
+    from kvxferd.sidecar.peers import Peer, PeerTable
+    from kvxferd.transport.base import Transport
+
+LocalLayout = Callable[[], tuple[Manifest, Sequence[int]]]
+"""The registered manifest and each region's base address (NotRegisteredError without one)."""
 
 log = logging.getLogger(__name__)
 
@@ -133,34 +138,38 @@ class Pull:
 class PullRunner:
     """Starts pulls as tasks and remembers their outcome (bounded)."""
 
-    def __init__(self, sidecar: Sidecar) -> None:
-        self._sidecar = sidecar
+    def __init__(
+        self, *, local: LocalLayout, transport: Transport, peers: PeerTable, metrics: Metrics
+    ) -> None:
+        self._local = local
+        self._transport = transport
+        self._peers = peers
+        self._metrics = metrics
         self._pulls: OrderedDict[str, Pull] = OrderedDict()
         self._running: dict[str, asyncio.Task[None]] = {}
-        self._geometries: OrderedDict[tuple[str, str, int], descriptors.ReadGeometry] = (
-            OrderedDict()
-        )
-        self.reads = Reads(sidecar.agent, on_stuck=sidecar.peers.forget)
+        self._geometries: OrderedDict[
+            tuple[str, str, int, int], tuple[Manifest, descriptors.ReadGeometry]
+        ] = OrderedDict()
+        self.reads = Reads(transport, on_stuck=peers.forget)
         self.feed = FinishedFeed()
 
-    def _geometry(self, peer: Peer) -> descriptors.ReadGeometry:
-        """Per-peer read geometry (checks and per-layer work done once per peer epoch)."""
-        key = (peer.address, peer.engine_id, peer.epoch)
-        geometry = self._geometries.get(key)
-        if geometry is None:
-            local = self._sidecar.manifest
-            assert local is not None
-            geometry = descriptors.read_geometry(local, peer.manifest)
-            self._geometries[key] = geometry
-            while len(self._geometries) > _KEEP_GEOMETRIES:
-                self._geometries.popitem(last=False)
-        else:
+    def _geometry(self, local: Manifest, peer: Peer) -> descriptors.ReadGeometry:
+        """Per-peer read geometry (checks and per-layer work done once per peer epoch and
+        local registration)."""
+        key = (peer.address, peer.engine_id, peer.epoch, id(local))
+        cached = self._geometries.get(key)
+        if cached is not None and cached[0] is local:
             self._geometries.move_to_end(key)
+            return cached[1]
+        geometry = descriptors.read_geometry(local, peer.manifest)
+        self._geometries[key] = (local, geometry)
+        while len(self._geometries) > _KEEP_GEOMETRIES:
+            self._geometries.popitem(last=False)
         return geometry
 
     def start(self, req: PullRequest) -> Pull:
         """Validate ``req`` synchronously (4xx to the engine), then run it in the background."""
-        _validate(req, self._sidecar)
+        validate_pull(req, self._local()[0])
         pull = Pull(pull_id=secrets.token_hex(8), request=req)
         self._pulls[pull.pull_id] = pull
         while len(self._pulls) > _KEEP_FINISHED:
@@ -168,7 +177,7 @@ class PullRunner:
             if not oldest.done.is_set():
                 break
             self._pulls.popitem(last=False)
-        self._sidecar.metrics.pulls_in_flight.inc()
+        self._metrics.pulls_in_flight.inc()
         task = asyncio.create_task(self._run(pull), name=f"pull-{pull.pull_id}")
         self._running[pull.pull_id] = task
         task.add_done_callback(lambda _: self._running.pop(pull.pull_id, None))
@@ -219,23 +228,24 @@ class PullRunner:
         await self.reads.close()
 
     async def _run(self, pull: Pull) -> None:
-        sc = self._sidecar
+        m = self._metrics
         req = pull.request
         deadline = time.monotonic() + req.deadline_s
         try:
             async with asyncio.timeout(req.deadline_s):
-                local = sc.manifest
-                assert local is not None
+                local, bases = self._local()  # one registration for the whole pull
                 ranks = descriptors.source_ranks(local, len(req.tickets))
                 # A TaskGroup, not gather: one failed read cancels its siblings, so no READ is
                 # still running (and no handle still live) once the pull reports FAILED.
                 async with asyncio.TaskGroup() as group:
                     for r in ranks:
-                        group.create_task(self._read_from(pull, req.tickets[r], deadline))
+                        group.create_task(
+                            self._read_from(pull, req.tickets[r], deadline, local, bases)
+                        )
                     for r in unread_ranks(local, len(req.tickets)):
                         group.create_task(self._release_unread(req.tickets[r]))
             pull.advance(PullState.DONE)
-            sc.metrics.pulls.labels("done").inc()
+            m.pulls.labels("done").inc()
         except asyncio.CancelledError:
             # The TaskGroup has waited for every rank's READs to settle before this runs.
             self._fail(pull, "cancelled", "pull cancelled (by the engine or at shutdown)")
@@ -251,37 +261,36 @@ class PullRunner:
                 log.exception("pull %s failed unexpectedly", pull.pull_id)
         finally:
             pull.duration_s = time.monotonic() - pull.started
-            sc.metrics.phase_duration.labels("total").observe(pull.duration_s)
-            sc.metrics.pulls_in_flight.dec()
+            m.phase_duration.labels("total").observe(pull.duration_s)
+            m.pulls_in_flight.dec()
             self.feed.add(pull.finished())
             pull.done.set()
 
     def _fail(self, pull: Pull, reason: str, detail: str) -> None:
         pull.fail(reason, detail)
-        self._sidecar.metrics.pulls.labels("failed").inc()
-        self._sidecar.metrics.pull_failures.labels(reason).inc()
+        self._metrics.pulls.labels("failed").inc()
+        self._metrics.pull_failures.labels(reason).inc()
 
-    async def _read_from(self, pull: Pull, ticket: Ticket, deadline: float) -> None:
+    async def _read_from(
+        self, pull: Pull, ticket: Ticket, deadline: float, local: Manifest, bases: Sequence[int]
+    ) -> None:
         """Handshake with, claim at, and read from one prefill rank."""
-        sc = self._sidecar
-        local = sc.manifest
-        assert local is not None
-        m = sc.metrics
+        m = self._metrics
         pull.advance(PullState.HANDSHAKING)
         t0 = time.monotonic()
-        peer = await sc.peers.get(ticket.peer, ticket.engine_id, ticket.epoch)
+        peer = await self._peers.get(ticket.peer, ticket.engine_id, ticket.epoch)
         m.phase_duration.labels("handshake").observe(time.monotonic() - t0)
 
         pull.advance(PullState.CLAIMING)
         t0 = time.monotonic()
         request = ClaimRequest(
             ticket=ticket,
-            reader=sc.agent.name,
+            reader=self._transport.name,
             reader_tp_size=local.tp_size,
             claim_s=max(0.001, deadline - time.monotonic()),
         )
         try:
-            claim = await sc.peers.claim(ticket.peer, request)
+            claim = await self._peers.claim(ticket.peer, request)
         except HandshakeError as exc:
             if isinstance(exc.__cause__, (TimeoutError, httpx.TimeoutException)):
                 raise ClaimTimeoutError(f"claim at {ticket.peer} timed out: {exc}") from exc
@@ -291,15 +300,15 @@ class PullRunner:
         # The claim's end, on our monotonic clock: the READ must be over by then.
         claim_end = time.monotonic() + (claim.expires_at - time.time())
 
-        local_ids, remote_ids = _pairs(pull.request.block_ids, ticket.block_ids)
-        plan = self._geometry(peer).plan(local_ids, remote_ids)
+        local_ids, remote_ids = pairs(pull.request.block_ids, ticket.block_ids)
+        plan = self._geometry(local, peer).plan(local_ids, remote_ids)
         pull.advance(PullState.TRANSFERRING)
         notif = ticket.hold_id.encode()
         if plan.num_descriptors == 0:
             # Nothing to read from this rank (all blocks skipped): still release its hold.
-            sc.agent.send_notif(peer.agent_name, notif)
+            self._transport.send_notif(peer.agent_name, notif)
             return
-        await self._transfer(pull, peer, plan, notif, deadline, claim_end)
+        await self._transfer(pull, peer, plan, notif, deadline, claim_end, bases)
 
     async def _release_unread(self, ticket: Ticket) -> None:
         """Notify a prefill rank that no decode rank reads, releasing its hold before expiry.
@@ -307,10 +316,9 @@ class PullRunner:
         Its units are all replicas read from other ranks, so this pull's bytes do not depend on
         it: a failure is logged (the hold then expires), never fatal.
         """
-        sc = self._sidecar
         try:
-            peer = await sc.peers.get(ticket.peer, ticket.engine_id, ticket.epoch)
-            sc.agent.send_notif(peer.agent_name, ticket.hold_id.encode())
+            peer = await self._peers.get(ticket.peer, ticket.engine_id, ticket.epoch)
+            self._transport.send_notif(peer.agent_name, ticket.hold_id.encode())
         except KvxferdError as exc:
             log.warning(
                 "could not release unread hold %s at %s (it will expire): %s",
@@ -327,9 +335,9 @@ class PullRunner:
         notif: bytes,
         deadline: float,
         claim_end: float,
+        local_bases: Sequence[int],
     ) -> None:
-        sc = self._sidecar
-        bases = np.asarray(sc.region_bases, dtype=np.int64)
+        bases = np.asarray(local_bases, dtype=np.int64)
         rbases = np.asarray(peer.region_bases, dtype=np.int64)
         local_addr = bases[plan.local_region] + plan.local_offset
         remote_addr = rbases[plan.remote_region] + plan.remote_offset
@@ -346,7 +354,7 @@ class PullRunner:
                 deadline=min(deadline, claim_end),
             )
         except PeerDisconnectedError:
-            await sc.peers.forget(peer.address)
+            await self._peers.forget(peer.address)
             raise
         except TransferTimeoutError as exc:
             if claim_end < deadline:
@@ -357,7 +365,7 @@ class PullRunner:
         telemetry = transfer.telemetry() or {}
         wire_s = float(telemetry.get("wall_s", time.monotonic() - t0))
         posted = time.monotonic() - wire_s
-        m = sc.metrics
+        m = self._metrics
         total = int(plan.kv_bytes + plan.state_bytes)
         m.phase_duration.labels("post").observe(posted - t0)
         m.phase_duration.labels("wire").observe(wire_s)
@@ -370,70 +378,3 @@ class PullRunner:
         pull.kv_bytes += int(plan.kv_bytes)
         pull.state_bytes += int(plan.state_bytes)
         pull.descriptors += int(plan.num_descriptors)
-
-
-def unread_ranks(local: Manifest, remote_tp: int) -> list[int]:
-    """Prefill ranks no decode rank reads from (every unit they hold is read from a replica).
-
-    Non-empty only when units are replicated on the prefill side (TP > KV heads). Decode rank 0
-    alone answers for them, so each gets exactly one notification; the other ranks return [].
-    """
-    if local.tp_rank != 0:
-        return []
-    read: set[int] = set()
-    for rank in range(local.tp_size):
-        # source_ranks only looks at units_total and tp, so this rank's parts stand in for all.
-        read.update(descriptors.source_ranks(structs.replace(local, tp_rank=rank), remote_tp))
-    return [r for r in range(remote_tp) if r not in read]
-
-
-def _pairs(
-    local: list[list[int]], remote: list[list[int]]
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per group, the (local, remote) ids to move: pairs whose local id is -1 are skipped."""
-    out_l, out_r = [], []
-    for lo, re in zip(local, remote, strict=True):
-        lo_a = np.asarray(lo, dtype=np.int64)
-        re_a = np.asarray(re, dtype=np.int64)
-        keep = lo_a >= 0
-        out_l.append(lo_a[keep])
-        out_r.append(re_a[keep])
-    return out_l, out_r
-
-
-def _validate(req: PullRequest, sidecar: Sidecar) -> None:
-    """Shape checks an engine gets back as a 422 naming the field."""
-    local = sidecar.manifest
-    assert local is not None
-    if not req.tickets:
-        raise BlockIdError("tickets", "at least one ticket is needed")
-    tp = req.tickets[0].tp_size
-    for i, t in enumerate(req.tickets):
-        if t.tp_size != tp or t.tp_rank != i:
-            raise BlockIdError(
-                f"tickets[{i}]", f"expected rank {i} of {tp}, got rank {t.tp_rank} of {t.tp_size}"
-            )
-        if t.block_ids != req.tickets[0].block_ids:
-            raise BlockIdError(f"tickets[{i}].block_ids", "differs from tickets[0].block_ids")
-    if len(req.tickets) != tp:
-        raise BlockIdError("tickets", f"{len(req.tickets)} tickets for prefill TP {tp}")
-    remote = req.tickets[0].block_ids
-    if len(req.block_ids) != len(local.groups):
-        raise BlockIdError(
-            "block_ids", f"{len(req.block_ids)} groups given, the manifest has {len(local.groups)}"
-        )
-    if len(remote) != len(local.groups):
-        raise BlockIdError(
-            "tickets[0].block_ids",
-            f"{len(remote)} groups in the ticket, the manifest has {len(local.groups)}",
-        )
-    for g, (lo, re) in enumerate(zip(req.block_ids, remote, strict=True)):
-        if len(lo) != len(re):
-            raise BlockIdError(f"block_ids[{g}]", f"{len(lo)} local ids for {len(re)} ticket ids")
-        for k, b in enumerate(lo):
-            if b < -1 or b >= local.num_blocks:
-                raise BlockIdError(
-                    f"block_ids[{g}][{k}]", f"{b} is outside 0..{local.num_blocks - 1} (or -1)"
-                )
-    if req.deadline_s <= 0:
-        raise BlockIdError("deadline_s", "must be > 0")

@@ -31,7 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvxferd.errors import KvxferdError, TransferTimeoutError
-from kvxferd.transport import Agent, Transfer, TransferState
+from kvxferd.transport import TransferState
+from kvxferd.transport.base import PostedRead, Transport
 from kvxferd.transport.completion import CompletionPoller
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ async def run_to_end(work: Awaitable[T]) -> T:
     return fut.result()
 
 
-def _posted(posting: asyncio.Future[Transfer]) -> bool:
+def _posted(posting: asyncio.Future[PostedRead]) -> bool:
     """Whether the post ended with a transfer (which must then be settled)."""
     return posting.done() and not posting.cancelled() and posting.exception() is None
 
@@ -82,7 +83,7 @@ class Reads:
 
     def __init__(
         self,
-        agent: Agent,
+        agent: Transport,
         *,
         on_stuck: Callable[[str], Awaitable[None]],
         per_peer: int = PER_PEER,
@@ -111,10 +112,10 @@ class Reads:
             if entry[1][0] == 0:
                 del self._slots[address]
 
-    def _post(self, args: tuple[Any, ...], nbytes: int, descs: int) -> asyncio.Future[Transfer]:
+    def _post(self, args: tuple[Any, ...], nbytes: int, descs: int) -> asyncio.Future[PostedRead]:
         loop = asyncio.get_running_loop()
         if nbytes <= INLINE_BYTES and descs <= INLINE_DESCS:
-            fut: asyncio.Future[Transfer] = loop.create_future()
+            fut: asyncio.Future[PostedRead] = loop.create_future()
             try:
                 fut.set_result(self._agent.read(*args))
             except BaseException as exc:  # noqa: BLE001 - delivered through the future
@@ -135,13 +136,13 @@ class Reads:
         nbytes: int,
         descs: int,
         deadline: float,
-    ) -> Transfer:
+    ) -> PostedRead:
         """Post a READ from agent ``remote`` (at ``address``) and wait for it until ``deadline``
         (``time.monotonic()``). Returns the DONE transfer, released; raises otherwise, but
         only once the READ can no longer write (see the module docstring)."""
         async with self._slot(address):
             posting = self._post((remote, local_descs, remote_descs, notif), nbytes, descs)
-            transfer: Transfer | None = None
+            transfer: PostedRead | None = None
             try:
                 transfer = await run_to_end(posting)
                 await self.poller.wait(transfer, deadline)
@@ -152,7 +153,7 @@ class Reads:
                 if transfer is not None:
                     await run_to_end(self._settle(transfer, address))
 
-    async def _settle(self, transfer: Transfer, address: str) -> None:
+    async def _settle(self, transfer: PostedRead, address: str) -> None:
         """Bring ``transfer`` to a terminal state (bounded), then release its handle."""
         if transfer.state is TransferState.POSTED:
             try:

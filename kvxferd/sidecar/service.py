@@ -1,6 +1,7 @@
 """The sidecar of one engine rank: registration, holds (prefill side), pulls (decode side).
 
-Runs on one asyncio loop. Blocking NIXL calls go to worker threads; hold bookkeeping stays on the
+Runs on one asyncio loop. Slow NIXL calls (registration, metadata, large posts) go to worker
+threads, completion and notifications are polled on the loop; hold bookkeeping stays on the
 loop (HoldTable is not thread-safe by design). Two background tasks: the reaper, which expires
 leases in deadline order, and the notification poller, which releases holds once every expected
 reader has notified.
@@ -90,7 +91,9 @@ class Sidecar:
             token=config.peer_token,
             timeout_s=config.handshake_timeout_s,
         )
-        self.pulls = PullRunner(self)
+        self.pulls = PullRunner(
+            local=self._local_layout, transport=self.agent, peers=self.peers, metrics=self.metrics
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._secret = config.peer_token.encode()
         self._released_reported: dict[str, int] = {}  # release counts already in metrics
@@ -280,6 +283,11 @@ class Sidecar:
     def region_bases(self) -> list[int]:
         """Base address of each registered region in this process."""
         return self._bases
+
+    def _local_layout(self) -> tuple[Manifest, list[int]]:
+        """The registered manifest and region bases (what a pull reads into)."""
+        _, manifest = self._require_engine()
+        return manifest, self._bases
 
     def _local_handshake(self) -> Handshake:
         _, manifest = self._require_engine()

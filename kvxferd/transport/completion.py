@@ -13,7 +13,8 @@ import contextlib
 import time
 
 from kvxferd.errors import TransferTimeoutError
-from kvxferd.transport.transfer import Transfer, TransferState
+from kvxferd.transport.base import PostedRead
+from kvxferd.transport.transfer import TransferState
 
 SPIN_ROUNDS = 16
 """Rounds after a new transfer that only yield to the loop (a small READ is done in µs)."""
@@ -27,7 +28,7 @@ class CompletionPoller:
     """Waits for transfers on the running loop; one polling task while anything is awaited."""
 
     def __init__(self) -> None:
-        self._waiting: dict[Transfer, list[asyncio.Future[TransferState]]] = {}
+        self._waiting: dict[PostedRead, list[asyncio.Future[TransferState]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._fresh = False  # a transfer was added since the last round: restart the backoff
 
@@ -36,7 +37,7 @@ class CompletionPoller:
         """Transfers awaited right now."""
         return len(self._waiting)
 
-    async def wait(self, transfer: Transfer, deadline: float) -> TransferState:
+    async def wait(self, transfer: PostedRead, deadline: float) -> TransferState:
         """Until ``transfer`` is DONE (returned), FAILED (its error raised) or ``deadline``
         (``time.monotonic()``) passed: TransferTimeoutError, the transfer stays POSTED."""
         state = transfer.poll()
@@ -62,7 +63,7 @@ class CompletionPoller:
             raise transfer.error
         return state
 
-    def _drop(self, transfer: Transfer, fut: asyncio.Future[TransferState]) -> None:
+    def _drop(self, transfer: PostedRead, fut: asyncio.Future[TransferState]) -> None:
         futs = self._waiting.get(transfer)
         if futs is not None:
             with contextlib.suppress(ValueError):

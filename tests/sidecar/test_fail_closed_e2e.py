@@ -202,3 +202,43 @@ def test_sigstopped_prefill_mid_transfer_fails_without_leaking_a_handle(cluster)
         _quiet_then_unchanged(c, ticket, snapshot)
         return
     pytest.skip("every READ completed before SIGSTOP landed")
+
+
+def test_a_reads_wait_ends_with_its_claim_not_with_a_longer_deadline(tmp_path):
+    """A prefill that caps claims at 1 s, frozen mid-READ: the pull (deadline 60 s) fails as
+    ``hold_expired`` -- its wait was bounded by the claim -- and leaves no handle."""
+    short = {**QUIET, "KVXFERD_MAX_LEASE_S": "1", "KVXFERD_DEFAULT_LEASE_S": "1"}
+    p, d = start_sidecars(str(tmp_path), ["short-prefill", "short-decode"], env=short)
+    pm, dm = plan(MODEL, num_blocks=BLOCKS + 1), plan(MODEL, num_blocks=BLOCKS + 1)
+    ppool, dpool = EnginePool(pm), EnginePool(dm)
+    ids = split_ids(np.arange(1, BLOCKS + 1), [BLOCKS // len(pm.groups)] * len(pm.groups))
+    try:
+        with p.client() as pc, d.client() as dc:
+            pc.register(pm, ppool.specs())
+            dc.register(dm, dpool.specs())
+            for attempt in range(5):  # the READ may complete before the stop lands
+                ticket = pc.hold(HoldRequest(request_id=f"short-{attempt}", block_ids=ids,
+                                             num_tokens=100))  # fmt: skip
+                pull_id = dc.pull(PullRequest(tickets=[ticket], block_ids=ids,
+                                              deadline_s=60)).pull_id  # fmt: skip
+                wait_until(lambda p=pull_id: dc.pull_status(p).state in _UNDER_WAY, 30,
+                           "pull transferring")  # fmt: skip
+                os.kill(p.child.pid, signal.SIGSTOP)
+                try:
+                    status = dc.wait_pull(pull_id, timeout_s=60)
+                    wait_no_handles(d)
+                finally:
+                    os.kill(p.child.pid, signal.SIGCONT)
+                if status.state == "failed":
+                    break
+                assert status.state == "done", status
+            else:
+                pytest.skip("every READ completed before SIGSTOP landed")
+            assert (status.state, status.reason) == ("failed", "hold_expired"), status
+            assert "claim" in status.detail
+            wait_no_handles(p, d)
+    finally:
+        codes = [p.stop(), d.stop()]
+        ppool.close()
+        dpool.close()
+    assert codes == [0, 0]
