@@ -8,6 +8,8 @@ byte of every layer of every pulled block, plus that nothing else on the decode 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -113,6 +115,31 @@ def test_one_call_runs_a_pull_and_the_finished_feed_reports_every_outcome(pair):
             first = dc.finished_pulls(0, limit=1)
             assert ([f.request_id for f in first.pulls], first.more) == (["e-1"], True)
             assert dc.finished_pulls(feed.cursor).pulls == []
+    finally:
+        ppool.close()
+        dpool.close()
+
+
+def test_a_claim_that_gets_no_answer_fails_as_claim_timeout_not_handshake(pair):
+    p, d = pair
+    pm, dm = plan("llama-3.1-8b", num_blocks=5), plan("llama-3.1-8b", num_blocks=5)
+    ppool, dpool = EnginePool(pm), EnginePool(dm)
+    ids = [[1, 2, 3, 4]]
+    try:
+        with p.client() as pc, d.client() as dc:
+            pc.register(pm, ppool.specs())
+            dc.register(dm, dpool.specs())
+            first = pc.hold(HoldRequest(request_id="r-1", block_ids=ids, num_tokens=60))
+            assert dc.run_pull(PullRequest(tickets=[first], block_ids=ids)).state == "done"
+            second = pc.hold(HoldRequest(request_id="r-2", block_ids=ids, num_tokens=60))
+            before = dpool.snapshot()
+            os.kill(p.child.pid, signal.SIGSTOP)  # handshake cached: the claim is what hangs
+            try:
+                status = dc.run_pull(PullRequest(tickets=[second], block_ids=ids, deadline_s=60))
+            finally:
+                os.kill(p.child.pid, signal.SIGCONT)
+            assert (status.state, status.reason) == ("failed", "claim_timeout"), status
+            assert all(np.array_equal(b, a) for b, a in zip(before, dpool.views, strict=True))
     finally:
         ppool.close()
         dpool.close()
