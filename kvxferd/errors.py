@@ -14,6 +14,7 @@ httpx, msgspec) are translated at the module that talks to them, ``raise ... fro
     │   ├── PeerDisconnectedError   the remote agent went away mid-transfer
     │   ├── TransferFailedError     a posted transfer ended in error
     │   ├── TransferTimeoutError    a transfer did not finish before its deadline
+    │   ├── UnsettledReadError      a READ could not be confirmed stopped (pull reason unsettled)
     │   ├── TransportLookupError    NIXL found no such remote agent, registration or prepped list
     │   └── DescriptorError         descriptor lists or indices rejected (shape, length, range)
     ├── HandshakeError              a peer could not be reached or answered nonsense
@@ -91,6 +92,10 @@ class TransferFailedError(TransportError):
 
 class TransferTimeoutError(TransportError):
     """A transfer did not complete before its deadline."""
+
+
+class UnsettledReadError(TransportError):
+    """A READ stayed in flight past its settle bound: its destination may still change."""
 
 
 class TransportLookupError(TransportError):

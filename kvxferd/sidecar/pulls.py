@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -35,10 +36,11 @@ from kvxferd.errors import (
     TransferTimeoutError,
     UnknownHoldError,
     UnknownPullError,
+    UnsettledReadError,
 )
 from kvxferd.sidecar.finished import FinishedFeed
 from kvxferd.sidecar.pull_request import pairs, unread_ranks, validate_pull
-from kvxferd.sidecar.reads import ABORT_S, SETTLE_S, Reads
+from kvxferd.sidecar.reads import SETTLE_S, Reads
 from kvxferd.sidecar.states import PullState, advance
 from kvxferd.wire import (
     ClaimRequest,
@@ -65,6 +67,7 @@ _KEEP_GEOMETRIES = 256  # per-peer read geometries cached (keyed by peer epoch)
 
 # Exception type -> failure reason code (checked in order; subclasses first).
 _REASONS: list[tuple[type[BaseException], str]] = [
+    (UnsettledReadError, "unsettled"),
     (HoldExpiredError, "hold_expired"),
     (UnknownHoldError, "unknown_hold"),
     (AuthError, "auth"),
@@ -94,6 +97,7 @@ class Pull:
     state_bytes: int = 0
     descriptors: int = 0
     duration_s: float = 0.0
+    unsettled: str = ""  # why a READ could not be confirmed stopped: this reason wins
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def advance(self, new: PullState) -> None:
@@ -209,7 +213,7 @@ class PullRunner:
         Bounded: a pull ends by its deadline plus the time its READs take to settle.
         """
         pull = self.start(req)
-        bound = req.deadline_s + SETTLE_S + ABORT_S + 5.0
+        bound = req.deadline_s + SETTLE_S + 5.0
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(pull.done.wait()), bound)
         return pull.status()
@@ -256,7 +260,7 @@ class PullRunner:
             reason = next((r for t, r in _REASONS if isinstance(exc, t)), "internal")
             self._fail(pull, reason, str(exc) or type(exc).__name__)
             if reason != "internal":
-                log.warning("pull %s failed: %s: %s", pull.pull_id, reason, exc)
+                log.warning("pull %s failed: %s: %s", pull.pull_id, pull.reason, pull.detail)
             else:
                 log.exception("pull %s failed unexpectedly", pull.pull_id)
         finally:
@@ -267,6 +271,8 @@ class PullRunner:
             pull.done.set()
 
     def _fail(self, pull: Pull, reason: str, detail: str) -> None:
+        if pull.unsettled:
+            reason, detail = "unsettled", pull.unsettled
         pull.fail(reason, detail)
         self._metrics.pulls.labels("failed").inc()
         self._metrics.pull_failures.labels(reason).inc()
@@ -352,6 +358,7 @@ class PullRunner:
                 nbytes=int(plan.kv_bytes + plan.state_bytes),
                 descs=int(plan.num_descriptors),
                 deadline=min(deadline, claim_end),
+                on_unsettled=functools.partial(_unsettled, pull, claim_end < deadline),
             )
         except PeerDisconnectedError:
             await self._peers.forget(peer.address)
@@ -378,3 +385,8 @@ class PullRunner:
         pull.kv_bytes += int(plan.kv_bytes)
         pull.state_bytes += int(plan.state_bytes)
         pull.descriptors += int(plan.num_descriptors)
+
+
+def _unsettled(pull: Pull, claim_first: bool, why: str) -> None:
+    """Record on ``pull`` that one of its READs could not be confirmed stopped."""
+    pull.unsettled = why + (" (its wait ended with its claim)" if claim_first else "")

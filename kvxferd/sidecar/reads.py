@@ -4,15 +4,20 @@ A posted READ is never abandoned. Cancelling the caller (a pull's deadline, shut
 READ is being posted or is in flight does not end ``read`` early: the post finishes, the
 transfer is driven to a terminal state, and only then is its handle released and the
 cancellation passed on. Why not just release it: NIXL 1.5.1 releases an in-flight handle by
-``ucp_request_cancel`` + free, which UCX does not honour for RMA gets (the operation keeps going
-and still lands its bytes), so a release is no proof that nothing will be written.
+``ucp_request_cancel`` + free, which UCX does not honour for RMA gets; removing the remote agent
+does not stop them either (both measured over UCX TCP: the bytes land once the peer
+progresses, tests/transport/test_release_in_flight.py). Neither is proof that nothing will be
+written.
 
-The bound: a READ gets ``SETTLE_S`` past its own deadline to reach DONE or FAILED. One that
-does not (its peer is stopped: the READ carries a notification that only completes when the
-target progresses) has its peer forgotten, which removes the NIXL remote agent and closes the
-UCX endpoint, then ``ABORT_S`` more; only then is the handle released. On the loopback/CMA
-path the bytes are copied inside the post itself (process_vm_readv), so what is left in flight
-after the post is the completion notification, not data.
+The bound: a READ gets ``SETTLE_S`` past the end of its wait to reach DONE or FAILED on its
+own. One that does not (its peer is frozen and the READ needs the peer to progress) cannot be
+confirmed stopped: ``read`` raises UnsettledReadError (pull reason ``unsettled``: the
+destination blocks may still change and must not be reused while the sidecar reports live
+NIXL handles), and the transfer is quarantined -- kept, polled slowly until it ends on its own
+(the peer resumes, or UCX declares it dead), then released. After ``QUARANTINE_S`` it is given
+up: the peer is forgotten and the handle released, logged as an error. On the loopback/CMA path
+the bytes are copied inside the post itself (process_vm_readv), so what can stay in flight
+there is the completion notification, not data; over RDMA the NIC serves a frozen process.
 
 Small READs are posted inline on the loop (microseconds); large ones on a small dedicated
 executor (never asyncio's default pool). Completion is awaited on the loop (CompletionPoller),
@@ -30,7 +35,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvxferd.errors import KvxferdError, TransferTimeoutError
+from kvxferd.errors import KvxferdError, TransferTimeoutError, UnsettledReadError
 from kvxferd.transport import TransferState
 from kvxferd.transport.base import PostedRead, Transport
 from kvxferd.transport.completion import CompletionPoller
@@ -39,9 +44,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SETTLE_S = 2.0
-"""Seconds a READ may take past its deadline to reach DONE/FAILED before its peer is cut off."""
-ABORT_S = 1.0
-"""Seconds after cutting the peer off before the handle is released regardless."""
+"""Seconds a READ may take past the end of its wait to reach DONE/FAILED (else: unsettled)."""
+QUARANTINE_S = 300.0
+"""Seconds an unsettled READ is kept and polled before it is given up (peer forgotten)."""
+QUARANTINE_POLL_S = 0.1
+"""Poll interval of quarantined READs."""
 INLINE_BYTES = 4 << 20
 """Posts of at most this many bytes (and INLINE_DESCS descriptors) run on the loop."""
 INLINE_DESCS = 1024
@@ -78,6 +85,13 @@ def _posted(posting: asyncio.Future[PostedRead]) -> bool:
     return posting.done() and not posting.cancelled() and posting.exception() is None
 
 
+def _release(transfer: PostedRead) -> None:
+    try:
+        transfer.release()
+    except KvxferdError as exc:
+        log.warning("could not release %r: %s", transfer, exc)
+
+
 class Reads:
     """Posts, awaits and settles the READs of all pulls of one sidecar."""
 
@@ -94,8 +108,9 @@ class Reads:
         self.poller = CompletionPoller()
         self._executor: ThreadPoolExecutor | None = None
         self._slots: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
-        self.stuck = 0
-        """READs that did not settle within SETTLE_S and had their peer cut off."""
+        self._quarantine: set[asyncio.Task[None]] = set()
+        self.unsettled = 0
+        """READs that did not settle within SETTLE_S (quarantined)."""
 
     @contextlib.asynccontextmanager
     async def _slot(self, address: str) -> AsyncIterator[None]:
@@ -136,10 +151,13 @@ class Reads:
         nbytes: int,
         descs: int,
         deadline: float,
+        on_unsettled: Callable[[str], None] | None = None,
     ) -> PostedRead:
         """Post a READ from agent ``remote`` (at ``address``) and wait for it until ``deadline``
         (``time.monotonic()``). Returns the DONE transfer, released; raises otherwise, but
-        only once the READ can no longer write (see the module docstring)."""
+        only once the READ can no longer write (see the module docstring). A READ that stays
+        in flight is quarantined and reported to ``on_unsettled`` (even when the caller was
+        cancelled meanwhile), then UnsettledReadError is raised."""
         async with self._slot(address):
             posting = self._post((remote, local_descs, remote_descs, notif), nbytes, descs)
             transfer: PostedRead | None = None
@@ -151,31 +169,58 @@ class Reads:
                 if transfer is None and _posted(posting):
                     transfer = posting.result()
                 if transfer is not None:
-                    await run_to_end(self._settle(transfer, address))
+                    why = await run_to_end(self._settle(transfer, address, on_unsettled))
+                    if why:
+                        raise UnsettledReadError(why)
 
-    async def _settle(self, transfer: PostedRead, address: str) -> None:
-        """Bring ``transfer`` to a terminal state (bounded), then release its handle."""
+    async def _settle(
+        self, transfer: PostedRead, address: str, on_unsettled: Callable[[str], None] | None
+    ) -> str:
+        """Bring ``transfer`` to a terminal state (bounded) and release it; if it stayed in
+        flight, quarantine it instead and return why (reported to ``on_unsettled`` too)."""
         if transfer.state is TransferState.POSTED:
             try:
                 await self.poller.wait(transfer, time.monotonic() + SETTLE_S)
             except TransferTimeoutError:
-                self.stuck += 1
-                log.warning("%r still in flight %.1f s past its deadline: cutting %s off",
-                            transfer, SETTLE_S, address)  # fmt: skip
-                try:
-                    await self._on_stuck(address)
-                    await self.poller.wait(transfer, time.monotonic() + ABORT_S)
-                except KvxferdError as exc:
-                    log.info("%r after cutting %s off: %s", transfer, address, exc)
+                why = (f"{transfer!r} still in flight {SETTLE_S:g} s after its wait ended: "
+                       "its destination blocks may still change")  # fmt: skip
+                self._quarantined(transfer, address)
+                if on_unsettled is not None:
+                    on_unsettled(why)
+                return why
             except KvxferdError:
-                pass  # FAILED is terminal: nothing more lands
+                pass  # the transport failed it: terminal
+        _release(transfer)
+        return ""
+
+    def _quarantined(self, transfer: PostedRead, address: str) -> None:
+        self.unsettled += 1
+        log.warning("%r unsettled: quarantined until it ends (at most %g s)", transfer,
+                    QUARANTINE_S)  # fmt: skip
+        task = asyncio.get_running_loop().create_task(self._keep(transfer, address))
+        self._quarantine.add(task)
+        task.add_done_callback(self._quarantine.discard)
+
+    async def _keep(self, transfer: PostedRead, address: str) -> None:
+        """Poll a quarantined READ slowly until it ends; give it up after QUARANTINE_S."""
+        end = time.monotonic() + QUARANTINE_S
         try:
-            transfer.release()
-        except KvxferdError as exc:
-            log.warning("could not release %r: %s", transfer, exc)
+            while transfer.poll() is TransferState.POSTED:
+                if time.monotonic() > end:
+                    log.error("%r never ended: giving up %s (its bytes may still land)",
+                              transfer, address)  # fmt: skip
+                    await self._on_stuck(address)
+                    break
+                await asyncio.sleep(QUARANTINE_POLL_S)
+        finally:
+            _release(transfer)
 
     async def close(self) -> None:
-        """Stop polling and the post threads (pulls were cancelled and settled before)."""
+        """Stop polling, quarantine and the post threads (pulls were cancelled before)."""
+        for task in list(self._quarantine):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.poller.close()
         if self._executor is not None:
             self._executor.shutdown(wait=True)

@@ -27,6 +27,7 @@ from tests.sidecar.harness import (
     TOKEN,
     EnginePool,
     ReleasedFeed,
+    metric,
     plan,
     split_ids,
     start_sidecars,
@@ -177,6 +178,9 @@ def test_cancelling_the_pull_task_at_any_point_never_writes_after_failed(
 
 
 def test_sigstopped_prefill_mid_transfer_fails_without_leaking_a_handle(cluster):
+    """Frozen mid-READ: the READ cannot complete (its notification needs the prefill), so the
+    pull ends ``unsettled`` by its deadline plus the settle bound; the handle stays counted while
+    the READ might still write, and is released once the prefill resumes (no leak)."""
     c = cluster
     pid = c.p.child.pid
     for attempt in range(5):  # the READ may complete before the stop lands: try again
@@ -191,15 +195,16 @@ def test_sigstopped_prefill_mid_transfer_fails_without_leaking_a_handle(cluster)
             try:
                 status = dc.wait_pull(pull_id, timeout_s=60)
                 snapshot = c.dpool.snapshot()
-                # While the prefill is still frozen: the decode side holds no handle.
-                wait_no_handles(c.d)
+                frozen_handles = metric(c.d.peer, "kvxferd_nixl_handles")
             finally:
                 os.kill(pid, signal.SIGCONT)
         if status.state == "done":
             c.feed.wait_for(ticket.hold_id)
             continue
-        assert status.reason in ("deadline", "hold_expired"), status
-        _quiet_then_unchanged(c, ticket, snapshot)
+        assert status.reason in ("deadline", "unsettled"), status
+        if status.reason == "unsettled":
+            assert frozen_handles >= 1  # kept (quarantined) while it might still write
+        _quiet_then_unchanged(c, ticket, snapshot)  # resumed: released, nothing written since
         return
     pytest.skip("every READ completed before SIGSTOP landed")
 
@@ -226,7 +231,6 @@ def test_a_reads_wait_ends_with_its_claim_not_with_a_longer_deadline(tmp_path):
                 os.kill(p.child.pid, signal.SIGSTOP)
                 try:
                     status = dc.wait_pull(pull_id, timeout_s=60)
-                    wait_no_handles(d)
                 finally:
                     os.kill(p.child.pid, signal.SIGCONT)
                 if status.state == "failed":
@@ -234,8 +238,8 @@ def test_a_reads_wait_ends_with_its_claim_not_with_a_longer_deadline(tmp_path):
                 assert status.state == "done", status
             else:
                 pytest.skip("every READ completed before SIGSTOP landed")
-            assert (status.state, status.reason) == ("failed", "hold_expired"), status
-            assert "claim" in status.detail
+            assert status.reason in ("hold_expired", "unsettled"), status
+            assert "claim" in status.detail  # the wait ended with the claim, not the deadline
             wait_no_handles(p, d)
     finally:
         codes = [p.stop(), d.stop()]

