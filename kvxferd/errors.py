@@ -97,6 +97,8 @@ class TransferTimeoutError(TransportError):
 class UnsettledReadError(TransportError):
     """A READ stayed in flight past its settle bound: its destination may still change."""
 
+    code = "unsettled"  # read by the class-attribute reason table once errors carry codes
+
 
 class TransportLookupError(TransportError):
     """NIXL found no such remote agent, registration covering the descriptors, or prepped list."""
@@ -125,6 +127,8 @@ def _triples(fields: dict[str, tuple[object, object]]) -> list[tuple[str, object
 
 class ClaimTimeoutError(HandshakeError):
     """A claim at a prefill sidecar got no answer in time (the pull reason ``claim_timeout``)."""
+
+    code = "claim_timeout"  # read by the class-attribute reason table once errors carry codes
 
 
 class HoldError(KvxferdError):
