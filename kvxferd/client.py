@@ -31,6 +31,7 @@ from kvxferd.wire import (
     DeclineRequest,
     DeclineResponse,
     ErrorBody,
+    FinishedPulls,
     HeartbeatResponse,
     HoldRequest,
     Identity,
@@ -58,6 +59,7 @@ _LIMITS = httpx.Limits(keepalive_expiry=HTTP_CLIENT_KEEPALIVE_S)
 POLL_SLICE_S = 30.0
 """Longest single long-poll of wait_pull (the sidecar cuts ``wait`` at 60 s anyway)."""
 _POLL_MARGIN_S = 10.0  # HTTP timeout of a long poll beyond its wait
+_RUN_MARGIN_S = 15.0  # HTTP timeout of a run pull beyond its deadline (READs settling)
 _FINAL = ("done", "failed")
 
 
@@ -142,6 +144,17 @@ def _pull_status(pull_id: str, wait_s: float) -> _Call:
     path = f"/v1/pulls/{quote(pull_id, safe='')}"
     return _Call("GET", path, PullStatus, params={"wait": wait_s},
                  timeout_s=wait_s + _POLL_MARGIN_S)  # fmt: skip
+
+
+def _run_pull(req: PullRequest) -> _Call:
+    # The sidecar answers by the pull's deadline plus the settle bound of its READs.
+    return _Call("POST", "/v1/pulls/run", PullStatus, req,
+                 timeout_s=req.deadline_s + _RUN_MARGIN_S)  # fmt: skip
+
+
+def _finished_pulls(cursor: int, limit: int) -> _Call:
+    return _Call("GET", "/v1/pulls/finished", FinishedPulls,
+                 params={"cursor": cursor, "limit": limit})  # fmt: skip
 
 
 def _keepalive(tickets: list[Ticket], extend_s: float) -> _Call:
@@ -301,6 +314,14 @@ class EngineClient:
         """The pull's status once done or failed, or its latest after ``timeout_s``."""
         return self._drive(_wait_pull(pull_id, timeout_s))
 
+    def run_pull(self, req: PullRequest) -> PullStatus:
+        """Run a pull and return its final status (one call)."""
+        return self._send(_run_pull(req))  # type: ignore[no-any-return]
+
+    def finished_pulls(self, cursor: int = 0, limit: int = 1024) -> FinishedPulls:
+        """Pulls finished since ``cursor`` (one page)."""
+        return self._send(_finished_pulls(cursor, limit))  # type: ignore[no-any-return]
+
     def keepalive(self, tickets: list[Ticket], extend_s: float) -> HeartbeatResponse:
         """Extend the prefill holds behind ``tickets`` (requests still queued here)."""
         return self._send(_keepalive(tickets, extend_s))  # type: ignore[no-any-return]
@@ -398,6 +419,14 @@ class AsyncEngineClient:
     async def wait_pull(self, pull_id: str, timeout_s: float) -> PullStatus:
         """The pull's status once done or failed, or its latest after ``timeout_s``."""
         return await self._drive(_wait_pull(pull_id, timeout_s))
+
+    async def run_pull(self, req: PullRequest) -> PullStatus:
+        """Run a pull and return its final status (one call)."""
+        return await self._send(_run_pull(req))  # type: ignore[no-any-return]
+
+    async def finished_pulls(self, cursor: int = 0, limit: int = 1024) -> FinishedPulls:
+        """Pulls finished since ``cursor`` (one page)."""
+        return await self._send(_finished_pulls(cursor, limit))  # type: ignore[no-any-return]
 
     async def keepalive(self, tickets: list[Ticket], extend_s: float) -> HeartbeatResponse:
         """Extend the prefill holds behind ``tickets`` (requests still queued here)."""

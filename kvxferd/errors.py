@@ -26,10 +26,12 @@ An empty cell (st. = status) is inherited from the parent class.
     │   ├── PeerDisconnectedError       peer_disconnected remote agent gone mid-transfer
     │   ├── TransferFailedError                           a posted transfer ended in error
     │   ├── TransferTimeoutError        deadline          a transfer missed its deadline
+    │   ├── UnsettledReadError          unsettled         a READ not confirmed stopped
     │   ├── TransportLookupError                          no such agent, registration, list
     │   └── DescriptorError                               descriptors or indices rejected
     ├── HandshakeError             502  handshake         peer unreachable or answered nonsense
-    │   └── IncompatiblePeerError  409  incompatible      manifests disagree (lists fields)
+    │   ├── IncompatiblePeerError  409  incompatible      manifests disagree (lists fields)
+    │   └── ClaimTimeoutError           claim_timeout     a claim got no answer in time
     ├── HoldError                  502                    bare: a sidecar did not hold blocks
     │   ├── UnknownHoldError       404  unknown_hold      no such hold (or already released)
     │   ├── HoldExpiredError       410  hold_expired      lease ran out; blocks may be reused
@@ -130,6 +132,12 @@ class TransferTimeoutError(TransportError):
     code = "deadline"
 
 
+class UnsettledReadError(TransportError):
+    """A READ stayed in flight past its settle bound: its destination may still change."""
+
+    code = "unsettled"
+
+
 class TransportLookupError(TransportError):
     """NIXL found no such remote agent, registration covering the descriptors, or prepped list."""
 
@@ -159,6 +167,12 @@ class IncompatiblePeerError(HandshakeError):
 
 def _triples(fields: dict[str, tuple[object, object]]) -> list[tuple[str, object, object]]:
     return [(k, remote, local) for k, (local, remote) in fields.items()]
+
+
+class ClaimTimeoutError(HandshakeError):
+    """A claim at a prefill sidecar got no answer in time (the pull reason ``claim_timeout``)."""
+
+    code = "claim_timeout"
 
 
 class HoldError(KvxferdError):

@@ -249,3 +249,21 @@ def test_an_unusable_success_answer_is_a_sidecar_error():
     with pytest.raises(SidecarError) as info:
         call.result(httpx.Response(200, content=msgspec.json.encode({"pull_id": 3})))
     assert info.value.status == 200 and info.value.body.error == "DecodeError"
+
+
+def test_a_run_pull_waits_past_the_pulls_deadline_and_the_feed_is_paged():
+    from kvxferd.client import _finished_pulls, _run_pull
+
+    call = _run_pull(_dead_peer_pull())
+    assert (call.method, call.path) == ("POST", "/v1/pulls/run")
+    assert call.request_args()["timeout"] > _dead_peer_pull().deadline_s  # answered at its end
+    feed = _finished_pulls(4, 16)
+    assert (feed.path, feed.params) == ("/v1/pulls/finished", {"cursor": 4, "limit": 16})
+
+
+def test_run_pull_answers_the_failure_of_a_pull_from_a_dead_peer(sidecar):
+    with sidecar.client() as client:
+        status = client.run_pull(_dead_peer_pull())
+        feed = client.finished_pulls(0)
+    assert (status.state, status.reason) == ("failed", "handshake")
+    assert any(f.pull_id == status.pull_id and f.failed_block_ids == [[2]] for f in feed.pulls)

@@ -15,6 +15,7 @@ from kvxferd.wire import (
     AbortHoldRequest,
     DeclineRequest,
     DeclineResponse,
+    FinishedPulls,
     HeartbeatResponse,
     HoldRequest,
     Identity,
@@ -102,6 +103,25 @@ async def pull_status(sidecar: Sidecar, pull_id: str, wait: float) -> PullStatus
     return await sidecar.pull_status(pull_id, min(wait, MAX_WAIT_S))
 
 
+async def run_pull(sidecar: Sidecar, req: PullRequest) -> PullStatus:
+    """Run a pull and answer its final status: one engine call per pull.
+
+    Checked like ``POST /v1/pulls`` (4xx naming the field); the answer comes when the pull is
+    done or failed, bounded by its deadline plus the time its READs need to settle (a FAILED
+    answer means none of its READs can still write).
+    """
+    return await sidecar.run_pull(req)
+
+
+async def finished_pulls(sidecar: Sidecar, cursor: int, limit: int) -> FinishedPulls:
+    """Pulls finished since ``cursor``, oldest first: one non-blocking call per engine step.
+
+    Each entry is done, or failed with the local block ids whose bytes are invalid. Paged:
+    ``more`` says another page is waiting at the returned cursor.
+    """
+    return sidecar.finished_pulls(cursor, limit)
+
+
 async def keepalive(sidecar: Sidecar, req: KeepaliveRequest) -> HeartbeatResponse:
     """Keep the prefill holds of requests still queued here alive (a heartbeat per prefill side).
 
@@ -173,6 +193,13 @@ LIMIT = Query(
     "Most records in one page (a page is also cut at about 1 MiB).",
 )
 
+LIMIT = Query(
+    "limit",
+    Annotated[int, msgspec.Meta(ge=1, le=4096)],
+    1024,
+    "Most entries in one page (a page is also cut at 1 MiB).",
+)
+
 OPERATIONS = [
     Operation("POST", "/v1/register", register, RegisterRequest, RegisterResponse,
               errors=(400, 409, 422, 500, 502)),
@@ -185,6 +212,10 @@ OPERATIONS = [
               errors=(400, 404, 410, 422, 500, 503), needs_engine=True),
     Operation("POST", "/v1/pulls", pull, PullRequest, PullAccepted, status=202,
               errors=(400, 401, 422, 500, 503), needs_engine=True),
+    Operation("POST", "/v1/pulls/run", run_pull, PullRequest, PullStatus,
+              errors=(400, 401, 422, 500, 503), needs_engine=True),
+    Operation("GET", "/v1/pulls/finished", finished_pulls, None, FinishedPulls,
+              query=(CURSOR, LIMIT), errors=(422, 500, 503), needs_engine=True),
     Operation("GET", "/v1/pulls/{pull_id}", pull_status, None, PullStatus, query=(WAIT,),
               errors=(404, 422, 500)),
     Operation("POST", "/v1/keepalive", keepalive, KeepaliveRequest, HeartbeatResponse,

@@ -1,37 +1,59 @@
 """Pulls on the decode side: handshake, claim, plan, one NIXL READ per prefill rank, notify.
 
 A pull moves forward through PullState and ends DONE only when every READ of every source rank
-completed; anything else ends FAILED with a reason code, never DONE (fail closed).
+completed; anything else ends FAILED with a reason code, never DONE (fail closed), and only
+once none of its READs can still write (kvxferd.sidecar.reads). A READ never outlives the
+claim it reads under: its wait ends at the earlier of the pull's deadline and the claim's end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import httpx
 import numpy as np
-from msgspec import structs
 
 from kvxferd import descriptors
 from kvxferd.errors import (
-    BlockIdError,
+    ClaimTimeoutError,
+    HandshakeError,
+    HoldExpiredError,
     KvxferdError,
     PeerDisconnectedError,
+    TransferTimeoutError,
     UnknownPullError,
     reason_code,
 )
-from kvxferd.sidecar.states import PullState
-from kvxferd.wire import ClaimRequest, Manifest, PullRequest, PullStatus, Ticket
+from kvxferd.sidecar.finished import FinishedFeed
+from kvxferd.sidecar.pull_request import unread_ranks, validate_pull
+from kvxferd.sidecar.reads import SETTLE_S, Reads
+from kvxferd.sidecar.states import PullState, advance
+from kvxferd.wire import (
+    ClaimRequest,
+    FinishedPull,
+    FinishedPulls,
+    Manifest,
+    PullRequest,
+    PullStatus,
+    Ticket,
+)
 
 if TYPE_CHECKING:
-    from kvxferd.sidecar.peers import Peer
-    from kvxferd.sidecar.service import Sidecar
+    from kvxferd.metrics import Metrics
+    from kvxferd.sidecar.peers import Peer, PeerTable
+    from kvxferd.transport.base import Transport
+
+LocalLayout = Callable[[], tuple[Manifest, Sequence[int]]]
+"""The registered manifest and each region's base address (NotRegisteredError without one)."""
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +75,33 @@ class Pull:
     state_bytes: int = 0
     descriptors: int = 0
     duration_s: float = 0.0
+    unsettled: str = ""  # why a READ could not be confirmed stopped: this reason wins
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def advance(self, new: PullState) -> None:
-        """Move forward (never back, never out of DONE/FAILED)."""
-        if self.state in (PullState.DONE, PullState.FAILED) or new < self.state:
+        """Move forward through ``states.advance``; a live state another rank of this pull
+        already passed is no move (ranks progress concurrently). Out of DONE/FAILED raises."""
+        if not self.state.terminal and not new.terminal and new <= self.state:
             return
-        self.state = new
+        self.state = advance(self.state, new)
+
+    def fail(self, reason: str, detail: str) -> None:
+        """End FAILED with a reason code (StateError if it had already ended)."""
+        self.advance(PullState.FAILED)
+        self.reason, self.detail = reason, detail
+
+    def finished(self) -> FinishedPull:
+        """The finished-feed entry of an ended pull: its local ids are invalid unless DONE."""
+        done = self.state is PullState.DONE
+        return FinishedPull(
+            pull_id=self.pull_id,
+            request_id=self.request.request_id,
+            state="done" if done else "failed",
+            reason=self.reason,
+            failed_block_ids=[]
+            if done
+            else [[b for b in g if b >= 0] for g in self.request.block_ids],  # fmt: skip
+        )
 
     def status(self) -> PullStatus:
         """The wire view."""
@@ -78,32 +120,38 @@ class Pull:
 class PullRunner:
     """Starts pulls as tasks and remembers their outcome (bounded)."""
 
-    def __init__(self, sidecar: Sidecar) -> None:
-        self._sidecar = sidecar
+    def __init__(
+        self, *, local: LocalLayout, transport: Transport, peers: PeerTable, metrics: Metrics
+    ) -> None:
+        self._local = local
+        self._transport = transport
+        self._peers = peers
+        self._metrics = metrics
         self._pulls: OrderedDict[str, Pull] = OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._geometries: OrderedDict[tuple[str, str, int], descriptors.ReadGeometry] = (
-            OrderedDict()
-        )
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._geometries: OrderedDict[
+            tuple[str, str, int, int], tuple[Manifest, descriptors.ReadGeometry]
+        ] = OrderedDict()
+        self.reads = Reads(transport, on_stuck=peers.forget)
+        self.feed = FinishedFeed()
 
-    def _geometry(self, peer: Peer) -> descriptors.ReadGeometry:
-        """Per-peer read geometry (checks and per-layer work done once per peer epoch)."""
-        key = (peer.address, peer.engine_id, peer.epoch)
-        geometry = self._geometries.get(key)
-        if geometry is None:
-            local = self._sidecar.manifest
-            assert local is not None
-            geometry = descriptors.read_geometry(local, peer.manifest)
-            self._geometries[key] = geometry
-            while len(self._geometries) > _KEEP_GEOMETRIES:
-                self._geometries.popitem(last=False)
-        else:
+    def _geometry(self, local: Manifest, peer: Peer) -> descriptors.ReadGeometry:
+        """Per-peer read geometry (checks and per-layer work done once per peer epoch and
+        local registration)."""
+        key = (peer.address, peer.engine_id, peer.epoch, id(local))
+        cached = self._geometries.get(key)
+        if cached is not None and cached[0] is local:
             self._geometries.move_to_end(key)
+            return cached[1]
+        geometry = descriptors.read_geometry(local, peer.manifest)
+        self._geometries[key] = (local, geometry)
+        while len(self._geometries) > _KEEP_GEOMETRIES:
+            self._geometries.popitem(last=False)
         return geometry
 
     def start(self, req: PullRequest) -> Pull:
         """Validate ``req`` synchronously (4xx to the engine), then run it in the background."""
-        _validate(req, self._sidecar)
+        validate_pull(req, self._local()[0])
         pull = Pull(pull_id=secrets.token_hex(8), request=req)
         self._pulls[pull.pull_id] = pull
         while len(self._pulls) > _KEEP_FINISHED:
@@ -111,10 +159,10 @@ class PullRunner:
             if not oldest.done.is_set():
                 break
             self._pulls.popitem(last=False)
-        self._sidecar.metrics.pulls_in_flight.inc()
+        self._metrics.pulls_in_flight.inc()
         task = asyncio.create_task(self._run(pull), name=f"pull-{pull.pull_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._running[pull.pull_id] = task
+        task.add_done_callback(lambda _: self._running.pop(pull.pull_id, None))
         return pull
 
     async def status(self, pull_id: str, wait_s: float) -> PullStatus:
@@ -127,34 +175,62 @@ class PullRunner:
                 await asyncio.wait_for(pull.done.wait(), wait_s)
         return pull.status()
 
-    async def close(self) -> None:
-        """Cancel running pulls (they end FAILED)."""
-        for task in list(self._tasks):
+    def cancel(self, pull_id: str) -> Pull:
+        """Cancel a running pull: it ends FAILED (``cancelled``) once its READs settled."""
+        pull = self._pulls.get(pull_id)
+        if pull is None:
+            raise UnknownPullError(f"no pull {pull_id!r} on this sidecar")
+        task = self._running.get(pull_id)
+        if task is not None:
             task.cancel()
-        for task in list(self._tasks):
+        return pull
+
+    async def run(self, req: PullRequest) -> PullStatus:
+        """Start a pull and answer its final status (one engine call per pull).
+
+        Bounded: a pull ends by its deadline plus the time its READs take to settle.
+        """
+        pull = self.start(req)
+        bound = req.deadline_s + SETTLE_S + 5.0
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(pull.done.wait()), bound)
+        return pull.status()
+
+    def finished_since(self, cursor: int, limit: int) -> FinishedPulls:
+        """The finished-pulls feed from ``cursor`` (one page)."""
+        return self.feed.since(cursor, limit)
+
+    async def close(self) -> None:
+        """Cancel running pulls (they end FAILED once their READs settled)."""
+        for task in list(self._running.values()):
+            task.cancel()
+        for task in list(self._running.values()):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.reads.close()
 
     async def _run(self, pull: Pull) -> None:
-        sc = self._sidecar
+        m = self._metrics
         req = pull.request
         deadline = time.monotonic() + req.deadline_s
         try:
             async with asyncio.timeout(req.deadline_s):
-                local = sc.manifest
-                assert local is not None
+                local, bases = self._local()  # one registration for the whole pull
                 ranks = descriptors.source_ranks(local, len(req.tickets))
                 # A TaskGroup, not gather: one failed read cancels its siblings, so no READ is
                 # still running (and no handle still live) once the pull reports FAILED.
                 async with asyncio.TaskGroup() as group:
                     for r in ranks:
-                        group.create_task(self._read_from(pull, req.tickets[r], deadline))
+                        group.create_task(
+                            self._read_from(pull, req.tickets[r], deadline, local, bases)
+                        )
                     for r in unread_ranks(local, len(req.tickets)):
-                        group.create_task(self._release_unread(req.tickets[r]))
+                        group.create_task(self._release_unread(req.tickets[r], local.tp_size))
             pull.advance(PullState.DONE)
-            sc.metrics.pulls.labels("done").inc()
+            m.pulls.labels("done").inc()
         except asyncio.CancelledError:
-            self._fail(pull, "cancelled", "sidecar shutting down")
+            # The TaskGroup has waited for every rank's READs to settle before this runs.
+            self._fail(pull, "cancelled", "pull cancelled (by the engine or at shutdown)")
             raise
         except BaseException as exc:  # every failure path ends FAILED with a reason
             while isinstance(exc, BaseExceptionGroup):  # the TaskGroup's; its first cause
@@ -162,75 +238,78 @@ class PullRunner:
             reason = reason_code(exc)  # the error class's own code (kvxferd.errors)
             self._fail(pull, reason, str(exc) or type(exc).__name__)
             if reason != "internal":
-                log.warning("pull %s failed: %s: %s", pull.pull_id, reason, exc)
+                log.warning("pull %s failed: %s: %s", pull.pull_id, pull.reason, pull.detail)
             else:
                 log.exception("pull %s failed unexpectedly", pull.pull_id)
         finally:
             pull.duration_s = time.monotonic() - pull.started
-            sc.metrics.phase_duration.labels("total").observe(pull.duration_s)
-            sc.metrics.pulls_in_flight.dec()
+            m.phase_duration.labels("total").observe(pull.duration_s)
+            m.pulls_in_flight.dec()
+            self.feed.add(pull.finished())
             pull.done.set()
 
     def _fail(self, pull: Pull, reason: str, detail: str) -> None:
-        pull.state = PullState.FAILED
-        pull.reason, pull.detail = reason, detail
-        self._sidecar.metrics.pulls.labels("failed").inc()
-        self._sidecar.metrics.pull_failures.labels(reason).inc()
+        if pull.unsettled:
+            reason, detail = "unsettled", pull.unsettled
+        pull.fail(reason, detail)
+        self._metrics.pulls.labels("failed").inc()
+        self._metrics.pull_failures.labels(reason).inc()
 
-    async def _read_from(self, pull: Pull, ticket: Ticket, deadline: float) -> None:
+    async def _read_from(
+        self, pull: Pull, ticket: Ticket, deadline: float, local: Manifest, bases: Sequence[int]
+    ) -> None:
         """Handshake with, claim at, and read from one prefill rank."""
-        sc = self._sidecar
-        local = sc.manifest
-        assert local is not None
-        m = sc.metrics
+        m = self._metrics
         pull.advance(PullState.HANDSHAKING)
         t0 = time.monotonic()
-        peer = await sc.peers.get(ticket.peer, ticket.engine_id, ticket.epoch)
+        peer = await self._peers.get(ticket.peer, ticket.engine_id, ticket.epoch)
         m.phase_duration.labels("handshake").observe(time.monotonic() - t0)
 
         pull.advance(PullState.CLAIMING)
         t0 = time.monotonic()
-        claim = await sc.peers.claim(
-            ticket.peer,
-            ClaimRequest(
-                ticket=ticket,
-                reader=sc.agent.name,
-                reader_tp_size=local.tp_size,
-                claim_s=max(0.001, deadline - time.monotonic()),
-            ),
+        request = ClaimRequest(
+            ticket=ticket,
+            reader=self._transport.name,
+            reader_tp_size=local.tp_size,
+            claim_s=max(0.001, deadline - time.monotonic()),
         )
+        try:
+            claim = await self._peers.claim(ticket.peer, request)
+        except HandshakeError as exc:
+            if isinstance(exc.__cause__, (TimeoutError, httpx.TimeoutException)):
+                raise ClaimTimeoutError(f"claim at {ticket.peer} timed out: {exc}") from exc
+            raise
         m.phase_duration.labels("claim").observe(time.monotonic() - t0)
         m.lease_headroom.observe(max(0.0, ticket.expires_at - time.time()))
-        del claim
+        # The claim's end, on our monotonic clock: the READ must be over by then.
+        claim_end = time.monotonic() + (claim.expires_at - time.time())
 
         req = pull.request
         plan = descriptors.plan_pull(
-            self._geometry(peer), req.block_ids, ticket.block_ids, req.num_tokens, ticket.num_tokens
-        )
+            self._geometry(local, peer), req.block_ids, ticket.block_ids, req.num_tokens,
+            ticket.num_tokens,
+        )  # fmt: skip
         pull.advance(PullState.TRANSFERRING)
         notif = ticket.hold_id.encode()
         if plan.num_descriptors == 0:
             # Nothing to read from this rank (all blocks skipped): still release its hold.
-            await asyncio.to_thread(sc.agent.send_notif, peer.agent_name, notif)
+            self._transport.send_notif(peer.agent_name, notif)
             return
-        await self._transfer(pull, peer, plan, notif, deadline)
+        await self._transfer(pull, peer, plan, notif, deadline, claim_end, bases)
 
-    async def _release_unread(self, ticket: Ticket) -> None:
+    async def _release_unread(self, ticket: Ticket, reader_tp_size: int) -> None:
         """Release the hold of a prefill rank that no decode rank reads, before its expiry.
 
         Its units are all replicas read from other ranks, so this pull's bytes do not depend on
         it: a failure is logged (the hold then expires), never fatal.
         """
-        sc = self._sidecar
-        local = sc.manifest
-        assert local is not None
         try:
             # A claim by a TP shape that reads nothing from this rank releases its hold at once
             # (only readers that claimed may release by notification).
-            await sc.peers.claim(
+            await self._peers.claim(
                 ticket.peer,
-                ClaimRequest(ticket=ticket, reader=sc.agent.name,
-                             reader_tp_size=local.tp_size, claim_s=1.0),
+                ClaimRequest(ticket=ticket, reader=self._transport.name,
+                             reader_tp_size=reader_tp_size, claim_s=1.0),
             )  # fmt: skip
         except KvxferdError as exc:
             log.warning(
@@ -241,35 +320,45 @@ class PullRunner:
             )
 
     async def _transfer(
-        self, pull: Pull, peer: Peer, plan: descriptors.ReadPlan, notif: bytes, deadline: float
+        self,
+        pull: Pull,
+        peer: Peer,
+        plan: descriptors.ReadPlan,
+        notif: bytes,
+        deadline: float,
+        claim_end: float,
+        local_bases: Sequence[int],
     ) -> None:
-        sc = self._sidecar
-        bases = np.asarray(sc.region_bases, dtype=np.int64)
+        bases = np.asarray(local_bases, dtype=np.int64)
         rbases = np.asarray(peer.region_bases, dtype=np.int64)
         local_addr = bases[plan.local_region] + plan.local_offset
         remote_addr = rbases[plan.remote_region] + plan.remote_offset
         t0 = time.monotonic()
         try:
-            transfer = await asyncio.to_thread(
-                sc.agent.read,
+            transfer = await self.reads.read(
+                peer.address,
                 peer.agent_name,
                 (local_addr, plan.length),
                 (remote_addr, plan.length),
                 notif,
+                nbytes=int(plan.kv_bytes + plan.state_bytes),
+                descs=int(plan.num_descriptors),
+                deadline=min(deadline, claim_end),
+                on_unsettled=functools.partial(_unsettled, pull, claim_end < deadline),
             )
         except PeerDisconnectedError:
-            await sc.peers.forget(peer.address)
+            await self._peers.forget(peer.address)
             raise
-        try:
-            posted = time.monotonic()
-            await asyncio.to_thread(transfer.wait, max(0.0, deadline - time.monotonic()))
-            wire_s = time.monotonic() - posted
-        except PeerDisconnectedError:
-            await sc.peers.forget(peer.address)
+        except TransferTimeoutError as exc:
+            if claim_end < deadline:
+                raise HoldExpiredError(
+                    f"the claim at {peer.address} ended before the READ completed: {exc}"
+                ) from exc
             raise
-        finally:
-            await asyncio.to_thread(transfer.release)
-        m = sc.metrics
+        telemetry = transfer.telemetry() or {}
+        wire_s = float(telemetry.get("wall_s", time.monotonic() - t0))
+        posted = time.monotonic() - wire_s
+        m = self._metrics
         total = int(plan.kv_bytes + plan.state_bytes)
         m.phase_duration.labels("post").observe(posted - t0)
         m.phase_duration.labels("wire").observe(wire_s)
@@ -284,63 +373,6 @@ class PullRunner:
         pull.descriptors += int(plan.num_descriptors)
 
 
-def unread_ranks(local: Manifest, remote_tp: int) -> list[int]:
-    """Prefill ranks no decode rank reads from (every unit they hold is read from a replica).
-
-    Non-empty only when units are replicated on the prefill side (TP > KV heads). Decode rank 0
-    alone answers for them, so each gets exactly one notification; the other ranks return [].
-    """
-    if local.tp_rank != 0:
-        return []
-    read: set[int] = set()
-    for rank in range(local.tp_size):
-        # source_ranks only looks at units_total and tp, so this rank's parts stand in for all.
-        read.update(descriptors.source_ranks(structs.replace(local, tp_rank=rank), remote_tp))
-    return [r for r in range(remote_tp) if r not in read]
-
-
-def _validate(req: PullRequest, sidecar: Sidecar) -> None:
-    """Shape checks an engine gets back as a 422 naming the field."""
-    local = sidecar.manifest
-    assert local is not None
-    if not req.tickets:
-        raise BlockIdError("tickets", "at least one ticket is needed")
-    tp = req.tickets[0].tp_size
-    for i, t in enumerate(req.tickets):
-        if t.tp_size != tp or t.tp_rank != i:
-            raise BlockIdError(
-                f"tickets[{i}]", f"expected rank {i} of {tp}, got rank {t.tp_rank} of {t.tp_size}"
-            )
-        if t.block_ids != req.tickets[0].block_ids:
-            raise BlockIdError(f"tickets[{i}].block_ids", "differs from tickets[0].block_ids")
-    if len(req.tickets) != tp:
-        raise BlockIdError("tickets", f"{len(req.tickets)} tickets for prefill TP {tp}")
-    remote = req.tickets[0].block_ids
-    if len(req.block_ids) != len(local.groups):
-        raise BlockIdError(
-            "block_ids", f"{len(req.block_ids)} groups given, the manifest has {len(local.groups)}"
-        )
-    if not -1 <= req.num_tokens <= req.tickets[0].num_tokens:
-        raise BlockIdError(
-            "num_tokens", f"{req.num_tokens} outside 0..{req.tickets[0].num_tokens} (or -1)"
-        )
-    # With a token count, ids map by token where the prefill's block sizes or grouping differ:
-    # the ticket's ids are then checked against its manifest when the plan is made.
-    by_tokens = req.num_tokens != -1
-    if len(remote) != len(local.groups) and not by_tokens:
-        raise BlockIdError(
-            "tickets[0].block_ids",
-            f"{len(remote)} groups in the ticket, the manifest has {len(local.groups)}",
-        )
-    for g, lo in enumerate(req.block_ids):
-        if not by_tokens and len(lo) != len(remote[g]):
-            raise BlockIdError(
-                f"block_ids[{g}]", f"{len(lo)} local ids for {len(remote[g])} ticket ids"
-            )
-        for k, b in enumerate(lo):
-            if b < -1 or b >= local.num_blocks:
-                raise BlockIdError(
-                    f"block_ids[{g}][{k}]", f"{b} is outside 0..{local.num_blocks - 1} (or -1)"
-                )
-    if req.deadline_s <= 0:
-        raise BlockIdError("deadline_s", "must be > 0")
+def _unsettled(pull: Pull, claim_first: bool, why: str) -> None:
+    """Record on ``pull`` that one of its READs could not be confirmed stopped."""
+    pull.unsettled = why + (" (its wait ended with its claim)" if claim_first else "")

@@ -1,6 +1,7 @@
 """The sidecar of one engine rank: registration, holds (prefill side), pulls (decode side).
 
-Runs on one asyncio loop. Blocking NIXL calls go to worker threads; hold bookkeeping stays on the
+Runs on one asyncio loop. Slow NIXL calls (registration, metadata, large posts) go to worker
+threads, completion and notifications are polled on the loop; hold bookkeeping stays on the
 loop (HoldTable is not thread-safe by design). Two background tasks: the reaper, which expires
 leases in deadline order, and the notification poller, which releases holds once every expected
 reader has notified.
@@ -48,6 +49,7 @@ from kvxferd.wire import (
     ClaimResponse,
     DeclineRequest,
     DeclineResponse,
+    FinishedPulls,
     Handshake,
     Heartbeat,
     HeartbeatResponse,
@@ -67,8 +69,9 @@ from kvxferd.wire import (
 
 log = logging.getLogger(__name__)
 
-_NOTIF_FAST_S = 0.001  # poll interval while holds are claimed (a read may finish any moment)
-_NOTIF_SLOW_S = 0.05  # poll interval otherwise
+_NOTIF_FAST_S = 0.001  # shortest poll interval, right after a claim or a notification
+_NOTIF_SLOW_S = 0.05  # longest poll interval (and the interval with no hold claimed)
+_NOTIF_LATENCY_SHARE = 20  # poll every elapsed/20: a READ's notification is late by <= ~5%
 _REAP_MAX_SLEEP_S = 1.0
 MAX_READER_TP = 1024
 """Largest decode TP size a claim may announce (its expected readers follow from it)."""
@@ -106,7 +109,9 @@ class Sidecar:
             timeout_s=config.handshake_timeout_s,
             on_change=self._peers_changed,
         )
-        self.pulls = PullRunner(self)
+        self.pulls = PullRunner(
+            local=self._local_layout, transport=self.agent, peers=self.peers, metrics=self.metrics
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._secret = config.peer_token.encode()
         self._accepted = self.keys.accepted if self.keys is not None else (self._secret,)
@@ -273,6 +278,16 @@ class Sidecar:
     async def pull_status(self, pull_id: str, wait_s: float) -> PullStatus:
         """A pull's status, waiting up to ``wait_s`` for it to finish."""
         return await self.pulls.status(pull_id, wait_s)
+
+    async def run_pull(self, req: PullRequest) -> PullStatus:
+        """Run a pull to its end and answer its final status."""
+        self._require_engine()
+        verify_tickets(req.tickets, self._accepted)  # before any network call, as start_pull
+        return await self.pulls.run(req)
+
+    def finished_pulls(self, cursor: int, limit: int) -> FinishedPulls:
+        """The finished-pulls feed from ``cursor`` (one page of at most ``limit``)."""
+        return self.pulls.finished_since(cursor, limit)
 
     async def keepalive(self, req: KeepaliveRequest) -> HeartbeatResponse:
         """Heartbeat the holds behind a decode engine's queued tickets at their prefill sides."""
@@ -441,6 +456,11 @@ class Sidecar:
         """Base address of each registered region in this process."""
         return self._bases
 
+    def _local_layout(self) -> tuple[Manifest, list[int]]:
+        """The registered manifest and region bases (what a pull reads into)."""
+        _, manifest = self._require_engine()
+        return manifest, self._bases
+
     def _local_handshake(self) -> Handshake:
         _, manifest = self._require_engine()
         return Handshake(
@@ -487,12 +507,21 @@ class Sidecar:
             await asyncio.sleep(min(delay, _REAP_MAX_SLEEP_S) + 0.001)
 
     async def _notif_poller(self) -> None:
-        """Turn readers' NIXL notifications into hold releases."""
+        """Turn readers' NIXL notifications into hold releases.
+
+        Each poll also progresses our UCX worker, which a reader's READ needs to complete when
+        the progress thread is off. After a claim (or a notification) the poller is fast, then
+        backs off in proportion to the time since: polling every ``elapsed / 20`` (1 ms to
+        50 ms) delays a READ that took ``t`` by at most ~t/20, and a claimed hold whose reader
+        never reads costs 20 polls a second instead of 1,000. ``get_new_notifs`` is called on
+        the loop: it releases the GIL and costs microseconds, a thread hop costs more.
+        """
+        hot_since = time.monotonic()
         while True:
             delay = _NOTIF_SLOW_S
             if self.holds is not None:
                 try:
-                    notifs = await asyncio.to_thread(self.agent.get_notifs)
+                    notifs = self.agent.get_notifs()
                 except KvxferdError as exc:
                     log.warning("reading notifications failed: %s", exc)
                     notifs = {}
@@ -501,13 +530,26 @@ class Sidecar:
                         self.holds.notify(message.decode(errors="replace"), reader)
                 if notifs:
                     self._after_release()
+                    hot_since = time.monotonic()  # more may follow (other ranks, other pulls)
                 if self.holds.claimed:
-                    delay = _NOTIF_FAST_S
+                    elapsed = time.monotonic() - hot_since
+                    delay = min(max(elapsed / _NOTIF_LATENCY_SHARE, _NOTIF_FAST_S), _NOTIF_SLOW_S)
             live = self.agent.live_handles()
             self.metrics.nixl_handles.set(live.transfers + live.prepped)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._notif_wake.wait(), delay)
+            if await _woken(self._notif_wake, delay):
+                hot_since = time.monotonic()
             self._notif_wake.clear()
+
+
+async def _woken(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for ``event``; whether it was set."""
+    if event.is_set():
+        return True
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except TimeoutError:
+        return False
+    return True
 
 
 def check_reader_tp(manifest: Manifest, reader_tp_size: int) -> None:

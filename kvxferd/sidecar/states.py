@@ -1,12 +1,15 @@
 """Forward-only state machines of pulls and holds, as IntEnums whose order is progress.
 
 A state may only move to a strictly later one (skipping is allowed: a cached handshake goes
-straight from pending to claiming); terminal states never move again. Progress being the integer
-order means "how far did these get" is ``min()`` over several ranks' states (SGLang's KVPoll).
+straight from pending to claiming); terminal states never move again. Progress is the integer
+order of the live states and DONE, so "how far did these get" over several ranks' states is their
+minimum (SGLang's KVPoll) -- except that FAILED is not progress: :func:`overall` says FAILED as
+soon as any rank failed, whatever the others reached.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import IntEnum
 from typing import TypeVar
 
@@ -72,3 +75,14 @@ def advance(current: S, new: S) -> S:
     if new <= current:
         raise StateError(current, new, "states only move forward")
     return new
+
+
+def overall(states: Iterable[PullState]) -> PullState:
+    """How far a pull made of several parts (ranks) got: FAILED if any part failed, else the
+    least advanced part (FAILED's integer value is never read as progress)."""
+    states = list(states)
+    if not states:
+        raise ValueError("overall() of no states")
+    if PullState.FAILED in states:
+        return PullState.FAILED
+    return min(states)

@@ -25,6 +25,7 @@ from kvxferd.metrics import Metrics  # noqa: E402
 from kvxferd.sidecar.service import Sidecar  # noqa: E402
 from kvxferd.sidecar.signing import PeerKeys, sign_request  # noqa: E402
 from kvxferd.wire import (  # noqa: E402
+    FinishedPulls,
     HeartbeatResponse,
     PullAccepted,
     PullStatus,
@@ -81,6 +82,14 @@ class FakeSidecar:
     async def pull_status(self, pull_id: str, wait_s: float) -> PullStatus:
         self._call("pull_status", (pull_id, wait_s))
         return PullStatus(pull_id=pull_id, state="pending")
+
+    async def run_pull(self, req: Any) -> PullStatus:
+        self._call("run_pull", req)
+        return PullStatus(pull_id="p1", state="done", kv_bytes=64)
+
+    def finished_pulls(self, cursor: int, limit: int) -> FinishedPulls:
+        self._call("finished_pulls", (cursor, limit))
+        return FinishedPulls(pulls=[], cursor=cursor)
 
     async def keepalive(self, req: Any) -> HeartbeatResponse:
         self._call("keepalive", req)

@@ -7,9 +7,14 @@ byte of every layer of every pulled block, plus that nothing else on the decode 
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+
 import numpy as np
 import pytest
 
+from kvxferd.client import AsyncEngineClient
 from kvxferd.pattern import verify_pattern, write_pattern
 from kvxferd.wire import HoldRequest, PullRequest
 from tests.sidecar.harness import (
@@ -73,6 +78,68 @@ def test_pull_moves_every_byte_of_fragmented_blocks_and_nothing_else(pair, confi
             assert status.kv_bytes + status.state_bytes > 0
             released = wait_until(lambda: pc.released(0).holds, what="hold release")
             assert [(h.hold_id, h.reason) for h in released] == [(ticket.hold_id, "notified")]
+    finally:
+        ppool.close()
+        dpool.close()
+
+
+def test_one_call_runs_a_pull_and_the_finished_feed_reports_every_outcome(pair):
+    p, d = pair
+    pm, dm = plan("llama-3.1-8b", num_blocks=9), plan("llama-3.1-8b", num_blocks=9)
+    ppool, dpool = EnginePool(pm), EnginePool(dm)
+    pids, dids = [[3, 1, 7, 5]], [[2, 8, 4, 6]]
+    try:
+        with p.client() as pc, d.client() as dc:
+            pc.register(pm, ppool.specs())
+            dc.register(dm, dpool.specs())
+            write_pattern(pm, ppool.views, pids, seed=5)
+            good = pc.hold(HoldRequest(request_id="r-good", block_ids=pids, num_tokens=60))
+            status = dc.run_pull(PullRequest(tickets=[good], block_ids=dids, request_id="e-1"))
+            assert status.state == "done", status
+            assert verify_pattern(dm, dpool.views, dids, seed=5) is None
+            gone = pc.hold(HoldRequest(request_id="r-gone", block_ids=pids, num_tokens=60))
+            pc.abort(gone.hold_id)
+
+            async def run_async():
+                async with AsyncEngineClient(d.socket) as ac:
+                    req = PullRequest(tickets=[gone], block_ids=dids, request_id="e-2")
+                    return await ac.run_pull(req), await ac.finished_pulls(0)
+
+            failed, feed = asyncio.run(run_async())
+            assert (failed.state, failed.reason) == ("failed", "unknown_hold"), failed
+            assert [(f.request_id, f.state, f.reason, f.failed_block_ids) for f in feed.pulls] == [
+                ("e-1", "done", "", []),
+                ("e-2", "failed", "unknown_hold", dids),  # every local block is invalid
+            ]
+            assert (feed.cursor, feed.more) == (2, False)
+            first = dc.finished_pulls(0, limit=1)
+            assert ([f.request_id for f in first.pulls], first.more) == (["e-1"], True)
+            assert dc.finished_pulls(feed.cursor).pulls == []
+    finally:
+        ppool.close()
+        dpool.close()
+
+
+def test_a_claim_that_gets_no_answer_fails_as_claim_timeout_not_handshake(pair):
+    p, d = pair
+    pm, dm = plan("llama-3.1-8b", num_blocks=5), plan("llama-3.1-8b", num_blocks=5)
+    ppool, dpool = EnginePool(pm), EnginePool(dm)
+    ids = [[1, 2, 3, 4]]
+    try:
+        with p.client() as pc, d.client() as dc:
+            pc.register(pm, ppool.specs())
+            dc.register(dm, dpool.specs())
+            first = pc.hold(HoldRequest(request_id="r-1", block_ids=ids, num_tokens=60))
+            assert dc.run_pull(PullRequest(tickets=[first], block_ids=ids)).state == "done"
+            second = pc.hold(HoldRequest(request_id="r-2", block_ids=ids, num_tokens=60))
+            before = dpool.snapshot()
+            os.kill(p.child.pid, signal.SIGSTOP)  # handshake cached: the claim is what hangs
+            try:
+                status = dc.run_pull(PullRequest(tickets=[second], block_ids=ids, deadline_s=60))
+            finally:
+                os.kill(p.child.pid, signal.SIGCONT)
+            assert (status.state, status.reason) == ("failed", "claim_timeout"), status
+            assert all(np.array_equal(b, a) for b, a in zip(before, dpool.views, strict=True))
     finally:
         ppool.close()
         dpool.close()

@@ -8,7 +8,7 @@ import typing
 import pytest
 
 from kvxferd.errors import KvxferdError, StateError
-from kvxferd.sidecar.states import HoldState, PullState, advance
+from kvxferd.sidecar.states import HoldState, PullState, advance, overall
 from kvxferd.wire import PullStateName
 
 
@@ -68,3 +68,43 @@ def test_released_hold_is_terminal_and_machines_do_not_mix():
         advance(HoldState.RELEASED, HoldState.RELEASED)
     with pytest.raises(StateError, match="different machines"):
         advance(HoldState.HELD, PullState.DONE)  # type: ignore[type-var]
+
+
+def test_failed_is_never_read_as_progress_over_several_ranks():
+    assert overall([PullState.TRANSFERRING, PullState.CLAIMING]) is PullState.CLAIMING
+    assert overall([PullState.DONE, PullState.DONE]) is PullState.DONE
+    # FAILED is the largest integer, yet one failed rank fails the whole, even next to DONE.
+    assert overall([PullState.DONE, PullState.FAILED]) is PullState.FAILED
+    assert overall([PullState.FAILED, PullState.PENDING]) is PullState.FAILED
+    with pytest.raises(ValueError, match="no states"):
+        overall([])
+
+
+def _pull():
+    from kvxferd.sidecar.pulls import Pull
+    from kvxferd.wire import PullRequest
+
+    return Pull(pull_id="p", request=PullRequest(tickets=[], block_ids=[[1, -1, 3]]))
+
+
+def test_a_pull_record_moves_only_through_advance():
+    pull = _pull()
+    pull.advance(PullState.CLAIMING)
+    pull.advance(PullState.HANDSHAKING)  # another rank is behind: no move, no error
+    assert pull.state is PullState.CLAIMING
+    pull.advance(PullState.DONE)
+    with pytest.raises(StateError, match="DONE is terminal"):
+        pull.fail("deadline", "too late")  # a finished pull cannot be failed afterwards
+    assert (pull.state, pull.reason) == (PullState.DONE, "")
+
+
+def test_a_failed_pull_stays_failed_and_lists_its_local_blocks_as_invalid():
+    pull = _pull()
+    pull.advance(PullState.TRANSFERRING)
+    pull.fail("claim_timeout", "no answer")
+    for state in PullState:
+        with pytest.raises(StateError, match="FAILED is terminal"):
+            pull.advance(state)
+    entry = pull.finished()
+    assert (entry.state, entry.reason, entry.failed_block_ids) == ("failed", "claim_timeout",
+                                                                   [[1, 3]])  # fmt: skip

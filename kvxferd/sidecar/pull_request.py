@@ -1,0 +1,73 @@
+"""A PullRequest checked against the local manifest, and what it asks of each prefill rank.
+
+``validate_pull`` is the one place a pull's block ids and tickets are checked (a 422 naming the
+field); ``unread_ranks`` gives the prefill ranks no decode rank reads from.
+"""
+
+from __future__ import annotations
+
+from msgspec import structs
+
+from kvxferd import descriptors
+from kvxferd.errors import BlockIdError
+from kvxferd.wire import Manifest, PullRequest
+
+
+def unread_ranks(local: Manifest, remote_tp: int) -> list[int]:
+    """Prefill ranks no decode rank reads from (every unit they hold is read from a replica).
+
+    Non-empty only when units are replicated on the prefill side (TP > KV heads). Decode rank 0
+    alone answers for them, so each gets exactly one notification; the other ranks return [].
+    """
+    if local.tp_rank != 0:
+        return []
+    read: set[int] = set()
+    for rank in range(local.tp_size):
+        # source_ranks only looks at units_total and tp, so this rank's parts stand in for all.
+        read.update(descriptors.source_ranks(structs.replace(local, tp_rank=rank), remote_tp))
+    return [r for r in range(remote_tp) if r not in read]
+
+
+def validate_pull(req: PullRequest, local: Manifest) -> None:
+    """Shape checks an engine gets back as a 422 naming the field."""
+    if not req.tickets:
+        raise BlockIdError("tickets", "at least one ticket is needed")
+    tp = req.tickets[0].tp_size
+    for i, t in enumerate(req.tickets):
+        if t.tp_size != tp or t.tp_rank != i:
+            raise BlockIdError(
+                f"tickets[{i}]", f"expected rank {i} of {tp}, got rank {t.tp_rank} of {t.tp_size}"
+            )
+        if t.block_ids != req.tickets[0].block_ids:
+            raise BlockIdError(f"tickets[{i}].block_ids", "differs from tickets[0].block_ids")
+    if len(req.tickets) != tp:
+        raise BlockIdError("tickets", f"{len(req.tickets)} tickets for prefill TP {tp}")
+    remote = req.tickets[0].block_ids
+    if len(req.block_ids) != len(local.groups):
+        raise BlockIdError(
+            "block_ids", f"{len(req.block_ids)} groups given, the manifest has {len(local.groups)}"
+        )
+    if not -1 <= req.num_tokens <= req.tickets[0].num_tokens:
+        raise BlockIdError(
+            "num_tokens", f"{req.num_tokens} outside 0..{req.tickets[0].num_tokens} (or -1)"
+        )
+    # With a token count, ids map by token where the prefill's block sizes or grouping differ:
+    # the ticket's ids are then checked against its manifest when the plan is made.
+    by_tokens = req.num_tokens != -1
+    if len(remote) != len(local.groups) and not by_tokens:
+        raise BlockIdError(
+            "tickets[0].block_ids",
+            f"{len(remote)} groups in the ticket, the manifest has {len(local.groups)}",
+        )
+    for g, lo in enumerate(req.block_ids):
+        if not by_tokens and len(lo) != len(remote[g]):
+            raise BlockIdError(
+                f"block_ids[{g}]", f"{len(lo)} local ids for {len(remote[g])} ticket ids"
+            )
+        for k, b in enumerate(lo):
+            if b < -1 or b >= local.num_blocks:
+                raise BlockIdError(
+                    f"block_ids[{g}][{k}]", f"{b} is outside 0..{local.num_blocks - 1} (or -1)"
+                )
+    if req.deadline_s <= 0:
+        raise BlockIdError("deadline_s", "must be > 0")

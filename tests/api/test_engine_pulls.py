@@ -1,0 +1,72 @@
+"""The one-call pull (``POST /v1/pulls/run``) and the finished-pulls feed on the engine API."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvxferd.wire import ErrorBody, FinishedPulls, PullStatus, Ticket
+
+TICKET = Ticket(engine_id="e", epoch=1, hold_id="h", request_id="r", block_ids=[[1]],
+                num_tokens=1, expires_at=0.0, tp_rank=0, tp_size=1, peer="127.0.0.1:9")  # fmt: skip
+
+
+def _error(resp, status: int) -> ErrorBody:
+    assert resp.status_code == status, resp.text
+    return msgspec.json.decode(resp.content, type=ErrorBody)
+
+
+def test_run_pull_reaches_the_sidecar_typed_and_answers_the_final_status(fake_engine, fake):
+    body = msgspec.to_builtins({"tickets": [TICKET], "block_ids": [[3]], "request_id": "q"})
+    resp = fake_engine.post("/v1/pulls/run", json=body)
+    assert resp.status_code == 200, resp.text
+    status = msgspec.json.decode(resp.content, type=PullStatus)
+    assert (status.state, status.kv_bytes) == ("done", 64)
+    [(name, req)] = fake.calls
+    assert name == "run_pull" and req.request_id == "q" and req.tickets == [TICKET]
+
+
+def test_the_finished_feed_is_its_own_route_not_a_pull_id(fake_engine, fake):
+    resp = fake_engine.get("/v1/pulls/finished?cursor=7&limit=20")
+    assert resp.status_code == 200, resp.text
+    assert msgspec.json.decode(resp.content, type=FinishedPulls).cursor == 7
+    assert fake.calls == [("finished_pulls", (7, 20))]
+
+
+def test_the_finished_feed_defaults_to_the_start_and_a_page_of_1024(fake_engine, fake):
+    fake_engine.get("/v1/pulls/finished")
+    assert fake.calls == [("finished_pulls", (0, 1024))]
+
+
+@pytest.mark.parametrize(
+    ("query", "field"),
+    [
+        ("limit=0", "limit"),
+        ("limit=4097", "limit"),
+        ("cursor=-1", "cursor"),
+        ("cursor=x", "cursor"),
+    ],
+)
+def test_bad_feed_parameters_are_422_naming_them(fake_engine, fake, query, field):
+    err = _error(fake_engine.get(f"/v1/pulls/finished?{query}"), 422)
+    assert err.field == field
+    assert fake.calls == []
+
+
+def test_a_run_pull_without_tickets_is_a_422_naming_tickets(real):
+    err = _error(real.engine.post("/v1/pulls/run", json={"tickets": [], "block_ids": [[1]]}), 422)
+    assert err.field == "tickets"
+
+
+def test_a_real_sidecars_feed_starts_empty_at_cursor_0(real):
+    resp = real.engine.get("/v1/pulls/finished?cursor=0")
+    assert resp.status_code == 200, resp.text
+    feed = msgspec.json.decode(resp.content, type=FinishedPulls)
+    assert (feed.pulls, feed.cursor, feed.more) == ([], 0, False)
+
+
+def test_before_registration_run_and_feed_answer_503(fake_engine, fake):
+    fake.ready = False
+    assert _error(fake_engine.get("/v1/pulls/finished"), 503).error == "NotRegisteredError"
+    body = msgspec.to_builtins({"tickets": [TICKET], "block_ids": [[3]]})
+    assert _error(fake_engine.post("/v1/pulls/run", json=body), 503).error == "NotRegisteredError"

@@ -1,0 +1,134 @@
+"""CompletionPoller: transfers complete on the event loop, one stalled transfer delays no other.
+
+Scripted NIXL stand-ins check the bookkeeping; the last test waits for a real READ over UCX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from kvxferd.errors import TransferFailedError, TransferTimeoutError
+from kvxferd.transport import Transfer, TransferState
+from kvxferd.transport.completion import CompletionPoller
+from tests.transport.conftest import SENTINEL
+
+
+class _Nixl:
+    """check_xfer_state answers PROC until ``finish`` is set, then ``outcome``; records threads."""
+
+    def __init__(self, outcome: str = "DONE") -> None:
+        self.finish = False
+        self.outcome = outcome
+        self.threads: set[int] = set()
+
+    def transfer(self, handle: object) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, handle: object) -> str:
+        self.threads.add(threading.get_ident())
+        return self.outcome if self.finish else "PROC"
+
+
+class _Handle:
+    def release(self) -> None:
+        pass
+
+
+def _transfer(nixl: _Nixl) -> Transfer:
+    xfer = Transfer(nixl, _Handle(), remote="peer", nbytes=64, descriptors=1,
+                    capture_telemetry=False, on_release=lambda _: None)  # fmt: skip
+    xfer._post()
+    return xfer
+
+
+def test_a_transfer_completes_on_the_loop_thread_without_a_worker_thread():
+    nixl = _Nixl()
+    xfer = _transfer(nixl)
+
+    async def main() -> TransferState:
+        poller = CompletionPoller()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.02, setattr, nixl, "finish", True)
+        state = await poller.wait(xfer, loop.time() + 10)
+        assert poller.waiting == 0
+        await poller.close()
+        return state
+
+    assert asyncio.run(main()) is TransferState.DONE
+    assert nixl.threads == {threading.get_ident()}  # every poll ran on the loop's own thread
+
+
+def test_a_failed_transfer_raises_its_typed_error():
+    nixl = _Nixl(outcome="ERR")
+    xfer = _transfer(nixl)
+    nixl.finish = True
+
+    async def main() -> None:
+        await CompletionPoller().wait(xfer, asyncio.get_running_loop().time() + 10)
+
+    with pytest.raises(TransferFailedError, match="ERR"):
+        asyncio.run(main())
+
+
+def test_the_deadline_raises_a_timeout_and_leaves_the_transfer_posted():
+    xfer = _transfer(_Nixl())
+
+    async def main() -> None:
+        poller = CompletionPoller()
+        try:
+            await poller.wait(xfer, asyncio.get_running_loop().time() + 0.01)
+        finally:
+            assert poller.waiting == 0  # the waiter is gone, the transfer is the caller's
+            await poller.close()
+
+    with pytest.raises(TransferTimeoutError, match="deadline"):
+        asyncio.run(main())
+    assert xfer.state is TransferState.POSTED
+
+
+def test_a_stalled_transfer_does_not_delay_another():
+    stalled, healthy = _Nixl(), _Nixl()
+    xs, xh = _transfer(stalled), _transfer(healthy)
+
+    async def main() -> None:
+        poller = CompletionPoller()
+        loop = asyncio.get_running_loop()
+        waiters = [asyncio.create_task(poller.wait(xs, loop.time() + 60)) for _ in range(50)]
+        loop.call_later(0.01, setattr, healthy, "finish", True)
+        assert await poller.wait(xh, loop.time() + 60) is TransferState.DONE
+        # Compared, not timed: the healthy one is done while all stalled waiters still wait.
+        assert not any(w.done() for w in waiters)
+        assert poller.waiting == 1
+        stalled.finish = True
+        assert set(await asyncio.gather(*waiters)) == {TransferState.DONE}
+        await poller.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.nixl
+def test_a_real_read_completes_through_the_poller(agent, peer, dst):
+    agent.add_remote(peer.metadata)
+    n = 1 << 20
+    xfer = agent.read(peer.name, np.array([[dst.base_addr, n]]),
+                      np.array([[peer.remote_base, n]]), b"done")  # fmt: skip
+
+    async def main() -> TransferState:
+        poller = CompletionPoller()
+        try:
+            return await poller.wait(xfer, asyncio.get_running_loop().time() + 30)
+        finally:
+            await poller.close()
+
+    try:
+        assert asyncio.run(main()) is TransferState.DONE
+    finally:
+        xfer.release()
+    got = dst.host_view()
+    assert np.array_equal(got[:n], peer.src.host_view()[:n])
+    assert (got[n:] == SENTINEL).all()
+    assert agent.live_handles().transfers == 0
