@@ -186,7 +186,10 @@ def test_tickets_for_another_prompt_are_refused(sims):
     resp = d.post(PATHS["completion"], _body("completion", LONG, kv_transfer_params=params))
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "kv_transfer_params.remote_block_ids"
-    _decode(d, "completion", SHORT, params)  # the right prompt still pulls (and releases)
+    # The refused request's tickets are declined: the prefill frees its blocks now, not at
+    # lease expiry; a fresh prefill of the right prompt then pulls (and releases) as usual.
+    wait_until(lambda: _all_free(p), what="prefill blocks back after the decline")
+    _decode(d, "completion", SHORT, _prefill(p, "completion", SHORT))
     wait_until(lambda: _all_free(p), what="prefill blocks back")
 
 
