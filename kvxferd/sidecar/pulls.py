@@ -281,8 +281,13 @@ class PullRunner:
             raise
         m.phase_duration.labels("claim").observe(time.monotonic() - t0)
         m.lease_headroom.observe(max(0.0, ticket.expires_at - time.time()))
-        # The claim's end, on our monotonic clock: the READ must be over by then.
-        claim_end = time.monotonic() + (claim.expires_at - time.time())
+        # The claim's end, on our monotonic clock: the READ must be over by then. The granted
+        # duration counts from before we sent the claim (no cross-host clock involved); an
+        # older peer without it gives only its absolute expiry.
+        if claim.claim_s > 0:
+            claim_end = t0 + claim.claim_s
+        else:
+            claim_end = time.monotonic() + (claim.expires_at - time.time())
 
         req = pull.request
         plan = descriptors.plan_pull(

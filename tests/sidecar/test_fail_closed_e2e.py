@@ -212,7 +212,8 @@ def test_sigstopped_prefill_mid_transfer_fails_without_leaking_a_handle(cluster)
 def test_a_reads_wait_ends_with_its_claim_not_with_a_longer_deadline(tmp_path):
     """A prefill that caps claims at 1 s, frozen mid-READ: the pull (deadline 60 s) fails as
     ``hold_expired`` -- its wait was bounded by the claim -- and leaves no handle."""
-    short = {**QUIET, "KVXFERD_MAX_LEASE_S": "1", "KVXFERD_DEFAULT_LEASE_S": "1"}
+    short = {**QUIET, "KVXFERD_MAX_LEASE_S": "1", "KVXFERD_DEFAULT_LEASE_S": "1",
+             "KVXFERD_MAX_CLAIM_S": "1"}  # fmt: skip
     p, d = start_sidecars(str(tmp_path), ["short-prefill", "short-decode"], env=short)
     pm, dm = plan(MODEL, num_blocks=BLOCKS + 1), plan(MODEL, num_blocks=BLOCKS + 1)
     ppool, dpool = EnginePool(pm), EnginePool(dm)
