@@ -22,6 +22,10 @@ HTTP_SERVER_KEEPALIVE_S = 30.0
 HTTP_CLIENT_KEEPALIVE_S = 4.0
 """Idle keep-alive of kvxferd's HTTP clients: below every server's (uvicorn's default is 5 s),
 so a client never reuses a connection the server is closing."""
+FRONT_DOOR_MAX_CONNECTIONS = 1024
+"""Default connection cap of the OpenAI-compatible listeners (``kvxferd sim``, ``proxy``)."""
+FRONT_DOOR_MAX_BODY_BYTES = 32 << 20
+"""Default body limit of the OpenAI-compatible listeners: chat requests can be large."""
 
 
 _LIMITS = ("engine_max_connections", "peer_max_connections", "max_header_bytes", "max_body_bytes",

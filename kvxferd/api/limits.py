@@ -18,7 +18,8 @@ connections between requests. What it lacks we add:
   the connection.
 
 Each listener is its own uvicorn server with its own cap, so a flood of the peer port never
-takes the engine socket's capacity.
+takes the engine socket's capacity. The OpenAI front doors (``kvxferd sim``, ``kvxferd proxy``)
+use the same pieces with their own limits and an OpenAI-shaped ``error_body``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+ErrorBodyFn = Callable[[int, str, str], bytes]
+"""``(status, error, detail)`` to the JSON body of a refusal (``error`` names it, e.g.
+``PayloadTooLarge``)."""
+
+
+def kvxferd_error_body(status: int, error: str, detail: str) -> bytes:
+    """The sidecar APIs' refusal body: an ErrorBody."""
+    return msgspec.json.encode(ErrorBody(error=error, detail=detail))
 
 
 @dataclass(frozen=True)
@@ -130,12 +139,21 @@ class BodyLimit:
     such a request."""
 
     def __init__(
-        self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float, max_header_bytes: int
-    ) -> None:
+        self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float, max_header_bytes: int,
+        error_body: ErrorBodyFn = kvxferd_error_body,
+    ) -> None:  # fmt: skip
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.max_header_bytes = max_header_bytes
+        self.error_body = error_body
+
+    @classmethod
+    def of(cls, app: ASGIApp, limits: EdgeLimits, error_body: ErrorBodyFn = kvxferd_error_body
+           ) -> BodyLimit:  # fmt: skip
+        """``app`` behind the size and time limits of one listener."""
+        return cls(app, limits.max_body_bytes, limits.body_timeout_s, limits.max_header_bytes,
+                   error_body)  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -144,11 +162,11 @@ class BodyLimit:
         head = sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
         if head > self.max_header_bytes:
             detail = f"request headers of {head} bytes exceed the limit of {self.max_header_bytes}"
-            await _reject(send, 431, "HeadersTooLarge", detail)
+            await self._reject(send, 431, "HeadersTooLarge", detail)
             return
         announced = _content_length(scope)
         if announced is not None and announced > self.max_body_bytes:
-            await _reject(send, 413, "PayloadTooLarge", self._too_large(f"{announced}"))
+            await self._reject(send, 413, "PayloadTooLarge", self._too_large(f"{announced}"))
             return
         chunks: list[bytes] = []
         size = 0
@@ -161,14 +179,15 @@ class BodyLimit:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > self.max_body_bytes:
-                        await _reject(send, 413, "PayloadTooLarge", self._too_large(f"> {size}"))
+                        detail = self._too_large(f"> {size}")
+                        await self._reject(send, 413, "PayloadTooLarge", detail)
                         return
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
             detail = f"the request body did not arrive within {self.body_timeout_s:g} s"
-            await _reject(send, 408, "RequestTimeout", detail)
+            await self._reject(send, 408, "RequestTimeout", detail)
             return
         body = b"".join(chunks)
         replayed = False
@@ -181,6 +200,9 @@ class BodyLimit:
             return await receive()  # later calls wait for the disconnect, as usual
 
         await self.app(scope, replay, send)
+
+    async def _reject(self, send: Send, status: int, error: str, detail: str) -> None:
+        await _reject(send, status, self.error_body(status, error, detail))
 
     def _too_large(self, size: str) -> str:
         return f"request body of {size} bytes is larger than the limit of {self.max_body_bytes}"
@@ -196,9 +218,8 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-async def _reject(send: Send, status: int, error: str, detail: str) -> None:
-    """An ErrorBody answer that closes the connection (its unread body is never read)."""
-    body = msgspec.json.encode(ErrorBody(error=error, detail=detail))
+async def _reject(send: Send, status: int, body: bytes) -> None:
+    """A refusal that closes the connection (its unread body is never read)."""
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from kvxferd.commands.edge import add_limit_flags, limits_from_args
 from kvxferd.errors import ConfigError
 
 
@@ -55,6 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--generation-timeout", type=float, default=600.0, metavar="S",
                    help="first-byte bound of a non-streaming decode, whose first byte is its "
                    "whole answer: the longest generation (default 600)")  # fmt: skip
+    add_limit_flags(p)
     p.add_argument("--log-level", default="warning", metavar="LEVEL",
                    help="debug, info, warning, error")  # fmt: skip
     p.set_defaults(func=run)
@@ -72,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')}: must be > 0, got {value}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: {args.port} is not a TCP port")
+    limits = limits_from_args(args)
     RoundRobin("prefill", args.prefill)  # validates the URLs before binding anything
     RoundRobin("decode", args.decode)
     setup_logging(args.log_level)
@@ -84,5 +87,5 @@ def run(args: argparse.Namespace) -> int:
         idle_s=args.idle_timeout,
         generation_s=args.generation_timeout,
     )
-    asyncio.run(serve_proxy(settings, args.host, args.port, args.log_level))
+    asyncio.run(serve_proxy(settings, args.host, args.port, args.log_level, limits))
     return 0

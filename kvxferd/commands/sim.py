@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from kvxferd.commands.edge import add_limit_flags, limits_from_args
 from kvxferd.layout import preset_names
 
 
@@ -64,6 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    "survive restarts; loaded bytes are verified)")  # fmt: skip
     p.add_argument("--store-chunk-tokens", type=int, default=64, metavar="N",
                    help="tokens per store chunk (default 64)")  # fmt: skip
+    add_limit_flags(p)
     p.add_argument("--log-level", default="info", metavar="LEVEL",
                    help="debug, info, warning, error")  # fmt: skip
     p.set_defaults(func=run)
@@ -74,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from kvxferd.cli import setup_logging
     from kvxferd.sim.server import SimOptions, run_sim
 
+    limits = limits_from_args(args)
     setup_logging(args.log_level)
     if logging.getLogger().level <= logging.INFO:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per sidecar call
@@ -96,5 +99,6 @@ def run(args: argparse.Namespace) -> int:
             sidecar_sockets=tuple(args.sidecar_sockets),
             store_dir=args.store,
             store_chunk_tokens=args.store_chunk_tokens,
+            limits=limits,
         )
     )

@@ -3,6 +3,8 @@ sidecar per rank, serve HTTP, print the ready line, and on SIGINT/SIGTERM undo a
 it attached to keep running) and exit 0.
 
 Ready line (stdout, once): ``kvxferd sim ready url=http://HOST:PORT role=ROLE tp=N model=NAME``.
+The HTTP listener has the proxy's front-door limits (connections, head and body sizes, read
+timeouts; ``SimOptions.limits``).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from types import FrameType
 
 import uvicorn
 
+from kvxferd.api.limits import EdgeLimits
 from kvxferd.api.sockets import bind_tcp
-from kvxferd.config import HTTP_SERVER_KEEPALIVE_S
 from kvxferd.errors import ConfigError
 from kvxferd.layout import PlanOptions, load_hf_config
+from kvxferd.proxy.server import FRONT_DOOR_LIMITS, front_door_config
 from kvxferd.sim.app import sim_app
 from kvxferd.sim.engine import EngineSettings, PullFailurePolicy, Role, SimEngine
 from kvxferd.sim.kvpool import RankPool, default_pool_blocks, plan_ranks
@@ -70,6 +73,8 @@ class SimOptions:
     """Prefill: the sidecars' store directory (a prefix-cache tier across restarts); "" = none."""
     store_chunk_tokens: int = 64
     """Tokens per store chunk (--store-chunk-tokens of the sidecars)."""
+    limits: EdgeLimits = FRONT_DOOR_LIMITS
+    """Connection cap, head and body sizes and read timeouts of the HTTP listener."""
 
 
 class _Server(uvicorn.Server):
@@ -212,10 +217,9 @@ async def _serve(
         peer=sidecars[0].peer if sidecars else "",
         alive=alive,
     )
-    server = _Server(uvicorn.Config(sim_app(engine, model), log_level=opts.log_level.lower(),
-                                    access_log=False, lifespan="off",
-                                    timeout_keep_alive=HTTP_SERVER_KEEPALIVE_S,
-                                    timeout_graceful_shutdown=5))  # fmt: skip
+    server = _Server(front_door_config(sim_app(engine, model), opts.limits, "sim",
+                                       log_level=opts.log_level.lower(), lifespan="off",
+                                       timeout_graceful_shutdown=5))  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import queue
 import signal
@@ -10,7 +11,11 @@ import sys
 import threading
 
 import httpx
+import pytest
 
+from kvxferd.api.limits import EdgeLimits
+from kvxferd.commands.edge import add_limit_flags, limits_from_args
+from kvxferd.errors import ConfigError
 from tests.proxy.fakes import FakeBackend, fake_app, free_port, serve_app
 
 READY_TIMEOUT_S = 60.0
@@ -57,3 +62,39 @@ def test_bad_backend_url_is_a_clear_error() -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "--prefill: 'localhost:8100' is not an http(s) URL" in done.stderr
+
+
+def _limits(argv: list[str], env: dict[str, str]) -> EdgeLimits:
+    parser = argparse.ArgumentParser()
+    add_limit_flags(parser)
+    return limits_from_args(parser.parse_args(argv), env)
+
+
+def test_edge_limits_come_from_flags_then_the_shared_env_then_front_door_defaults() -> None:
+    assert _limits([], {}) == EdgeLimits(1024, 16384, 32 << 20, 10.0, 30.0)
+    env = {"KVXFERD_BODY_TIMEOUT_S": "5", "KVXFERD_HEADER_TIMEOUT_S": "4",
+           "KVXFERD_MAX_HEADER_BYTES": "8192", "KVXFERD_MAX_BODY_BYTES": "1"}  # fmt: skip
+    got = _limits(["--body-timeout", "2", "--max-connections", "9"], env)
+    # the sidecar's body limit is not the front door's: KVXFERD_MAX_BODY_BYTES is not read
+    assert got == EdgeLimits(9, 8192, 32 << 20, 4.0, 2.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "names"),
+    [(["--max-body-bytes", "0"], {}, "--max-body-bytes"),
+     ([], {"KVXFERD_BODY_TIMEOUT_S": "-1"}, "KVXFERD_BODY_TIMEOUT_S"),
+     ([], {"KVXFERD_HEADER_TIMEOUT_S": "soon"}, "KVXFERD_HEADER_TIMEOUT_S")],
+)  # fmt: skip
+def test_a_limit_that_is_not_positive_is_a_config_error_naming_its_source(argv, env, names):
+    with pytest.raises(ConfigError, match=names):
+        _limits(argv, env)
+
+
+def test_a_bad_limit_flag_is_a_clear_error() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvxferd", "proxy", "--prefill", "http://127.0.0.1:1",
+         "--decode", "http://127.0.0.1:1", "--port", "0", "--max-connections", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--max-connections: must be > 0, got 0" in done.stderr
