@@ -41,7 +41,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 from benchlib import report  # noqa: E402
 
 from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest, request_blocks  # noqa: E402
-from kvxferd.pattern import verify_pattern, write_pattern  # noqa: E402
+from kvxferd.pattern import verify_token_pattern, write_token_pattern  # noqa: E402
 from kvxferd.sim.storecache import poison  # noqa: E402
 from kvxferd.store import Store, chunk_keys  # noqa: E402
 from kvxferd.store.pool import BufferPool  # noqa: E402
@@ -96,7 +96,7 @@ def run_case(name: str, tokens: int, args, root: str) -> dict:  # noqa: ANN001
     src = [np.zeros(r.size_bytes, dtype=np.uint8) for r in m.regions]
     dst = [np.zeros(r.size_bytes, dtype=np.uint8) for r in m.regions]
     ids = _request(m, tokens)
-    write_pattern(m, src, ids, SEED)
+    write_token_pattern(m, src, ids, tokens, SEED)
     keys = chunk_keys(list(range(tokens)), args.chunk, name.encode())
     files_dir = os.path.join(root, f"{name}-{tokens}")
     state: dict = {}
@@ -123,7 +123,7 @@ def run_case(name: str, tokens: int, args, root: str) -> dict:  # noqa: ANN001
 
     reopen()
     load()
-    if verify_pattern(m, dst, ids, SEED) is not None:
+    if verify_token_pattern(m, dst, ids, tokens, SEED) is not None:
         raise BenchError(f"{name} {tokens}: the file tier loaded wrong bytes")
     load_file = _median_gbps(payload, load, reopen, args)
 
@@ -132,7 +132,7 @@ def run_case(name: str, tokens: int, args, root: str) -> dict:  # noqa: ANN001
     save_dram = _median_gbps(payload, save, state["store"].dram.clear, args)
     poison(m, dst, ids, SEED, tokens)
     load()
-    if verify_pattern(m, dst, ids, SEED) is not None:
+    if verify_token_pattern(m, dst, ids, tokens, SEED) is not None:
         raise BenchError(f"{name} {tokens}: the DRAM tier loaded wrong bytes")
     load_dram = _median_gbps(payload, load, lambda: None, args)
 
