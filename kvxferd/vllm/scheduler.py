@@ -31,6 +31,17 @@ class HoldOrder:
     hold_id: str
     block_ids: list[list[int]]
     num_tokens: int
+    minted: list[tuple[int, int]] = field(default_factory=list)
+    """Per rank, the (epoch, generation) its ticket names: a worker whose sidecar differs
+    (restarted, re-registered) reports the rank stale and frees the blocks."""
+
+
+@dataclass
+class Decline:
+    """Tickets a decode will not read (the workers send one decline for them)."""
+
+    tickets: list[dict[str, Any]]
+    reason: str
 
 
 @dataclass
@@ -49,7 +60,7 @@ class StepOrders:
 
     holds: list[HoldOrder] = field(default_factory=list)
     pulls: list[PullOrder] = field(default_factory=list)
-    declines: list[list[dict[str, Any]]] = field(default_factory=list)
+    declines: list[Decline] = field(default_factory=list)
 
 
 def live_ids(ids: list[int]) -> list[int]:
@@ -96,10 +107,16 @@ class SchedulerSide:
         self._loads: dict[str, int] = {}  # request id -> external tokens to load
 
     def identities(self) -> list[Identity]:
-        """Each prefill rank's sidecar identity (read once; again after a re-registration)."""
+        """Each prefill rank's sidecar identity (read once; again after a rank went stale)."""
         if self._known is None:
             self._known = self._identities()
         return self._known
+
+    def stale(self, ranks: set[int]) -> None:
+        """Workers found these ranks' sidecars restarted or re-registered: re-read the
+        identities before the next ticket is minted (off the per-request path until then)."""
+        if ranks:
+            self._known = None
 
     # ---------------------------------------------------------------- decode side
 
@@ -136,11 +153,14 @@ class SchedulerSide:
         )
 
     def decline(self, request: Any) -> None:
-        """A decode that will not read releases the prefill's holds at once."""
+        """A decode that will not read (aborted, rejected) releases the prefill's holds at once:
+        a worker sends the decline in the next step."""
         params = request.kv_transfer_params or {}
         tickets = params.get("kvxferd_tickets")
         if tickets and params.get("do_remote_prefill", True):
-            self.orders.declines.append(tickets)
+            status = getattr(request.status, "name", str(request.status))
+            reason = "aborted" if status == "FINISHED_ABORTED" else "rejected"
+            self.orders.declines.append(Decline(tickets, reason))
 
     # ---------------------------------------------------------------- prefill side
 
@@ -179,7 +199,8 @@ class SchedulerSide:
                 generation=ident.generation,
             )
             tickets.append(msgspec.to_builtins(sign_ticket(ticket, self._secret)))
-        self.orders.holds.append(HoldOrder(request.request_id, hold_id, ids, num_tokens))
+        minted = [(i.epoch, i.generation) for i in self.identities()]
+        self.orders.holds.append(HoldOrder(request.request_id, hold_id, ids, num_tokens, minted))
         first = self.identities()[0]
         return True, {
             "do_remote_prefill": True,

@@ -1,8 +1,9 @@
 """The worker side of the connector: one kvxferd sidecar per rank, driven over the engine API.
 
 Registers vLLM's one backing allocation as many regions (a POSIX shared-memory segment on CPU,
-a CUDA IPC handle on GPU), places the holds the scheduler minted, starts the pulls, and turns
-pull outcomes and hold releases into vLLM's per-step ``get_finished`` answer.
+a CUDA IPC handle on GPU), places the holds the scheduler minted, starts the pulls, sends
+declines, and turns the sidecar's finished-pulls and released-holds feeds into vLLM's per-step
+``get_finished`` answer (one local call per feed per step, only while something is outstanding).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from kvxferd.vllm.manifest import backing_allocation, vllm_manifest
 from kvxferd.vllm.scheduler import StepOrders
 from kvxferd.wire import (
     CudaRegionSpec,
-    DeclineRequest,
     HoldRequest,
     PullRequest,
     RegionSpec,
@@ -27,6 +27,8 @@ from kvxferd.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+_MAX_PAGES = 64  # feed pages read per step (each bounded by the sidecar); the rest next step
 
 
 def shm_segment(address: int) -> tuple[str, int, int] | None:
@@ -49,9 +51,10 @@ class WorkerSide:
         self.generation = -1
         self.manifest: Any = None  # what was registered (offsets from the segment start)
         self._pulls: dict[str, str] = {}  # pull id -> request id
-        self._pull_blocks: dict[str, list[list[int]]] = {}
         self._holds: dict[str, str] = {}  # request id -> hold id
-        self._cursor = 0
+        self._cursor = 0  # released-holds feed
+        self._pull_cursor = 0  # finished-pulls feed
+        self._stale = False  # a minted ticket named another epoch/generation than our sidecar
         self._load_errors: set[int] = set()
         self._ipc: Any = None  # the exported CUDA IPC region, kept open while registered
         self._refused: set[str] = set()  # pulls the sidecar refused: finished, with errors
@@ -94,12 +97,13 @@ class WorkerSide:
         resp = self.client.register(manifest, [source])
         self.manifest = manifest
         self.generation = resp.generation
+        self._stale = True  # a new generation: tickets minted before it can no longer be claimed
 
     def run(self, orders: StepOrders) -> None:
         """Place this step's holds, start its pulls, send its declines."""
         for h in orders.holds:
             try:
-                self.client.hold(
+                placed = self.client.hold(
                     HoldRequest(
                         request_id=h.request_id,
                         block_ids=h.block_ids,
@@ -109,6 +113,15 @@ class WorkerSide:
                 )
             except KvxferdError as exc:  # no hold: nobody can read, so free the blocks now
                 log.warning("hold for %s refused: %s", h.request_id, exc)
+                self._unheld.add(h.request_id)
+                continue
+            if h.minted and h.minted[self.tp_rank] != (placed.epoch, placed.generation):
+                # The ticket names an epoch/generation this sidecar no longer has: no claim can
+                # match it, so give the hold up now and have the scheduler re-read identities.
+                log.warning("ticket for %s is stale (sidecar restarted or re-registered)",
+                            h.request_id)  # fmt: skip
+                self._stale = True
+                self._give_up(h.hold_id)
                 self._unheld.add(h.request_id)
                 continue
             self._holds[h.request_id] = h.hold_id
@@ -128,31 +141,55 @@ class WorkerSide:
                 self._refused.add(p.request_id)
                 continue
             self._pulls[accepted.pull_id] = p.request_id
-            self._pull_blocks[accepted.pull_id] = p.block_ids
-        for tickets in orders.declines:
-            decline = getattr(self.client, "decline", None)  # issue 10 adds it
-            if decline is not None:
-                decline([Ticket(**t) for t in tickets], "rejected")
+        if orders.declines and self.tp_rank == 0:  # one decline covers every prefill rank
+            tickets = [Ticket(**t) for d in orders.declines for t in d.tickets]
+            reasons = ",".join(sorted({d.reason for d in orders.declines}))
+            try:
+                resp = self.client.decline(tickets, reasons)
+            except KvxferdError as exc:  # the holds then end with their lease
+                log.warning("decline of %d tickets failed: %s", len(tickets), exc)
+            else:
+                if resp.busy or resp.unanswered:
+                    log.info("decline: %d busy, %d unanswered", len(resp.busy),
+                             len(resp.unanswered))  # fmt: skip
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """(requests whose holds ended, requests whose pulls ended) since the last step."""
+        """(requests whose holds ended, requests whose pulls ended) since the last step: one
+        read of each feed, and only while a pull or a hold is outstanding."""
         recving, self._refused = self._refused, set()
-        for pull_id, request_id in list(self._pulls.items()):
-            status = self.client.pull_status(pull_id)
-            if status.state in ("done", "failed"):
-                del self._pulls[pull_id]
-                blocks = self._pull_blocks.pop(pull_id)
-                if status.state == "failed":
-                    self._load_errors.update(b for g in blocks for b in g if b >= 0)
+        for _ in range(_MAX_PAGES if self._pulls else 0):
+            page = self.client.finished_pulls(self._pull_cursor)
+            self._pull_cursor = page.cursor
+            for f in page.pulls:
+                request_id = self._pulls.pop(f.pull_id, None)
+                if request_id is None:
+                    continue  # another engine's pull, or one before a restart
+                self._load_errors.update(b for g in f.failed_block_ids for b in g if b >= 0)
                 recving.add(request_id)
+            if not page.more or not self._pulls:
+                break
         sending, self._unheld = self._unheld, set()
-        if self._holds:
+        for _ in range(_MAX_PAGES if self._holds else 0):
             feed = self.client.released(self._cursor)
             self._cursor = feed.cursor
             for rel in feed.holds:
                 if self._holds.pop(rel.request_id, None) is not None:
                     sending.add(rel.request_id)
+            if not feed.more or not self._holds:
+                break
         return sending or None, recving or None
+
+    def take_stale(self) -> bool:
+        """Whether a hold placed since the last call named a stale epoch/generation."""
+        stale, self._stale = self._stale, False
+        return stale
+
+    def _give_up(self, hold_id: str) -> None:
+        """Abort a hold nobody can claim (its release is not waited for: freed at once)."""
+        try:
+            self.client.abort(hold_id)
+        except KvxferdError as exc:
+            log.warning("abort of stale hold %s failed (it will expire): %s", hold_id, exc)
 
     def load_errors(self) -> set[int]:
         """Local block ids whose pull failed since the last call (vLLM recomputes them)."""
@@ -179,4 +216,4 @@ def _shift(manifest: Any, lead: int, mem: str, device: int) -> Any:
     return msgspec.structs.replace(manifest, regions=regions)
 
 
-__all__ = ["DeclineRequest", "WorkerSide", "shm_segment"]
+__all__ = ["WorkerSide", "shm_segment"]

@@ -5,58 +5,16 @@ nothing outside the pulled blocks changes."""
 
 from __future__ import annotations
 
-import uuid
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
-import torch
 
 from kvxferd import pattern
-from kvxferd.memory import SharedMemoryRegion
-from kvxferd.vllm.connector import KvxferdConnector, KvxferdMetadata
 from kvxferd.vllm.scheduler import SchedulerSide
-from tests.sidecar.harness import SENTINEL, TOKEN, changed_outside, start_sidecars, wait_until
+from tests.sidecar.harness import TOKEN, changed_outside, start_sidecars, wait_until
+from tests.vllm.ranks import Rank
 
 pytestmark = pytest.mark.nixl
-
-
-class Rank:
-    """One engine rank: vLLM's views over a shm segment and its connector (worker role)."""
-
-    def __init__(self, engine, layout: str, sidecar) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-        from kvxferd.vllm import cpu
-
-        size = engine.kv_cache_config.kv_cache_tensors[0].size
-        self.shm = SharedMemoryRegion.create(f"kvx-vllm-{uuid.uuid4().hex[:8]}", size)
-        self.shm.host_view()[:] = SENTINEL
-        buf = torch.frombuffer(self.shm.host_view(), dtype=torch.int8)
-        self.views = cpu.allocate(engine, layout, buffer=buf)
-        extra = engine.config.kv_transfer_config.kv_connector_extra_config
-        extra["sidecar_socket"] = sidecar.socket
-        self.connector = KvxferdConnector(
-            engine.config, KVConnectorRole.WORKER, engine.kv_cache_config
-        )
-        self.connector.register_kv_caches(self.views)
-        self.manifest = self.connector._worker.manifest
-
-    def arrays(self) -> list[np.ndarray]:
-        host = self.shm.host_view()
-        return [
-            host[r.source_offset : r.source_offset + r.size_bytes] for r in self.manifest.regions
-        ]
-
-    def step(self, orders) -> tuple:
-        self.connector.bind_connector_metadata(KvxferdMetadata(orders))
-        self.connector.start_load_kv(None)
-        self.connector.clear_connector_metadata()
-        return self.connector.get_finished(set())
-
-    def close(self) -> None:
-        self.connector.shutdown()
-        self.shm.close()
 
 
 def _ids(engine, first: int, n_tokens: int) -> list[list[int]]:
