@@ -14,9 +14,10 @@ from tests.sidecar.harness import SENTINEL
 
 
 class Rank:
-    """One engine rank: vLLM's views over a shm segment and its connector (worker role)."""
+    """One engine rank (``tp_rank`` of the engine's TP size): vLLM's views over a shm segment and
+    its connector (worker role)."""
 
-    def __init__(self, engine, layout: str, sidecar) -> None:
+    def __init__(self, engine, layout: str, sidecar, tp_rank: int = 0) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         from kvxferd.vllm import cpu
@@ -28,9 +29,10 @@ class Rank:
         self.views = cpu.allocate(engine, layout, buffer=buf)
         extra = engine.config.kv_transfer_config.kv_connector_extra_config
         extra["sidecar_socket"] = sidecar.socket
-        self.connector = KvxferdConnector(
-            engine.config, KVConnectorRole.WORKER, engine.kv_cache_config
-        )
+        with cpu.tp_rank(engine.config.parallel_config.tensor_parallel_size, tp_rank):
+            self.connector = KvxferdConnector(
+                engine.config, KVConnectorRole.WORKER, engine.kv_cache_config
+            )
         self.connector.register_kv_caches(self.views)
         self.manifest = self.connector._worker.manifest
 

@@ -131,3 +131,87 @@ def test_a_pull_that_cannot_complete_reports_its_blocks_as_load_errors(engines, 
                 rank.close()
         p_side.stop()
         d_side.stop()
+
+
+@pytest.mark.parametrize(
+    "model,p_tp,d_tp", [("dense", 2, 1), ("dense", 1, 2), ("nemotron-h", 2, 1)]
+)
+def test_heterogeneous_tp_moves_every_head_byte_exact(engines, model, p_tp, d_tp, tmp_path):
+    """Each rank beside its own sidecar: TP 2 -> 1 (one decode rank reads both prefill ranks'
+    heads) and TP 1 -> 2 (each decode rank reads its half; the prefill hold ends once both
+    have read). vLLM's Mamba conv state interleaves its sections per rank (SD), so a hybrid
+    model cannot change TP: the pull fails closed (``incompatible``) and vLLM recomputes."""
+    layout = "LBHNC"
+    p_eng = engines(model, layout, num_blocks=24, tp_size=p_tp)
+    d_eng = engines(model, layout, num_blocks=24, tp_size=d_tp)
+    names = [f"p{r}" for r in range(p_tp)] + [f"d{r}" for r in range(d_tp)]
+    sides = start_sidecars(str(tmp_path), names)
+    ranks: list[Rank] = []
+    try:
+        prefill = [Rank(p_eng, layout, sides[r], tp_rank=r) for r in range(p_tp)]
+        ranks += prefill
+        decode = [Rank(d_eng, layout, sides[p_tp + r], tp_rank=r) for r in range(d_tp)]
+        ranks += decode
+        idents = []
+        for side in sides[:p_tp]:
+            with side.client() as c:
+                idents.append(c.identity())
+        hybrid = p_eng.config.model_config.is_hybrid
+        sched = SchedulerSide(
+            engine_id="P",
+            tp_size=p_tp,
+            secret=TOKEN.encode(),
+            identities=lambda: idents,
+            block_size=p_eng.config.cache_config.block_size,
+            partial_prefill=hybrid,
+        )
+        n = 300
+        p_ids = _ids(p_eng, 1, n)
+        request = SimpleNamespace(
+            request_id="r1",
+            prompt_token_ids=list(range(n)),
+            kv_transfer_params={"do_remote_decode": True},
+            status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
+        )
+        _delay, params = sched.finished(request, tuple(p_ids))
+        assert [t["tp_rank"] for t in params["kvxferd_tickets"]] == list(range(p_tp))
+        held = [[b for b in g if b] for g in p_ids]
+        orders = sched.take_orders()
+        for rank in prefill:
+            pattern.write_pattern(rank.manifest, rank.arrays(), held, seed=23)
+            assert rank.step(orders) == (None, None)
+
+        d_ids = _ids(d_eng, 7, n)
+        wanted = [[b for b in g if b] for g in d_ids]
+        before = [[a.copy() for a in rank.arrays()] for rank in decode]
+        dreq = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(n)),
+                               kv_transfer_params=dict(params))  # fmt: skip
+        count, _ = sched.matched_tokens(dreq, 0)
+        sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: d_ids), count)
+        orders = sched.take_orders()
+        for rank in decode:
+            rank.step(orders)
+        for i, rank in enumerate(decode):
+            got = wait_until(lambda r=rank: r.step(type(orders)())[1], 60, f"decode rank {i}")
+            assert got == {"d1"}
+            errors = rank.connector.get_block_ids_with_load_errors()
+            if hybrid:  # refused before any READ: nothing written, vLLM recomputes every block
+                assert errors == {b for g in wanted for b in g}
+                assert (
+                    changed_outside(before[i], rank.arrays(), rank.manifest, [[] for _ in wanted])
+                    == 0
+                )
+                continue
+            assert errors == set()
+            assert pattern.verify_pattern(rank.manifest, rank.arrays(), wanted, seed=23) is None
+            assert changed_outside(before[i], rank.arrays(), rank.manifest, wanted) == 0
+        if hybrid:
+            return
+        for i, rank in enumerate(prefill):  # every reader notified: each rank frees once
+            sending = wait_until(lambda r=rank: r.step(type(orders)())[0], 30, f"release {i}")
+            assert sending == {"r1"}
+    finally:
+        for rank in ranks:
+            rank.close()
+        for side in sides:
+            side.stop()
