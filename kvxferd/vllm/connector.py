@@ -43,6 +43,16 @@ class KvxferdWorkerMetadata(KVConnectorWorkerMetadata):
         return KvxferdWorkerMetadata(self.stale_ranks | ranks)
 
 
+def _group_kinds(kv_cache_config: Any) -> list[str] | None:
+    """ "mamba" or "attention" per KV-cache group (None without a kv-cache config)."""
+    if kv_cache_config is None:
+        return None
+    return [
+        "mamba" if type(g.kv_cache_spec).__name__ == "MambaSpec" else "attention"
+        for g in kv_cache_config.kv_cache_groups
+    ]
+
+
 def _secret(extra: dict[str, Any]) -> bytes:
     path = extra.get("peer_token_file") or os.environ.get("KVXFERD_PEER_TOKEN_FILE")
     if path:
@@ -70,6 +80,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
                 identities=lambda: self._read_identities(tp_size),
                 block_size=vllm_config.cache_config.block_size,
                 partial_prefill=bool(extra.get("partial_prefill", hybrid)),
+                group_kinds=_group_kinds(kv_cache_config),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -43,11 +43,14 @@ def engine_config(
     kv_role: str = "kv_both",
     engine_id: str | None = None,
     tp_size: int = 1,
+    block_size: int | None = None,
 ) -> VllmConfig:
-    """A VllmConfig for ``model_dir/config.json`` with the kvxferd connector configured."""
+    """A VllmConfig for ``model_dir/config.json`` with the kvxferd connector configured
+    (``block_size`` None: the platform's choice)."""
     args = EngineArgs(
         model=model_dir,
         tensor_parallel_size=tp_size,
+        block_size=block_size,
         skip_tokenizer_init=True,
         load_format="dummy",
         max_model_len=max_model_len,

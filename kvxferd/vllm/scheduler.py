@@ -71,7 +71,7 @@ def live_ids(ids: list[int]) -> list[int]:
 def local_targets(remote: list[list[int]], local: list[list[int]], skip: int) -> list[list[int]]:
     """Per group, the local blocks aligned with the remote ones (both from the end, so a Mamba
     group's running state meets its state block); -1 for the first ``skip`` attention blocks
-    the decode already holds (prefix-cache hit)."""
+    the decode already holds (prefix-cache hit). Equal block sizes: ids pair one to one."""
     out = []
     for r, loc in zip(remote, local, strict=True):
         mine = live_ids(loc)[-len(r) :] if r else []
@@ -80,6 +80,25 @@ def local_targets(remote: list[list[int]], local: list[list[int]], skip: int) ->
         if len(r) > 1 and skip:
             mine = [-1] * min(skip, len(r)) + mine[skip:]
         out.append(mine)
+    return out
+
+
+def reblock_targets(
+    kinds: list[str], local: list[list[int]], num_tokens: int, block_size: int, done: int
+) -> list[list[int]]:
+    """Per group, the decode's own ids when its block size differs from the prefill's (the
+    sidecar maps tokens, docs/reblocking.md): attention, the request's blocks from the first in
+    position (null or already computed: -1) up to the one holding token ``num_tokens - 1``;
+    Mamba, the running-state block."""
+    need = -(-num_tokens // block_size)
+    skip = done // block_size
+    out = []
+    for kind, loc in zip(kinds, local, strict=True):
+        if kind == "mamba":
+            out.append(live_ids(loc)[-1:])
+            continue
+        ids = list(loc[:need])
+        out.append([-1 if k < skip or b == NULL_BLOCK else b for k, b in enumerate(ids)])
     return out
 
 
@@ -95,6 +114,7 @@ class SchedulerSide:
         identities: Callable[[], list[Identity]],
         block_size: int,
         partial_prefill: bool,
+        group_kinds: list[str] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.tp_size = tp_size
@@ -102,6 +122,7 @@ class SchedulerSide:
         self._identities = identities
         self._known: list[Identity] | None = None
         self.block_size = block_size
+        self.group_kinds = group_kinds  # "mamba" or "attention" per KV-cache group
         self.partial_prefill = partial_prefill  # Mamba: the decode recomputes the last token
         self.orders = StepOrders()
         self._loads: dict[str, int] = {}  # request id -> external tokens to load
@@ -142,7 +163,12 @@ class SchedulerSide:
         local_done = max(0, remote_num - num_external)
         remote_ids = tickets[0]["block_ids"]
         local = [list(g) for g in blocks.get_block_ids()]
-        targets = local_targets(remote_ids, local, local_done // self.block_size)
+        theirs = int(params.get("remote_block_size", self.block_size))
+        if theirs != self.block_size:  # re-blocking: the sidecar maps token ranges
+            kinds = self.group_kinds or ["attention" if len(r) > 1 else "mamba" for r in remote_ids]
+            targets = reblock_targets(kinds, local, remote_num, self.block_size, local_done)
+        else:
+            targets = local_targets(remote_ids, local, local_done // self.block_size)
         self.orders.pulls.append(
             PullOrder(
                 request_id=request.request_id,
@@ -212,6 +238,7 @@ class SchedulerSide:
             "remote_request_id": request.request_id,
             "tp_size": self.tp_size,
             "remote_num_tokens": num_tokens,
+            "remote_block_size": self.block_size,
             "remote_blocks_expiry_time": now + first.default_lease_s,
             "remote_registration_generation": first.generation,
             "kvxferd_tickets": tickets,

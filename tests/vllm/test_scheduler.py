@@ -138,3 +138,14 @@ def test_a_decode_prefix_cache_hit_pulls_only_the_blocks_it_lacks(engines, model
             assert len(local) == 1 and local[0] > 0
         else:
             assert local[:2] == [-1, -1] and all(b > 0 for b in local[2:]), local
+
+
+def test_reblocking_targets_name_the_decode_blocks_by_position():
+    from kvxferd.vllm.scheduler import reblock_targets
+
+    # 300 tokens at block size 64 need 5 blocks; the first 128 tokens are a prefix-cache hit
+    # (-1), a sliding window's freed block is null (-1), Mamba keeps its state block only.
+    kinds = ["attention", "attention", "mamba"]
+    local = [[4, 5, 6, 7, 8, 9], [0, 0, 11, 12, 13, 14], [0, 0, 0, 0, 0, 21]]
+    out = reblock_targets(kinds, local, num_tokens=300, block_size=64, done=128)
+    assert out == [[-1, -1, 6, 7, 8], [-1, -1, 11, 12, 13], [21]]

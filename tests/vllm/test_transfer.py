@@ -215,3 +215,65 @@ def test_heterogeneous_tp_moves_every_head_byte_exact(engines, model, p_tp, d_tp
             rank.close()
         for side in sides:
             side.stop()
+
+
+@pytest.mark.parametrize("p_bs,d_bs", [(128, 64)])
+def test_different_block_sizes_fail_closed_and_vllm_recomputes(engines, p_bs, d_bs, tmp_path):
+    """The decode names its own blocks at its own block size (what re-blocking needs), but the
+    sidecars do not map vLLM's packed K|V token rows between block sizes yet
+    (kvxferd.descriptors.mapping): the pull fails ``incompatible`` before any READ, nothing is
+    written, and every block is a load error (vLLM recomputes)."""
+    from kvxferd.vllm.scheduler import StepOrders
+
+    layout = "LBHNC"
+    p_eng = engines("dense", layout, num_blocks=24, block_size=p_bs)
+    d_eng = engines("dense", layout, num_blocks=24, block_size=d_bs)
+    assert p_eng.config.cache_config.block_size == p_bs
+    assert d_eng.config.cache_config.block_size == d_bs
+    p_side, d_side = start_sidecars(str(tmp_path), ["p", "d"])
+    prefill = decode = None
+    try:
+        prefill, decode = Rank(p_eng, layout, p_side), Rank(d_eng, layout, d_side)
+        with p_side.client() as c:
+            ident = c.identity()
+
+        def side(bs: int) -> SchedulerSide:
+            return SchedulerSide(engine_id="P", tp_size=1, secret=TOKEN.encode(),
+                                 identities=lambda: [ident], block_size=bs,
+                                 partial_prefill=False, group_kinds=["attention"])  # fmt: skip
+
+        p_sched, d_sched = side(p_bs), side(d_bs)
+        n = 300
+        p_ids = _ids(p_eng, 1, n)
+        request = SimpleNamespace(
+            request_id="r1",
+            prompt_token_ids=list(range(n)),
+            kv_transfer_params={"do_remote_decode": True},
+            status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
+        )
+        _delay, params = p_sched.finished(request, tuple(p_ids))
+        assert params["remote_block_size"] == p_bs
+        pattern.write_token_pattern(prefill.manifest, prefill.arrays(), p_ids, n, seed=31)
+        assert prefill.step(p_sched.take_orders()) == (None, None)
+
+        d_ids = _ids(d_eng, 7, n)
+        before = [a.copy() for a in decode.arrays()]
+        dreq = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(n)),
+                               kv_transfer_params=dict(params))  # fmt: skip
+        count, _ = d_sched.matched_tokens(dreq, 0)
+        d_sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: d_ids), count)
+        orders = d_sched.take_orders()
+        assert orders.pulls[0].block_ids == d_ids  # its own ids, at its own block size
+        decode.step(orders)
+        got = wait_until(lambda: decode.step(StepOrders())[1], 60, "the pull to end")
+        assert got == {"d1"}
+        with d_side.client() as c:
+            assert [f.reason for f in c.finished_pulls(0).pulls] == ["incompatible"]
+        assert decode.connector.get_block_ids_with_load_errors() == set(d_ids[0])
+        assert all((b == a).all() for b, a in zip(before, decode.arrays(), strict=True))
+    finally:
+        for rank in (prefill, decode):
+            if rank is not None:
+                rank.close()
+        p_side.stop()
+        d_side.stop()
