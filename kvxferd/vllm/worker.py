@@ -9,13 +9,16 @@ declines, and turns the sidecar's finished-pulls and released-holds feeds into v
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from kvxferd.client import EngineClient
-from kvxferd.errors import KvxferdError, MemoryRegionError
+from kvxferd.errors import KvxferdError, MemoryRegionError, NotRegisteredError
 from kvxferd.memory import CudaIpcRegion
+from kvxferd.sidecar.reads import SETTLE_S
 from kvxferd.vllm.manifest import backing_allocation, vllm_manifest
 from kvxferd.vllm.scheduler import StepOrders
 from kvxferd.wire import (
@@ -29,6 +32,16 @@ from kvxferd.wire import (
 log = logging.getLogger(__name__)
 
 _MAX_PAGES = 64  # feed pages read per step (each bounded by the sidecar); the rest next step
+_PULL_SLACK_S = SETTLE_S + 5.0  # past its deadline, a pull the feed never reported was lost
+
+
+@dataclass
+class _Pull:
+    """A pull this worker started: whose, which local blocks, when the sidecar must end it."""
+
+    request_id: str
+    block_ids: list[list[int]]
+    ends_by: float
 
 
 def shm_segment(address: int) -> tuple[str, int, int] | None:
@@ -50,7 +63,8 @@ class WorkerSide:
         self.model, self.tp_rank, self.tp_size = model, tp_rank, tp_size
         self.generation = -1
         self.manifest: Any = None  # what was registered (offsets from the segment start)
-        self._pulls: dict[str, str] = {}  # pull id -> request id
+        self._pulls: dict[str, _Pull] = {}  # by pull id
+        self._registration: tuple[Any, Any, int] | None = None  # what register() was given
         self._holds: dict[str, str] = {}  # request id -> hold id
         self._cursor = 0  # released-holds feed
         self._pull_cursor = 0  # finished-pulls feed
@@ -63,6 +77,7 @@ class WorkerSide:
     def register(self, kv_caches: dict[str, Any], kv_cache_config: Any, total_heads: int) -> None:
         """Describe the allocation and register it; a sidecar left registered by an earlier
         engine is unregistered first (a restarted engine beside a running sidecar)."""
+        self._registration = (kv_caches, kv_cache_config, total_heads)
         alloc = backing_allocation(kv_caches)
         first = next(iter(kv_caches.values()))
         if first.is_cuda:  # GPU: the sidecar maps the allocation by CUDA IPC (untested here)
@@ -114,8 +129,11 @@ class WorkerSide:
             except KvxferdError as exc:  # no hold: nobody can read, so free the blocks now
                 log.warning("hold for %s refused: %s", h.request_id, exc)
                 self._unheld.add(h.request_id)
+                if isinstance(exc, NotRegisteredError):
+                    self._recover()
                 continue
-            if h.minted and h.minted[self.tp_rank] != (placed.epoch, placed.generation):
+            minted = h.minted[self.tp_rank] if len(h.minted) > self.tp_rank else None
+            if minted is not None and minted != (placed.epoch, placed.generation):
                 # The ticket names an epoch/generation this sidecar no longer has: no claim can
                 # match it, so give the hold up now and have the scheduler re-read identities.
                 log.warning("ticket for %s is stale (sidecar restarted or re-registered)",
@@ -139,8 +157,11 @@ class WorkerSide:
                 log.warning("pull for %s refused: %s", p.request_id, exc)
                 self._load_errors.update(b for g in p.block_ids for b in g if b >= 0)
                 self._refused.add(p.request_id)
+                if isinstance(exc, NotRegisteredError):
+                    self._recover()
                 continue
-            self._pulls[accepted.pull_id] = p.request_id
+            ends_by = time.monotonic() + req.deadline_s + _PULL_SLACK_S
+            self._pulls[accepted.pull_id] = _Pull(p.request_id, p.block_ids, ends_by)
         if orders.declines and self.tp_rank == 0:  # one decline covers every prefill rank
             tickets = [Ticket(**t) for d in orders.declines for t in d.tickets]
             reasons = ",".join(sorted({d.reason for d in orders.declines}))
@@ -161,23 +182,61 @@ class WorkerSide:
             page = self.client.finished_pulls(self._pull_cursor)
             self._pull_cursor = page.cursor
             for f in page.pulls:
-                request_id = self._pulls.pop(f.pull_id, None)
-                if request_id is None:
+                pull = self._pulls.pop(f.pull_id, None)
+                if pull is None:
                     continue  # another engine's pull, or one before a restart
                 self._load_errors.update(b for g in f.failed_block_ids for b in g if b >= 0)
-                recving.add(request_id)
+                recving.add(pull.request_id)
             if not page.more or not self._pulls:
                 break
+        now = time.monotonic()
+        for pull_id in [i for i, p in self._pulls.items() if p.ends_by < now]:
+            # The sidecar ends every pull by then: this one went with a restarted sidecar.
+            self._lose(pull_id)
+        recving |= self._refused
+        self._refused = set()
         sending, self._unheld = self._unheld, set()
         for _ in range(_MAX_PAGES if self._holds else 0):
-            feed = self.client.released(self._cursor)
+            try:
+                feed = self.client.released(self._cursor)
+            except NotRegisteredError:  # the sidecar restarted: its holds went with it
+                self._recover()
+                break
             self._cursor = feed.cursor
             for rel in feed.holds:
                 if self._holds.pop(rel.request_id, None) is not None:
                     sending.add(rel.request_id)
             if not feed.more or not self._holds:
                 break
+        sending |= self._unheld
+        self._unheld = set()
+        recving |= self._refused
+        self._refused = set()
         return sending or None, recving or None
+
+    def _lose(self, pull_id: str) -> None:
+        """A pull the sidecar no longer knows: finished, every block a load error."""
+        pull = self._pulls.pop(pull_id)
+        log.warning("pull %s for %s was lost (sidecar restarted?)", pull_id, pull.request_id)
+        self._load_errors.update(b for g in pull.block_ids for b in g if b >= 0)
+        self._refused.add(pull.request_id)
+
+    def _recover(self) -> None:
+        """The sidecar answers that no engine is registered (it restarted beside this running
+        engine): register again, give up what the old sidecar held or pulled, and have the
+        scheduler re-read identities (the new sidecar has a new epoch)."""
+        if self._registration is None:
+            return
+        log.warning("sidecar lost this engine's registration (restarted?); registering again")
+        for pull_id in list(self._pulls):
+            self._lose(pull_id)
+        self._unheld.update(self._holds)
+        self._holds.clear()
+        self._cursor = self._pull_cursor = 0
+        try:
+            self.register(*self._registration)
+        except KvxferdError as exc:  # still down: the next refused call tries again
+            log.warning("registering again failed: %s", exc)
 
     def take_stale(self) -> bool:
         """Whether a hold placed since the last call named a stale epoch/generation."""

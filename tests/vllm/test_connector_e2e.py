@@ -122,3 +122,53 @@ def test_a_stale_ticket_frees_its_blocks_and_the_scheduler_rereads_the_identity(
 
     fresh = _prefill(p_sched, prefill, "p3")
     assert fresh["kvxferd_tickets"][0]["generation"] == 1
+
+
+def test_a_sidecar_restarted_beside_a_running_engine_is_registered_again(engines, tmp_path,
+                                                                         monkeypatch):  # fmt: skip
+    from vllm.v1.outputs import KVConnectorOutput
+
+    monkeypatch.setenv("KVXFERD_PEER_TOKEN", TOKEN)
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    p_side = start_sidecars(str(tmp_path), ["p"])[0]
+    prefill = None
+    try:
+        prefill = Rank(engine, "LBHNC", p_side)
+        p_sched = _scheduler(engine)
+        first = _prefill(p_sched, prefill, "p1")
+        old_epoch = first["kvxferd_tickets"][0]["epoch"]
+        prefill.connector._worker.take_stale()  # the registration's own signal, consumed
+
+        p_side.stop()  # the sidecar restarts on the same socket; the engine keeps running
+        p_side = start_sidecars(str(tmp_path), ["p"])[0]
+        with p_side.client() as c:
+            assert c.identity().generation == -1
+        p_sched.add_request(request("p2", N, {"do_remote_decode": True}))
+        out, engine_out = step(p_sched)
+        second = next(o.kv_transfer_params for eo in engine_out.values() for o in eo.outputs
+                      if o.kv_transfer_params)  # fmt: skip
+        assert second["kvxferd_tickets"][0]["epoch"] == old_epoch  # minted before anyone knew
+        # The released feed answers "no engine": registered again, p1's hold is gone: freed.
+        assert prefill.step(out.kv_connector_metadata.orders) == ({"p1"}, None)
+        with p_side.client() as c:
+            ident = c.identity()
+        assert ident.generation == 0 and ident.epoch != old_epoch
+        out, _ = step(p_sched)
+        feed = ReleasedFeed(p_side)
+        # p2's ticket names the old epoch: no claim can match it, so its hold is given up.
+        sending, _ = prefill.step(out.kv_connector_metadata.orders)
+        assert sending == {"p2"}
+        assert [r for _h, r in feed.poll()] == ["aborted"]
+        meta = prefill.connector.build_connector_worker_meta()
+        assert meta is not None and meta.stale_ranks == {0}
+        done = KVConnectorOutput(finished_sending={"p1", "p2"}, kv_connector_worker_meta=meta)
+        step(p_sched, done)
+
+        third = _prefill(p_sched, prefill, "p3")
+        assert third["kvxferd_tickets"][0]["epoch"] == ident.epoch
+        assert feed.poll() == []  # held by the new sidecar
+        assert prefill.step(StepOrders()) == (None, None)
+    finally:
+        if prefill is not None:
+            prefill.close()
+        p_side.stop()
