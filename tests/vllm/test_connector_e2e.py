@@ -1,7 +1,8 @@
 """The real vLLM Scheduler and worker-role connectors, each rank beside a real ``kvxferd serve``:
 an aborted decode releases the prefill's hold at once (``declined``), and a ticket minted for a
 sidecar that has since re-registered is given up at once and makes the scheduler re-read the
-sidecar's identity."""
+sidecar's identity; a sidecar restarted beside a running engine gets the engine registered
+again and whatever the old one held is freed."""
 
 from __future__ import annotations
 
