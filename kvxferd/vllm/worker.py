@@ -179,7 +179,11 @@ class WorkerSide:
         read of each feed, and only while a pull or a hold is outstanding."""
         recving, self._refused = self._refused, set()
         for _ in range(_MAX_PAGES if self._pulls else 0):
-            page = self.client.finished_pulls(self._pull_cursor)
+            try:
+                page = self.client.finished_pulls(self._pull_cursor)
+            except KvxferdError as exc:  # sidecar unreachable: ask again next step
+                log.warning("finished-pulls feed unavailable: %s", exc)
+                break
             self._pull_cursor = page.cursor
             for f in page.pulls:
                 pull = self._pulls.pop(f.pull_id, None)
@@ -201,6 +205,9 @@ class WorkerSide:
                 feed = self.client.released(self._cursor)
             except NotRegisteredError:  # the sidecar restarted: its holds went with it
                 self._recover()
+                break
+            except KvxferdError as exc:  # sidecar unreachable: ask again next step
+                log.warning("released-holds feed unavailable: %s", exc)
                 break
             self._cursor = feed.cursor
             for rel in feed.holds:
