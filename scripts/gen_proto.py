@@ -155,6 +155,35 @@ for the other sidecars.
 A pull that did not move every byte it promised ends `failed` with a machine-readable `reason`;
 it never ends `done`.
 
+## Tickets minted by the scheduler (engine-chosen hold ids)
+
+vLLM asks for a finished prefill's `kv_transfer_params` in its scheduler process
+(`request_finished_all_groups`), which must answer at once and cannot wait for every rank's
+sidecar. So the scheduler mints the tickets itself and the workers place the holds afterwards:
+
+1. **identities**: the scheduler reads each prefill rank's `GET /v1/identity` once (engine id,
+   boot epoch, registration generation, peer address, TP rank/size, default lease) and the peer
+   secret locally (it never goes on the wire).
+2. **mint** (scheduler, per finished request, no I/O): one random hold id for the request and,
+   per rank, a `Ticket` naming that hold id, the rank's epoch and generation, signed with the
+   same MAC code the sidecar uses (`kvxferd.sidecar.tickets.sign_ticket`). The tickets go out
+   in `kv_transfer_params` at once; the blocks stay allocated (delayed free).
+3. **place** (workers, the next engine step): the hold order rides in the step's connector
+   metadata; each worker calls `POST /v1/holds` with `HoldRequest.hold_id` set to the minted id.
+   The answer's ticket carries the sidecar's current epoch and generation: if they are not the
+   minted ones (sidecar restarted, engine re-registered), no claim could ever match, so the
+   worker aborts the hold, frees the blocks and tells the scheduler to read the identities again
+   before it mints the next ticket.
+4. **claim grace**: a decode may claim before the worker placed the hold (the tickets travel
+   faster than the next step). A claim naming a hold id the sidecar neither holds nor has
+   released waits for it up to `--hold-grace` (default 2 s, bounded in waiters), then answers
+   404; a hold already released answers at once.
+
+A decode request that ends before it loads (aborted, rejected) sends its tickets to its own
+sidecar (`POST /v1/decline`); the sidecar checks every MAC and asks each prefill sidecar to
+release its hold now (reason `declined`), so the prefill frees the blocks without waiting for
+the lease.
+
 ## Trust model
 
 Who is trusted: the engine rank and its sidecar trust each other (the engine API is a Unix socket

@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
-    if args.prefill_tp != 1 or args.decode_tp != 1:
-        print("vllm_pd_check: only --prefill-tp 1 --decode-tp 1 is implemented", file=sys.stderr)
+    if args.prefill_tp < 1 or args.decode_tp < 1:
+        print("vllm_pd_check: --prefill-tp and --decode-tp must be >= 1", file=sys.stderr)
         return 2
     from kvxferd.vllm import pdcheck
 
@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks=args.num_blocks,
         layout=args.layout,
         prompt_tokens=args.prompt_tokens,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
     )
     if args.json:
         print(json.dumps(dataclasses.asdict(report)))

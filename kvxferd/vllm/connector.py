@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -28,6 +29,28 @@ class KvxferdMetadata(KVConnectorMetadata):
 
     def __init__(self, orders: StepOrders) -> None:
         self.orders = orders
+
+
+class KvxferdWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, per step: ranks whose sidecar no longer matches minted tickets."""
+
+    def __init__(self, stale_ranks: set[int]) -> None:
+        self.stale_ranks = stale_ranks
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """The union over every worker of the step."""
+        ranks = getattr(other, "stale_ranks", set())
+        return KvxferdWorkerMetadata(self.stale_ranks | ranks)
+
+
+def _group_kinds(kv_cache_config: Any) -> list[str] | None:
+    """ "mamba" or "attention" per KV-cache group (None without a kv-cache config)."""
+    if kv_cache_config is None:
+        return None
+    return [
+        "mamba" if type(g.kv_cache_spec).__name__ == "MambaSpec" else "attention"
+        for g in kv_cache_config.kv_cache_groups
+    ]
 
 
 def _secret(extra: dict[str, Any]) -> bytes:
@@ -57,6 +80,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
                 identities=lambda: self._read_identities(tp_size),
                 block_size=vllm_config.cache_config.block_size,
                 partial_prefill=bool(extra.get("partial_prefill", hybrid)),
+                group_kinds=_group_kinds(kv_cache_config),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -102,9 +126,11 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._sched is not None
         return self._sched.finished(request, block_ids)
 
-    def notify_kv_transfer_request_rejected(self, request: Any) -> None:  # vLLM hook, if any
-        if self._sched is not None:
-            self._sched.decline(request)
+    def update_connector_output(self, connector_output: Any) -> None:
+        """A worker found its sidecar restarted or re-registered: re-read identities."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self._sched is not None and isinstance(meta, KvxferdWorkerMetadata):
+            self._sched.stale(meta.stale_ranks)
 
     # ---------------------------------------------------------------- worker side
 
@@ -131,6 +157,11 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return None, None
         return self._worker.finished()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None or not self._worker.take_stale():
+            return None
+        return KvxferdWorkerMetadata({self._worker.tp_rank})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()

@@ -8,7 +8,9 @@ makes the tensors a worker would hand ``register_kv_caches``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,10 +42,15 @@ def engine_config(
     extra_config: dict[str, Any] | None = None,
     kv_role: str = "kv_both",
     engine_id: str | None = None,
+    tp_size: int = 1,
+    block_size: int | None = None,
 ) -> VllmConfig:
-    """A VllmConfig for ``model_dir/config.json`` with the kvxferd connector configured."""
+    """A VllmConfig for ``model_dir/config.json`` with the kvxferd connector configured
+    (``block_size`` None: the platform's choice)."""
     args = EngineArgs(
         model=model_dir,
+        tensor_parallel_size=tp_size,
+        block_size=block_size,
         skip_tokenizer_init=True,
         load_format="dummy",
         max_model_len=max_model_len,
@@ -85,6 +92,21 @@ def _init_distributed(config: VllmConfig) -> None:
     initialize_model_parallel(1, 1)
 
 
+@contextlib.contextmanager
+def tp_rank(tp_size: int, rank: int) -> Iterator[None]:
+    """Make this one process look like rank ``rank`` of ``tp_size`` to vLLM's parallel state
+    (what a layer's KV-cache spec and the connector's worker side read), then restore it."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    saved = group.world_size, group.rank_in_group
+    group.world_size, group.rank_in_group = tp_size, rank
+    try:
+        yield
+    finally:
+        group.world_size, group.rank_in_group = saved
+
+
 def layer_specs(config: VllmConfig) -> dict[str, Any]:
     """Build the model on the meta device; vLLM sets block sizes; each layer's KV-cache spec."""
     from vllm.model_executor.models.registry import ModelRegistry
@@ -95,18 +117,20 @@ def layer_specs(config: VllmConfig) -> dict[str, Any]:
         _init_distributed(config)
         old = torch.get_default_dtype()
         torch.set_default_dtype(config.model_config.dtype)
-        try:
-            with torch.device("meta"):
-                cls(vllm_config=config, prefix="")
-        finally:
-            torch.set_default_dtype(old)
-        current_platform.update_block_size_for_backend(config)
-        specs = {}
-        for name, layer in config.compilation_config.static_forward_context.items():
-            get_spec = getattr(layer, "get_kv_cache_spec", None)  # MoE runners live here too
-            spec = get_spec(config) if get_spec is not None else None
-            if spec is not None:
-                specs[name] = spec
+        tp_size = config.parallel_config.tensor_parallel_size
+        with tp_rank(tp_size, 0):  # every rank has the same specs
+            try:
+                with torch.device("meta"):
+                    cls(vllm_config=config, prefix="")
+            finally:
+                torch.set_default_dtype(old)
+            current_platform.update_block_size_for_backend(config)
+            specs = {}
+            for name, layer in config.compilation_config.static_forward_context.items():
+                get_spec = getattr(layer, "get_kv_cache_spec", None)  # MoE runners live here too
+                spec = get_spec(config) if get_spec is not None else None
+                if spec is not None:
+                    specs[name] = spec
     return specs
 
 

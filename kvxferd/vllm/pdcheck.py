@@ -62,18 +62,20 @@ def model_dir(config: str, tmp: str) -> str:
 
 
 class Rank:
-    """One engine rank: vLLM's views over a shm segment, its worker-role connector."""
+    """One engine rank: vLLM's views over a shm segment, its worker-role connector (which talks
+    to this rank's own sidecar: ``sidecar_socket`` with ``{rank}``)."""
 
-    def __init__(self, engine: cpu.Engine, layout: str) -> None:
+    def __init__(self, engine: cpu.Engine, layout: str, tp_rank: int = 0) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         size = engine.kv_cache_config.kv_cache_tensors[0].size
         self.shm = SharedMemoryRegion.create(f"kvx-pd-{uuid.uuid4().hex[:8]}", size)
         buf = torch.frombuffer(self.shm.host_view(), dtype=torch.int8)
         self.views = cpu.allocate(engine, layout, buffer=buf)
-        self.connector = KvxferdConnector(
-            engine.config, KVConnectorRole.WORKER, engine.kv_cache_config
-        )
+        with cpu.tp_rank(engine.config.parallel_config.tensor_parallel_size, tp_rank):
+            self.connector = KvxferdConnector(
+                engine.config, KVConnectorRole.WORKER, engine.kv_cache_config
+            )
         self.connector.register_kv_caches(self.views)
         self.manifest = self.connector._worker.manifest
 
@@ -156,6 +158,59 @@ def _bytes(manifest: Any, ids: list[list[int]]) -> tuple[int, int]:
     return kv, state
 
 
+class Engine:
+    """One engine: vLLM's scheduler and one Rank per TP rank, stepped together."""
+
+    def __init__(self, engine: cpu.Engine, layout: str) -> None:
+        tp = engine.config.parallel_config.tensor_parallel_size
+        self.ranks: list[Rank] = []
+        for r in range(tp):
+            self.ranks.append(Rank(engine, layout, r))
+        self.sched = _scheduler(engine)
+
+    def work(self, meta: Any) -> None:
+        """Every worker runs this step's ``meta`` (finished requests are collected later)."""
+        for rank in self.ranks:
+            rank.step(meta)
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.close()
+
+
+class _Seen:
+    """Per request, which ranks reported it (vLLM's KVOutputAggregator in small)."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self.seen: dict[str, set[int]] = {}
+
+    def add(self, per_rank: list[set[str] | None]) -> set[str]:
+        """Requests every rank has now reported."""
+        done = set()
+        for r, ids in enumerate(per_rank):
+            for rid in ids or ():
+                got = self.seen.setdefault(rid, set())
+                got.add(r)
+                if len(got) == self.ranks:
+                    done.add(rid)
+                    del self.seen[rid]
+        return done
+
+
+def _wait_all(ranks: list[Rank], which: int, meta_type: Any, deadline: float) -> set[str] | None:
+    """Step every rank with empty orders until each has reported a request (bounded)."""
+    from kvxferd.vllm.scheduler import StepOrders
+
+    seen = _Seen(len(ranks))
+    while time.monotonic() < deadline:
+        done = seen.add([rank.step(meta_type(StepOrders()))[which] for rank in ranks])
+        if done:
+            return done
+        time.sleep(0.01)
+    return None
+
+
 def run(
     config: str,
     *,
@@ -163,90 +218,94 @@ def run(
     num_blocks: int = 64,
     layout: str = "LBHNC",
     prompt_tokens: int = 300,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
     timeout_s: float = 120.0,
 ) -> Report:
-    """Move ``requests`` prompts from a prefill to a decode engine; verify every byte."""
+    """Move ``requests`` prompts from a prefill (TP ``prefill_tp``) to a decode engine (TP
+    ``decode_tp``), one sidecar per rank; verify every byte on every decode rank."""
     from vllm.v1.outputs import KVConnectorOutput
 
     tmp = tempfile.mkdtemp(prefix="kvx-pd-")
     mdir = model_dir(config, tmp)
     env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+    names = [f"p{r}" for r in range(prefill_tp)] + [f"d{r}" for r in range(decode_tp)]
     sidecars = launcher.start_sidecars(
-        tmp, ["p0", "d0"], "--log-level", "warning", token=TOKEN, env=env, merge_stderr=True,
+        tmp, names, "--log-level", "warning", token=TOKEN, env=env, merge_stderr=True,
         die_with_parent=True,
     )  # fmt: skip
     os.environ["KVXFERD_PEER_TOKEN"] = TOKEN
     max_len = prompt_tokens + 16  # small: --num-blocks must cover one max-length request
-    ranks: list[Rank] = []
+    built: list[Engine] = []
     try:
-        engines = [
+        specs = [
             cpu.build(
                 mdir,
                 num_blocks=num_blocks,
                 layout=layout,
                 max_model_len=max_len,
-                extra_config={"sidecar_socket": s.socket},
+                extra_config={"sidecar_socket": os.path.join(tmp, role + "{rank}.sock")},
                 engine_id=name,
+                tp_size=tp,
             )  # fmt: skip
-            for s, name in zip(sidecars, ["prefill", "decode"], strict=True)
+            for role, name, tp in (("p", "prefill", prefill_tp), ("d", "decode", decode_tp))
         ]
-        groups = engines[0].kv_cache_config.kv_cache_groups
+        groups = specs[0].kv_cache_config.kv_cache_groups
         kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-        report = Report(model=str(engines[0].config.model_config.architecture), groups=kinds)
-        ranks = [Rank(e, layout) for e in engines]
-        prefill, decode = ranks
-        p_sched, d_sched = (_scheduler(e) for e in engines)
-        bs = engines[0].config.cache_config.block_size
+        report = Report(model=str(specs[0].config.model_config.architecture), groups=kinds)
+        for spec in specs:
+            built.append(Engine(spec, layout))
+        prefill, decode = built
+        bs = specs[0].config.cache_config.block_size
         for i in range(requests):
             rid = f"req-{i}"
             tokens = [int(t) for t in np.random.default_rng(i).integers(1, 1000, prompt_tokens)]
-            p_sched.add_request(_request(rid, tokens, {"do_remote_decode": True}, bs))
-            out, eng_out = _step(p_sched)
+            prefill.sched.add_request(_request(rid, tokens, {"do_remote_decode": True}, bs))
+            out, eng_out = _step(prefill.sched)
             outs = [o for eo in eng_out.values() for o in eo.outputs if o.kv_transfer_params]
             params = outs[0].kv_transfer_params
             held = [list(g) for g in params["kvxferd_tickets"][0]["block_ids"]]
-            pattern.write_pattern(prefill.manifest, prefill.arrays(), held, seed=1000 + i)
-            prefill.step(out.kv_connector_metadata)
+            for rank in prefill.ranks:
+                pattern.write_pattern(rank.manifest, rank.arrays(), held, seed=1000 + i)
+            meta_type = type(out.kv_connector_metadata)
+            prefill.work(out.kv_connector_metadata)
             # vLLM builds a step's metadata before the step's outputs finish requests: the hold
             # the finished prefill minted rides in the next step's metadata.
-            out, _ = _step(p_sched)
-            prefill.step(out.kv_connector_metadata)
+            out, _ = _step(prefill.sched)
+            prefill.work(out.kv_connector_metadata)
 
-            d_sched.add_request(_request(f"d-{i}", tokens, dict(params), bs))
-            out, _ = _step(d_sched)
+            decode.sched.add_request(_request(f"d-{i}", tokens, dict(params), bs))
+            out, _ = _step(decode.sched)
             pulls = out.kv_connector_metadata.orders.pulls
-            decode.step(out.kv_connector_metadata)
+            decode.work(out.kv_connector_metadata)
             deadline = time.monotonic() + timeout_s
-            from kvxferd.vllm.scheduler import StepOrders
-
-            recv = None
-            while recv is None and time.monotonic() < deadline:
-                _sending, recv = decode.step(type(out.kv_connector_metadata)(StepOrders()))
-                if recv is None:
-                    time.sleep(0.01)
-            errors = decode.connector.get_block_ids_with_load_errors()
-            _step(d_sched, KVConnectorOutput(finished_recving=recv or set()))
+            recv = _wait_all(decode.ranks, 1, meta_type, deadline)
+            errors = set().union(
+                *(r.connector.get_block_ids_with_load_errors() for r in decode.ranks)
+            )
+            _step(decode.sched, KVConnectorOutput(finished_recving=recv or set()))
             target = pulls[0].block_ids if pulls else [[] for _ in held]
-            bad = pattern.verify_pattern(decode.manifest, decode.arrays(), target, 1000 + i)
+            bad = next(
+                (b for r in decode.ranks
+                 if (b := pattern.verify_pattern(r.manifest, r.arrays(), target, 1000 + i))),
+                None,
+            )  # fmt: skip
             if recv is None or errors or bad is not None:
                 report.requests_failed += 1
                 report.verified = False
                 report.failures.append(f"{rid}: {bad or errors or 'pull did not finish'}")
                 continue
-            kv, state = _bytes(decode.manifest, target)
-            report.kv_bytes += kv
-            report.state_bytes += state
+            for rank in decode.ranks:
+                kv, state = _bytes(rank.manifest, target)
+                report.kv_bytes += kv
+                report.state_bytes += state
             report.requests_ok += 1
-            sending = None
-            while sending is None and time.monotonic() < deadline:
-                sending, _ = prefill.step(type(out.kv_connector_metadata)(StepOrders()))
-                if sending is None:
-                    time.sleep(0.01)
-            _step(p_sched, KVConnectorOutput(finished_sending=sending or set()))
-            d_sched.finish_requests(f"d-{i}", _finished_status())
+            sending = _wait_all(prefill.ranks, 0, meta_type, deadline)
+            _step(prefill.sched, KVConnectorOutput(finished_sending=sending or set()))
+            decode.sched.finish_requests(f"d-{i}", _finished_status())
     finally:
-        for rank in ranks:
-            rank.close()
+        for engine in built:
+            engine.close()
         for s in sidecars:
             s.stop()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -31,6 +31,17 @@ class HoldOrder:
     hold_id: str
     block_ids: list[list[int]]
     num_tokens: int
+    minted: list[tuple[int, int]] = field(default_factory=list)
+    """Per rank, the (epoch, generation) its ticket names: a worker whose sidecar differs
+    (restarted, re-registered) reports the rank stale and frees the blocks."""
+
+
+@dataclass
+class Decline:
+    """Tickets a decode will not read (the workers send one decline for them)."""
+
+    tickets: list[dict[str, Any]]
+    reason: str
 
 
 @dataclass
@@ -49,7 +60,7 @@ class StepOrders:
 
     holds: list[HoldOrder] = field(default_factory=list)
     pulls: list[PullOrder] = field(default_factory=list)
-    declines: list[list[dict[str, Any]]] = field(default_factory=list)
+    declines: list[Decline] = field(default_factory=list)
 
 
 def live_ids(ids: list[int]) -> list[int]:
@@ -60,7 +71,7 @@ def live_ids(ids: list[int]) -> list[int]:
 def local_targets(remote: list[list[int]], local: list[list[int]], skip: int) -> list[list[int]]:
     """Per group, the local blocks aligned with the remote ones (both from the end, so a Mamba
     group's running state meets its state block); -1 for the first ``skip`` attention blocks
-    the decode already holds (prefix-cache hit)."""
+    the decode already holds (prefix-cache hit). Equal block sizes: ids pair one to one."""
     out = []
     for r, loc in zip(remote, local, strict=True):
         mine = live_ids(loc)[-len(r) :] if r else []
@@ -69,6 +80,25 @@ def local_targets(remote: list[list[int]], local: list[list[int]], skip: int) ->
         if len(r) > 1 and skip:
             mine = [-1] * min(skip, len(r)) + mine[skip:]
         out.append(mine)
+    return out
+
+
+def reblock_targets(
+    kinds: list[str], local: list[list[int]], num_tokens: int, block_size: int, done: int
+) -> list[list[int]]:
+    """Per group, the decode's own ids when its block size differs from the prefill's (the
+    sidecar maps tokens, docs/reblocking.md): attention, the request's blocks from the first in
+    position (null or already computed: -1) up to the one holding token ``num_tokens - 1``;
+    Mamba, the running-state block."""
+    need = -(-num_tokens // block_size)
+    skip = done // block_size
+    out = []
+    for kind, loc in zip(kinds, local, strict=True):
+        if kind == "mamba":
+            out.append(live_ids(loc)[-1:])
+            continue
+        ids = list(loc[:need])
+        out.append([-1 if k < skip or b == NULL_BLOCK else b for k, b in enumerate(ids)])
     return out
 
 
@@ -84,6 +114,7 @@ class SchedulerSide:
         identities: Callable[[], list[Identity]],
         block_size: int,
         partial_prefill: bool,
+        group_kinds: list[str] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.tp_size = tp_size
@@ -91,15 +122,22 @@ class SchedulerSide:
         self._identities = identities
         self._known: list[Identity] | None = None
         self.block_size = block_size
+        self.group_kinds = group_kinds  # "mamba" or "attention" per KV-cache group
         self.partial_prefill = partial_prefill  # Mamba: the decode recomputes the last token
         self.orders = StepOrders()
         self._loads: dict[str, int] = {}  # request id -> external tokens to load
 
     def identities(self) -> list[Identity]:
-        """Each prefill rank's sidecar identity (read once; again after a re-registration)."""
+        """Each prefill rank's sidecar identity (read once; again after a rank went stale)."""
         if self._known is None:
             self._known = self._identities()
         return self._known
+
+    def stale(self, ranks: set[int]) -> None:
+        """Workers found these ranks' sidecars restarted or re-registered: re-read the
+        identities before the next ticket is minted (off the per-request path until then)."""
+        if ranks:
+            self._known = None
 
     # ---------------------------------------------------------------- decode side
 
@@ -125,7 +163,12 @@ class SchedulerSide:
         local_done = max(0, remote_num - num_external)
         remote_ids = tickets[0]["block_ids"]
         local = [list(g) for g in blocks.get_block_ids()]
-        targets = local_targets(remote_ids, local, local_done // self.block_size)
+        theirs = int(params.get("remote_block_size", self.block_size))
+        if theirs != self.block_size:  # re-blocking: the sidecar maps token ranges
+            kinds = self.group_kinds or ["attention" if len(r) > 1 else "mamba" for r in remote_ids]
+            targets = reblock_targets(kinds, local, remote_num, self.block_size, local_done)
+        else:
+            targets = local_targets(remote_ids, local, local_done // self.block_size)
         self.orders.pulls.append(
             PullOrder(
                 request_id=request.request_id,
@@ -136,11 +179,14 @@ class SchedulerSide:
         )
 
     def decline(self, request: Any) -> None:
-        """A decode that will not read releases the prefill's holds at once."""
+        """A decode that will not read (aborted, rejected) releases the prefill's holds at once:
+        a worker sends the decline in the next step."""
         params = request.kv_transfer_params or {}
         tickets = params.get("kvxferd_tickets")
         if tickets and params.get("do_remote_prefill", True):
-            self.orders.declines.append(tickets)
+            status = getattr(request.status, "name", str(request.status))
+            reason = "aborted" if status == "FINISHED_ABORTED" else "rejected"
+            self.orders.declines.append(Decline(tickets, reason))
 
     # ---------------------------------------------------------------- prefill side
 
@@ -179,7 +225,8 @@ class SchedulerSide:
                 generation=ident.generation,
             )
             tickets.append(msgspec.to_builtins(sign_ticket(ticket, self._secret)))
-        self.orders.holds.append(HoldOrder(request.request_id, hold_id, ids, num_tokens))
+        minted = [(i.epoch, i.generation) for i in self.identities()]
+        self.orders.holds.append(HoldOrder(request.request_id, hold_id, ids, num_tokens, minted))
         first = self.identities()[0]
         return True, {
             "do_remote_prefill": True,
@@ -191,6 +238,7 @@ class SchedulerSide:
             "remote_request_id": request.request_id,
             "tp_size": self.tp_size,
             "remote_num_tokens": num_tokens,
+            "remote_block_size": self.block_size,
             "remote_blocks_expiry_time": now + first.default_lease_s,
             "remote_registration_generation": first.generation,
             "kvxferd_tickets": tickets,

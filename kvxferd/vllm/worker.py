@@ -1,25 +1,28 @@
 """The worker side of the connector: one kvxferd sidecar per rank, driven over the engine API.
 
 Registers vLLM's one backing allocation as many regions (a POSIX shared-memory segment on CPU,
-a CUDA IPC handle on GPU), places the holds the scheduler minted, starts the pulls, and turns
-pull outcomes and hold releases into vLLM's per-step ``get_finished`` answer.
+a CUDA IPC handle on GPU), places the holds the scheduler minted, starts the pulls, sends
+declines, and turns the sidecar's finished-pulls and released-holds feeds into vLLM's per-step
+``get_finished`` answer (one local call per feed per step, only while something is outstanding).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from kvxferd.client import EngineClient
-from kvxferd.errors import KvxferdError, MemoryRegionError
+from kvxferd.errors import KvxferdError, MemoryRegionError, NotRegisteredError
 from kvxferd.memory import CudaIpcRegion
+from kvxferd.sidecar.reads import SETTLE_S
 from kvxferd.vllm.manifest import backing_allocation, vllm_manifest
 from kvxferd.vllm.scheduler import StepOrders
 from kvxferd.wire import (
     CudaRegionSpec,
-    DeclineRequest,
     HoldRequest,
     PullRequest,
     RegionSpec,
@@ -27,6 +30,18 @@ from kvxferd.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+_MAX_PAGES = 64  # feed pages read per step (each bounded by the sidecar); the rest next step
+_PULL_SLACK_S = SETTLE_S + 5.0  # past its deadline, a pull the feed never reported was lost
+
+
+@dataclass
+class _Pull:
+    """A pull this worker started: whose, which local blocks, when the sidecar must end it."""
+
+    request_id: str
+    block_ids: list[list[int]]
+    ends_by: float
 
 
 def shm_segment(address: int) -> tuple[str, int, int] | None:
@@ -48,10 +63,12 @@ class WorkerSide:
         self.model, self.tp_rank, self.tp_size = model, tp_rank, tp_size
         self.generation = -1
         self.manifest: Any = None  # what was registered (offsets from the segment start)
-        self._pulls: dict[str, str] = {}  # pull id -> request id
-        self._pull_blocks: dict[str, list[list[int]]] = {}
+        self._pulls: dict[str, _Pull] = {}  # by pull id
+        self._registration: tuple[Any, Any, int] | None = None  # what register() was given
         self._holds: dict[str, str] = {}  # request id -> hold id
-        self._cursor = 0
+        self._cursor = 0  # released-holds feed
+        self._pull_cursor = 0  # finished-pulls feed
+        self._stale = False  # a minted ticket named another epoch/generation than our sidecar
         self._load_errors: set[int] = set()
         self._ipc: Any = None  # the exported CUDA IPC region, kept open while registered
         self._refused: set[str] = set()  # pulls the sidecar refused: finished, with errors
@@ -60,6 +77,7 @@ class WorkerSide:
     def register(self, kv_caches: dict[str, Any], kv_cache_config: Any, total_heads: int) -> None:
         """Describe the allocation and register it; a sidecar left registered by an earlier
         engine is unregistered first (a restarted engine beside a running sidecar)."""
+        self._registration = (kv_caches, kv_cache_config, total_heads)
         alloc = backing_allocation(kv_caches)
         first = next(iter(kv_caches.values()))
         if first.is_cuda:  # GPU: the sidecar maps the allocation by CUDA IPC (untested here)
@@ -94,12 +112,13 @@ class WorkerSide:
         resp = self.client.register(manifest, [source])
         self.manifest = manifest
         self.generation = resp.generation
+        self._stale = True  # a new generation: tickets minted before it can no longer be claimed
 
     def run(self, orders: StepOrders) -> None:
         """Place this step's holds, start its pulls, send its declines."""
         for h in orders.holds:
             try:
-                self.client.hold(
+                placed = self.client.hold(
                     HoldRequest(
                         request_id=h.request_id,
                         block_ids=h.block_ids,
@@ -109,6 +128,18 @@ class WorkerSide:
                 )
             except KvxferdError as exc:  # no hold: nobody can read, so free the blocks now
                 log.warning("hold for %s refused: %s", h.request_id, exc)
+                self._unheld.add(h.request_id)
+                if isinstance(exc, NotRegisteredError):
+                    self._recover()
+                continue
+            minted = h.minted[self.tp_rank] if len(h.minted) > self.tp_rank else None
+            if minted is not None and minted != (placed.epoch, placed.generation):
+                # The ticket names an epoch/generation this sidecar no longer has: no claim can
+                # match it, so give the hold up now and have the scheduler re-read identities.
+                log.warning("ticket for %s is stale (sidecar restarted or re-registered)",
+                            h.request_id)  # fmt: skip
+                self._stale = True
+                self._give_up(h.hold_id)
                 self._unheld.add(h.request_id)
                 continue
             self._holds[h.request_id] = h.hold_id
@@ -126,33 +157,105 @@ class WorkerSide:
                 log.warning("pull for %s refused: %s", p.request_id, exc)
                 self._load_errors.update(b for g in p.block_ids for b in g if b >= 0)
                 self._refused.add(p.request_id)
+                if isinstance(exc, NotRegisteredError):
+                    self._recover()
                 continue
-            self._pulls[accepted.pull_id] = p.request_id
-            self._pull_blocks[accepted.pull_id] = p.block_ids
-        for tickets in orders.declines:
-            decline = getattr(self.client, "decline", None)  # issue 10 adds it
-            if decline is not None:
-                decline([Ticket(**t) for t in tickets], "rejected")
+            ends_by = time.monotonic() + req.deadline_s + _PULL_SLACK_S
+            self._pulls[accepted.pull_id] = _Pull(p.request_id, p.block_ids, ends_by)
+        if orders.declines and self.tp_rank == 0:  # one decline covers every prefill rank
+            tickets = [Ticket(**t) for d in orders.declines for t in d.tickets]
+            reasons = ",".join(sorted({d.reason for d in orders.declines}))
+            try:
+                resp = self.client.decline(tickets, reasons)
+            except KvxferdError as exc:  # the holds then end with their lease
+                log.warning("decline of %d tickets failed: %s", len(tickets), exc)
+            else:
+                if resp.busy or resp.unanswered:
+                    log.info("decline: %d busy, %d unanswered", len(resp.busy),
+                             len(resp.unanswered))  # fmt: skip
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """(requests whose holds ended, requests whose pulls ended) since the last step."""
+        """(requests whose holds ended, requests whose pulls ended) since the last step: one
+        read of each feed, and only while a pull or a hold is outstanding."""
         recving, self._refused = self._refused, set()
-        for pull_id, request_id in list(self._pulls.items()):
-            status = self.client.pull_status(pull_id)
-            if status.state in ("done", "failed"):
-                del self._pulls[pull_id]
-                blocks = self._pull_blocks.pop(pull_id)
-                if status.state == "failed":
-                    self._load_errors.update(b for g in blocks for b in g if b >= 0)
-                recving.add(request_id)
+        for _ in range(_MAX_PAGES if self._pulls else 0):
+            try:
+                page = self.client.finished_pulls(self._pull_cursor)
+            except KvxferdError as exc:  # sidecar unreachable: ask again next step
+                log.warning("finished-pulls feed unavailable: %s", exc)
+                break
+            self._pull_cursor = page.cursor
+            for f in page.pulls:
+                pull = self._pulls.pop(f.pull_id, None)
+                if pull is None:
+                    continue  # another engine's pull, or one before a restart
+                self._load_errors.update(b for g in f.failed_block_ids for b in g if b >= 0)
+                recving.add(pull.request_id)
+            if not page.more or not self._pulls:
+                break
+        now = time.monotonic()
+        for pull_id in [i for i, p in self._pulls.items() if p.ends_by < now]:
+            # The sidecar ends every pull by then: this one went with a restarted sidecar.
+            self._lose(pull_id)
+        recving |= self._refused
+        self._refused = set()
         sending, self._unheld = self._unheld, set()
-        if self._holds:
-            feed = self.client.released(self._cursor)
+        for _ in range(_MAX_PAGES if self._holds else 0):
+            try:
+                feed = self.client.released(self._cursor)
+            except NotRegisteredError:  # the sidecar restarted: its holds went with it
+                self._recover()
+                break
+            except KvxferdError as exc:  # sidecar unreachable: ask again next step
+                log.warning("released-holds feed unavailable: %s", exc)
+                break
             self._cursor = feed.cursor
             for rel in feed.holds:
                 if self._holds.pop(rel.request_id, None) is not None:
                     sending.add(rel.request_id)
+            if not feed.more or not self._holds:
+                break
+        sending |= self._unheld
+        self._unheld = set()
+        recving |= self._refused
+        self._refused = set()
         return sending or None, recving or None
+
+    def _lose(self, pull_id: str) -> None:
+        """A pull the sidecar no longer knows: finished, every block a load error."""
+        pull = self._pulls.pop(pull_id)
+        log.warning("pull %s for %s was lost (sidecar restarted?)", pull_id, pull.request_id)
+        self._load_errors.update(b for g in pull.block_ids for b in g if b >= 0)
+        self._refused.add(pull.request_id)
+
+    def _recover(self) -> None:
+        """The sidecar answers that no engine is registered (it restarted beside this running
+        engine): register again, give up what the old sidecar held or pulled, and have the
+        scheduler re-read identities (the new sidecar has a new epoch)."""
+        if self._registration is None:
+            return
+        log.warning("sidecar lost this engine's registration (restarted?); registering again")
+        for pull_id in list(self._pulls):
+            self._lose(pull_id)
+        self._unheld.update(self._holds)
+        self._holds.clear()
+        self._cursor = self._pull_cursor = 0
+        try:
+            self.register(*self._registration)
+        except KvxferdError as exc:  # still down: the next refused call tries again
+            log.warning("registering again failed: %s", exc)
+
+    def take_stale(self) -> bool:
+        """Whether a hold placed since the last call named a stale epoch/generation."""
+        stale, self._stale = self._stale, False
+        return stale
+
+    def _give_up(self, hold_id: str) -> None:
+        """Abort a hold nobody can claim (its release is not waited for: freed at once)."""
+        try:
+            self.client.abort(hold_id)
+        except KvxferdError as exc:
+            log.warning("abort of stale hold %s failed (it will expire): %s", hold_id, exc)
 
     def load_errors(self) -> set[int]:
         """Local block ids whose pull failed since the last call (vLLM recomputes them)."""
@@ -179,4 +282,4 @@ def _shift(manifest: Any, lead: int, mem: str, device: int) -> Any:
     return msgspec.structs.replace(manifest, regions=regions)
 
 
-__all__ = ["DeclineRequest", "WorkerSide", "shm_segment"]
+__all__ = ["WorkerSide", "shm_segment"]

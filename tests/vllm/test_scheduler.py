@@ -7,6 +7,7 @@ import pytest
 
 from kvxferd.sidecar.tickets import verify_ticket
 from kvxferd.wire import Identity, Ticket
+from tests.vllm.ranks import request, step
 
 SECRET = b"test-secret"
 
@@ -28,36 +29,6 @@ def _scheduler(engine, monkeypatch):
     return sched
 
 
-def _request(rid: str, n: int, params: dict | None, block_size: int = 128):
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-
-    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params} if params else None)
-    req = Request(request_id=rid, prompt_token_ids=list(range(1, n + 1)), sampling_params=sp,
-                  pooling_params=None,
-                  block_hasher=get_request_block_hasher(block_size, sha256))  # fmt: skip
-    req.kv_transfer_params = params
-    return req
-
-
-def _step(sched, connector_output=None):
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    out = sched.schedule()
-    ids = list(out.num_scheduled_tokens)
-    mro = ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[7] for _ in ids],
-        kv_connector_output=connector_output,
-    )
-    return out, sched.update_from_output(out, mro)
-
-
 @pytest.mark.parametrize("model", ["dense", "nemotron-h", "qwen3-next"])
 def test_prefill_then_decode_through_the_real_scheduler(engines, model, monkeypatch):
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: F401
@@ -66,8 +37,8 @@ def test_prefill_then_decode_through_the_real_scheduler(engines, model, monkeypa
     engine = engines(model, num_blocks=32)
     prefill = _scheduler(engine, monkeypatch)
     n = 300
-    prefill.add_request(_request("p1", n, {"do_remote_decode": True}))
-    out, engine_out = _step(prefill)
+    prefill.add_request(request("p1", n, {"do_remote_decode": True}))
+    out, engine_out = step(prefill)
     meta = out.kv_connector_metadata
     outputs = [o for eo in engine_out.values() for o in eo.outputs]
     params = next(o.kv_transfer_params for o in outputs if o.kv_transfer_params)
@@ -77,17 +48,17 @@ def test_prefill_then_decode_through_the_real_scheduler(engines, model, monkeypa
     hybrid = model != "dense"
     assert params["remote_num_tokens"] == (n - 1 if hybrid else n)
     # The hold is ordered in the next step's metadata, and the blocks stay allocated.
-    out2, _ = _step(prefill)
+    out2, _ = step(prefill)
     holds = out2.kv_connector_metadata.orders.holds + meta.orders.holds
     assert [h.hold_id for h in holds] == [tickets[0].hold_id]
     assert all(0 not in ids for ids in holds[0].block_ids)
     free_before = prefill.kv_cache_manager.block_pool.get_num_free_blocks()
-    _step(prefill, KVConnectorOutput(finished_sending={"p1"}))
+    step(prefill, KVConnectorOutput(finished_sending={"p1"}))
     assert prefill.kv_cache_manager.block_pool.get_num_free_blocks() > free_before
 
     decode = _scheduler(engine, monkeypatch)
-    decode.add_request(_request("d1", n, dict(params)))
-    out, _ = _step(decode)
+    decode.add_request(request("d1", n, dict(params)))
+    out, _ = step(decode)
     from vllm.v1.request import RequestStatus
 
     req = decode.requests["d1"]
@@ -95,16 +66,16 @@ def test_prefill_then_decode_through_the_real_scheduler(engines, model, monkeypa
     pulls = out.kv_connector_metadata.orders.pulls
     assert len(pulls) == 1 and pulls[0].request_id == "d1"
     assert [len(g) for g in pulls[0].block_ids] == [len(g) for g in tickets[0].block_ids]
-    _step(decode, KVConnectorOutput(finished_recving={"d1"}))
-    out, _ = _step(decode)
+    step(decode, KVConnectorOutput(finished_recving={"d1"}))
+    out, _ = step(decode)
     # Loaded: only the tail is computed (the last token; with partial prefill it was not sent).
     assert out.num_scheduled_tokens.get("d1", 0) == 1
 
 
 def _prefill_params(engine, monkeypatch, n: int) -> dict:
     prefill = _scheduler(engine, monkeypatch)
-    prefill.add_request(_request("p", n, {"do_remote_decode": True}))
-    _, engine_out = _step(prefill)
+    prefill.add_request(request("p", n, {"do_remote_decode": True}))
+    _, engine_out = step(prefill)
     outputs = [o for eo in engine_out.values() for o in eo.outputs]
     return next(o.kv_transfer_params for o in outputs if o.kv_transfer_params)
 
@@ -116,10 +87,11 @@ def test_a_decode_aborted_before_it_loads_declines_the_prefill_hold(engines, mon
     params = _prefill_params(engine, monkeypatch, 300)
     decode = _scheduler(engine, monkeypatch)
     free = decode.kv_cache_manager.block_pool.get_num_free_blocks()
-    decode.add_request(_request("d", 300, dict(params)))
+    decode.add_request(request("d", 300, dict(params)))
     decode.finish_requests("d", RequestStatus.FINISHED_ABORTED)
-    out, _ = _step(decode)
-    assert out.kv_connector_metadata.orders.declines == [params["kvxferd_tickets"]]
+    out, _ = step(decode)
+    declines = out.kv_connector_metadata.orders.declines
+    assert [(d.tickets, d.reason) for d in declines] == [(params["kvxferd_tickets"], "aborted")]
     assert out.kv_connector_metadata.orders.pulls == []
     assert decode.kv_cache_manager.block_pool.get_num_free_blocks() == free
 
@@ -131,12 +103,12 @@ def test_a_failed_load_frees_the_blocks_and_vllm_recomputes(engines, monkeypatch
     params = _prefill_params(engine, monkeypatch, 300)
     monkeypatch.setattr(engine.config.kv_transfer_config, "kv_load_failure_policy", "recompute")
     decode = _scheduler(engine, monkeypatch)
-    decode.add_request(_request("d", 300, dict(params)))
-    out, _ = _step(decode)
+    decode.add_request(request("d", 300, dict(params)))
+    out, _ = step(decode)
     pull = out.kv_connector_metadata.orders.pulls[0]
     bad = {b for g in pull.block_ids for b in g if b >= 0}
-    _step(decode, KVConnectorOutput(finished_recving={"d"}, invalid_block_ids=bad))
-    out, _ = _step(decode)
+    step(decode, KVConnectorOutput(finished_recving={"d"}, invalid_block_ids=bad))
+    out, _ = step(decode)
     # The blocks whose bytes never arrived are computed locally: the whole prompt is scheduled.
     assert out.num_scheduled_tokens.get("d", 0) == 300
     assert out.kv_connector_metadata.orders.pulls == []
@@ -152,11 +124,11 @@ def test_a_decode_prefix_cache_hit_pulls_only_the_blocks_it_lacks(engines, model
     params = _prefill_params(engine, monkeypatch, n)
     decode = _scheduler(engine, monkeypatch)
     # A local request with the same first two blocks fills the decode's prefix cache.
-    decode.add_request(_request("local", 2 * bs + 10, None))
-    _step(decode)
+    decode.add_request(request("local", 2 * bs + 10, None))
+    step(decode)
     decode.finish_requests("local", RequestStatus.FINISHED_ABORTED)
-    decode.add_request(_request("d", n, dict(params)))
-    out, _ = _step(decode)
+    decode.add_request(request("d", n, dict(params)))
+    out, _ = step(decode)
     pull = out.kv_connector_metadata.orders.pulls[0]
     kinds = [type(g.kv_cache_spec).__name__ for g in engine.kv_cache_config.kv_cache_groups]
     remote = params["kvxferd_tickets"][0]["block_ids"]
@@ -166,3 +138,14 @@ def test_a_decode_prefix_cache_hit_pulls_only_the_blocks_it_lacks(engines, model
             assert len(local) == 1 and local[0] > 0
         else:
             assert local[:2] == [-1, -1] and all(b > 0 for b in local[2:]), local
+
+
+def test_reblocking_targets_name_the_decode_blocks_by_position():
+    from kvxferd.vllm.scheduler import reblock_targets
+
+    # 300 tokens at block size 64 need 5 blocks; the first 128 tokens are a prefix-cache hit
+    # (-1), a sliding window's freed block is null (-1), Mamba keeps its state block only.
+    kinds = ["attention", "attention", "mamba"]
+    local = [[4, 5, 6, 7, 8, 9], [0, 0, 11, 12, 13, 14], [0, 0, 0, 0, 0, 21]]
+    out = reblock_targets(kinds, local, num_tokens=300, block_size=64, done=128)
+    assert out == [[-1, -1, 6, 7, 8], [-1, -1, 11, 12, 13], [21]]

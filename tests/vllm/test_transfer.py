@@ -5,58 +5,16 @@ nothing outside the pulled blocks changes."""
 
 from __future__ import annotations
 
-import uuid
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
-import torch
 
 from kvxferd import pattern
-from kvxferd.memory import SharedMemoryRegion
-from kvxferd.vllm.connector import KvxferdConnector, KvxferdMetadata
 from kvxferd.vllm.scheduler import SchedulerSide
-from tests.sidecar.harness import SENTINEL, TOKEN, changed_outside, start_sidecars, wait_until
+from tests.sidecar.harness import TOKEN, changed_outside, start_sidecars, wait_until
+from tests.vllm.ranks import Rank
 
 pytestmark = pytest.mark.nixl
-
-
-class Rank:
-    """One engine rank: vLLM's views over a shm segment and its connector (worker role)."""
-
-    def __init__(self, engine, layout: str, sidecar) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-        from kvxferd.vllm import cpu
-
-        size = engine.kv_cache_config.kv_cache_tensors[0].size
-        self.shm = SharedMemoryRegion.create(f"kvx-vllm-{uuid.uuid4().hex[:8]}", size)
-        self.shm.host_view()[:] = SENTINEL
-        buf = torch.frombuffer(self.shm.host_view(), dtype=torch.int8)
-        self.views = cpu.allocate(engine, layout, buffer=buf)
-        extra = engine.config.kv_transfer_config.kv_connector_extra_config
-        extra["sidecar_socket"] = sidecar.socket
-        self.connector = KvxferdConnector(
-            engine.config, KVConnectorRole.WORKER, engine.kv_cache_config
-        )
-        self.connector.register_kv_caches(self.views)
-        self.manifest = self.connector._worker.manifest
-
-    def arrays(self) -> list[np.ndarray]:
-        host = self.shm.host_view()
-        return [
-            host[r.source_offset : r.source_offset + r.size_bytes] for r in self.manifest.regions
-        ]
-
-    def step(self, orders) -> tuple:
-        self.connector.bind_connector_metadata(KvxferdMetadata(orders))
-        self.connector.start_load_kv(None)
-        self.connector.clear_connector_metadata()
-        return self.connector.get_finished(set())
-
-    def close(self) -> None:
-        self.connector.shutdown()
-        self.shm.close()
 
 
 def _ids(engine, first: int, n_tokens: int) -> list[list[int]]:
@@ -167,6 +125,152 @@ def test_a_pull_that_cannot_complete_reports_its_blocks_as_load_errors(engines, 
         assert got == {"d1"}
         assert decode.connector.get_block_ids_with_load_errors() == {9, 10, 11}
         assert decode.connector.get_block_ids_with_load_errors() == set()  # reported once
+    finally:
+        for rank in (prefill, decode):
+            if rank is not None:
+                rank.close()
+        p_side.stop()
+        d_side.stop()
+
+
+@pytest.mark.parametrize(
+    "model,p_tp,d_tp", [("dense", 2, 1), ("dense", 1, 2), ("nemotron-h", 2, 1)]
+)
+def test_heterogeneous_tp_moves_every_head_byte_exact(engines, model, p_tp, d_tp, tmp_path):
+    """Each rank beside its own sidecar: TP 2 -> 1 (one decode rank reads both prefill ranks'
+    heads) and TP 1 -> 2 (each decode rank reads its half; the prefill hold ends once both
+    have read). vLLM's Mamba conv state interleaves its sections per rank (SD), so a hybrid
+    model cannot change TP: the pull fails closed (``incompatible``) and vLLM recomputes."""
+    layout = "LBHNC"
+    p_eng = engines(model, layout, num_blocks=24, tp_size=p_tp)
+    d_eng = engines(model, layout, num_blocks=24, tp_size=d_tp)
+    names = [f"p{r}" for r in range(p_tp)] + [f"d{r}" for r in range(d_tp)]
+    sides = start_sidecars(str(tmp_path), names)
+    ranks: list[Rank] = []
+    try:
+        prefill = [Rank(p_eng, layout, sides[r], tp_rank=r) for r in range(p_tp)]
+        ranks += prefill
+        decode = [Rank(d_eng, layout, sides[p_tp + r], tp_rank=r) for r in range(d_tp)]
+        ranks += decode
+        idents = []
+        for side in sides[:p_tp]:
+            with side.client() as c:
+                idents.append(c.identity())
+        hybrid = p_eng.config.model_config.is_hybrid
+        sched = SchedulerSide(
+            engine_id="P",
+            tp_size=p_tp,
+            secret=TOKEN.encode(),
+            identities=lambda: idents,
+            block_size=p_eng.config.cache_config.block_size,
+            partial_prefill=hybrid,
+        )
+        n = 300
+        p_ids = _ids(p_eng, 1, n)
+        request = SimpleNamespace(
+            request_id="r1",
+            prompt_token_ids=list(range(n)),
+            kv_transfer_params={"do_remote_decode": True},
+            status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
+        )
+        _delay, params = sched.finished(request, tuple(p_ids))
+        assert [t["tp_rank"] for t in params["kvxferd_tickets"]] == list(range(p_tp))
+        held = [[b for b in g if b] for g in p_ids]
+        orders = sched.take_orders()
+        for rank in prefill:
+            pattern.write_pattern(rank.manifest, rank.arrays(), held, seed=23)
+            assert rank.step(orders) == (None, None)
+
+        d_ids = _ids(d_eng, 7, n)
+        wanted = [[b for b in g if b] for g in d_ids]
+        before = [[a.copy() for a in rank.arrays()] for rank in decode]
+        dreq = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(n)),
+                               kv_transfer_params=dict(params))  # fmt: skip
+        count, _ = sched.matched_tokens(dreq, 0)
+        sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: d_ids), count)
+        orders = sched.take_orders()
+        for rank in decode:
+            rank.step(orders)
+        for i, rank in enumerate(decode):
+            got = wait_until(lambda r=rank: r.step(type(orders)())[1], 60, f"decode rank {i}")
+            assert got == {"d1"}
+            errors = rank.connector.get_block_ids_with_load_errors()
+            if hybrid:  # refused before any READ: nothing written, vLLM recomputes every block
+                assert errors == {b for g in wanted for b in g}
+                assert (
+                    changed_outside(before[i], rank.arrays(), rank.manifest, [[] for _ in wanted])
+                    == 0
+                )
+                continue
+            assert errors == set()
+            assert pattern.verify_pattern(rank.manifest, rank.arrays(), wanted, seed=23) is None
+            assert changed_outside(before[i], rank.arrays(), rank.manifest, wanted) == 0
+        if hybrid:
+            return
+        for i, rank in enumerate(prefill):  # every reader notified: each rank frees once
+            sending = wait_until(lambda r=rank: r.step(type(orders)())[0], 30, f"release {i}")
+            assert sending == {"r1"}
+    finally:
+        for rank in ranks:
+            rank.close()
+        for side in sides:
+            side.stop()
+
+
+@pytest.mark.parametrize("p_bs,d_bs", [(128, 64)])
+def test_different_block_sizes_fail_closed_and_vllm_recomputes(engines, p_bs, d_bs, tmp_path):
+    """The decode names its own blocks at its own block size (what re-blocking needs), but the
+    sidecars do not map vLLM's packed K|V token rows between block sizes yet
+    (kvxferd.descriptors.mapping): the pull fails ``incompatible`` before any READ, nothing is
+    written, and every block is a load error (vLLM recomputes)."""
+    from kvxferd.vllm.scheduler import StepOrders
+
+    layout = "LBHNC"
+    p_eng = engines("dense", layout, num_blocks=24, block_size=p_bs)
+    d_eng = engines("dense", layout, num_blocks=24, block_size=d_bs)
+    assert p_eng.config.cache_config.block_size == p_bs
+    assert d_eng.config.cache_config.block_size == d_bs
+    p_side, d_side = start_sidecars(str(tmp_path), ["p", "d"])
+    prefill = decode = None
+    try:
+        prefill, decode = Rank(p_eng, layout, p_side), Rank(d_eng, layout, d_side)
+        with p_side.client() as c:
+            ident = c.identity()
+
+        def side(bs: int) -> SchedulerSide:
+            return SchedulerSide(engine_id="P", tp_size=1, secret=TOKEN.encode(),
+                                 identities=lambda: [ident], block_size=bs,
+                                 partial_prefill=False, group_kinds=["attention"])  # fmt: skip
+
+        p_sched, d_sched = side(p_bs), side(d_bs)
+        n = 300
+        p_ids = _ids(p_eng, 1, n)
+        request = SimpleNamespace(
+            request_id="r1",
+            prompt_token_ids=list(range(n)),
+            kv_transfer_params={"do_remote_decode": True},
+            status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
+        )
+        _delay, params = p_sched.finished(request, tuple(p_ids))
+        assert params["remote_block_size"] == p_bs
+        pattern.write_token_pattern(prefill.manifest, prefill.arrays(), p_ids, n, seed=31)
+        assert prefill.step(p_sched.take_orders()) == (None, None)
+
+        d_ids = _ids(d_eng, 7, n)
+        before = [a.copy() for a in decode.arrays()]
+        dreq = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(n)),
+                               kv_transfer_params=dict(params))  # fmt: skip
+        count, _ = d_sched.matched_tokens(dreq, 0)
+        d_sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: d_ids), count)
+        orders = d_sched.take_orders()
+        assert orders.pulls[0].block_ids == d_ids  # its own ids, at its own block size
+        decode.step(orders)
+        got = wait_until(lambda: decode.step(StepOrders())[1], 60, "the pull to end")
+        assert got == {"d1"}
+        with d_side.client() as c:
+            assert [f.reason for f in c.finished_pulls(0).pulls] == ["incompatible"]
+        assert decode.connector.get_block_ids_with_load_errors() == set(d_ids[0])
+        assert all((b == a).all() for b, a in zip(before, decode.arrays(), strict=True))
     finally:
         for rank in (prefill, decode):
             if rank is not None:
