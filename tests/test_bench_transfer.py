@@ -59,13 +59,23 @@ def test_every_case_has_the_issue_keys_and_both_patterns(quick):
         assert set(c) >= CASE_KEYS, CASE_KEYS - set(c)
 
 
+def _reblocks(case: dict) -> bool:
+    """Re-blocking cases: vLLM's per-layer scheme pairs block ids and has no such case."""
+    return case["layout"].endswith("-reblock")
+
+
 def test_numbers_are_measured_and_transfers_verified(quick):
+    assert any(_reblocks(c) for c in quick[0]["cases"])  # the re-blocking case runs too
     for c in quick[0]["cases"]:
         assert c["verified"] is True
         assert c["bytes"] > 0
         for key in MEASURED:
+            if _reblocks(c) and key.startswith("per_layer"):
+                assert c[key] is None, (key, c[key])
+                continue
             assert _positive(c[key]), (key, c[key])
-        assert _positive(c["kvxferd_vs_ceiling"]) and _positive(c["kvxferd_vs_per_layer"])
+        assert _positive(c["kvxferd_vs_ceiling"])
+        assert _reblocks(c) or _positive(c["kvxferd_vs_per_layer"])
         assert _positive(c["profile_ms"]["client"]) and _positive(c["profile_ms"]["plan_read"])
 
 
@@ -79,6 +89,9 @@ def test_ucx_is_a_number_or_explained(quick):
 
 def test_kvxferd_never_needs_more_descriptors_than_the_per_layer_scheme(quick):
     for c in quick[0]["cases"]:
+        if _reblocks(c):  # token pieces, no per-layer table or run bound to compare with
+            assert c["kvxferd_descriptors"] > 0
+            continue
         assert 0 < c["kvxferd_descriptors"] <= c["per_layer_descriptors"]
         assert c["kvxferd_descriptors"] <= c["descriptor_bound"]
 
