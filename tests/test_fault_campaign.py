@@ -1,9 +1,8 @@
 """scripts/fault_campaign.py --quick runs real faults against a real sidecar pair and reports
 them in the issue-10 JSON contract.
 
-The campaign is expected to find defects until issue 10's fixes are merged: only the invariants
-in HOLDS_TODAY must be zero. When a fix lands, move its invariant from NOT_YET to HOLDS_TODAY;
-once NOT_YET is empty, the campaign exits 0 and this test asserts it.
+Every invariant must be zero (issue 10's fixes are in); a regression that breaks one fails here.
+NOT_YET is where an invariant would wait for a fix, were one ever added before its fix.
 """
 
 from __future__ import annotations
@@ -27,13 +26,10 @@ SEED = 1
 KINDS = ("kill9", "sigstop", "deadline", "lease", "ticket", "body", "flood", "shm_full")
 
 HOLDS_TODAY = {"leaked_holds", "leftover_shm", "hangs", "stale_or_corrupt", "crashes",
-               "secret_leaks"}  # fmt: skip
+               "secret_leaks", "writes_after_failed", "leaked_handles"}  # fmt: skip
 """Invariants today's code keeps under the quick campaign (asserted zero)."""
-NOT_YET = {
-    "writes_after_failed": "a deadline during the post lets the READ land later (item 2)",
-    "leaked_handles": "that READ's handle is never released (item 2)",
-}
-"""Invariants the fixes of issue 10 make hold; not asserted until then."""
+NOT_YET: dict[str, str] = {}
+"""Invariants waiting for a fix (none): not asserted until then."""
 
 
 def test_every_invariant_is_either_asserted_or_waiting_for_a_fix():
