@@ -284,7 +284,8 @@ def _check_block_ids(
 # ------------------------------------------------------------------------------------------------
 # Token pattern (re-blocking): attention bytes are a function of the token, not of the block, so
 # two sides with different block sizes (or groupings) expect the same bytes for the same token.
-# Attention: byte b of the row of token t, global TP unit i (HND; an NHD row holds the whole part),
+# Attention: byte b of the row of token t, global TP unit i (HND; an NHD row holds the whole part;
+# a part with rows > 1, vLLM's packed K|V, has one head_size row per token, row_stride apart),
 # layer index, part name. Mamba state (the last listed block of a group): as write_pattern's
 # block ordinal 0. Tokens: [0, num_tokens), only the last sliding_window of a sliding group; a
 # group's ids follow descriptors.token_blocks (-1 skips a block).
@@ -393,10 +394,11 @@ def _token_rows(
                     starts = (base + tau * row)[:, None]
                     gunits = np.zeros(1, dtype=np.int64)
                 else:
-                    row = head
+                    row = part.unit_bytes if part.rows > 1 else head
+                    step = part.row_stride if part.rows > 1 else row  # packed K|V: token rows
                     gunits = _global_units(part, manifest.tp_rank, manifest.tp_size, where)
                     i = np.arange(part.units, dtype=np.int64)[None, :] * part.unit_stride
-                    starts = (base + tau * row)[:, None] + i
+                    starts = (base + tau * step)[:, None] + i
                 pos = (starts[..., None] + np.arange(row, dtype=np.int64)).ravel()
                 want = (
                     _row_content(seed, layer.index, part.name, t, gunits, row) if content else pos

@@ -6,6 +6,8 @@ manifests; the decode's pool must then verify, and only its footprint may have c
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,7 @@ from kvxferd.descriptors import plan_pull, read_geometry
 from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
 from kvxferd.pattern import token_footprint, verify_token_pattern, write_token_pattern
 from kvxferd.wire import Manifest
+from tests.descriptors.layouts import AttnSpec, hybrid_spec, render, render_packed
 
 
 def _plan(name: str, **opts) -> Manifest:
@@ -69,3 +72,28 @@ def test_a_re_blocked_pull_verifies_and_writes_only_the_tokens(name, prefill, de
     lpool[r][at] ^= 0xFF
     bad = verify_token_pattern(local, lpool, lids, n, seed=7)
     assert bad is not None and bad.address == at and bad.region == r
+
+
+@pytest.mark.parametrize("prefill_packed", [True, False])
+def test_packed_kv_rows_name_the_same_token_bytes_as_unpacked_heads(prefill_packed):
+    # vLLM 0.33 packs K|V per token ([blocks, heads, tokens, head_size + head_size_v]): a head's
+    # K is one row per token. Re-blocked against an unpacked side, the pattern still agrees.
+    a = AttnSpec(total_heads=2, head_size=4, dtype="bfloat16", kbs=4, ratio=2, head_layout="HND")
+    packed = render_packed(a, 2, 12)
+    spec = replace(hybrid_spec(), mamba=None, mamba_groups=(), attn_groups=(2,),
+                   attn=replace(a, kbs=8, ratio=1))  # fmt: skip
+    unpacked = render(spec, num_blocks=12)
+    remote, local = (packed, unpacked) if prefill_packed else (unpacked, packed)
+    n = 21
+    rids, lids = _ids(remote, n, 1), _ids(local, n, 2)
+    lpool, rpool = _pool(local), _pool(remote)
+    before = [x.copy() for x in lpool]
+    write_token_pattern(remote, rpool, rids, n, seed=3)
+    assert verify_token_pattern(remote, rpool, rids, n, seed=3) is None
+    assert verify_token_pattern(local, lpool, lids, n, seed=3) is not None
+    _apply(plan_pull(read_geometry(local, remote), lids, rids, -1, n), lpool, rpool)
+    assert verify_token_pattern(local, lpool, lids, n, seed=3) is None
+    mask = token_footprint(local, lids, n)
+    assert sum(int(m.sum()) for m in mask) == 2 * 2 * 2 * n * 4 * 2  # layers, K/V, heads, tokens
+    for b, x, m in zip(before, lpool, mask, strict=True):
+        assert not ((b != x) & ~m).any()

@@ -34,7 +34,7 @@ from kvxferd.wire import AttentionLayer, Manifest
 _ATTN_FIELDS = ("index", "total_kv_heads", "head_size", "dtype", "head_layout", "head_size_v")
 _MAMBA_FIELDS = ("index", "mamba_type", "conv_dtype", "ssm_dtype", "conv_layout")
 _GROUP_FIELDS = ("kind", "sliding_window")
-_PART_FIELDS = ("name", "units_total", "rows")
+_PART_FIELDS = ("name", "units_total")
 
 
 def _check_remote(remote: Manifest) -> None:
@@ -77,6 +77,8 @@ def compare_manifests(local: Manifest, remote: Manifest) -> dict[str, tuple[obje
         ]
     else:
         pairs = paired[0]
+    # re-blocking moves token rows, so per-token row splits may differ; block ids need them equal
+    reblocks = paired is not None and bool(reblock_fields(local, remote))
     for g, i, rgi, ri in pairs:
         lg, rg = local.groups[g], remote.groups[rgi]
         ll, rl = lg.layers[i], rg.layers[ri]
@@ -97,6 +99,8 @@ def compare_manifests(local: Manifest, remote: Manifest) -> dict[str, tuple[obje
         for (name, lp), (_n, rp) in zip(lparts, rparts, strict=False):
             for f in _PART_FIELDS:
                 cmp(f"{lf}.{name}.{f}", getattr(lp, f), getattr(rp, f))
+            if not reblocks:
+                cmp(f"{lf}.{name}.rows", lp.rows, rp.rows)
             if lp.unit_bytes * lp.rows * rk != rp.unit_bytes * rp.rows * lk:
                 diff[f"{lf}.{name}.unit_bytes"] = (lp.unit_bytes, rp.unit_bytes)
     if diff:
@@ -179,17 +183,6 @@ class ReadGeometry:
         return coalesce_plan(plan) if coalesce else plan
 
 
-def _has_rows(*manifests: Manifest) -> bool:
-    """Whether any part is split into per-token rows (vLLM's packed K|V layout)."""
-    return any(
-        p.rows > 1
-        for m in manifests
-        for g in m.groups
-        for layer in g.layers
-        for _name, p in layer_parts(layer)
-    )
-
-
 def read_geometry(local: Manifest, remote: Manifest) -> ReadGeometry:
     """Validate a (local rank, remote rank) pair and precompute its per-block-unit pieces.
 
@@ -203,10 +196,6 @@ def read_geometry(local: Manifest, remote: Manifest) -> ReadGeometry:
         raise IncompatiblePeerError(diff)
     groups = local.groups
     reblocked = reblock_fields(local, remote)
-    if reblocked and _has_rows(local, remote):
-        # Re-blocking maps token rows of whole-unit parts; vLLM's packed K|V rows are not
-        # supported there yet, so such peers must use equal block sizes.
-        raise IncompatiblePeerError(reblocked)
     if reblocked:
         return ReadGeometry(
             local_blocks=local.num_blocks,

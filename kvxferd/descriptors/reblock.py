@@ -6,7 +6,9 @@ token ``t`` lives in logical block ``t // block_size`` of the request (the list 
 it), kernel block ``(t % block_size) // kernel_block_size``, token row ``t % kernel_block_size``.
 A *token piece* is the run of one TP unit (HND: one head, whose tokens are contiguous within a
 kernel block) or of a whole NHD part (a token row holds every head) that one token occupies:
-token row ``tau`` of block unit ``u`` is ``row`` bytes at ``offset + u * stride + tau * row``.
+token row ``tau`` of block unit ``u`` is ``row`` bytes at ``offset + u * stride + tau * step``
+(``step == row`` unless the part has per-token rows: vLLM's packed K|V puts ``row_stride``
+between a head's token rows, and such rows move one token at a time).
 Tokens ``[0, n)`` (a sliding window: its last ``sliding_window`` tokens) are cut at both sides'
 kernel block boundaries into segments, and every segment moves once per token piece. Mamba state
 moves as one block: the last listed block of each side's mamba group. The sides may group the
@@ -65,7 +67,7 @@ class TokenPieces:
     """Per-token copy pattern of one attention group (int64 arrays of equal length).
 
     Token row ``tau`` of local block unit ``u_l`` (``row`` bytes at ``local_offset + u_l *
-    local_stride + tau * row``) receives the same token's row of remote block unit ``u_r``.
+    local_stride + tau * local_step``) receives the same token's row of remote block unit ``u_r``.
     """
 
     local_region: np.ndarray
@@ -75,11 +77,25 @@ class TokenPieces:
     remote_offset: np.ndarray
     remote_stride: np.ndarray
     row: np.ndarray
+    local_step: np.ndarray
+    remote_step: np.ndarray
 
 
-def _row_bytes(layer: AttentionLayer, p: Part, kbs: int, field: str) -> int:
-    """Bytes of one token row: of one TP unit (HND), or of the whole part (NHD), checked."""
+def _row_bytes(layer: AttentionLayer, p: Part, kbs: int, field: str) -> tuple[int, int]:
+    """(bytes of one token row, bytes between token rows): of one TP unit (HND), or of the
+    whole part (NHD), checked. A part with per-token rows (packed K|V) has ``kbs`` rows."""
     head = layer.head_size * DTYPE_BYTES[layer.dtype]
+    if p.rows > 1:
+        if layer.head_layout != "HND":
+            raise IncompatiblePeerError({f"{field}.rows": (p.rows, layer.head_layout)})
+        size = layer.head_size_v if p.name == "v" and layer.head_size_v else layer.head_size
+        if p.rows != kbs or p.unit_bytes != size * DTYPE_BYTES[layer.dtype]:
+            raise ManifestError(
+                f"{field}.rows",
+                f"{p.rows} rows of {p.unit_bytes} bytes are not kernel_block_size {kbs} token "
+                f"rows of one head",
+            )
+        return p.unit_bytes, p.row_stride
     if layer.head_layout == "HND":
         if p.unit_bytes != kbs * head:
             raise ManifestError(
@@ -87,7 +103,7 @@ def _row_bytes(layer: AttentionLayer, p: Part, kbs: int, field: str) -> int:
                 f"{p.unit_bytes} bytes is not kernel_block_size {kbs} x head_size "
                 f"{layer.head_size} x {layer.dtype}",
             )
-        return head
+        return head, head
     whole = p.units * p.unit_bytes
     if p.units > 1 and p.unit_stride != p.unit_bytes:
         raise ManifestError(f"{field}.unit_stride", "an NHD part must be one contiguous run")
@@ -95,7 +111,7 @@ def _row_bytes(layer: AttentionLayer, p: Part, kbs: int, field: str) -> int:
         raise ManifestError(
             f"{field}.unit_bytes", f"{whole} bytes are not {kbs} token rows of whole heads"
         )
-    return whole // kbs
+    return whole // kbs, whole // kbs
 
 
 def token_pieces(local: Manifest, remote: Manifest, pairs: list[LayerPair]) -> TokenPieces:
@@ -107,7 +123,7 @@ def token_pieces(local: Manifest, remote: Manifest, pairs: list[LayerPair]) -> T
     ``<part>.sliceable``).
     """
     ltp, rtp = (local.tp_size, local.tp_rank), (remote.tp_size, remote.tp_rank)
-    rows: list[tuple[int, int, int, int, int, int, int]] = []
+    rows: list[tuple[int, ...]] = []
     bad: dict[str, tuple[object, object]] = {}
     for g, i, rg, ri in pairs:
         ll, rl = local.groups[g].layers[i], remote.groups[rg].layers[ri]
@@ -122,24 +138,25 @@ def token_pieces(local: Manifest, remote: Manifest, pairs: list[LayerPair]) -> T
                 continue
             if not lidx.size:
                 continue
-            lrow = _row_bytes(ll, lp, lkbs, field)
-            rrow = _row_bytes(rl, rp, rkbs, f"remote.{part_field(rg, ri, name)}")
+            lrow, lstep = _row_bytes(ll, lp, lkbs, field)
+            rrow, rstep = _row_bytes(rl, rp, rkbs, f"remote.{part_field(rg, ri, name)}")
             if lrow != rrow:
                 raise IncompatiblePeerError({f"{field}.units": (lp.units, rp.units)})
             if ll.head_layout == "NHD":
                 rows.append(
                     (ll.region, lp.offset, lp.block_stride, rl.region, rp.offset, rp.block_stride,
-                     lrow)
+                     lrow, lstep, rstep)
                 )  # fmt: skip
                 continue
             for a, b in zip(lidx.tolist(), ridx.tolist(), strict=True):
                 rows.append(
                     (ll.region, lp.offset + a * lp.unit_stride, lp.block_stride,
-                     rl.region, rp.offset + b * rp.unit_stride, rp.block_stride, lrow)
+                     rl.region, rp.offset + b * rp.unit_stride, rp.block_stride, lrow, lstep,
+                     rstep)
                 )  # fmt: skip
     if bad:
         raise IncompatiblePeerError(bad)
-    t = np.asarray(rows, dtype=np.int64).reshape(-1, 7).T
+    t = np.asarray(rows, dtype=np.int64).reshape(-1, 9).T
     return TokenPieces(*(np.ascontiguousarray(c) for c in t))
 
 
@@ -360,14 +377,38 @@ def _attention(
         k = int(np.argmax(missing))
         where = f"remote_block_ids[{rg}]" + (f"[{int(rpos[k])}]" if rpos[k] >= 0 else "")
         raise BlockIdError(where, f"token {int(seg[k])} is to be moved but has no remote block")
-    row = tp.row[:, None]
-    loff = tp.local_offset[:, None] + tp.local_stride[:, None] * lunit + row * ltau
-    roff = tp.remote_offset[:, None] + tp.remote_stride[:, None] * runit + row * rtau
-    m = seg.size
+    whole = (tp.local_step == tp.row) & (tp.remote_step == tp.row)
+    out = [_emit(tp, whole, lunit, ltau, runit, rtau, length)]
+    if not whole.all():  # rows not contiguous on a side: one descriptor per token
+        within = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(
+            np.cumsum(length) - length, length
+        )
+        lu, ru = np.repeat(lunit, length), np.repeat(runit, length)
+        lt, rt = np.repeat(ltau, length) + within, np.repeat(rtau, length) + within
+        out.append(_emit(tp, ~whole, lu, lt, ru, rt, np.ones_like(lu)))
+    return tuple(np.concatenate(c) for c in zip(*out, strict=True))
+
+
+def _emit(
+    tp: TokenPieces,
+    sel: np.ndarray,
+    lunit: np.ndarray,
+    ltau: np.ndarray,
+    runit: np.ndarray,
+    rtau: np.ndarray,
+    length: np.ndarray,
+) -> tuple[np.ndarray, ...]:
+    """Descriptor columns of pieces ``sel`` for every segment (``length`` tokens from row tau)."""
+    row = tp.row[sel][:, None]
+    loff = (tp.local_offset[sel][:, None] + tp.local_stride[sel][:, None] * lunit
+            + tp.local_step[sel][:, None] * ltau)  # fmt: skip
+    roff = (tp.remote_offset[sel][:, None] + tp.remote_stride[sel][:, None] * runit
+            + tp.remote_step[sel][:, None] * rtau)  # fmt: skip
+    m = lunit.size
     return (
-        np.repeat(tp.local_region, m),
+        np.repeat(tp.local_region[sel], m),
         loff.ravel(),
-        np.repeat(tp.remote_region, m),
+        np.repeat(tp.remote_region[sel], m),
         roff.ravel(),
         (row * length).ravel(),
     )

@@ -255,3 +255,53 @@ def hybrid_spec() -> ModelSpec:
         pad=16,
         num_blocks=20,
     )  # fmt: skip
+
+
+def render_packed(
+    a: AttnSpec, layers: int, num_blocks: int, tp: int = 1, rank: int = 0
+) -> Manifest:
+    """An attention-only manifest in vLLM 0.33's packed layout, one region per layer."""
+    hb = a.head_size * DTYPE_BYTES[a.dtype]
+    heads = max(1, a.total_heads // tp)
+    kstride = heads * a.kbs * 2 * hb
+    page = a.ratio * kstride
+    nb = num_blocks
+
+    def part(name: str, off: int) -> Part:
+        return Part(name=name, offset=off, block_stride=kstride, units=heads, unit_bytes=hb,
+                    unit_stride=a.kbs * 2 * hb, units_total=a.total_heads, rows=a.kbs,
+                    row_stride=2 * hb)  # fmt: skip
+
+    return Manifest(
+        model="random",
+        num_blocks=nb,
+        regions=[
+            Region(name=f"r{i}", size_bytes=nb * page, num_blocks=nb, page_bytes=page)
+            for i in range(layers)
+        ],  # fmt: skip
+        groups=[
+            Group(
+                kind="full_attention",
+                block_size=a.kbs * a.ratio,
+                kernel_block_size=a.kbs,
+                layers=[
+                    AttentionLayer(
+                        name=f"model.layers.{i}.self_attn",
+                        index=i,
+                        region=i,
+                        num_kv_heads=heads,
+                        total_kv_heads=a.total_heads,
+                        head_size=a.head_size,
+                        dtype=a.dtype,
+                        head_layout="HND",
+                        kv_order="blocks_first",
+                        k=part("k", 0),
+                        v=part("v", hb),
+                    )
+                    for i in range(layers)
+                ],  # fmt: skip
+            )
+        ],
+        tp_rank=rank,
+        tp_size=tp,
+    )

@@ -127,7 +127,8 @@ def label_tokens(manifest: Manifest, ids_per_group: list[np.ndarray], tokens: in
 
     ``tokens`` is the side's token count (aligns short lists), ``upto`` (default ``tokens``) the
     end of the range; ``start`` is 0, or ``upto - sliding_window`` for sliding groups. HND rows
-    are one head's token (``head_size`` elements), NHD rows the whole part's token.
+    are one head's token (``head_size`` elements; ``row_stride`` apart when the part has per-token
+    rows, vLLM's packed K|V), NHD rows the whole part's token.
     """
     upto = tokens if upto is None else upto
     bases = region_bases(manifest)
@@ -176,8 +177,10 @@ def label_tokens(manifest: Manifest, ids_per_group: list[np.ndarray], tokens: in
                 else:
                     first = _first_unit(p.units_total, manifest.tp_size, manifest.tp_rank)
                     i = np.arange(p.units)[None, :, None]
-                    b = np.arange(row)[None, None, :]
-                    pos = (base + tau * row)[:, None, None] + i * p.unit_stride + b
+                    hrow = p.unit_bytes if p.rows > 1 else row
+                    step = p.row_stride if p.rows > 1 else row  # packed K|V: per-token rows
+                    b = np.arange(hrow)[None, None, :]
+                    pos = (base + tau * step)[:, None, None] + i * p.unit_stride + b
                     lab = _encode_t(0, layer.index, pi, first + i, t[:, None, None], b)
                 pos, lab = np.broadcast_arrays(pos, lab)
                 assert (labels[pos] == -1).all(), "generator bug: two tokens share a byte"

@@ -26,7 +26,7 @@ from kvxferd.errors import BlockIdError, IncompatiblePeerError
 from kvxferd.wire import Manifest
 
 from . import oracle
-from .layouts import ModelSpec, hybrid_spec, render
+from .layouts import AttnSpec, ModelSpec, hybrid_spec, render, render_packed
 from .strategies import model_specs
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -291,3 +291,86 @@ def test_bad_local_ids_name_the_field(lids, field):
     with pytest.raises(BlockIdError) as exc:
         plan_pull(read_geometry(local, remote), lids, rids, 14, 14)
     assert exc.value.field == field
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed K|V rows (vLLM 0.33): a block unit is [heads, tokens, head_size + head_size_v], so one
+# head's K is ``kernel_block_size`` runs of ``head_size`` elements, a K|V row apart.
+
+
+def _unpacked(a: AttnSpec, layers: int, num_blocks: int, tp: int = 1, rank: int = 0, **kw):
+    spec = replace(hybrid_spec(), mamba=None, mamba_groups=(), attn_groups=(layers,), attn=a)
+    return render(spec, tp, rank, num_blocks=num_blocks, **kw)
+
+
+@st.composite
+def packed_cases(draw) -> Case:
+    """Packed K|V on the decode, the prefill or both; independent block and kernel block sizes
+    and TP 1/2/4 on each side, so rows of different kernel blocks must meet token by token."""
+    heads = draw(st.sampled_from([1, 2, 4]))
+    base = AttnSpec(total_heads=heads, head_size=draw(st.integers(1, 4)),
+                    dtype=draw(st.sampled_from(["float32", "bfloat16", "float8_e4m3fn"])),
+                    kbs=draw(st.integers(1, 4)), ratio=draw(st.integers(1, 4)),
+                    head_layout="HND")  # fmt: skip
+    rattn = replace(base, kbs=draw(st.integers(1, 4)), ratio=draw(st.integers(1, 4)))
+    if (rattn.kbs, rattn.ratio) == (base.kbs, base.ratio):
+        rattn = replace(rattn, ratio=rattn.ratio + 1)
+    lpacked, rpacked = draw(st.sampled_from([(True, True), (True, False), (False, True)]))
+    layers = draw(st.integers(1, 3))
+    tp_l, tp_r = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4]))
+    remote_tokens = draw(st.integers(1, 40))
+    num_tokens = draw(st.integers(1, remote_tokens))
+    lnb, rnb = -(-num_tokens // base.kbs) + 2, -(-remote_tokens // rattn.kbs) + 2
+
+    def side(a: AttnSpec, packed: bool, nb: int, tp: int, rank: int) -> Manifest:
+        return (
+            render_packed(a, layers, nb, tp, rank) if packed else _unpacked(a, layers, nb, tp, rank)
+        )
+
+    local = side(base, lpacked, lnb, tp_l, draw(st.integers(0, tp_l - 1)))
+    remotes = [side(rattn, rpacked, rnb, tp_r, r) for r in range(tp_r)]
+    lids = _side_ids(draw, local, num_tokens, True, list(draw(st.permutations(range(lnb)))))
+    rids = _side_ids(draw, remotes[0], remote_tokens, False,
+                     list(draw(st.permutations(range(rnb)))))  # fmt: skip
+    return Case(local, remotes, lids, rids, num_tokens, remote_tokens)
+
+
+@SETTINGS
+@given(packed_cases(), st.booleans())
+def test_packed_kv_rows_re_block_every_token_of_every_unit_once(case, coalesce):
+    assert _differs(case)
+    check_exact_tokens(case, coalesce)
+
+
+def test_packed_rows_coalesce_only_where_a_row_is_contiguous():
+    # One head of 4 float32 elements: a packed token row is 16 bytes, 32 apart (K|V), so each
+    # token's K and V is its own descriptor; the unpacked decode takes 8-token runs otherwise.
+    a = AttnSpec(total_heads=1, head_size=4, dtype="float32", kbs=4, ratio=1, head_layout="HND")
+    remote = render_packed(a, 1, 8)
+    local = _unpacked(replace(a, kbs=8), 1, 8)
+    lids, rids = [np.asarray([3])], [np.asarray([1, 5])]
+    plan = plan_pull(read_geometry(local, remote), lids, rids, 8, 8)
+    assert plan.num_descriptors == 2 * 8
+    assert (plan.length == 16).all()
+    check_exact_tokens(Case(local, [remote], lids, rids, 8, 8))
+    # Packed on both sides, a head's K and V rows interleave alike: coalescing joins them back
+    # into one run per prefill kernel block.
+    packed = render_packed(replace(a, kbs=8), 1, 8)
+    both = plan_pull(read_geometry(packed, remote), lids, rids, 8, 8)
+    assert both.num_descriptors == 2
+    assert (both.length == 4 * 32).all()
+    check_exact_tokens(Case(packed, [remote], lids, rids, 8, 8))
+
+
+def test_compare_allows_different_rows_only_when_re_blocking():
+    a = AttnSpec(total_heads=2, head_size=4, dtype="bfloat16", kbs=4, ratio=2, head_layout="HND")
+    assert compare_manifests(render_packed(a, 2, 8), _unpacked(replace(a, ratio=1), 2, 8)) == {}
+    assert compare_manifests(render_packed(a, 2, 8), render_packed(replace(a, kbs=2), 2, 8)) == {}
+    # equal block sizes pair block ids, whose pieces need the same rows on both sides
+    diff = compare_manifests(render_packed(a, 2, 8), _unpacked(a, 2, 8))
+    assert "groups[0].layers[0].k.rows" in diff
+    # bytes per token must still agree
+    diff = compare_manifests(
+        render_packed(a, 2, 8), render_packed(replace(a, head_size=8, kbs=2), 2, 8)
+    )
+    assert "groups[0].layers[0].head_size" in diff
