@@ -24,8 +24,10 @@ from kvxferd.descriptors.reference import reference_descriptor_count
 from kvxferd.descriptors.tpslice import (
     expected_readers,
     owned_units,
+    ranks_read,
     source_ranks,
     unit_holders,
+    unit_totals,
 )
 from kvxferd.descriptors.views import DescriptorView, Views, build_views, desc_ids
 
@@ -48,10 +50,12 @@ __all__ = [
     "owned_units",
     "plan_pull",
     "plan_read",
+    "ranks_read",
     "read_geometry",
     "reblock_geometry",
     "reference_descriptor_count",
     "source_ranks",
     "token_blocks",
     "unit_holders",
+    "unit_totals",
 ]

@@ -34,7 +34,8 @@ from kvxferd.errors import (
     reason_code,
 )
 from kvxferd.sidecar.finished import FinishedFeed
-from kvxferd.sidecar.pull_request import unread_ranks, validate_pull
+from kvxferd.sidecar.peerviews import RankPlans
+from kvxferd.sidecar.pull_request import validate_pull
 from kvxferd.sidecar.reads import SETTLE_S, Reads
 from kvxferd.sidecar.states import PullState, advance
 from kvxferd.wire import (
@@ -133,6 +134,7 @@ class PullRunner:
             tuple[str, str, int, int], tuple[Manifest, descriptors.ReadGeometry]
         ] = OrderedDict()
         self.reads = Reads(transport, on_stuck=peers.forget)
+        self.rank_plans = RankPlans()
         self.feed = FinishedFeed()
 
     def _geometry(self, local: Manifest, peer: Peer) -> descriptors.ReadGeometry:
@@ -216,15 +218,15 @@ class PullRunner:
         try:
             async with asyncio.timeout(req.deadline_s):
                 local, bases = self._local()  # one registration for the whole pull
-                ranks = descriptors.source_ranks(local, len(req.tickets))
+                ranks = self.rank_plans.get(local, len(req.tickets))
                 # A TaskGroup, not gather: one failed read cancels its siblings, so no READ is
                 # still running (and no handle still live) once the pull reports FAILED.
                 async with asyncio.TaskGroup() as group:
-                    for r in ranks:
+                    for r in ranks.sources:
                         group.create_task(
                             self._read_from(pull, req.tickets[r], deadline, local, bases)
                         )
-                    for r in unread_ranks(local, len(req.tickets)):
+                    for r in ranks.unread:
                         group.create_task(self._release_unread(req.tickets[r], local.tp_size))
             pull.advance(PullState.DONE)
             m.pulls.labels("done").inc()
