@@ -14,6 +14,7 @@ from kvxferd.descriptors.mapping import (
     read_geometry,
 )
 from kvxferd.descriptors.plan import ReadPlan
+from kvxferd.descriptors.prepped import IndexPlan, PreppedGeometry, prepped_geometry
 from kvxferd.descriptors.reblock import (
     ReblockGeometry,
     reblock_fields,
@@ -33,6 +34,8 @@ from kvxferd.descriptors.views import DescriptorView, Views, build_views, desc_i
 
 __all__ = [
     "DescriptorView",
+    "IndexPlan",
+    "PreppedGeometry",
     "ReadGeometry",
     "ReadPlan",
     "ReblockGeometry",
@@ -50,6 +53,7 @@ __all__ = [
     "owned_units",
     "plan_pull",
     "plan_read",
+    "prepped_geometry",
     "ranks_read",
     "read_geometry",
     "reblock_geometry",
