@@ -149,9 +149,7 @@ def _pairs(
 
 def _logical(p: Pieces, ratio: int) -> bool:
     """Whether a logical block's kernel blocks are adjacent for every piece, on both sides."""
-    return ratio > 1 and bool(
-        ((p.local_stride == p.length) & (p.remote_stride == p.length)).all()
-    )
+    return ratio > 1 and bool(((p.local_stride == p.length) & (p.remote_stride == p.length)).all())
 
 
 def _expand(region, offset, stride, length, units: int):

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx
-import numpy as np
 
 from kvxferd import descriptors
 from kvxferd.errors import (
@@ -34,7 +33,7 @@ from kvxferd.errors import (
     reason_code,
 )
 from kvxferd.sidecar.finished import FinishedFeed
-from kvxferd.sidecar.peerviews import RankPlans
+from kvxferd.sidecar.peerviews import PeerRead, PeerViews, RankPlans
 from kvxferd.sidecar.pull_request import validate_pull
 from kvxferd.sidecar.reads import SETTLE_S, Reads
 from kvxferd.sidecar.states import PullState, advance
@@ -135,6 +134,7 @@ class PullRunner:
         ] = OrderedDict()
         self.reads = Reads(transport, on_stuck=peers.forget)
         self.rank_plans = RankPlans()
+        self.views = PeerViews(transport)
         self.feed = FinishedFeed()
 
     def _geometry(self, local: Manifest, peer: Peer) -> descriptors.ReadGeometry:
@@ -210,6 +210,7 @@ class PullRunner:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.reads.close()
+        self.views.close()
 
     async def _run(self, pull: Pull) -> None:
         m = self._metrics
@@ -287,9 +288,9 @@ class PullRunner:
         claim_end = time.monotonic() + (claim.expires_at - time.time())
 
         req = pull.request
-        plan = descriptors.plan_pull(
-            self._geometry(local, peer), req.block_ids, ticket.block_ids, req.num_tokens,
-            ticket.num_tokens,
+        plan = self.views.plan(
+            peer, local, bases, self._geometry(local, peer), req.block_ids, ticket.block_ids,
+            req.num_tokens, ticket.num_tokens,
         )  # fmt: skip
         pull.advance(PullState.TRANSFERRING)
         notif = ticket.hold_id.encode()
@@ -297,7 +298,7 @@ class PullRunner:
             # Nothing to read from this rank (all blocks skipped): still release its hold.
             self._transport.send_notif(peer.agent_name, notif)
             return
-        await self._transfer(pull, peer, plan, notif, deadline, claim_end, bases)
+        await self._transfer(pull, peer, plan, notif, deadline, claim_end)
 
     async def _release_unread(self, ticket: Ticket, reader_tp_size: int) -> None:
         """Release the hold of a prefill rank that no decode rank reads, before its expiry.
@@ -325,28 +326,24 @@ class PullRunner:
         self,
         pull: Pull,
         peer: Peer,
-        plan: descriptors.ReadPlan,
+        plan: PeerRead,
         notif: bytes,
         deadline: float,
         claim_end: float,
-        local_bases: Sequence[int],
     ) -> None:
-        bases = np.asarray(local_bases, dtype=np.int64)
-        rbases = np.asarray(peer.region_bases, dtype=np.int64)
-        local_addr = bases[plan.local_region] + plan.local_offset
-        remote_addr = rbases[plan.remote_region] + plan.remote_offset
+        tables = plan.tables or (None, None)
         t0 = time.monotonic()
         try:
             transfer = await self.reads.read(
                 peer.address,
                 peer.agent_name,
-                (local_addr, plan.length),
-                (remote_addr, plan.length),
+                *tables,
                 notif,
                 nbytes=int(plan.kv_bytes + plan.state_bytes),
                 descs=int(plan.num_descriptors),
                 deadline=min(deadline, claim_end),
                 on_unsettled=functools.partial(_unsettled, pull, claim_end < deadline),
+                post=plan.post(self._transport, peer.agent_name, notif),
             )
         except PeerDisconnectedError:
             await self._peers.forget(peer.address)
@@ -366,6 +363,7 @@ class PullRunner:
         m.phase_duration.labels("wire").observe(wire_s)
         m.transfer_duration.observe(time.monotonic() - t0)
         m.transfer_descriptors.observe(plan.num_descriptors)
+        m.reads.labels("prepped" if plan.prepped is not None else "tables").inc()
         m.transfer_bytes.labels("kv").inc(plan.kv_bytes)
         m.transfer_bytes.labels("state").inc(plan.state_bytes)
         if wire_s > 0:

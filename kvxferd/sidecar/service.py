@@ -535,7 +535,8 @@ class Sidecar:
                     elapsed = time.monotonic() - hot_since
                     delay = min(max(elapsed / _NOTIF_LATENCY_SHARE, _NOTIF_FAST_S), _NOTIF_SLOW_S)
             live = self.agent.live_handles()
-            self.metrics.nixl_handles.set(live.transfers + live.prepped)
+            self.metrics.nixl_handles.set(live.transfers)
+            self.metrics.prepped_lists.set(live.prepped)
             if await _woken(self._notif_wake, delay):
                 hot_since = time.monotonic()
             self._notif_wake.clear()

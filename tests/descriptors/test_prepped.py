@@ -53,8 +53,10 @@ def test_index_plan_moves_exactly_the_coalesced_plans_bytes(case):
 def test_skipped_local_ids_are_left_out_like_plan_pull(case, data):
     local, remote, lids, rids = case
     skip = [data.draw(st.lists(st.booleans(), min_size=a.size, max_size=a.size)) for a in lids]
-    lo = [[-1 if s else int(b) for b, s in zip(a, sk, strict=True)] for a, sk in zip(lids, skip,
-                                                                                  strict=True)]  # fmt: skip
+    lo = [
+        [-1 if s else int(b) for b, s in zip(a, sk, strict=True)]
+        for a, sk in zip(lids, skip, strict=True)
+    ]
     geometry = read_geometry(local, remote)
     prepped = prepped_geometry(geometry)
     idx = prepped.plan(lo, [r.tolist() for r in rids])
