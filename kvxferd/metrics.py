@@ -101,6 +101,12 @@ class Metrics:
             ["path"],
             registry=r,
         )
+        self.fabric_transports = Gauge(
+            "kvxferd_fabric_transport",
+            "UCX transports seen (1), by lane (reads, messages), endpoint kind and transport kind",
+            ["lane", "endpoint", "transport"],
+            registry=r,
+        )
         self.info = Info("kvxferd_build", "Version and NIXL backend in use", registry=r)
         self.info.info({"version": __version__, "backend": ""})
         for kind in BYTE_KINDS:

@@ -110,10 +110,14 @@ class PeerViews:
     (no table built, no coalescing); one whose runs coalesce is posted as coalesced tables,
     because fewer descriptors beat prepared ones on the wire (measured: docs/benchmarks.md).
     Re-blocking peers and pairs above PREP_MAX_ROWS rows always use the coalesced tables.
+
+    Off by default (``--prepped-reads`` turns it on) until the fault campaign has run with it.
     """
 
-    def __init__(self, transport: Transport, *, keep: int = _KEEP) -> None:
+    def __init__(self, transport: Transport, *, enabled: bool = False, keep: int = _KEEP) -> None:
         self._transport = transport
+        self.enabled = enabled
+        """Whether lists are prepared at all (``--prepped-reads``); off: always tables."""
         self._keep = keep
         self._prepared: OrderedDict[tuple, _Prepared] = OrderedDict()
         self.prepped_reads = 0
@@ -131,7 +135,7 @@ class PeerViews:
         remote_tokens: int = 0,
     ) -> PeerRead:
         """One rank's READ of a pull (BlockIdError names a bad field, as ``plan_pull``)."""
-        prepared = self._get(peer, local, local_bases, geometry)
+        prepared = self._get(peer, local, local_bases, geometry) if self.enabled else None
         if prepared is not None and prepared.tables is not None and prepared.lists is not None:
             idx = prepared.tables.plan(local_ids, remote_ids)
             if idx.num_descriptors == 0:

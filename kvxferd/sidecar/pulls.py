@@ -121,7 +121,13 @@ class PullRunner:
     """Starts pulls as tasks and remembers their outcome (bounded)."""
 
     def __init__(
-        self, *, local: LocalLayout, transport: Transport, peers: PeerTable, metrics: Metrics
+        self,
+        *,
+        local: LocalLayout,
+        transport: Transport,
+        peers: PeerTable,
+        metrics: Metrics,
+        prepped_reads: bool = False,
     ) -> None:
         self._local = local
         self._transport = transport
@@ -134,7 +140,7 @@ class PullRunner:
         ] = OrderedDict()
         self.reads = Reads(transport, on_stuck=peers.forget)
         self.rank_plans = RankPlans()
-        self.views = PeerViews(transport)
+        self.views = PeerViews(transport, enabled=prepped_reads)
         self.feed = FinishedFeed()
 
     def _geometry(self, local: Manifest, peer: Peer) -> descriptors.ReadGeometry:

@@ -39,7 +39,7 @@ def _pull(pc, dc, pm, dm, ppool, dpool, pids, dids, seed):
 
 def test_fragmented_pulls_go_by_index_and_contiguous_ones_by_coalesced_tables(tmp_path):
     p = start_sidecar(str(tmp_path), "prefill")
-    d = start_sidecar(str(tmp_path), "decode")
+    d = start_sidecar(str(tmp_path), "decode", "--prepped-reads")
     pm = plan("qwen3-next-80b-a3b", num_blocks=41)
     dm = plan("qwen3-next-80b-a3b", num_blocks=41)
     counts = [1 if g.kind == "mamba" else 4 for g in pm.groups]
