@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
 """Per-pull request-independent costs: rank ownership and planning of a 1k-token pull (ms).
 
-Run: PYTHONPATH=. .venv/bin/python scripts/bench_pull_plan.py (medians of 20 calls)."""
+Run: ``PYTHONPATH=. .venv/bin/python scripts/bench_pull_plan.py`` (medians of 20 calls after one
+warm-up); planner manifests with 2000 blocks, contiguous and fragmented (shuffled) block ids.
+"""
+
+from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -12,8 +17,12 @@ from kvxferd import descriptors
 from kvxferd.layout import planner, presets
 from kvxferd.sidecar.pull_request import unread_ranks
 
+BLOCKS = 2000
+TOKENS = 1024
 
-def t(f, n=20):
+
+def median_ms(f: Callable[[], object], n: int = 20) -> float:
+    """Median wall time of ``f`` in milliseconds."""
     f()
     xs = []
     for _ in range(n):
@@ -23,72 +32,54 @@ def t(f, n=20):
     return statistics.median(xs) * 1e3
 
 
-for cfg, tp in (("qwen3.5-397b-a17b", 8), ("jamba-mini-1.5", 1), ("jamba-mini-1.5", 8)):
-    d = planner.plan_manifest(
-        presets.load_hf_config(cfg), planner.PlanOptions(num_blocks=2000, tp_size=tp, tp_rank=0)
-    )
-    p = planner.plan_manifest(
-        presets.load_hf_config(cfg), planner.PlanOptions(num_blocks=2000, tp_size=tp, tp_rank=0)
-    )
-    print(
-        cfg,
-        tp,
-        "layers",
-        sum(len(g.layers) for g in d.groups),
-        "groups",
-        len(d.groups),
-        "bs",
-        [g.block_size for g in d.groups][:3],
-    )
-    print(
-        "  source_ranks ms",
-        t(lambda: descriptors.source_ranks(d, tp)),
-        " unread_ranks ms",
-        t(lambda: unread_ranks(d, tp)),
-    )
-    geo = descriptors.read_geometry(d, p)
-    bs = d.groups[0].block_size
-    ids = [
-        list(range(1, 1 + -(-1024 // g.block_size))) if g.kind != "mamba" else [1] for g in d.groups
-    ]
-    print(
-        "  plan_pull 1k ms",
-        t(lambda: descriptors.plan_pull(geo, ids, ids)),
-        "descs",
-        descriptors.plan_pull(geo, ids, ids).num_descriptors,
-    )
-print("--- prepped")
-for cfg, tp, opts in (
-    ("granite-4.0-h-tiny", 1, {"mamba_ssm_cache_dtype": "float32"}),
-    ("qwen3-next-80b-a3b", 1, {}),
-    ("qwen3.5-397b-a17b", 8, {}),
-    ("jamba-mini-1.5", 1, {}),
-):
-    d = planner.plan_manifest(
-        presets.load_hf_config(cfg), planner.PlanOptions(num_blocks=2000, tp_size=tp, **opts)
-    )
-    geo = descriptors.read_geometry(d, d)
-    t0 = time.perf_counter()
-    pg = descriptors.prepped_geometry(geo)
-    tb = time.perf_counter() - t0
+def manifest(cfg: str, tp: int, **opts: object):
+    """A planned manifest (rank 0 of ``tp``)."""
+    o = planner.PlanOptions(num_blocks=BLOCKS, tp_size=tp, **opts)  # type: ignore[arg-type]
+    return planner.plan_manifest(presets.load_hf_config(cfg), o)
+
+
+def ids_for(m, pattern: str, rng: np.random.Generator) -> list[list[int]]:
+    """Block ids of a TOKENS-token request, one list per group, disjoint."""
+    perm = rng.permutation(np.arange(1, BLOCKS))
+    out, nxt = [], 0
+    for g in m.groups:
+        n = 1 if g.kind == "mamba" else -(-TOKENS // g.block_size)
+        run = range(nxt + 1, nxt + 1 + n) if pattern == "contiguous" else perm[nxt : nxt + n]
+        out.append([int(x) for x in run])
+        nxt += n
+    return out
+
+
+def main() -> None:
+    for cfg, tp in (("qwen3.5-397b-a17b", 8), ("jamba-mini-1.5", 1), ("jamba-mini-1.5", 8)):
+        m = manifest(cfg, tp)
+        src = median_ms(lambda m=m, tp=tp: descriptors.source_ranks(m, tp))
+        unr = median_ms(lambda m=m, tp=tp: unread_ranks(m, tp))
+        print(f"{cfg} TP {tp}: source_ranks {src:.3f} ms, unread_ranks {unr:.3f} ms")
     rng = np.random.default_rng(0)
-    for pat in ("contiguous", "fragmented"):
-        ids = []
-        nxt = 1
-        perm = rng.permutation(np.arange(1, 2000))
-        for g in d.groups:
-            n = -(-1024 // g.block_size) if g.kind != "mamba" else 1
-            if pat == "contiguous":
-                ids.append(list(range(nxt, nxt + n)))
-            else:
-                ids.append([int(x) for x in perm[nxt : nxt + n]])
-            nxt += n
-        pl = descriptors.plan_pull(geo, ids, ids)
-        ip = pg.plan(ids, ids) if pg else None
-        print(
-            f"  {cfg} tp{tp} {pat}: plan_pull {t(lambda: descriptors.plan_pull(geo, ids, ids)):.3f} ms ({pl.num_descriptors} descs)",
-            f"index plan {t(lambda: pg.plan(ids, ids)):.3f} ms ({ip.num_descriptors} idx, runs {ip.runs})"
-            if pg
-            else "not prepped",
-            f"rows {pg.num_rows if pg else 0} build {tb * 1e3:.1f} ms",
-        )
+    for cfg, tp, opts in (
+        ("granite-4.0-h-tiny", 1, {"mamba_ssm_cache_dtype": "float32"}),
+        ("qwen3-next-80b-a3b", 1, {}),
+        ("qwen3.5-397b-a17b", 8, {}),
+        ("jamba-mini-1.5", 1, {}),
+    ):
+        m = manifest(cfg, tp, **opts)
+        geo = descriptors.read_geometry(m, m)
+        t0 = time.perf_counter()
+        pg = descriptors.prepped_geometry(geo)
+        build = (time.perf_counter() - t0) * 1e3
+        for pattern in ("contiguous", "fragmented"):
+            ids = ids_for(m, pattern, rng)
+            plan = descriptors.plan_pull(geo, ids, ids)
+            t_plan = median_ms(lambda geo=geo, ids=ids: descriptors.plan_pull(geo, ids, ids))
+            line = f"{cfg} TP {tp} {pattern}: plan_pull {t_plan:.3f} ms ({plan.num_descriptors})"
+            if pg is not None:
+                idx = pg.plan(ids, ids)
+                t_idx = median_ms(lambda pg=pg, ids=ids: pg.plan(ids, ids))
+                line += (f", index plan {t_idx:.3f} ms ({idx.num_descriptors}, runs {idx.runs});"
+                         f" tables {pg.num_rows} rows built in {build:.1f} ms")  # fmt: skip
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
