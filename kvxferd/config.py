@@ -102,6 +102,15 @@ class Config:
     sidecars share a directory)."""
     store_chunk_tokens: int = 64
     """Tokens per store chunk (hybrid_chunk_size); every engine sharing a store uses the same."""
+    prepped_reads: bool = False
+    """Prepare each peer's descriptor lists once per epoch and post fragmented READs by index
+    (off until the fault campaign has run with it; see kvxferd/sidecar/peerviews.py)."""
+    require_transport: str = "any"
+    """READ transport readiness requires: ``rdma`` (an RDMA device, and no READ over TCP; else
+    /readyz answers 503 naming why) or ``any``."""
+    ucx_proto_log: str = ""
+    """File UCX logs its protocol choices to (UCX_PROTO_INFO), read to report the transports
+    READs use; empty = a file in the temp directory, ``off`` = not reported."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.peer_port <= 65535:
@@ -117,6 +126,10 @@ class Config:
         for name in ("store_dram_bytes", "store_file_bytes", "store_chunk_tokens"):
             if getattr(self, name) < (1 if name == "store_chunk_tokens" else 0):
                 raise ConfigError(f"{name}: out of range, got {getattr(self, name)}")
+        if self.require_transport not in ("any", "rdma"):
+            raise ConfigError(
+                f"require_transport: {self.require_transport!r} is not 'rdma' or 'any'"
+            )
         if not self.backends:
             raise ConfigError("backends: at least one NIXL backend is needed")
 

@@ -48,6 +48,7 @@ An empty cell (st. = status) is inherited from the parent class.
     ├── InvalidRequestError        400                    an OpenAI-style request is invalid
     │   └── UnknownModelError      404                    a model this server does not serve
     ├── PoolExhaustedError         503                    too few free KV blocks right now
+    ├── FabricNotReadyError        503                    the required READ transport is missing
     ├── StoreError                 422                    a store request or setting is invalid
     └── StartupError               500                    a child process did not become ready
 
@@ -294,6 +295,13 @@ class UnknownModelError(InvalidRequestError):
     """The request's ``model`` is not the one this server serves (HTTP 404)."""
 
     status = 404
+
+
+class FabricNotReadyError(KvxferdError):
+    """The data plane cannot serve as required (``--require-transport rdma`` but no RDMA, or a
+    READ went over TCP), or the self-test READ failed (HTTP 503 on /readyz, naming why)."""
+
+    status = 503
 
 
 class PoolExhaustedError(KvxferdError):

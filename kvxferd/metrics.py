@@ -85,7 +85,27 @@ class Metrics:
             "kvxferd_peer_epochs_seen", "Distinct (engine, epoch) pairs handshaken", registry=r
         )
         self.nixl_handles = Gauge(
-            "kvxferd_nixl_handles", "Live NIXL transfer and descriptor-list handles", registry=r
+            "kvxferd_nixl_handles",
+            "Live NIXL transfer handles (READs not yet released)",
+            registry=r,
+        )
+        self.prepped_lists = Gauge(
+            "kvxferd_prepped_lists",
+            "Prepared NIXL descriptor lists (two per peer epoch and registration, bounded)",
+            registry=r,
+        )
+        self.reads = Counter(
+            "kvxferd_reads",
+            "READs posted, by path: prepped (indices into a peer's prepared lists) or tables "
+            "(coalesced descriptor tables)",
+            ["path"],
+            registry=r,
+        )
+        self.fabric_transports = Gauge(
+            "kvxferd_fabric_transport",
+            "UCX transports seen (1), by lane (reads, messages), endpoint kind and transport kind",
+            ["lane", "endpoint", "transport"],
+            registry=r,
         )
         self.info = Info("kvxferd_build", "Version and NIXL backend in use", registry=r)
         self.info.info({"version": __version__, "backend": ""})

@@ -26,6 +26,7 @@ GB/s are 1e9 B/s, medians of ``--repeat`` runs after ``--warmup`` runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -319,6 +321,7 @@ def run_case(s: Setup, tokens: int, pattern: str, args: argparse.Namespace) -> d
         "kvxferd_vs_ceiling_progress": ratio(kx, ceiling_pt["gbps"]),
         "kvxferd_vs_per_layer": ratio(kx, per_layer["gbps"]),
         "kvxferd_vs_per_layer_busy": ratio(kx, pl_busy["gbps"]),
+        "kvxferd_vs_memcpy": ratio(kx, memcpy["gbps"]),
         "samples_gbps": {
             "ceiling": ceiling["samples_gbps"],
             "ceiling_progress": ceiling_pt["samples_gbps"],
@@ -409,6 +412,23 @@ NOTES = {
 }
 
 
+@contextlib.contextmanager
+def ucx_tls(tls: str) -> Iterator[None]:
+    """``UCX_TLS`` for everything started inside (sidecars, bench agents, ucx_perftest):
+    ``default`` leaves UCX's own choice (what the environment says)."""
+    before = os.environ.get("UCX_TLS")
+    if tls != "default":
+        os.environ["UCX_TLS"] = tls
+    print(f"# UCX_TLS={os.environ.get('UCX_TLS', '(unset)')}", flush=True)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = before
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small smoke run (< 1 minute)")
@@ -418,6 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, help="untimed runs before each measurement (1)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--plot", metavar="PATH.png", help="draw throughput vs request size")
+    ap.add_argument(
+        "--tls",
+        default="default",
+        help="comma list of UCX transport sets, each case runs once per set: 'default' (UCX "
+        "picks: cma/tcp on loopback) or a UCX_TLS value such as 'tcp' (default: default)",
+    )
     args = ap.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -427,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown layouts {unknown}; choose from {sorted(LAYOUTS)}")
     tokens = sorted(int(t) for t in args.tokens.split(",") if t)
+    tls_sets = [x.strip() for x in args.tls.split(",") if x.strip()]
+    if not tls_sets or len(set(tls_sets)) != len(tls_sets):
+        ap.error("--tls: a non-empty comma list without repeats")
     if args.repeat < 1 or args.warmup < 0 or not tokens or min(tokens) < 1:
         ap.error("--repeat >= 1, --warmup >= 0, --tokens positive")
     started = time.monotonic()
@@ -446,14 +475,19 @@ def main(argv: list[str] | None = None) -> int:
             "repeat": args.repeat,
             "warmup": args.warmup,
             "quick": args.quick,
+            "tls": tls_sets,
         },
         "notes": NOTES,
         "cases": [],
     }
     idle: dict = {}
     with tempfile.TemporaryDirectory(prefix="kvx-bench-") as tmp:
-        for name in layouts:
-            result["cases"].extend(run_layout(name, tokens, args, tmp, idle))
+        for tls in tls_sets:
+            with ucx_tls(tls):
+                for name in layouts:
+                    for case in run_layout(name, tokens, args, tmp, idle):
+                        case["tls"] = tls
+                        result["cases"].append(case)
     result["machine"].update(idle)
     result["machine"]["load_average_end"] = list(os.getloadavg())
     result["elapsed_s"] = round(time.monotonic() - started, 1)

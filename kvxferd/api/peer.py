@@ -42,7 +42,16 @@ DESCRIPTION = (
 )
 READY = {
     "type": "object",
-    "properties": {"ready": {"const": True, "description": "An engine has registered."}},
+    "properties": {
+        "ready": {"const": True, "description": "An engine has registered."},
+        "require_transport": {"type": "string", "description": "rdma or any."},
+        "self_test": {"type": "string", "description": "ok, or why the self-test READ failed."},
+        "transports": {
+            "type": "object",
+            "description": "UCX transports seen: reads and messages, by endpoint kind "
+            "(self, intra-node, inter-node), e.g. cma/memory, tcp/lo, rc_mlx5/mlx5_0:1.",
+        },
+    },
     "required": ["ready"],
 }
 METRICS = {"type": "string", "description": "Prometheus text exposition format."}
@@ -92,8 +101,10 @@ async def healthz(sidecar: Sidecar) -> dict[str, Any]:
 
 
 async def readyz(sidecar: Sidecar) -> dict[str, Any]:
-    """Readiness: an engine has registered its memory with the NIXL agent (no token)."""
-    return {"ready": True}
+    """Readiness: an engine has registered its memory with the NIXL agent, the self-test READ
+    passed and, under ``--require-transport rdma``, READs can use RDMA and none went over TCP
+    (else 503 naming why). Lists the UCX transports READs and notifications use (no token)."""
+    return sidecar.readiness()
 
 
 OPERATIONS = [

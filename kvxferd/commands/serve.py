@@ -6,8 +6,9 @@ import argparse
 import asyncio
 import logging
 import os
+import tempfile
 
-from kvxferd.config import Config, env_help, load_config
+from kvxferd.config import Config, env_help, load_config, replace
 from kvxferd.errors import ConfigError
 
 _UNIX_PATH_MAX = 107  # sun_path is 108 bytes on Linux, NUL included
@@ -59,6 +60,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--store-dram-bytes", type=int, metavar="N", help="store DRAM pool bytes")
     p.add_argument("--store-file-bytes", type=int, metavar="N", help="store file-tier bytes")
     p.add_argument("--store-chunk-tokens", type=int, metavar="N", help="tokens per store chunk")
+    p.add_argument("--prepped-reads", action="store_true", default=None, dest="prepped_reads",
+                   help="post fragmented READs by index into per-peer prepared lists")  # fmt: skip
+    p.add_argument("--require-transport", choices=("rdma", "any"), dest="require_transport",
+                   help="refuse readiness unless READs can use RDMA (never TCP)")  # fmt: skip
+    p.add_argument("--ucx-proto-log", metavar="PATH|off", dest="ucx_proto_log",
+                   help="file UCX logs its protocol choices to (default: a temp file)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -74,8 +81,21 @@ def run(args: argparse.Namespace) -> int:
     from kvxferd.cli import setup_logging
 
     setup_logging(config.log_level)
-    asyncio.run(serve(config))
+    asyncio.run(serve(_with_proto_log(config)))
     return 0
+
+
+def _with_proto_log(config: Config) -> Config:
+    """Turn UCX's protocol log on (before the agent exists) unless it is ``off``."""
+    if config.ucx_proto_log == "off":
+        return config
+    from kvxferd.transport import fabric
+
+    path = config.ucx_proto_log or os.path.join(
+        tempfile.gettempdir(), f"kvxferd-ucx-proto-{os.getpid()}.log"
+    )
+    enabled = fabric.enable(path)
+    return replace(config, ucx_proto_log=str(enabled) if enabled else "off")
 
 
 def _read_secret(path: str | None, flag: str) -> str | None:
@@ -112,6 +132,9 @@ def _load(args: argparse.Namespace) -> Config:
             "store_dram_bytes": args.store_dram_bytes,
             "store_file_bytes": args.store_file_bytes,
             "store_chunk_tokens": args.store_chunk_tokens,
+            "require_transport": args.require_transport,
+            "prepped_reads": args.prepped_reads,
+            "ucx_proto_log": args.ucx_proto_log,
         }
     )
 

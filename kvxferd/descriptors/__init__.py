@@ -14,6 +14,7 @@ from kvxferd.descriptors.mapping import (
     read_geometry,
 )
 from kvxferd.descriptors.plan import ReadPlan
+from kvxferd.descriptors.prepped import IndexPlan, PreppedGeometry, prepped_geometry
 from kvxferd.descriptors.reblock import (
     ReblockGeometry,
     reblock_fields,
@@ -24,13 +25,17 @@ from kvxferd.descriptors.reference import reference_descriptor_count
 from kvxferd.descriptors.tpslice import (
     expected_readers,
     owned_units,
+    ranks_read,
     source_ranks,
     unit_holders,
+    unit_totals,
 )
 from kvxferd.descriptors.views import DescriptorView, Views, build_views, desc_ids
 
 __all__ = [
     "DescriptorView",
+    "IndexPlan",
+    "PreppedGeometry",
     "ReadGeometry",
     "ReadPlan",
     "ReblockGeometry",
@@ -48,10 +53,13 @@ __all__ = [
     "owned_units",
     "plan_pull",
     "plan_read",
+    "prepped_geometry",
+    "ranks_read",
     "read_geometry",
     "reblock_geometry",
     "reference_descriptor_count",
     "source_ranks",
     "token_blocks",
     "unit_holders",
+    "unit_totals",
 ]

@@ -106,16 +106,27 @@ def read_units(
     return lidx, ridx, bad
 
 
+def unit_totals(manifest: Manifest) -> tuple[int, ...]:
+    """The distinct ``units_total`` of a manifest's parts (all that rank ownership depends on)."""
+    return tuple(sorted({p.units_total for *_x, p in iter_parts(manifest)}))
+
+
+@lru_cache(maxsize=4096)
+def ranks_read(totals: tuple[int, ...], local_tp: int, local_rank: int, remote_tp: int) -> tuple:
+    """The remote ranks a local rank reads from, given its parts' distinct unit totals."""
+    ranks: set[int] = set()
+    for ut in totals:
+        ranks.update(_sources(ut, local_tp, local_rank, remote_tp))
+    return tuple(sorted(ranks))
+
+
 def source_ranks(local: Manifest, remote_tp: int) -> list[int]:
     """The remote ranks (of a peer with ``remote_tp`` ranks) this local rank reads from.
 
     Request independent: a request that leaves some groups empty may read nothing from some of
     them, but the local rank still notifies each one so that its hold count adds up.
     """
-    ranks: set[int] = set()
-    for _g, _i, _name, _layer, p in iter_parts(local):
-        ranks.update(_sources(p.units_total, local.tp_size, local.tp_rank, remote_tp))
-    return sorted(ranks)
+    return list(ranks_read(unit_totals(local), local.tp_size, local.tp_rank, remote_tp))
 
 
 def expected_readers(remote: Manifest, decode_tp: int) -> int:

@@ -6,8 +6,6 @@ field); ``unread_ranks`` gives the prefill ranks no decode rank reads from.
 
 from __future__ import annotations
 
-from msgspec import structs
-
 from kvxferd import descriptors
 from kvxferd.errors import BlockIdError
 from kvxferd.wire import Manifest, PullRequest
@@ -21,10 +19,11 @@ def unread_ranks(local: Manifest, remote_tp: int) -> list[int]:
     """
     if local.tp_rank != 0:
         return []
+    # Ownership only depends on units_total and tp, so this rank's parts stand in for all.
+    totals = descriptors.unit_totals(local)
     read: set[int] = set()
     for rank in range(local.tp_size):
-        # source_ranks only looks at units_total and tp, so this rank's parts stand in for all.
-        read.update(descriptors.source_ranks(structs.replace(local, tp_rank=rank), remote_tp))
+        read.update(descriptors.ranks_read(totals, local.tp_size, rank, remote_tp))
     return [r for r in range(remote_tp) if r not in read]
 
 

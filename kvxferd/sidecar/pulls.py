@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx
-import numpy as np
 
 from kvxferd import descriptors
 from kvxferd.errors import (
@@ -34,7 +33,8 @@ from kvxferd.errors import (
     reason_code,
 )
 from kvxferd.sidecar.finished import FinishedFeed
-from kvxferd.sidecar.pull_request import unread_ranks, validate_pull
+from kvxferd.sidecar.peerviews import PeerRead, PeerViews, RankPlans
+from kvxferd.sidecar.pull_request import validate_pull
 from kvxferd.sidecar.reads import SETTLE_S, Reads
 from kvxferd.sidecar.states import PullState, advance
 from kvxferd.wire import (
@@ -121,7 +121,13 @@ class PullRunner:
     """Starts pulls as tasks and remembers their outcome (bounded)."""
 
     def __init__(
-        self, *, local: LocalLayout, transport: Transport, peers: PeerTable, metrics: Metrics
+        self,
+        *,
+        local: LocalLayout,
+        transport: Transport,
+        peers: PeerTable,
+        metrics: Metrics,
+        prepped_reads: bool = False,
     ) -> None:
         self._local = local
         self._transport = transport
@@ -133,6 +139,8 @@ class PullRunner:
             tuple[str, str, int, int], tuple[Manifest, descriptors.ReadGeometry]
         ] = OrderedDict()
         self.reads = Reads(transport, on_stuck=peers.forget)
+        self.rank_plans = RankPlans()
+        self.views = PeerViews(transport, enabled=prepped_reads)
         self.feed = FinishedFeed()
 
     def _geometry(self, local: Manifest, peer: Peer) -> descriptors.ReadGeometry:
@@ -208,6 +216,7 @@ class PullRunner:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.reads.close()
+        self.views.close()
 
     async def _run(self, pull: Pull) -> None:
         m = self._metrics
@@ -216,15 +225,15 @@ class PullRunner:
         try:
             async with asyncio.timeout(req.deadline_s):
                 local, bases = self._local()  # one registration for the whole pull
-                ranks = descriptors.source_ranks(local, len(req.tickets))
+                ranks = self.rank_plans.get(local, len(req.tickets))
                 # A TaskGroup, not gather: one failed read cancels its siblings, so no READ is
                 # still running (and no handle still live) once the pull reports FAILED.
                 async with asyncio.TaskGroup() as group:
-                    for r in ranks:
+                    for r in ranks.sources:
                         group.create_task(
                             self._read_from(pull, req.tickets[r], deadline, local, bases)
                         )
-                    for r in unread_ranks(local, len(req.tickets)):
+                    for r in ranks.unread:
                         group.create_task(self._release_unread(req.tickets[r], local.tp_size))
             pull.advance(PullState.DONE)
             m.pulls.labels("done").inc()
@@ -290,9 +299,9 @@ class PullRunner:
             claim_end = time.monotonic() + (claim.expires_at - time.time())
 
         req = pull.request
-        plan = descriptors.plan_pull(
-            self._geometry(local, peer), req.block_ids, ticket.block_ids, req.num_tokens,
-            ticket.num_tokens,
+        plan = self.views.plan(
+            peer, local, bases, self._geometry(local, peer), req.block_ids, ticket.block_ids,
+            req.num_tokens, ticket.num_tokens,
         )  # fmt: skip
         pull.advance(PullState.TRANSFERRING)
         notif = ticket.hold_id.encode()
@@ -300,7 +309,7 @@ class PullRunner:
             # Nothing to read from this rank (all blocks skipped): still release its hold.
             self._transport.send_notif(peer.agent_name, notif)
             return
-        await self._transfer(pull, peer, plan, notif, deadline, claim_end, bases)
+        await self._transfer(pull, peer, plan, notif, deadline, claim_end)
 
     async def _release_unread(self, ticket: Ticket, reader_tp_size: int) -> None:
         """Release the hold of a prefill rank that no decode rank reads, before its expiry.
@@ -328,28 +337,24 @@ class PullRunner:
         self,
         pull: Pull,
         peer: Peer,
-        plan: descriptors.ReadPlan,
+        plan: PeerRead,
         notif: bytes,
         deadline: float,
         claim_end: float,
-        local_bases: Sequence[int],
     ) -> None:
-        bases = np.asarray(local_bases, dtype=np.int64)
-        rbases = np.asarray(peer.region_bases, dtype=np.int64)
-        local_addr = bases[plan.local_region] + plan.local_offset
-        remote_addr = rbases[plan.remote_region] + plan.remote_offset
+        tables = plan.tables or (None, None)
         t0 = time.monotonic()
         try:
             transfer = await self.reads.read(
                 peer.address,
                 peer.agent_name,
-                (local_addr, plan.length),
-                (remote_addr, plan.length),
+                *tables,
                 notif,
                 nbytes=int(plan.kv_bytes + plan.state_bytes),
                 descs=int(plan.num_descriptors),
                 deadline=min(deadline, claim_end),
                 on_unsettled=functools.partial(_unsettled, pull, claim_end < deadline),
+                post=plan.post(self._transport, peer.agent_name, notif),
             )
         except PeerDisconnectedError:
             await self._peers.forget(peer.address)
@@ -369,6 +374,7 @@ class PullRunner:
         m.phase_duration.labels("wire").observe(wire_s)
         m.transfer_duration.observe(time.monotonic() - t0)
         m.transfer_descriptors.observe(plan.num_descriptors)
+        m.reads.labels("prepped" if plan.prepped is not None else "tables").inc()
         m.transfer_bytes.labels("kv").inc(plan.kv_bytes)
         m.transfer_bytes.labels("state").inc(plan.state_bytes)
         if wire_s > 0:

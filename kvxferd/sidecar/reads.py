@@ -127,18 +127,20 @@ class Reads:
             if entry[1][0] == 0:
                 del self._slots[address]
 
-    def _post(self, args: tuple[Any, ...], nbytes: int, descs: int) -> asyncio.Future[PostedRead]:
+    def _post(
+        self, post: Callable[[], PostedRead], nbytes: int, descs: int
+    ) -> asyncio.Future[PostedRead]:
         loop = asyncio.get_running_loop()
         if nbytes <= INLINE_BYTES and descs <= INLINE_DESCS:
             fut: asyncio.Future[PostedRead] = loop.create_future()
             try:
-                fut.set_result(self._agent.read(*args))
+                fut.set_result(post())
             except BaseException as exc:  # noqa: BLE001 - delivered through the future
                 fut.set_exception(exc)
             return fut
         if self._executor is None:
             self._executor = ThreadPoolExecutor(POST_THREADS, thread_name_prefix="kvxferd-post")
-        return loop.run_in_executor(self._executor, functools.partial(self._agent.read, *args))
+        return loop.run_in_executor(self._executor, post)
 
     async def read(
         self,
@@ -152,14 +154,18 @@ class Reads:
         descs: int,
         deadline: float,
         on_unsettled: Callable[[str], None] | None = None,
+        post: Callable[[], PostedRead] | None = None,
     ) -> PostedRead:
         """Post a READ from agent ``remote`` (at ``address``) and wait for it until ``deadline``
         (``time.monotonic()``). Returns the DONE transfer, released; raises otherwise, but
         only once the READ can no longer write (see the module docstring). A READ that stays
         in flight is quarantined and reported to ``on_unsettled`` (even when the caller was
-        cancelled meanwhile), then UnsettledReadError is raised."""
+        cancelled meanwhile), then UnsettledReadError is raised. ``post`` replaces the plain
+        READ of the descriptor tables (a prepped READ by index; the tables are then unused)."""
+        if post is None:
+            post = functools.partial(self._agent.read, remote, local_descs, remote_descs, notif)
         async with self._slot(address):
-            posting = self._post((remote, local_descs, remote_descs, notif), nbytes, descs)
+            posting = self._post(post, nbytes, descs)
             transfer: PostedRead | None = None
             try:
                 transfer = await run_to_end(posting)

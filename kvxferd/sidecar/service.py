@@ -34,6 +34,7 @@ from kvxferd.errors import (
 from kvxferd.layout import validate_manifest
 from kvxferd.memory import check_sources, open_region
 from kvxferd.metrics import Metrics
+from kvxferd.sidecar.fabric import Fabric
 from kvxferd.sidecar.holds import REAP_SLICE, DeclineOutcome, HoldTable
 from kvxferd.sidecar.keepalive import decline_at_peers, keep_alive
 from kvxferd.sidecar.offload import Offload
@@ -110,8 +111,9 @@ class Sidecar:
             on_change=self._peers_changed,
         )
         self.pulls = PullRunner(
-            local=self._local_layout, transport=self.agent, peers=self.peers, metrics=self.metrics
-        )
+            local=self._local_layout, transport=self.agent, peers=self.peers, metrics=self.metrics,
+            prepped_reads=config.prepped_reads,
+        )  # fmt: skip
         self._tasks: list[asyncio.Task[None]] = []
         self._secret = config.peer_token.encode()
         self._accepted = self.keys.accepted if self.keys is not None else (self._secret,)
@@ -122,6 +124,8 @@ class Sidecar:
         self._next_generation = 0
         self._registrations: list[Any] = []  # NIXL registrations of the memory sources
         self.offload = Offload(config, self.metrics, self._store_target, self._hold_blocks)
+        self.fabric = Fabric(config.require_transport, config.ucx_proto_log,
+                             metric=self.metrics.fabric_transports)  # fmt: skip
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -129,6 +133,10 @@ class Sidecar:
     def ready(self) -> bool:
         """An engine has registered and the agent is up."""
         return self.manifest is not None
+
+    def readiness(self) -> dict[str, Any]:
+        """The /readyz body (FabricNotReadyError when the data plane is not as required)."""
+        return self.fabric.readiness()
 
     def start(self) -> None:
         """Start the background tasks (call from the running loop)."""
@@ -148,6 +156,7 @@ class Sidecar:
         await self.peers.close()
         await asyncio.to_thread(self.offload.close)
         await asyncio.to_thread(self.agent.close)
+        self.fabric.close()
         for region in self._regions:
             region.close()
         self._regions = []
@@ -189,6 +198,7 @@ class Sidecar:
             released_log_bytes=self.config.released_feed_bytes,
             clock=time.monotonic,  # a wall-clock step must not expire a hold mid-READ
         )
+        await asyncio.to_thread(self.fabric.run_self_test, self.agent, regions)
         log.info(
             "registered %s: %d regions, %d groups, %d blocks",
             self.manifest.model,
@@ -535,7 +545,8 @@ class Sidecar:
                     elapsed = time.monotonic() - hot_since
                     delay = min(max(elapsed / _NOTIF_LATENCY_SHARE, _NOTIF_FAST_S), _NOTIF_SLOW_S)
             live = self.agent.live_handles()
-            self.metrics.nixl_handles.set(live.transfers + live.prepped)
+            self.metrics.nixl_handles.set(live.transfers)
+            self.metrics.prepped_lists.set(live.prepped)
             if await _woken(self._notif_wake, delay):
                 hot_since = time.monotonic()
             self._notif_wake.clear()

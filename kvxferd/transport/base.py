@@ -70,6 +70,12 @@ class Transport(Protocol):
         peer receives ``notif`` after the data. Posting may copy bytes (loopback/CMA)."""
         ...
 
+    def read_prepped(self, local: Any, local_idx: Any, remote: Any, remote_idx: Any,
+                     notif: bytes = b"") -> PostedRead:  # fmt: skip
+        """**read** by index: ``remote[remote_idx[i]]`` (a peer's prepared list) into
+        ``local[local_idx[i]]`` (ours) for every i; ``notif`` as for :meth:`read`."""
+        ...
+
     def send_notif(self, remote: str, message: bytes) -> None:
         """**notify**: a standalone notification to a peer (non-blocking)."""
         ...

@@ -63,6 +63,12 @@ def fmt(x: float | None, spec: str = "6.2f") -> str:
 _f = fmt
 
 
+def _label(case: dict) -> str:
+    """The layout, with the UCX transport set when it is not UCX's default."""
+    tls = case.get("tls", "default")
+    return case["layout"] if tls == "default" else f"{case['layout']}/{tls}"
+
+
 def table(result: dict) -> str:
     """The per-case table (GB/s = 1e9 B/s, medians) with descriptor counts and ratios."""
     head = (
@@ -73,7 +79,7 @@ def table(result: dict) -> str:
     out = [head]
     for c in result["cases"]:
         out.append(
-            f"{c['layout']:20} {c['tokens']:>6} {c['pattern']:10} {c['bytes'] / 1e6:7.1f} "
+            f"{_label(c):20} {c['tokens']:>6} {c['pattern']:10} {c['bytes'] / 1e6:7.1f} "
             f"{_f(c['kvxferd_gbps'], '7.2f')} {_f(c['kvxferd_sidecar_gbps'])} "
             f"{_f(c['ceiling_gbps'])} {_f(c['ceiling_progress_gbps'], '7.2f')} "
             f"{_f(c['per_layer_gbps'])} {_f(c['per_layer_busy_gbps'], '7.2f')} "
@@ -100,7 +106,7 @@ def profile_table(result: dict) -> str:
     for c in result["cases"]:
         p = c["profile_ms"]
         out.append(
-            f"{c['layout']:20} {c['tokens']:>6} {c['pattern']:10} "
+            f"{_label(c):20} {c['tokens']:>6} {c['pattern']:10} "
             + " ".join(f"{_f(p.get(k), '13.2f')}" for k in keys)
         )
     out.append(
@@ -120,7 +126,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     cases = result["cases"]
-    layouts = list(dict.fromkeys(c["layout"] for c in cases))
+    layouts = list(dict.fromkeys(_label(c) for c in cases))
     patterns = list(dict.fromkeys(c["pattern"] for c in cases))
     fig, axes = plt.subplots(
         len(layouts),
@@ -133,7 +139,7 @@ def plot(result: dict, path: str) -> None:
         for j, pattern in enumerate(patterns):
             ax = axes[i][j]
             sel = sorted(
-                (c for c in cases if c["layout"] == layout and c["pattern"] == pattern),
+                (c for c in cases if _label(c) == layout and c["pattern"] == pattern),
                 key=lambda c: c["tokens"],
             )
             xs = [c["tokens"] for c in sel]

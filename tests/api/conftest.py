@@ -61,6 +61,9 @@ class FakeSidecar:
         self.calls: list[tuple[str, Any]] = []
         self.fail: BaseException | None = None
 
+    def readiness(self) -> dict[str, Any]:
+        return {"ready": True}
+
     def _call(self, name: str, arg: Any) -> None:
         self.calls.append((name, arg))
         if self.fail is not None:

@@ -196,3 +196,21 @@ def test_rank_helpers_reject_a_tp_size_the_units_cannot_follow():
         source_ranks(m, 3)
     with pytest.raises(ManifestError, match="tp_size 3"):
         expected_readers(m, 3)
+
+
+@pytest.mark.parametrize("local_tp", [1, 2, 4])
+@pytest.mark.parametrize("remote_tp", [1, 2, 4])
+def test_source_ranks_are_the_union_of_every_parts_sources(local_tp, remote_tp):
+    # The fast path looks at distinct unit totals only; the union over every part must agree.
+    spec = replace(hybrid_spec(), attn=replace(hybrid_spec().attn, total_heads=2))
+    for rank in range(local_tp):
+        m = render(spec, local_tp, rank)
+        want: set[int] = set()
+        for g in m.groups:
+            for layer in g.layers:
+                parts = [layer.k, layer.v] if hasattr(layer, "k") else [*layer.conv, layer.ssm]
+                for p in parts:
+                    for u in owned_units(p.units_total, local_tp, rank):
+                        holders = unit_holders(p.units_total, remote_tp, u)
+                        want.add(holders[rank % len(holders)])
+        assert source_ranks(m, remote_tp) == sorted(want)

@@ -121,7 +121,7 @@ def metric(peer: str, name: str, **labels: str) -> float:
 
 
 def wait_no_handles(*sidecars: Sidecar, timeout_s: float = 30.0) -> None:
-    """Bounded wait until every sidecar reports 0 live NIXL transfer/prepped handles."""
+    """Bounded wait until every sidecar reports 0 live NIXL transfer handles."""
     for s in sidecars:
         wait_until(
             lambda s=s: metric(s.peer, "kvxferd_nixl_handles") == 0,
