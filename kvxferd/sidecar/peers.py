@@ -32,6 +32,7 @@ from kvxferd.errors import (
     IncompatiblePeerError,
     UnknownHoldError,
 )
+from kvxferd.sidecar.peer_clients import PeerClients
 from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.wire import (
     PROTOCOL_VERSION,
@@ -92,9 +93,7 @@ class PeerTable:
         # address -> (lock, callers using it); an entry lives only while someone uses it.
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._epochs: OrderedDict[tuple[str, int], None] = OrderedDict()
-        self._client = httpx.AsyncClient(
-            timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=HTTP_CLIENT_KEEPALIVE_S)
-        )
+        self._clients = PeerClients(timeout_s=timeout_s, keepalive_s=HTTP_CLIENT_KEEPALIVE_S)
         self.outcomes: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -190,11 +189,12 @@ class PeerTable:
         if self._keys is None:
             raise ConfigError("peer_token: no peer secret configured; cannot sign peer calls")
         auth = sign_request(self._keys, "POST", path, body)
-        return await self._client.post(
-            f"http://{address}{path}",
-            content=body,
-            headers={"Authorization": auth, "Content-Type": "application/json"},
-        )
+        async with self._clients.client(address) as client:  # one small pool per peer
+            return await client.post(
+                f"http://{address}{path}",
+                content=body,
+                headers={"Authorization": auth, "Content-Type": "application/json"},
+            )
 
     async def _call(
         self, address: str, path: str, request: object, answer: type[T], what: str
@@ -221,10 +221,15 @@ class PeerTable:
             await self._remove_agent(peer.agent_name)
 
     async def close(self) -> None:
-        """Forget every peer and close the HTTP client."""
+        """Forget every peer and close the HTTP clients."""
         for address in list(self._peers):
             await self.forget(address)
-        await self._client.aclose()
+        await self._clients.close()
+
+    @property
+    def clients(self) -> PeerClients:
+        """The per-peer HTTP clients (bounded; for metrics and tests)."""
+        return self._clients
 
     async def _handshake(self, address: str) -> Peer:
         body = msgspec.json.encode(self._local_handshake())

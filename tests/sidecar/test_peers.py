@@ -61,3 +61,34 @@ def test_a_peer_table_without_a_secret_refuses_to_call():
             await table.close()
 
     asyncio.run(scenario())
+
+
+def test_peer_clients_are_one_per_address_bounded_and_closed_when_idle():
+    from kvxferd.sidecar.peer_clients import PeerClients
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self) -> float:
+            return self.t
+
+    async def scenario() -> None:
+        clock = Clock()
+        pool = PeerClients(timeout_s=1.0, keepalive_s=1.0, max_clients=2, idle_s=10.0,
+                           clock=clock)  # fmt: skip
+        async with pool.client("a:1") as a1, pool.client("a:1") as a2:
+            assert a1 is a2  # one client per address, shared by concurrent calls
+            async with pool.client("b:1"), pool.client("c:1"):
+                assert len(pool) == 3  # over the bound, but every one is in use: none closed
+        assert a1.is_closed is False
+        async with pool.client("d:1"):  # LRU: a:1 and b:1 (idle now) make room
+            pass
+        assert len(pool) == 2 and a1.is_closed
+        clock.t = 11.0
+        async with pool.client("e:1"):
+            assert len(pool) == 1  # c:1 and d:1 were idle past idle_s
+        assert pool.opened == 5
+        await pool.close()
+        assert len(pool) == 0
+
+    asyncio.run(scenario())

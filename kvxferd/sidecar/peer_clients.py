@@ -1,0 +1,110 @@
+"""One small HTTP client per peer address, bounded (LRU) and closed when idle.
+
+Claims, handshakes and heartbeats to a prefill sidecar used to share one httpx pool for every
+peer; its connection scan grows with every peer's connections and cost 15-29% of a busy decode
+sidecar's CPU (issue 11). Here each peer address has its own client (its own few keep-alive
+connections), at most ``max_clients`` of them: the least recently used idle one is closed when
+another is needed, and one unused for ``idle_s`` is closed by the next call that notices. A
+client in use is never closed under its caller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import httpx
+
+MAX_CLIENTS = 64
+"""Peer clients kept at once (a decode rank reads from a few prefill ranks at a time)."""
+IDLE_S = 120.0
+"""A peer client unused this long is closed."""
+CONNECTIONS_PER_PEER = 32
+"""Connections one peer client may open (claims of concurrent pulls to one prefill rank)."""
+
+
+@dataclass
+class _Entry:
+    client: httpx.AsyncClient
+    used_at: float
+    users: int = 0
+    closing: bool = field(default=False)
+
+
+class PeerClients:
+    """Per-address ``httpx.AsyncClient`` objects (LRU-bounded, closed when idle)."""
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float,
+        keepalive_s: float,
+        max_clients: int = MAX_CLIENTS,
+        idle_s: float = IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._timeout = timeout_s
+        self._keepalive = keepalive_s
+        self._max = max_clients
+        self._idle = idle_s
+        self._clock = clock
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self.opened = 0
+        """Clients created so far (one per address, again after one was closed)."""
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _new(self) -> httpx.AsyncClient:
+        self.opened += 1
+        return httpx.AsyncClient(
+            timeout=self._timeout,
+            limits=httpx.Limits(
+                max_connections=CONNECTIONS_PER_PEER,
+                max_keepalive_connections=CONNECTIONS_PER_PEER,
+                keepalive_expiry=self._keepalive,
+            ),
+        )
+
+    @asynccontextmanager
+    async def client(self, address: str) -> AsyncIterator[httpx.AsyncClient]:
+        """The client of ``address`` for the duration of one call."""
+        now = self._clock()
+        entry = self._entries.get(address)
+        if entry is None:
+            entry = self._entries[address] = _Entry(self._new(), now)
+        else:
+            self._entries.move_to_end(address)
+        entry.users += 1
+        entry.used_at = now
+        try:
+            await self._trim(now)
+            yield entry.client
+        finally:
+            entry.users -= 1
+            entry.used_at = self._clock()
+            if entry.closing and entry.users == 0:
+                await entry.client.aclose()
+
+    async def _trim(self, now: float) -> None:
+        """Close idle clients beyond the bound, or unused for ``idle_s`` (oldest first)."""
+        for address, entry in list(self._entries.items()):
+            over = len(self._entries) > self._max
+            if not over and now - entry.used_at < self._idle:
+                break  # LRU order: the rest were used more recently
+            if entry.users:
+                continue  # in use: closed later
+            del self._entries[address]
+            await entry.client.aclose()
+
+    async def close(self) -> None:
+        """Close every client (those in use close when their call ends)."""
+        entries, self._entries = list(self._entries.values()), OrderedDict()
+        for entry in entries:
+            if entry.users:
+                entry.closing = True
+            else:
+                await entry.client.aclose()
