@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("KVXFERD_PROGRESS_THREAD", "false")  # no idle core spinning per agent
-# Limits as deploy/README tells an operator to set them for CHILD_NOFILE (1024) open files, and
-# timeouts inside bodies.ANSWER_BOUND_S; sidecars that predate these settings ignore them.
-for _name, _value in (("PEER_MAX_CONNECTIONS", "512"), ("ENGINE_MAX_CONNECTIONS", "128"),
+# Caps that fit CHILD_NOFILE (1024) open files by kvxferd.api.fdbudget (the sidecar refuses to
+# start otherwise), and timeouts inside bodies.ANSWER_BOUND_S.
+for _name, _value in (("PEER_MAX_CONNECTIONS", "320"), ("ENGINE_MAX_CONNECTIONS", "64"),
                       ("HEADER_TIMEOUT_S", "5"), ("BODY_TIMEOUT_S", "5")):  # fmt: skip
     os.environ.setdefault(f"KVXFERD_{_name}", _value)
 

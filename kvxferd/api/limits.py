@@ -68,6 +68,9 @@ class EdgeLimits:
     the connection opened); else the connection is closed."""
     body_timeout_s: float
     """A request body must be complete this long after its head; else 408 and close."""
+    backlog: int = 64
+    """The listen queue, and the most connections accepted in one go: it bounds how far past
+    ``max_connections`` the descriptors of a flood can reach before they are closed."""
 
 
 class LimitedH11Protocol(H11Protocol):
@@ -84,7 +87,7 @@ class LimitedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.max_connections:
             self.transport = transport  # type: ignore[assignment]  # for connection_lost
-            transport.close()
+            transport.abort()  # nothing to flush: give the descriptor back on the next turn
             return
         super().connection_made(transport)  # type: ignore[arg-type]
         self._arm_head_timer()
@@ -129,6 +132,7 @@ def uvicorn_limits(limits: EdgeLimits, name: str) -> dict[str, Any]:
     return {
         "http": limited_protocol(limits, name),
         "h11_max_incomplete_event_size": limits.max_header_bytes,
+        "backlog": limits.backlog,
     }
 
 

@@ -21,6 +21,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvxferd.api.engine import engine_app
+from kvxferd.api.fdbudget import ensure_fd_budget
 from kvxferd.api.limits import BodyLimit, EdgeLimits, uvicorn_limits
 from kvxferd.api.peer import peer_app
 from kvxferd.api.sockets import bind_tcp, bind_unix
@@ -65,6 +66,7 @@ def _uvicorn_config(config: Config, app: FastAPI, listener: str) -> uvicorn.Conf
 
 async def serve(config: Config) -> None:
     """Run until SIGINT/SIGTERM; then stop accepting, finish, release everything."""
+    ensure_fd_budget([edge_limits(config, "engine"), edge_limits(config, "peer")])
     engine_sock = bind_unix(config.engine_socket)
     try:
         peer_sock = bind_tcp(config.peer_host, config.peer_port)
