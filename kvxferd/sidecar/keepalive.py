@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Iterable
+from typing import TypeVar
 
 from kvxferd.errors import HoldRequestError, KvxferdError
 from kvxferd.sidecar.peers import PeerTable
@@ -28,6 +29,8 @@ from kvxferd.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+_Answer = TypeVar("_Answer", DeclineResponse, HeartbeatResponse)
 
 
 def holds_by_peer(tickets: list[Ticket], secret: bytes | Iterable[bytes]) -> dict[str, list[str]]:
@@ -54,35 +57,20 @@ async def decline_at_peers(
 ) -> DeclineResponse:
     """One decline per prefill sidecar; their answers merged (peer order, then theirs)."""
     grouped = tickets_by_peer(request.tickets, secret)
-    answers = await asyncio.gather(
-        *(_decline(peers, peer, group, request.reason) for peer, group in grouped.items())
-    )
-    return DeclineResponse(
-        released=[h for a in answers for h in a.released],
-        missing=[h for a in answers for h in a.missing],
-        busy=[h for a in answers for h in a.busy],
-        unanswered=[h for a in answers for h in a.unanswered],
-    )
 
+    async def one(peer: str, tickets: list[Ticket]) -> DeclineResponse:
+        ids = [t.hold_id for t in tickets]
+        try:
+            answer = await peers.decline(
+                peer, DeclineRequest(tickets=tickets, reason=request.reason)
+            )
+        except KvxferdError as exc:
+            log.warning("decline of %d holds at %s failed: %s", len(ids), peer, exc)
+            answer = None
+        return _for_asked(DeclineResponse, answer, ids)
 
-async def _decline(
-    peers: PeerTable, peer: str, tickets: list[Ticket], reason: str
-) -> DeclineResponse:
-    hold_ids = [t.hold_id for t in tickets]
-    try:
-        answer = await peers.decline(peer, DeclineRequest(tickets=tickets, reason=reason))
-    except KvxferdError as exc:
-        log.warning("decline of %d holds at %s failed: %s", len(hold_ids), peer, exc)
-        return DeclineResponse(released=[], missing=[], unanswered=hold_ids)
-    asked = set(hold_ids)
-    released = [h for h in answer.released if h in asked]
-    missing = [h for h in answer.missing if h in asked]
-    busy = [h for h in answer.busy if h in asked]
-    told = set(released) | set(missing) | set(busy)
-    return DeclineResponse(
-        released=released, missing=missing, busy=busy,
-        unanswered=[h for h in hold_ids if h not in told],
-    )  # fmt: skip
+    answers = await asyncio.gather(*(one(peer, group) for peer, group in grouped.items()))
+    return _merged(DeclineResponse, answers)
 
 
 async def keep_alive(
@@ -93,29 +81,29 @@ async def keep_alive(
     if not (math.isfinite(extend_s) and extend_s > 0):
         raise HoldRequestError("extend_s", f"must be a finite number > 0, got {extend_s!r}")
     grouped = holds_by_peer(request.tickets, secret)
-    answers = await asyncio.gather(
-        *(_ask(peers, peer, ids, extend_s) for peer, ids in grouped.items())
-    )
-    return HeartbeatResponse(
-        extended=[h for a in answers for h in a.extended],
-        missing=[h for a in answers for h in a.missing],
-        unanswered=[h for a in answers for h in a.unanswered],
-    )
+
+    async def one(peer: str, ids: list[str]) -> HeartbeatResponse:
+        try:
+            answer = await peers.heartbeat(peer, Heartbeat(hold_ids=ids, extend_s=extend_s))
+        except KvxferdError as exc:
+            log.warning("keepalive: heartbeat of %d holds at %s failed: %s", len(ids), peer, exc)
+            answer = None
+        return _for_asked(HeartbeatResponse, answer, ids)
+
+    answers = await asyncio.gather(*(one(peer, ids) for peer, ids in grouped.items()))
+    return _merged(HeartbeatResponse, answers)
 
 
-async def _ask(
-    peers: PeerTable, peer: str, hold_ids: list[str], extend_s: float
-) -> HeartbeatResponse:
-    try:
-        answer = await peers.heartbeat(peer, Heartbeat(hold_ids=hold_ids, extend_s=extend_s))
-    except KvxferdError as exc:
-        log.warning("keepalive: heartbeat of %d holds at %s failed: %s", len(hold_ids), peer, exc)
-        return HeartbeatResponse(extended=[], missing=[], unanswered=hold_ids)
-    asked = set(hold_ids)
-    extended = [h for h in answer.extended if h in asked]
-    missing = [h for h in answer.missing if h in asked]
-    # A hold the peer did not mention either way is not known to be alive.
-    told = set(extended) | set(missing)
-    return HeartbeatResponse(
-        extended=extended, missing=missing, unanswered=[h for h in hold_ids if h not in told]
-    )
+def _for_asked(cls: type[_Answer], answer: _Answer | None, asked: list[str]) -> _Answer:
+    """A peer's answer kept to the holds we asked about; a hold it did not mention either way
+    (or every hold, when it gave no usable answer) is ``unanswered``: its lease is unknown."""
+    wanted = set(asked)
+    lists = {f: [h for h in getattr(answer, f) if h in wanted] if answer else []
+             for f in cls.__struct_fields__ if f != "unanswered"}  # fmt: skip
+    told = {h for ids in lists.values() for h in ids}
+    return cls(**lists, unanswered=[h for h in asked if h not in told])
+
+
+def _merged(cls: type[_Answer], answers: list[_Answer]) -> _Answer:
+    """Every peer's answer in one (peer order, then theirs)."""
+    return cls(**{f: [h for a in answers for h in getattr(a, f)] for f in cls.__struct_fields__})
