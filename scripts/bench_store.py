@@ -24,7 +24,6 @@ adds (one HTTP call per request, a worker thread) is not in these numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -38,7 +37,7 @@ import numpy as np
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-from benchlib import report  # noqa: E402
+from benchlib import cli, report  # noqa: E402
 
 from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest, request_blocks  # noqa: E402
 from kvxferd.pattern import verify_token_pattern, write_token_pattern  # noqa: E402
@@ -248,13 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--plot", metavar="PATH.png", help="draw the bars")
     args = ap.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    layouts = [x for x in args.layouts.split(",") if x]
-    unknown = [x for x in layouts if x not in LAYOUTS]
-    if unknown:
-        ap.error(f"unknown layouts {unknown}; choose from {sorted(LAYOUTS)}")
+    cli.fill_defaults(args, QUICK, FULL)
+    layouts = cli.names(ap, "--layouts", args.layouts, LAYOUTS)
     tokens = sorted(int(t) for t in args.tokens.split(",") if t)
     if args.repeat < 1 or args.warmup < 0 or not tokens or min(tokens) < 1 or args.chunk < 1:
         ap.error("--repeat >= 1, --warmup >= 0, --tokens and --chunk positive")
@@ -275,11 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     result["elapsed_s"] = round(time.monotonic() - started, 1)
     print()
     print(table(result))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-    if args.plot:
-        plot(result, args.plot)
+    cli.write_outputs(result, args.json, args.plot, plot)
     return 0
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import statistics
@@ -43,7 +42,7 @@ import numpy as np
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creation at INFO
 
-from benchlib import raw, report, ucx  # noqa: E402
+from benchlib import cli, raw, report, ucx  # noqa: E402
 from benchlib.procs import SENTINEL, Pool, SidecarProcess, plan  # noqa: E402
 
 from kvxferd.descriptors import ReadPlan, plan_pull, plan_read, read_geometry  # noqa: E402
@@ -445,13 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         "picks: cma/tcp on loopback) or a UCX_TLS value such as 'tcp' (default: default)",
     )
     args = ap.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    layouts = [x for x in args.layouts.split(",") if x]
-    unknown = [x for x in layouts if x not in LAYOUTS]
-    if unknown:
-        ap.error(f"unknown layouts {unknown}; choose from {sorted(LAYOUTS)}")
+    cli.fill_defaults(args, QUICK, FULL)
+    layouts = cli.names(ap, "--layouts", args.layouts, LAYOUTS)
     tokens = sorted(int(t) for t in args.tokens.split(",") if t)
     tls_sets = [x.strip() for x in args.tls.split(",") if x.strip()]
     if not tls_sets or len(set(tls_sets)) != len(tls_sets):
@@ -500,11 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{len(result['cases'])} cases in {result['elapsed_s']} s; load average "
         f"{mach['load_average_start']} -> {mach['load_average_end']}"
     )
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-    if args.plot:
-        report.plot(result, args.plot)
+    cli.write_outputs(result, args.json, args.plot, report.plot)
     return 0
 
 

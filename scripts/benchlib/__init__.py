@@ -1,1 +1,1 @@
-"""Private helpers of scripts/bench_transfer.py: processes, raw NIXL reads, ucx_perftest, report."""
+"""Private helpers of the benchmark scripts: processes, raw NIXL reads, ucx_perftest, reports, CLI."""
