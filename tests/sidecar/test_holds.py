@@ -1,4 +1,4 @@
-"""HoldTable: leases, claims, notifications, the reaper and the released feed.
+"""HoldTable: leases, claims, notifications and the reaper.
 
 A fake clock drives time; nothing sleeps. The central property: every hold is released exactly
 once whatever the interleaving, and no hold outlives its deadline once the reaper has run.
@@ -22,47 +22,9 @@ from kvxferd.errors import (
     HoldRequestError,
     UnknownHoldError,
 )
-from kvxferd.sidecar.holds import DeclineOutcome, HoldTable, NotifyOutcome
+from kvxferd.sidecar.holds import HoldTable, NotifyOutcome
 from kvxferd.sidecar.states import HoldState
-from kvxferd.wire import Group, HoldRequest, Manifest, Region
-
-NUM_BLOCKS = 16
-RES = 0.05 + 1e-9  # the reap resolution: the reaper wakes within it of a deadline
-
-
-class FakeClock:
-    """Time that moves only when the test says so."""
-
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def manifest(num_groups=2):
-    groups = [Group(kind="full_attention", block_size=16, kernel_block_size=16, layers=[])]
-    return Manifest(
-        model="m",
-        num_blocks=NUM_BLOCKS,
-        regions=[Region(name="r", size_bytes=1, num_blocks=NUM_BLOCKS, page_bytes=1)],
-        groups=groups * num_groups,
-    )
-
-
-def table(clock=None, **kw):
-    kw = {"default_lease_s": 30.0, "max_lease_s": 100.0, "max_claim_s": 60.0, **kw}
-    return HoldTable(manifest(), clock=clock or FakeClock(), **kw)
-
-
-def req(request_id="r1", block_ids=None, lease_s=None, num_tokens=32):
-    return HoldRequest(
-        request_id=request_id,
-        block_ids=[[1, 2], [3]] if block_ids is None else block_ids,
-        num_tokens=num_tokens,
-        lease_s=lease_s,
-    )
-
+from tests.sidecar.holdtable import NUM_BLOCKS, RES, FakeClock, manifest, req, table
 
 # -- hold ----------------------------------------------------------------------------------------
 
@@ -347,46 +309,6 @@ def test_the_schedule_stays_bounded_under_many_extensions():
     assert t._deadlines.buckets == 0 and t.next_deadline() is None
 
 
-# -- released feed -------------------------------------------------------------------------------
-
-
-def test_released_feed_is_cursor_addressed():
-    t = table()
-    ids = [t.hold(req(f"r{i}")).hold_id for i in range(5)]
-    assert t.released_since(0).holds == [] and t.released_since(0).cursor == 0
-    for hold_id in ids[:3]:
-        t.abort(hold_id)
-    feed = t.released_since(0)
-    assert [r.hold_id for r in feed.holds] == ids[:3] and feed.cursor == 3
-    assert t.released_since(feed.cursor).holds == []
-    t.claim(ids[3], "d0", 1.0)
-    t.notify(ids[3], "d0")
-    page = t.released_since(feed.cursor)
-    assert [(r.hold_id, r.reason) for r in page.holds] == [(ids[3], "notified")]
-    assert page.cursor == 4
-    limited = t.released_since(0, limit=2)
-    assert [r.hold_id for r in limited.holds] == ids[:2] and limited.cursor == 2
-    # A cursor from before a sidecar restart (beyond the newest) starts from the oldest kept.
-    assert len(t.released_since(99).holds) == 4
-    with pytest.raises(HoldRequestError):
-        t.released_since(-1)
-
-
-def test_released_feed_is_bounded_and_overrun_is_logged(caplog):
-    t = table(released_log_size=3)
-    ids = [t.hold(req(f"r{i}")).hold_id for i in range(5)]
-    for hold_id in ids:
-        t.abort(hold_id)
-    feed = t.released_since(0)
-    assert [r.hold_id for r in feed.holds] == ids[2:] and feed.cursor == 5
-    assert "overran: 2 releases" in caplog.text
-    # Evicted entries no longer explain themselves; kept ones do.
-    with pytest.raises(UnknownHoldError, match="no such hold"):
-        t.claim(ids[0], "d", 1.0)
-    with pytest.raises(UnknownHoldError, match="already released"):
-        t.claim(ids[4], "d", 1.0)
-
-
 # -- property: released exactly once -------------------------------------------------------------
 
 READERS = ("d0", "d1", "d2")
@@ -487,128 +409,3 @@ class HoldInterleavings(RuleBasedStateMachine):
 
 TestHoldInterleavings = HoldInterleavings.TestCase
 TestHoldInterleavings.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
-
-
-# -- what a claim binds (issue 10) ---------------------------------------------------------------
-
-
-def test_a_claim_binds_the_exact_block_ids_of_the_hold():
-    t = table()
-    hold = t.hold(req(block_ids=[[1, 2], [3]]))
-    with pytest.raises(ClaimMismatchError) as err:
-        t.claim(hold.hold_id, "d0", 5.0, block_ids=[[1, 2], [4]])
-    assert err.value.field == "ticket.block_ids" and hold.state is HoldState.HELD
-    assert t.claim(hold.hold_id, "d0", 5.0, block_ids=[[1, 2], [3]]).hold is hold
-
-
-def test_a_claim_binds_the_reader_tp_size_and_the_number_of_readers():
-    t = table()
-    hold = t.hold(req())
-    t.claim(hold.hold_id, "d0", 5.0, expected_readers=2, reader_tp_size=2)
-    with pytest.raises(ClaimMismatchError) as err:  # another TP shape
-        t.claim(hold.hold_id, "d1", 5.0, expected_readers=4, reader_tp_size=4)
-    assert err.value.field == "reader_tp_size"
-    t.claim(hold.hold_id, "d1", 5.0, expected_readers=2, reader_tp_size=2)
-    t.claim(hold.hold_id, "d1", 5.0, expected_readers=2, reader_tp_size=2)  # again: same reader
-    with pytest.raises(ClaimMismatchError) as err:  # a third reader of a 2-reader hold
-        t.claim(hold.hold_id, "d2", 5.0, expected_readers=2, reader_tp_size=2)
-    assert err.value.field == "reader" and hold.readers == {"d0", "d1"}
-
-
-def test_a_claim_by_a_shape_that_reads_nothing_here_releases_the_hold():
-    t = table()
-    hold = t.hold(req())
-    grant = t.claim(hold.hold_id, "d0", 5.0, expected_readers=0, reader_tp_size=1)
-    assert grant.expected_readers == 0 and hold.reason == "notified" and len(t) == 0
-
-
-def test_a_claim_grants_at_most_max_claim_s_and_says_so():
-    clock = FakeClock(0.0)
-    t = table(clock, max_claim_s=60.0)
-    hold = t.hold(req(lease_s=5.0))
-    grant = t.claim(hold.hold_id, "d0", 1e6)
-    assert grant.granted_s == 60.0 and grant.expires_at == hold.expires_at == 60.0
-
-
-# -- engine-chosen hold ids, the null block, decline ---------------------------------------------
-
-
-def test_an_engine_chosen_hold_id_is_used_and_never_reused():
-    t = table()
-    hold = t.hold(HoldRequest(request_id="a", block_ids=[[1], [2]], num_tokens=1, hold_id="h-1"))
-    assert hold.hold_id == "h-1"
-    with pytest.raises(DuplicateHoldError) as err:
-        t.hold(HoldRequest(request_id="b", block_ids=[[3], [4]], num_tokens=1, hold_id="h-1"))
-    assert err.value.field == "hold_id"
-    t.abort("h-1")
-    with pytest.raises(DuplicateHoldError):  # a released id is remembered too
-        t.hold(HoldRequest(request_id="c", block_ids=[[3], [4]], num_tokens=1, hold_id="h-1"))
-    with pytest.raises(HoldRequestError) as err:
-        t.hold(HoldRequest(request_id="d", block_ids=[[3], [4]], num_tokens=1, hold_id="a b"))
-    assert err.value.field == "hold_id"
-
-
-def test_the_null_block_is_a_placeholder_that_may_repeat_but_other_ids_may_not():
-    t = table()
-    hold = t.hold(req(block_ids=[[0, 0, 0, 7], [0, 3]]))
-    assert hold.block_ids == [[0, 0, 0, 7], [0, 3]]  # positions kept as the engine gave them
-    with pytest.raises(BlockIdError) as err:
-        t.hold(req("r2", block_ids=[[0, 5, 0, 5], [1]]))
-    assert err.value.field == "block_ids[0][3]"
-    with pytest.raises(BlockIdError) as err:
-        t.hold(req("r3", block_ids=[[0, NUM_BLOCKS], [1]]))
-    assert err.value.field == "block_ids[0][1]"
-
-
-def test_decline_releases_an_unclaimed_hold_with_the_tickets_block_ids_once():
-    t = table()
-    a, b, c = (t.hold(req(n, block_ids=[[i], [i + 1]])) for i, n in ((1, "a"), (3, "b"), (5, "c")))
-    assert t.decline(a.hold_id, [[9], [2]]) is DeclineOutcome.MISSING  # other block ids
-    assert t.decline(a.hold_id, [[1], [2]]) is DeclineOutcome.RELEASED
-    assert a.reason == "declined"
-    assert t.decline(a.hold_id, [[1], [2]]) is DeclineOutcome.MISSING  # released once only
-    t.claim(b.hold_id, "d0", 5.0)
-    assert t.decline(b.hold_id, [[3], [4]]) is DeclineOutcome.BUSY  # a reader may be reading
-    assert b.state is HoldState.CLAIMED
-    assert t.decline("never", [[5], [6]]) is DeclineOutcome.MISSING
-    feed = t.released_since(0)
-    assert [(r.hold_id, r.reason) for r in feed.holds] == [(a.hold_id, "declined")]
-    with pytest.raises(UnknownHoldError, match=r"already released \(declined\)"):
-        t.claim(a.hold_id, "d0", 5.0)
-    assert c.hold_id in t
-
-
-# -- bounded work and memory ---------------------------------------------------------------------
-
-
-def test_reap_in_slices_releases_at_most_max_items_per_call():
-    clock = FakeClock(0.0)
-    t = table(clock)
-    ids = {t.hold(req(f"q{i}", block_ids=[[1], [2]], lease_s=1.0)).hold_id for i in range(25)}
-    clock.t = 5.0
-    slices = []
-    while released := t.reap(max_items=10):
-        slices.append(len(released))
-    assert slices == [10, 10, 5] and len(t) == 0
-    assert {r.hold_id for r in t.released_since(0).holds} == ids
-
-
-def test_the_released_feed_is_bounded_in_bytes_and_paged():
-    from kvxferd.sidecar.released import record_bytes
-
-    t = table(released_log_size=1000, released_log_bytes=20_000)
-    big = [list(range(1, 16)), list(range(1, 16))]  # 30 ids: about 1.7 KB a record
-    ids = []
-    for i in range(30):
-        hold = t.hold(req(f"b{i}", block_ids=big))
-        ids.append(hold.hold_id)
-        t.abort(hold.hold_id)
-    assert t.released_bytes <= 20_000
-    kept = t.released_since(0, limit=1000)
-    assert 0 < len(kept.holds) < 30 and [r.hold_id for r in kept.holds] == ids[-len(kept.holds) :]
-    assert sum(record_bytes(r) for r in kept.holds) == t.released_bytes
-    page = t.released_since(0, limit=4)
-    assert len(page.holds) == 4 and page.more
-    rest = t.released_since(page.cursor, limit=1000)
-    assert not rest.more and [r.hold_id for r in page.holds + rest.holds] == [
-        r.hold_id for r in kept.holds]  # fmt: skip
