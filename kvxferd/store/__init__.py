@@ -15,9 +15,10 @@ gather/scatter), :mod:`format` (entry header and checksums), :mod:`coverage` (wh
 serve which TP units), :mod:`pool` (reusable, reference-counted entry buffers), :mod:`tiers`
 (DRAM pool, file directory), :mod:`store` (save, lookup with the minimum-prefix rule, load).
 
-Not stored yet: sliding-window groups (a save or lookup names the group in a StoreError), and
-Mamba states other than the one at the end of a saved request (vLLM's align mode keeps one per
-block; the API would take them as extra state blocks).
+Sliding-window groups keep only the chunks whose blocks the engine still holds (-1 marks a block
+that left the window); a prefix is served when its window, the ``sliding_window`` tokens before
+the next token, is stored. Not stored yet: Mamba states other than the one at the end of a saved
+request (vLLM's align mode keeps one per block; the API would take them as extra state blocks).
 """
 
 from kvxferd.store.keys import chunk_keys, chunk_spans

@@ -92,9 +92,9 @@ def part_specs(manifest: Manifest, g: int) -> list[PartSpec]:
 def group_fingerprint(manifest: Manifest, g: int, chunk_tokens: int) -> str:
     """16 hex digits naming what a reader's group must share with a writer's."""
     group = manifest.groups[g]
-    if group.kind == "sliding_window":
-        raise StoreError(f"groups[{g}].kind", "sliding-window groups are not stored (yet)")
     desc: list[object] = [FORMAT_VERSION, manifest.model, group.kind, chunk_tokens]
+    if group.kind == "sliding_window":
+        desc.append(group.sliding_window)
     for layer in group.layers:
         if isinstance(layer, AttentionLayer):
             desc.append([layer.index, layer.name, layer.dtype, layer.head_size,

@@ -41,6 +41,15 @@ def chunk_spans(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_tokens, num_tokens)) for s in range(0, num_tokens, chunk_tokens)]
 
 
+def window_first_chunk(spans: Sequence[tuple[int, int]], n: int, window: int) -> int:
+    """The first chunk a sliding-window group needs to serve a prefix of the first ``n`` chunks:
+    the one holding token ``end - window`` (the window before the next token), 0 if none."""
+    if n == 0:
+        return 0
+    start = max(0, spans[n - 1][1] - window)
+    return next(i for i, (_s, e) in enumerate(spans) if e > start)
+
+
 def check_keys(keys: Sequence[str], num_tokens: int, chunk_tokens: int) -> None:
     """Keys must be well-formed and exactly one per chunk of ``num_tokens`` (StoreError)."""
     want = -(-num_tokens // chunk_tokens) if num_tokens > 0 else 0

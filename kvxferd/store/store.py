@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -39,7 +39,7 @@ from kvxferd.store.canonical import (
     token_map,
 )
 from kvxferd.store.coverage import Plan, plan_sources, unit_runs
-from kvxferd.store.keys import check_keys, chunk_spans
+from kvxferd.store.keys import check_keys, chunk_spans, window_first_chunk
 from kvxferd.store.pool import BufferPool
 from kvxferd.store.tiers import Cached, DramTier, EntryId, FileTier
 from kvxferd.wire import Manifest
@@ -151,6 +151,8 @@ class Store:
                     try:
                         tm = token_map(group, ids[g], s, e, f"block_ids[{g}]")
                     except BlockIdError:
+                        if group.kind == "sliding_window":
+                            continue  # blocks that left the window: save the ones still held
                         break  # a missing block ends what this group can save
                 cached = self._gather(manifest, regions, g, specs, eid, c, e - s, tm, ids[g], out)
                 if self.dram.put(eid, cached):
@@ -217,11 +219,21 @@ class Store:
         ends = [0] + [e for _s, e in spans]
         attention: list[int] = []  # chunks covered from the start
         states: list[tuple[str, list[PartSpec]]] = []
+        windows: list[Callable[[int], bool]] = []  # can a window group serve the first n chunks
         per_group = []
         for g, group in enumerate(manifest.groups):
             fp = group_fingerprint(manifest, g, self.chunk_tokens)
             specs = part_specs(manifest, g)
-            if group.kind == "mamba":
+            if group.kind == "sliding_window":
+                present = [self._plan(k, fp, specs) is not None for k in keys]
+                window = group.sliding_window or 0
+
+                def serves(n: int, present: list[bool] = present, window: int = window) -> bool:
+                    return all(present[window_first_chunk(spans, n, window) : n])
+
+                windows.append(serves)
+                per_group.append(ends[next(n for n in range(len(keys), -1, -1) if serves(n))])
+            elif group.kind == "mamba":
                 states.append((fp, specs))
                 latest = next(
                     (c for c in reversed(range(len(keys))) if self._plan(keys[c], fp, specs)), -1
@@ -234,13 +246,14 @@ class Store:
                 attention.append(n)
                 per_group.append(ends[n])
         limit = min(attention) if attention else len(keys)
-        m = limit
-        if states:  # the latest chunk within the limit where every Mamba group has its state
-            m = next(
-                (c + 1 for c in reversed(range(limit))
-                 if all(self._plan(keys[c], fp, specs) for fp, specs in states)),
-                0,
-            )  # fmt: skip
+        # The longest prefix within the limit where every Mamba group has its state at the end
+        # and every sliding-window group the chunks of its window.
+        m = next(
+            (n for n in range(limit, 0, -1)
+             if all(self._plan(keys[n - 1], fp, specs) for fp, specs in states)
+             and all(serves(n) for serves in windows)),
+            0,
+        )  # fmt: skip
         matched = ends[m]
         disagree = any(t != matched for t in per_group)
         if disagree:
@@ -276,8 +289,11 @@ class Store:
                     raise BlockIdError(f"block_ids[{g}]", "no state block to load into")
                 chunks = [len(spans) - 1]
             else:
-                token_map(group, ids[g], 0, num_tokens, f"block_ids[{g}]")  # all blocks given
-                chunks = list(range(len(spans)))
+                first = 0
+                if group.kind == "sliding_window":  # only the window before the next token
+                    first = window_first_chunk(spans, len(spans), group.sliding_window or 0)
+                token_map(group, ids[g], spans[first][0], num_tokens, f"block_ids[{g}]")
+                chunks = list(range(first, len(spans)))
             for c in chunks:
                 plan = self._plan(keys[c], fp, specs)
                 if plan is None:
@@ -402,5 +418,11 @@ class Store:
                 i = int(bad[0])
                 raise BlockIdError(f"block_ids[{g}][{i}]", f"{arr[i]} outside [-1, "
                                    f"{manifest.num_blocks})")  # fmt: skip
+            group = manifest.groups[g]
+            need = -(-n // group.block_size)
+            if group.kind != "mamba" and 0 < arr.size < need:
+                # A shorter list covers the request's last blocks (a sliding window): as in
+                # pulls, its first entry is block ``need - len``, the ones before are gone.
+                arr = np.concatenate([np.full(need - arr.size, -1, dtype=np.int64), arr])
             out.append(arr)
         return out
