@@ -13,7 +13,7 @@ import pytest
 
 from kvxferd import pattern
 from kvxferd.vllm.scheduler import StepOrders
-from tests.sidecar.harness import changed_outside, metric, start_sidecar
+from tests.sidecar.harness import changed_outside, metric, start_sidecars
 from tests.vllm.ranks import Rank, request, step
 
 pytestmark = pytest.mark.nixl
@@ -34,21 +34,32 @@ def _scheduler(engine):
 
 
 class Engine:
-    """One engine "process": a sidecar on the store directory, a worker rank, a scheduler."""
+    """One engine "process": a sidecar per rank on the store directory, the worker ranks, a
+    scheduler (its connector reaches rank r's sidecar at ``NAME-r.sock``)."""
 
     def __init__(self, engine, tmp_path, name: str, store: str = "both") -> None:
+        tp = engine.config.parallel_config.tensor_parallel_size
         ext = engine.config.kv_transfer_config.kv_connector_extra_config
-        self.sidecar = start_sidecar(str(tmp_path), name, "--store-dir", str(tmp_path / "store"),
-                                     "--store-chunk-tokens", str(CHUNK))  # fmt: skip
-        ext.update(store=store, store_chunk_tokens=CHUNK, sidecar_socket=self.sidecar.socket)
-        self.rank = None
+        flags = ("--store-dir", str(tmp_path / "store"), "--store-chunk-tokens", str(CHUNK))
+        names = [f"{name}-{r}" for r in range(tp)]
+        self.sidecars = start_sidecars(str(tmp_path), names, *flags)
+        self.sidecar = self.sidecars[0]
+        ext.update(store=store, store_chunk_tokens=CHUNK)
+        self.ranks: list[Rank] = []
         try:
-            self.rank = Rank(engine, LAYOUT, self.sidecar)
+            for r, side in enumerate(self.sidecars):
+                self.ranks.append(Rank(engine, LAYOUT, side, tp_rank=r))
+            ext["sidecar_socket"] = str(tmp_path / f"{name}-{{rank}}.sock")
             self.sched = _scheduler(engine)
         except BaseException:
             self.close()
             raise
+        self.rank = self.ranks[0]
         self.block_size = engine.config.cache_config.block_size
+
+    def step(self, orders) -> list[tuple]:  # noqa: ANN001
+        """Every rank's worker runs the step's orders: their get_finished answers."""
+        return [rank.step(orders) for rank in self.ranks]
 
     def run(self, rid: str, prompt: list[int], max_tokens: int = 1):
         """Run a request from nothing to its end; the save order it leaves (blocks filled with
@@ -58,21 +69,23 @@ class Engine:
         for _ in range(max_tokens):
             out, _ = step(self.sched)
             assert out.kv_connector_metadata.orders.loads == []  # nothing in the store yet
-            self.rank.step(out.kv_connector_metadata.orders)
+            self.step(out.kv_connector_metadata.orders)
         out, _ = step(self.sched)
         orders = out.kv_connector_metadata.orders
         for save in orders.saves:
-            pattern.write_token_pattern(self.rank.manifest, self.rank.arrays(), save.block_ids,
-                                        save.num_tokens, SEED)  # fmt: skip
-        assert self.rank.step(orders) == (None, None)
+            for rank in self.ranks:
+                pattern.write_token_pattern(rank.manifest, rank.arrays(), save.block_ids,
+                                            save.num_tokens, SEED)  # fmt: skip
+        assert set(self.step(orders)) == {(None, None)}
         return orders.saves
 
     def close(self) -> None:
         if getattr(self, "sched", None) is not None:
             self.sched.shutdown()  # closes the scheduler connector's lookup client
-        if self.rank is not None:
-            self.rank.close()
-        assert self.sidecar.stop() == 0
+        for rank in self.ranks:
+            rank.close()
+        for side in self.sidecars:
+            assert side.stop() == 0
 
 
 def _load(eng: Engine, rid: str, prompt: list[int]):
@@ -85,8 +98,9 @@ def _load(eng: Engine, rid: str, prompt: list[int]):
     loads = out.kv_connector_metadata.orders.loads
     assert [ld.request_id for ld in loads] == [rid]
     before = [a.copy() for a in eng.rank.arrays()]
-    answer = eng.rank.step(out.kv_connector_metadata.orders)
-    return loads[0], before, answer
+    answers = eng.step(out.kv_connector_metadata.orders)
+    assert all(a == answers[0] for a in answers)  # every rank loads the same order
+    return loads[0], before, answers[0]
 
 
 @pytest.mark.parametrize("model", ["dense", "nemotron-h"])
@@ -126,6 +140,39 @@ def test_a_restarted_engine_loads_a_saved_prompt_and_computes_only_the_tail(
         step(second.sched, KVConnectorOutput(finished_recving={"r2"}))
         out, _ = step(second.sched)
         assert out.num_scheduled_tokens.get("r2", 0) == 1  # only the tail is computed
+    finally:
+        second.close()
+
+
+def test_a_prompt_saved_at_tp2_loads_at_tp1(engines, tmp_path, monkeypatch):
+    """Both ranks of a TP-2 engine save their heads beside each other; a TP-1 engine after it
+    finds every head of every chunk in the shared directory and loads them all."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    prompt = [(3 * i) % 900 + 1 for i in range(250)]
+    engine = engines("dense", LAYOUT, num_blocks=32, tp_size=2)
+    cfg = engine.config.kv_transfer_config
+    monkeypatch.setattr(cfg, "kv_connector_extra_config", dict(cfg.kv_connector_extra_config))
+    first = Engine(engine, tmp_path, "tp2")
+    try:
+        assert [s.num_tokens for s in first.run("r1", prompt)] == [250]
+    finally:
+        first.close()
+    engine = engines("dense", LAYOUT, num_blocks=32)
+    cfg = engine.config.kv_transfer_config
+    monkeypatch.setattr(cfg, "kv_connector_extra_config", dict(cfg.kv_connector_extra_config))
+    second = Engine(engine, tmp_path, "tp1")
+    try:
+        load, before, answer = _load(second, "r2", prompt)
+        assert load.num_tokens == 250 and answer == (None, {"r2"})
+        rank = second.rank
+        assert rank.connector.get_block_ids_with_load_errors() == set()
+        assert pattern.verify_token_pattern(rank.manifest, rank.arrays(), load.block_ids, 250,
+                                            SEED) is None  # fmt: skip
+        assert changed_outside(before, rank.arrays(), rank.manifest, load.block_ids) == 0
+        step(second.sched, KVConnectorOutput(finished_recving={"r2"}))
+        out, _ = step(second.sched)
+        assert out.num_scheduled_tokens.get("r2", 0) == 1
     finally:
         second.close()
 
