@@ -105,3 +105,22 @@ def test_store_order_picks_the_remote_prefill_or_a_whole_prompt_store_hit(
     out, _ = step(decode)
     assert out.num_scheduled_tokens.get("d", 0) == 1  # loaded either way: only the tail
     assert out.kv_connector_metadata.orders.declines == []  # declined once, never again
+
+
+def test_a_failed_lookup_is_a_miss_and_the_engine_computes(engines, monkeypatch, caplog):
+    from kvxferd.client import SidecarUnreachableError
+
+    def down(req):  # noqa: ANN001, ANN202
+        raise SidecarUnreachableError("POST /v1/store/lookup: connection refused")
+
+    engine = engines("dense", num_blocks=32)
+    cfg = engine.config.kv_transfer_config
+    monkeypatch.setattr(cfg, "kv_connector_extra_config",
+                        {**cfg.kv_connector_extra_config, "store": "both"})  # fmt: skip
+    sched = _scheduler(engine, Lookups(None))
+    sched.connector._sched.store._lookup = down
+    sched.add_request(request("r", N, None))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"r": N}
+    assert out.kv_connector_metadata.orders.loads == []
+    assert "store lookup for r failed" in caplog.text
