@@ -67,7 +67,7 @@ def part_specs(manifest: Manifest, g: int) -> list[PartSpec]:
                         part,
                         layer.total_kv_heads,
                         owned,
-                        row,
+                        part.unit_bytes if part.rows > 1 else row,  # packed K|V: one head's row
                         layer,
                     )  # fmt: skip
                 )
@@ -119,6 +119,14 @@ def _attention_view(region: np.ndarray, spec: PartSpec, group: Group, nblocks: i
     assert layer is not None
     kbs, row, heads = group.kernel_block_size, spec.row_bytes, layer.num_kv_heads
     nku = nblocks * (group.block_size // kbs)
+    if part.rows > 1:  # vLLM's packed K|V: a head's token rows ``row_stride`` apart, any order
+        last = part.offset + (nku - 1) * part.block_stride + (heads - 1) * part.unit_stride
+        if last + (kbs - 1) * part.row_stride + row > region.size:
+            raise StoreError(f"layers.{layer.name}.{part.name}", "part reaches past its region")
+        return np.lib.stride_tricks.as_strided(
+            region[part.offset :], shape=(nku, heads, kbs, row),
+            strides=(part.block_stride, part.unit_stride, part.row_stride, 1),
+        )  # fmt: skip
     if layer.head_layout == "HND":
         strides = (part.block_stride, part.unit_stride, row, 1)
     else:  # NHD: (kbs, heads, row) inside one unit

@@ -1,7 +1,9 @@
 """KvxferdConnector: vLLM 0.33's KV connector interface over one kvxferd sidecar per rank.
 
 ``kv_connector_extra_config``: ``sidecar_socket`` (a path with ``{rank}``), ``peer_token_file``
-(else ``KVXFERD_PEER_TOKEN``), ``partial_prefill`` (default: on for Mamba hybrids).
+(else ``KVXFERD_PEER_TOKEN``), ``partial_prefill`` (default: on for Mamba hybrids), and the
+store's ``store``, ``store_order``, ``store_chunk_tokens``, ``store_lookup_timeout_s``
+(kvxferd.vllm.storeplan.StoreOptions).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvxferd.client import EngineClient
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
+from kvxferd.vllm.storeplan import StoreOptions, StorePlanner
 from kvxferd.vllm.worker import WorkerSide
+from kvxferd.wire import StoreLookup, StoreLookupRequest
 
 DEFAULT_SOCKET = "/run/kvxferd/engine-{rank}.sock"
 
@@ -71,8 +75,19 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._store_options = StoreOptions.from_extra(extra)
+        self._lookup_client: EngineClient | None = None
         if role == KVConnectorRole.SCHEDULER:
             hybrid = bool(vllm_config.model_config.is_hybrid)
+            store = None
+            if self._store_options.mode != "off":
+                store = StorePlanner(
+                    self._store_options,
+                    self._store_lookup,
+                    root=str(vllm_config.model_config.model).encode(),
+                    kinds=_group_kinds(kv_cache_config),
+                    block_size=vllm_config.cache_config.block_size,
+                )
             self._sched = SchedulerSide(
                 engine_id=str(self._kv_transfer_config.engine_id),
                 tp_size=tp_size,
@@ -81,6 +96,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
                 block_size=vllm_config.cache_config.block_size,
                 partial_prefill=bool(extra.get("partial_prefill", hybrid)),
                 group_kinds=_group_kinds(kv_cache_config),
+                store=store,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -99,6 +115,14 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
             with EngineClient(self._socket.format(rank=rank), timeout_s=5.0) as client:
                 out.append(client.identity())
         return out
+
+    def _store_lookup(self, req: StoreLookupRequest) -> StoreLookup:
+        """Rank 0's store lookup, bounded by ``store_lookup_timeout_s`` (one kept client)."""
+        if self._lookup_client is None:
+            self._lookup_client = EngineClient(
+                self._socket.format(rank=0), timeout_s=self._store_options.lookup_timeout_s
+            )
+        return self._lookup_client.store_lookup(req)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -169,3 +193,5 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._lookup_client is not None:
+            self._lookup_client.close()

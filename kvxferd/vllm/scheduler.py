@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from kvxferd.sidecar.tickets import sign_ticket
+from kvxferd.vllm.storeplan import LoadOrder, SaveOrder, StorePlanner
 from kvxferd.wire import Identity, Ticket
 
 NULL_BLOCK = 0
@@ -61,6 +62,9 @@ class StepOrders:
     holds: list[HoldOrder] = field(default_factory=list)
     pulls: list[PullOrder] = field(default_factory=list)
     declines: list[Decline] = field(default_factory=list)
+    saves: list[SaveOrder] = field(default_factory=list)
+    """Store saves, run first (the blocks may be reused later in the step)."""
+    loads: list[LoadOrder] = field(default_factory=list)
 
 
 def live_ids(ids: list[int]) -> list[int]:
@@ -115,6 +119,7 @@ class SchedulerSide:
         block_size: int,
         partial_prefill: bool,
         group_kinds: list[str] | None = None,
+        store: StorePlanner | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.tp_size = tp_size
@@ -126,6 +131,7 @@ class SchedulerSide:
         self.partial_prefill = partial_prefill  # Mamba: the decode recomputes the last token
         self.orders = StepOrders()
         self._loads: dict[str, int] = {}  # request id -> external tokens to load
+        self.store = store  # the store as a prefix-cache tier (None: off)
 
     def identities(self) -> list[Identity]:
         """Each prefill rank's sidecar identity (read once; again after a rank went stale)."""
@@ -142,17 +148,47 @@ class SchedulerSide:
     # ---------------------------------------------------------------- decode side
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
-        """Tokens the prefill holds beyond what is local: load them asynchronously."""
+        """Tokens the prefill holds beyond what is local: load them asynchronously. With the
+        store on, a prompt nothing is cached of locally is looked up (storeplan.py has the
+        rules; ``store_order`` decides between a remote prefill and the store)."""
         params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill") or not params.get("kvxferd_tickets"):
+        remote = bool(params.get("do_remote_prefill") and params.get("kvxferd_tickets"))
+        hit = self._store_hit(request, remote, num_computed)
+        if hit:
+            return hit, True
+        if not remote:
             return 0, False
         remote = int(params.get("remote_num_tokens", len(request.prompt_token_ids)))
         count = max(0, remote - num_computed)
         return count, count > 0
 
+    def _store_hit(self, request: Any, remote: bool, num_computed: int) -> int:
+        """Tokens to load from the store: only with nothing cached locally; with remote params
+        only when ``store_first`` and the store holds the whole prompt (minus one token)."""
+        store = self.store
+        if store is None or not store.options.load or num_computed:
+            return 0
+        if remote and store.options.order != "store_first":
+            return 0
+        hit = store.match(request)
+        if hit and remote and hit < len(request.prompt_token_ids) - 1:
+            store.forget(request.request_id)
+            return 0
+        return hit
+
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
-        """Blocks are allocated: queue the pull of the blocks the decode lacks."""
+        """Blocks are allocated: queue the pull of the blocks the decode lacks (or the store
+        load of a matched prompt, declining the remote tickets it makes unnecessary)."""
         params = request.kv_transfer_params or {}
+        load = (
+            self.store.load(request, blocks.get_block_ids(), num_external) if self.store else None
+        )
+        if load is not None:
+            self.orders.loads.append(load)
+            if params.get("do_remote_prefill") and params.get("kvxferd_tickets"):
+                self.orders.declines.append(Decline(params["kvxferd_tickets"], "store_hit"))
+                params["do_remote_prefill"] = False
+            return
         if not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # load once
@@ -191,7 +227,13 @@ class SchedulerSide:
     # ---------------------------------------------------------------- prefill side
 
     def finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
-        """A prefill finished: mint one ticket per rank, order the holds, delay the free."""
+        """A prefill finished: mint one ticket per rank, order the holds, delay the free. With
+        store saves on, any request that ended normally is saved first (next step's orders)."""
+        if self.store is not None:
+            self.store.forget(request.request_id)
+            save = self.store.save(request, block_ids)
+            if save is not None:
+                self.orders.saves.append(save)
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill") and params.get("kvxferd_tickets"):
             self.decline(request)  # a decode request that ends before it loaded: free the prefill

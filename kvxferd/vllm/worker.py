@@ -21,6 +21,7 @@ from kvxferd.memory import CudaIpcRegion
 from kvxferd.sidecar.reads import SETTLE_S
 from kvxferd.vllm.manifest import backing_allocation, vllm_manifest
 from kvxferd.vllm.scheduler import StepOrders
+from kvxferd.vllm.storeio import StoreCalls
 from kvxferd.wire import (
     CudaRegionSpec,
     HoldRequest,
@@ -73,6 +74,7 @@ class WorkerSide:
         self._ipc: Any = None  # the exported CUDA IPC region, kept open while registered
         self._refused: set[str] = set()  # pulls the sidecar refused: finished, with errors
         self._unheld: set[str] = set()  # holds the sidecar refused: free the blocks at once
+        self.store = StoreCalls(self.client)  # store saves and loads (issue 12)
 
     def register(self, kv_caches: dict[str, Any], kv_cache_config: Any, total_heads: int) -> None:
         """Describe the allocation and register it; a sidecar left registered by an earlier
@@ -115,7 +117,9 @@ class WorkerSide:
         self._stale = True  # a new generation: tickets minted before it can no longer be claimed
 
     def run(self, orders: StepOrders) -> None:
-        """Place this step's holds, start its pulls, send its declines."""
+        """Save finished requests to the store (first: their blocks are free now), place this
+        step's holds, start its pulls, send its declines, load from the store."""
+        self.store.save(orders.saves)
         for h in orders.holds:
             try:
                 placed = self.client.hold(
@@ -173,6 +177,7 @@ class WorkerSide:
                 if resp.busy or resp.unanswered:
                     log.info("decline: %d busy, %d unanswered", len(resp.busy),
                              len(resp.unanswered))  # fmt: skip
+        self.store.load(orders.loads)
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose holds ended, requests whose pulls ended) since the last step: one
@@ -219,6 +224,7 @@ class WorkerSide:
         self._unheld = set()
         recving |= self._refused
         self._refused = set()
+        recving |= self.store.take_done()
         return sending or None, recving or None
 
     def _lose(self, pull_id: str) -> None:
@@ -260,7 +266,7 @@ class WorkerSide:
     def load_errors(self) -> set[int]:
         """Local block ids whose pull failed since the last call (vLLM recomputes them)."""
         out, self._load_errors = self._load_errors, set()
-        return out
+        return out | self.store.take_errors()
 
     def close(self) -> None:
         """Unregister (the memory goes away with the engine) and close the client."""

@@ -53,8 +53,10 @@ class Rank:
         self.shm.close()
 
 
-def request(rid: str, n: int, params: dict | None, block_size: int = 128):
-    """A vLLM Request of ``n`` prompt tokens carrying ``params`` as its kv_transfer_params."""
+def request(rid: str, n: int, params: dict | None, block_size: int = 128, *,
+            prompt: list[int] | None = None, max_tokens: int = 1):  # fmt: skip
+    """A vLLM Request of ``n`` prompt tokens (1..n, or ``prompt``) carrying ``params`` as its
+    kv_transfer_params."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -62,8 +64,11 @@ def request(rid: str, n: int, params: dict | None, block_size: int = 128):
 
     init_none_hash(sha256)
 
-    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params} if params else None)
-    req = Request(request_id=rid, prompt_token_ids=list(range(1, n + 1)), sampling_params=sp,
+    sp = SamplingParams(
+        max_tokens=max_tokens, extra_args={"kv_transfer_params": params} if params else None
+    )
+    req = Request(request_id=rid, prompt_token_ids=prompt or list(range(1, n + 1)),
+                  sampling_params=sp,
                   pooling_params=None,
                   block_hasher=get_request_block_hasher(block_size, sha256))  # fmt: skip
     req.kv_transfer_params = params

@@ -1,0 +1,235 @@
+"""The connector consults the kvxferd store (issue 12): vLLM's real Scheduler and a worker-role
+connector beside a real ``kvxferd serve`` save a finished request; after a restart (new
+scheduler, new sidecar process, same store directory, fresh memory) the same prompt loads from
+the store's files, every byte of every layer of every loaded block is verified, and vLLM
+computes only the tail. A corrupt file is a load error that vLLM recomputes; with the store off
+no store call reaches the sidecar."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvxferd import pattern
+from kvxferd.vllm.scheduler import StepOrders
+from tests.sidecar.harness import changed_outside, metric, start_sidecars
+from tests.vllm.ranks import Rank, request, step
+
+pytestmark = pytest.mark.nixl
+
+CHUNK, SEED, LAYOUT = 64, 23, "LBHNC"
+
+
+def _scheduler(engine):
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    return Scheduler(
+        vllm_config=engine.config,
+        kv_cache_config=engine.kv_cache_config,
+        structured_output_manager=StructuredOutputManager(engine.config),
+        block_size=engine.config.cache_config.block_size,
+    )
+
+
+class Engine:
+    """One engine "process": a sidecar per rank on the store directory, the worker ranks, a
+    scheduler (its connector reaches rank r's sidecar at ``NAME-r.sock``)."""
+
+    def __init__(self, engine, tmp_path, name: str, store: str = "both") -> None:
+        tp = engine.config.parallel_config.tensor_parallel_size
+        ext = engine.config.kv_transfer_config.kv_connector_extra_config
+        flags = ("--store-dir", str(tmp_path / "store"), "--store-chunk-tokens", str(CHUNK))
+        names = [f"{name}-{r}" for r in range(tp)]
+        self.sidecars = start_sidecars(str(tmp_path), names, *flags)
+        self.sidecar = self.sidecars[0]
+        ext.update(store=store, store_chunk_tokens=CHUNK)
+        self.ranks: list[Rank] = []
+        try:
+            for r, side in enumerate(self.sidecars):
+                self.ranks.append(Rank(engine, LAYOUT, side, tp_rank=r))
+            ext["sidecar_socket"] = str(tmp_path / f"{name}-{{rank}}.sock")
+            self.sched = _scheduler(engine)
+        except BaseException:
+            self.close()
+            raise
+        self.rank = self.ranks[0]
+        self.block_size = engine.config.cache_config.block_size
+
+    def step(self, orders) -> list[tuple]:  # noqa: ANN001
+        """Every rank's worker runs the step's orders: their get_finished answers."""
+        return [rank.step(orders) for rank in self.ranks]
+
+    def run(self, rid: str, prompt: list[int], max_tokens: int = 1):
+        """Run a request from nothing to its end; the save order it leaves (blocks filled with
+        the token pattern first, as the model would have computed them), then run."""
+        self.sched.add_request(request(rid, len(prompt), None, self.block_size, prompt=prompt,
+                                       max_tokens=max_tokens))  # fmt: skip
+        for _ in range(max_tokens):
+            out, _ = step(self.sched)
+            assert out.kv_connector_metadata.orders.loads == []  # nothing in the store yet
+            self.step(out.kv_connector_metadata.orders)
+        out, _ = step(self.sched)
+        orders = out.kv_connector_metadata.orders
+        for save in orders.saves:
+            for rank in self.ranks:
+                pattern.write_token_pattern(rank.manifest, rank.arrays(), save.block_ids,
+                                            save.num_tokens, SEED)  # fmt: skip
+        assert set(self.step(orders)) == {(None, None)}
+        return orders.saves
+
+    def close(self) -> None:
+        if getattr(self, "sched", None) is not None:
+            self.sched.shutdown()  # closes the scheduler connector's lookup client
+        for rank in self.ranks:
+            rank.close()
+        for side in self.sidecars:
+            assert side.stop() == 0
+
+
+def _load(eng: Engine, rid: str, prompt: list[int]):
+    """Admit a request; its load order and the worker's answer to it (bytes checked by caller)."""
+    from vllm.v1.request import RequestStatus
+
+    eng.sched.add_request(request(rid, len(prompt), None, eng.block_size, prompt=prompt))
+    out, _ = step(eng.sched)
+    assert eng.sched.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    loads = out.kv_connector_metadata.orders.loads
+    assert [ld.request_id for ld in loads] == [rid]
+    before = [a.copy() for a in eng.rank.arrays()]
+    answers = eng.step(out.kv_connector_metadata.orders)
+    assert all(a == answers[0] for a in answers)  # every rank loads the same order
+    return loads[0], before, answers[0]
+
+
+@pytest.mark.parametrize("model", ["dense", "nemotron-h"])
+def test_a_restarted_engine_loads_a_saved_prompt_and_computes_only_the_tail(
+    engines, model, tmp_path, monkeypatch
+):
+    """Dense: the same prompt again (vLLM recomputes the last token of a full hit). Hybrid: the
+    conversation goes on (prompt + its answer): the Mamba state saved after the first request's
+    computed tokens is exactly where the hit ends (a state cannot be rewound a token)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    engine = engines(model, LAYOUT, num_blocks=32)
+    ext = engine.config.kv_transfer_config.kv_connector_extra_config
+    monkeypatch.setattr(engine.config.kv_transfer_config, "kv_connector_extra_config", dict(ext))
+    prompt = [(7 * i) % 1000 + 1 for i in range(300)]
+    hybrid = model != "dense"
+    first = Engine(engine, tmp_path, "first")
+    try:
+        saves = first.run("r1", prompt, max_tokens=2 if hybrid else 1)
+    finally:
+        first.close()
+    assert len(saves) == 1 and saves[0].num_tokens == (301 if hybrid else 300)
+    assert os.listdir(tmp_path / "store")
+
+    second = Engine(engine, tmp_path, "second")  # new sidecar process, new memory, new scheduler
+    try:
+        again = prompt + [7, 7] if hybrid else prompt  # the step helper samples token 7
+        load, before, answer = _load(second, "r2", again)
+        assert load.num_tokens == saves[0].num_tokens and not load.error
+        assert answer == (None, {"r2"})
+        assert second.rank.connector.get_block_ids_with_load_errors() == set()
+        rank = second.rank
+        assert pattern.verify_token_pattern(rank.manifest, rank.arrays(), load.block_ids,
+                                            load.num_tokens, SEED) is None  # fmt: skip
+        assert changed_outside(before, rank.arrays(), rank.manifest, load.block_ids) == 0
+        assert metric(second.sidecar.peer, "kvxferd_store_loads_total", outcome="done") == 1
+        step(second.sched, KVConnectorOutput(finished_recving={"r2"}))
+        out, _ = step(second.sched)
+        assert out.num_scheduled_tokens.get("r2", 0) == 1  # only the tail is computed
+    finally:
+        second.close()
+
+
+def test_a_prompt_saved_at_tp2_loads_at_tp1(engines, tmp_path, monkeypatch):
+    """Both ranks of a TP-2 engine save their heads beside each other; a TP-1 engine after it
+    finds every head of every chunk in the shared directory and loads them all."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    prompt = [(3 * i) % 900 + 1 for i in range(250)]
+    engine = engines("dense", LAYOUT, num_blocks=32, tp_size=2)
+    cfg = engine.config.kv_transfer_config
+    monkeypatch.setattr(cfg, "kv_connector_extra_config", dict(cfg.kv_connector_extra_config))
+    first = Engine(engine, tmp_path, "tp2")
+    try:
+        assert [s.num_tokens for s in first.run("r1", prompt)] == [250]
+    finally:
+        first.close()
+    engine = engines("dense", LAYOUT, num_blocks=32)
+    cfg = engine.config.kv_transfer_config
+    monkeypatch.setattr(cfg, "kv_connector_extra_config", dict(cfg.kv_connector_extra_config))
+    second = Engine(engine, tmp_path, "tp1")
+    try:
+        load, before, answer = _load(second, "r2", prompt)
+        assert load.num_tokens == 250 and answer == (None, {"r2"})
+        rank = second.rank
+        assert rank.connector.get_block_ids_with_load_errors() == set()
+        assert pattern.verify_token_pattern(rank.manifest, rank.arrays(), load.block_ids, 250,
+                                            SEED) is None  # fmt: skip
+        assert changed_outside(before, rank.arrays(), rank.manifest, load.block_ids) == 0
+        step(second.sched, KVConnectorOutput(finished_recving={"r2"}))
+        out, _ = step(second.sched)
+        assert out.num_scheduled_tokens.get("r2", 0) == 1
+    finally:
+        second.close()
+
+
+def test_a_corrupt_store_file_is_a_load_error_and_vllm_recomputes(engines, tmp_path, monkeypatch):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    engine = engines("dense", LAYOUT, num_blocks=32)
+    cfg = engine.config.kv_transfer_config
+    monkeypatch.setattr(cfg, "kv_connector_extra_config", dict(cfg.kv_connector_extra_config))
+    monkeypatch.setattr(cfg, "kv_load_failure_policy", "recompute")
+    prompt = list(range(11, 311))
+    first = Engine(engine, tmp_path, "first")
+    try:
+        first.run("r1", prompt)
+    finally:
+        first.close()
+    store_dir = tmp_path / "store"
+    files = sorted(p for p in store_dir.rglob("*") if p.is_file())
+    assert files
+    victim = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF  # a payload byte: its section checksum no longer matches
+    victim.write_bytes(bytes(data))
+
+    second = Engine(engine, tmp_path, "second")
+    try:
+        load, before, answer = _load(second, "r2", prompt)
+        assert answer == (None, {"r2"})  # finished, with errors
+        bad = second.rank.connector.get_block_ids_with_load_errors()
+        assert bad == {b for g in load.block_ids for b in g}
+        rank = second.rank
+        assert changed_outside(before, rank.arrays(), rank.manifest, load.block_ids) == 0
+        assert metric(second.sidecar.peer, "kvxferd_store_loads_total", outcome="failed") == 1
+        step(second.sched, KVConnectorOutput(finished_recving={"r2"}, invalid_block_ids=bad))
+        out, _ = step(second.sched)
+        assert out.num_scheduled_tokens.get("r2", 0) == len(prompt)  # computed from scratch
+        assert out.kv_connector_metadata.orders.loads == []
+    finally:
+        second.close()
+
+
+def test_with_the_store_off_no_store_call_reaches_the_sidecar(engines, tmp_path, monkeypatch):
+    engine = engines("dense", LAYOUT, num_blocks=32)
+    cfg = engine.config.kv_transfer_config
+    monkeypatch.setattr(cfg, "kv_connector_extra_config", dict(cfg.kv_connector_extra_config))
+    eng = Engine(engine, tmp_path, "off", store="off")
+    try:
+        assert eng.sched.connector._sched.store is None
+        assert eng.run("r1", list(range(1, 301))) == []
+        assert eng.run("r2", list(range(1, 301))) == []  # no lookup, no load either
+        peer = eng.sidecar.peer
+        for result in ("hit", "miss"):
+            assert metric(peer, "kvxferd_store_lookup_tokens_total", result=result) == 0
+        for outcome in ("done", "failed"):
+            assert metric(peer, "kvxferd_store_loads_total", outcome=outcome) == 0
+        assert not any((tmp_path / "store").rglob("*.*"))  # nothing saved
+        assert eng.rank.step(StepOrders()) == (None, None)
+    finally:
+        eng.close()

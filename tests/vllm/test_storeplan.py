@@ -1,0 +1,126 @@
+"""The store options of the connector and their order against a remote prefill, through vLLM's
+real v1 Scheduler (the lookup answered by a stand-in: only the scheduler's decision is tested
+here; test_store.py moves real bytes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxferd.errors import ConfigError
+from kvxferd.vllm.storeplan import StoreOptions
+from kvxferd.wire import Identity, StoreLookup
+from tests.vllm.ranks import request, step
+
+SECRET = "store-order-secret"
+N = 300
+
+
+def test_options_default_to_off_and_name_the_bad_key():
+    assert StoreOptions.from_extra({}) == StoreOptions(mode="off", order="remote_first")
+    both = StoreOptions.from_extra({"store": "both", "store_order": "store_first"})
+    assert both.load and both.save and both.order == "store_first"
+    assert not StoreOptions.from_extra({"store": "save"}).load
+    for extra, key in [
+        ({"store": "on"}, "store"),
+        ({"store_order": "store"}, "store_order"),
+        ({"store_chunk_tokens": 0}, "store_chunk_tokens"),
+        ({"store_lookup_timeout_s": "soon"}, "store_lookup_timeout_s"),
+    ]:
+        with pytest.raises(ConfigError, match=f"kv_connector_extra_config.{key}:"):
+            StoreOptions.from_extra(extra)
+
+
+class Lookups:
+    """Stands in for rank 0's lookup: the store holds ``hit`` tokens of every prompt."""
+
+    def __init__(self, hit: int | None) -> None:
+        self.hit, self.calls = hit, 0
+
+    def __call__(self, req):  # noqa: ANN001, ANN204
+        self.calls += 1
+        matched = req.num_tokens if self.hit is None else min(self.hit, req.num_tokens)
+        return StoreLookup(matched_tokens=[matched], matched=matched)
+
+
+def _scheduler(engine, lookups: Lookups):
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    sched = Scheduler(
+        vllm_config=engine.config,
+        kv_cache_config=engine.kv_cache_config,
+        structured_output_manager=StructuredOutputManager(engine.config),
+        block_size=engine.config.cache_config.block_size,
+    )
+    ident = Identity(engine_id="P", epoch=3, generation=0, peer_address="127.0.0.1:9",
+                     tp_rank=0, tp_size=1, default_lease_s=30.0)  # fmt: skip
+    sched.connector._sched._known = [ident]
+    sched.connector._sched.store._lookup = lookups
+    return sched
+
+
+@pytest.mark.parametrize(
+    "order,hit,source",
+    [
+        ("remote_first", None, "remote"),
+        ("store_first", None, "store"),
+        ("store_first", 128, "remote"),
+    ],  # fmt: skip
+)
+def test_store_order_picks_the_remote_prefill_or_a_whole_prompt_store_hit(
+    engines, monkeypatch, order, hit, source
+):
+    """remote_first: remote params are pulled and the store is not asked. store_first: a hit on
+    the whole prompt loads from the store and declines the tickets (the prefill frees its hold
+    at once); a shorter hit still pulls."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    monkeypatch.setenv("KVXFERD_PEER_TOKEN", SECRET)
+    engine = engines("dense", num_blocks=32)
+    cfg = engine.config.kv_transfer_config
+    extra = {**cfg.kv_connector_extra_config, "store": "load", "store_order": order}
+    monkeypatch.setattr(cfg, "kv_connector_extra_config", extra)
+    prefill = _scheduler(engine, Lookups(0))  # a miss: the prefill computes
+    prefill.add_request(request("p", N, {"do_remote_decode": True}))
+    _, engine_out = step(prefill)
+    params = next(o.kv_transfer_params for eo in engine_out.values() for o in eo.outputs
+                  if o.kv_transfer_params)  # fmt: skip
+
+    lookups = Lookups(hit)
+    decode = _scheduler(engine, lookups)
+    decode.add_request(request("d", N, dict(params)))
+    out, _ = step(decode)
+    orders = out.kv_connector_metadata.orders
+    assert lookups.calls == (0 if order == "remote_first" else 1)
+    if source == "remote":
+        assert [p.request_id for p in orders.pulls] == ["d"]
+        assert orders.loads == [] and orders.declines == []
+    else:
+        assert orders.pulls == []
+        assert [(ld.request_id, ld.num_tokens) for ld in orders.loads] == [("d", N)]
+        assert [(d.tickets, d.reason) for d in orders.declines] == [
+            (params["kvxferd_tickets"], "store_hit")
+        ]
+    step(decode, KVConnectorOutput(finished_recving={"d"}))
+    out, _ = step(decode)
+    assert out.num_scheduled_tokens.get("d", 0) == 1  # loaded either way: only the tail
+    assert out.kv_connector_metadata.orders.declines == []  # declined once, never again
+
+
+def test_a_failed_lookup_is_a_miss_and_the_engine_computes(engines, monkeypatch, caplog):
+    from kvxferd.client import SidecarUnreachableError
+
+    def down(req):  # noqa: ANN001, ANN202
+        raise SidecarUnreachableError("POST /v1/store/lookup: connection refused")
+
+    engine = engines("dense", num_blocks=32)
+    cfg = engine.config.kv_transfer_config
+    monkeypatch.setattr(cfg, "kv_connector_extra_config",
+                        {**cfg.kv_connector_extra_config, "store": "both"})  # fmt: skip
+    sched = _scheduler(engine, Lookups(None))
+    sched.connector._sched.store._lookup = down
+    sched.add_request(request("r", N, None))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"r": N}
+    assert out.kv_connector_metadata.orders.loads == []
+    assert "store lookup for r failed" in caplog.text
