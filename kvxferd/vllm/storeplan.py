@@ -183,10 +183,12 @@ class StorePlanner:
 
     def _ids(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
         """Per group, the blocks of a store call over ``num_tokens`` tokens: Mamba, its
-        running-state block (the last live one); attention, the blocks holding those tokens."""
+        running-state block (the last live one); attention, the blocks holding those tokens,
+        with vLLM's null block (a sliding window's evicted blocks) as -1: never data."""
         kinds = self.kinds if len(self.kinds) == len(block_ids) else ["attention"] * len(block_ids)
         need = -(-num_tokens // self.block_size)
         return [
-            [b for b in g if b != NULL_BLOCK][-1:] if kind == "mamba" else list(g[:need])
+            [b for b in g if b != NULL_BLOCK][-1:] if kind == "mamba"
+            else [-1 if b == NULL_BLOCK else b for b in g[:need]]
             for kind, g in zip(kinds, block_ids, strict=True)
-        ]
+        ]  # fmt: skip

@@ -1,1 +1,1 @@
-"""Private helpers of the benchmark scripts: processes, raw NIXL reads, ucx_perftest, reports, CLI."""
+"""Private helpers of the benchmark scripts: processes, raw NIXL reads, ucx_perftest, reports."""

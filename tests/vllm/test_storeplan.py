@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvxferd.errors import ConfigError
-from kvxferd.vllm.storeplan import StoreOptions
+from kvxferd.vllm.storeplan import StoreOptions, StorePlanner
 from kvxferd.wire import Identity, StoreLookup
 from tests.vllm.ranks import request, step
 
@@ -28,6 +28,22 @@ def test_options_default_to_off_and_name_the_bad_key():
     ]:
         with pytest.raises(ConfigError, match=f"kv_connector_extra_config.{key}:"):
             StoreOptions.from_extra(extra)
+
+
+def test_a_sliding_windows_null_blocks_are_never_saved_as_data():
+    """vLLM hands a sliding-window group's evicted blocks over as its null block 0: the save
+    names them -1 (not stored), the full-attention group keeps its blocks, Mamba its state."""
+
+    class Finished:
+        request_id, status, num_computed_tokens = "r", "FINISHED_LENGTH_CAPPED", 64
+        all_token_ids = list(range(70))
+
+    kinds = ["attention", "attention", "mamba"]
+    options = StoreOptions(mode="save", order="remote_first")
+    planner = StorePlanner(options, lambda r: None, root=b"m", kinds=kinds, block_size=16)
+    order = planner.save(Finished(), [[0, 0, 7, 8, 9], [1, 2, 3, 4, 5], [0, 0, 11]])
+    assert order is not None
+    assert order.block_ids == [[-1, -1, 7, 8], [1, 2, 3, 4], [11]]
 
 
 class Lookups:
