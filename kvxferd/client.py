@@ -193,7 +193,9 @@ def _store_lookup(req: StoreLookupRequest) -> _Call:
 
 
 def _store_load(req: StoreLoadRequest) -> _Call:
-    return _Call("POST", "/v1/store/load", StoreLoadStatus, req)
+    # The sidecar answers by the load's deadline plus the chunk being written then.
+    return _Call("POST", "/v1/store/load", StoreLoadStatus, req,
+                 timeout_s=req.deadline_s + _RUN_MARGIN_S)  # fmt: skip
 
 
 def _wait_pull(

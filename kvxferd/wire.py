@@ -555,6 +555,9 @@ class StoreLoadRequest(_Strict, kw_only=True):
     """Tokens to load: a lookup's ``matched`` (or fewer, on a chunk boundary)."""
     request_id: str = ""
     """The engine's request id, for logs."""
+    deadline_s: float = 30.0
+    """Past this the load stops before its next chunk and answers failed (``deadline``); the
+    answer comes only once nothing more is written (a client waits a margin longer)."""
 
 
 class StoreLoadStatus(_Strict, kw_only=True):

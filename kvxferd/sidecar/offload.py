@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +33,9 @@ from kvxferd.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+MAX_STORE_DEADLINE_S = 600.0
+"""Longest ``StoreLoadRequest.deadline_s`` accepted."""
 
 Target = Callable[[], tuple[Manifest, list[np.ndarray]]]
 """Returns the registered manifest and a host view of each region (raises if none)."""
@@ -109,11 +114,16 @@ class Offload:
     async def load(self, req: StoreLoadRequest) -> StoreLoadStatus:
         """Write the first ``num_tokens`` tokens into local blocks; failed (with a reason) when an
         entry is missing or corrupt."""
+        if not (math.isfinite(req.deadline_s) and 0 < req.deadline_s <= MAX_STORE_DEADLINE_S):
+            raise StoreError("deadline_s", f"must be in (0, {MAX_STORE_DEADLINE_S:g}]")
         store, (manifest, regions) = self._require(), self._target()
+        stop_at = time.monotonic() + req.deadline_s
         try:
-            out = await asyncio.to_thread(
-                store.load, manifest, regions, req.block_ids, req.keys, req.num_tokens
-            )
+            # Awaited to its end even if our caller gives up: the answer says nothing is written
+            # any more (the thread checks ``stop_at`` between chunks).
+            out = await asyncio.shield(asyncio.to_thread(
+                store.load, manifest, regions, req.block_ids, req.keys, req.num_tokens, stop_at
+            ))  # fmt: skip
         except PullError as exc:
             log.warning("store load %s failed: %s", req.request_id or "-", exc)
             self.metrics.store_loads.labels("failed").inc()

@@ -271,9 +271,11 @@ class Store:
         block_ids: Sequence[Sequence[int]],
         keys: Sequence[str],
         num_tokens: int,
+        stop_at: float | None = None,
     ) -> LoadOutcome:
         """Write the first ``num_tokens`` tokens (all groups) into the blocks; PullError
-        ``store_miss`` or ``store_corrupt`` when an entry is absent or fails its checks."""
+        ``store_miss`` or ``store_corrupt`` when an entry is absent or fails its checks, and
+        ``deadline`` when ``time.monotonic()`` passes ``stop_at`` (checked before each chunk)."""
         t0 = time.perf_counter()
         ids = self._check(manifest, block_ids, keys, num_tokens)
         spans = chunk_spans(num_tokens, self.chunk_tokens)
@@ -315,6 +317,8 @@ class Store:
 
         try:
             for g, c, specs, plan in work:
+                if stop_at is not None and time.monotonic() > stop_at:
+                    raise PullError("deadline", f"the load passed its deadline at chunk {c}")
                 self._load_chunk(manifest, regions, ids[g], g, c, spans[c], specs, plan, out,
                                  fetch)  # fmt: skip
         finally:

@@ -1,6 +1,8 @@
 """The worker side of the store: one rank's saves and loads through its own sidecar.
 
-Both calls are synchronous and bounded by the engine client's timeout. Saves run first in a
+Both calls are synchronous and bounded: a load by its ``deadline_s`` in the sidecar, which
+answers only once nothing more is written (so a load that fails by its deadline never writes into
+blocks vLLM then computes), the client waiting a margin longer. Saves run first in a
 step, before anything can write the blocks of a request that has just finished (vLLM frees them
 at once: no delayed free). A load is reported finished in the same step's ``get_finished``; a
 load that fails (store_miss, store_corrupt, sidecar error) reports its blocks as load errors and

@@ -89,6 +89,12 @@ def test_save_restart_lookup_load_verifies_every_byte(tmp_path, preset):
                         StoreLookupRequest(keys=[*keys, keys[0]], num_tokens=tokens)
                     )
                 assert bad.value.field == "keys"
+                for deadline in (0.0, -1.0, 1e9):
+                    req = StoreLoadRequest(keys=keys, block_ids=dst_ids, num_tokens=tokens,
+                                           deadline_s=deadline)  # fmt: skip
+                    with pytest.raises(StoreError) as late:
+                        client.store_load(req)
+                    assert late.value.field == "deadline_s"
             values = _metrics(second)
             assert values[("kvxferd_store_lookup_tokens_total", (("result", "hit"),))] == tokens
             assert values[("kvxferd_store_loads_total", (("outcome", "done"),))] == 2
