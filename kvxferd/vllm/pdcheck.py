@@ -63,13 +63,22 @@ def model_dir(config: str, tmp: str) -> str:
 
 class Rank:
     """One engine rank: vLLM's views over a shm segment, its worker-role connector (which talks
-    to this rank's own sidecar: ``sidecar_socket`` with ``{rank}``)."""
+    to this rank's own sidecar: ``sidecar_socket`` with ``{rank}``, or the one given)."""
 
-    def __init__(self, engine: cpu.Engine, layout: str, tp_rank: int = 0) -> None:
+    def __init__(
+        self, engine: cpu.Engine, layout: str, tp_rank: int = 0, *,
+        sidecar_socket: str | None = None, fill: int | None = None,
+    ) -> None:  # fmt: skip
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         size = engine.kv_cache_config.kv_cache_tensors[0].size
         self.shm = SharedMemoryRegion.create(f"kvx-pd-{uuid.uuid4().hex[:8]}", size)
+        if fill is not None:  # e.g. a sentinel, so bytes nobody wrote can be told apart
+            self.shm.host_view()[:] = fill
+        if sidecar_socket is not None:
+            engine.config.kv_transfer_config.kv_connector_extra_config["sidecar_socket"] = (
+                sidecar_socket
+            )
         buf = torch.frombuffer(self.shm.host_view(), dtype=torch.int8)
         self.views = cpu.allocate(engine, layout, buffer=buf)
         with cpu.tp_rank(engine.config.parallel_config.tensor_parallel_size, tp_rank):

@@ -3,54 +3,20 @@ POSIX shared-memory segment (so a real sidecar maps them) and a worker-role Kvxf
 
 from __future__ import annotations
 
-import uuid
-
-import numpy as np
-import torch
-
-from kvxferd.memory import SharedMemoryRegion
-from kvxferd.vllm.connector import KvxferdConnector, KvxferdMetadata
+from kvxferd.vllm import pdcheck
+from kvxferd.vllm.connector import KvxferdMetadata
 from tests.sidecar.harness import SENTINEL
 
 
-class Rank:
-    """One engine rank (``tp_rank`` of the engine's TP size): vLLM's views over a shm segment and
-    its connector (worker role)."""
+class Rank(pdcheck.Rank):
+    """One engine rank (``tp_rank`` of the engine's TP size) beside ``sidecar``: vLLM's views
+    over a shm segment filled with SENTINEL, and its connector (worker role)."""
 
     def __init__(self, engine, layout: str, sidecar, tp_rank: int = 0) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-        from kvxferd.vllm import cpu
-
-        size = engine.kv_cache_config.kv_cache_tensors[0].size
-        self.shm = SharedMemoryRegion.create(f"kvx-vllm-{uuid.uuid4().hex[:8]}", size)
-        self.shm.host_view()[:] = SENTINEL
-        buf = torch.frombuffer(self.shm.host_view(), dtype=torch.int8)
-        self.views = cpu.allocate(engine, layout, buffer=buf)
-        extra = engine.config.kv_transfer_config.kv_connector_extra_config
-        extra["sidecar_socket"] = sidecar.socket
-        with cpu.tp_rank(engine.config.parallel_config.tensor_parallel_size, tp_rank):
-            self.connector = KvxferdConnector(
-                engine.config, KVConnectorRole.WORKER, engine.kv_cache_config
-            )
-        self.connector.register_kv_caches(self.views)
-        self.manifest = self.connector._worker.manifest
-
-    def arrays(self) -> list[np.ndarray]:
-        host = self.shm.host_view()
-        return [
-            host[r.source_offset : r.source_offset + r.size_bytes] for r in self.manifest.regions
-        ]
+        super().__init__(engine, layout, tp_rank, sidecar_socket=sidecar.socket, fill=SENTINEL)
 
     def step(self, orders) -> tuple:
-        self.connector.bind_connector_metadata(KvxferdMetadata(orders))
-        self.connector.start_load_kv(None)
-        self.connector.clear_connector_metadata()
-        return self.connector.get_finished(set())
-
-    def close(self) -> None:
-        self.connector.shutdown()
-        self.shm.close()
+        return super().step(KvxferdMetadata(orders))
 
 
 def request(rid: str, n: int, params: dict | None, block_size: int = 128, *,
