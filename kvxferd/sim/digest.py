@@ -121,7 +121,8 @@ def _row_units(m: Manifest, part: Part) -> tuple[np.ndarray, np.ndarray]:
     """Identity of each local TP unit (uint64) and whether this rank counts it.
 
     Sliceable parts are identified by global unit and counted on the first rank holding them;
-    unsliceable ones (NHD K/V, SD conv) are rank-local and carry the rank in their identity.
+    unsliceable ones (NHD K/V, unsectioned conv) are rank-local and carry the rank in their
+    identity.
     """
     local = np.arange(part.units, dtype=np.int64)
     if not part.sliceable:

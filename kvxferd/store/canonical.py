@@ -10,8 +10,9 @@ a TP-1 rank holds at that unit: a TP-2 save loads at TP 1 and the reverse.
 A :class:`Section` is one (layer, part) over a contiguous range of global units. The group
 fingerprint hashes what must match for bytes to be reusable (model, kind, layer list, dtypes,
 head sizes, state part sizes, chunk size); TP size, block sizes and layouts stay out of it.
-Unsliceable Mamba parts (SD conv) are per-rank shards: their unit count and size enter the
-fingerprint, so they are reused only at the same TP size.
+Unsliceable Mamba parts (a conv state without known sections) are per-rank shards: their unit
+count and size enter the fingerprint, so they are reused only at the same TP size. A part with
+rows (SD conv sections) stores each unit's rows in order.
 """
 
 from __future__ import annotations
