@@ -197,3 +197,20 @@ def cpu_views(engine):
     from kvxferd.vllm import cpu
 
     return cpu.allocate(engine, "LBHNC")
+
+
+def test_conv_sections_follow_vllms_sharding_or_are_left_unknown():
+    """x by heads, B and C by groups (the one group replicated when n_groups == 1); a split
+    vLLM itself cannot make (3 groups over TP 2) or an unknown model gets no sections."""
+    from kvxferd.vllm.manifest import conv_geometry
+
+    hf = {"model_type": "nemotron_h", "mamba_num_heads": 8, "mamba_head_dim": 32,
+          "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4}  # fmt: skip
+    got = conv_geometry(hf, 2, "SD").sections
+    assert [(s.name, s.units, s.unit_channels, s.units_total) for s in got] == [
+        ("conv_x", 4, 32, 8), ("conv_b", 1, 16, 2), ("conv_c", 1, 16, 2)]  # fmt: skip
+    one = conv_geometry({**hf, "n_groups": 1}, 2, "SD").sections
+    assert [(s.units, s.units_total) for s in one[1:]] == [(1, 1), (1, 1)]
+    assert conv_geometry({**hf, "n_groups": 3}, 2, "SD").sections == ()
+    assert conv_geometry({"model_type": "llama"}, 2, "DS").sections == ()
+    assert conv_geometry({"model_type": "mystery"}, 2, "DS").sections == ()
