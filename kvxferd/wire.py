@@ -75,10 +75,11 @@ class Part(_Strict, kw_only=True):
     units_total: int
     """TP units of this part across all ranks, before any replication."""
     sliceable: bool = True
-    """Whether a rank may read a subset of the units (False for NHD K/V and SD conv)."""
+    """Whether a rank may read a subset of the units (False for NHD K/V and unsectioned conv)."""
     rows: int = 1
     """Runs per TP unit: a unit is ``rows`` runs of ``unit_bytes``, ``row_stride`` apart (vLLM
-    packs K|V per token, so a head's K is one run per token); 1: one run."""
+    packs K|V per token, so a head's K is one run per token; an SD conv section is one run per
+    conv row); 1: one run."""
     row_stride: int = 0
     """Bytes between consecutive runs of one TP unit (unused when ``rows == 1``)."""
 
@@ -136,7 +137,8 @@ class MambaLayer(_Strict, kw_only=True, tag="mamba"):
     conv_layout: ConvLayout
     """SD: (state_len, dim); DS: (dim, state_len), so x/B/C (or q/k/v) sections are contiguous."""
     conv: list[Part]
-    """Conv parts: one per section (x, B, C / q, k, v) for DS, a single unsliceable part for SD."""
+    """Conv parts: one per section (x, B, C / q, k, v; SD: one run per conv row), or a single
+    unsliceable part when the sections are unknown."""
     ssm: Part
     """The SSM state part."""
 

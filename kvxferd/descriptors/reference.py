@@ -53,17 +53,21 @@ def _ranges(layer: Layer, g: int, i: int) -> list[tuple[int, int, int]]:
             (p.offset, _extent(p, part_field(g, i, n)), p.block_stride)
             for n, p in (("k", layer.k), ("v", layer.v))
         ]
-    conv = [
-        (p.offset, _extent(p, part_field(g, i, f"conv[{j}]")), p.block_stride)
-        for j, p in enumerate(layer.conv)
-    ]
     ssm = (layer.ssm.offset, _extent(layer.ssm, part_field(g, i, "ssm")), layer.ssm.block_stride)
     if layer.conv_layout == "DS":
+        conv = [
+            (p.offset, _extent(p, part_field(g, i, f"conv[{j}]")), p.block_stride)
+            for j, p in enumerate(layer.conv)
+        ]
         return [*conv, ssm]
-    # The whole conv state is one tensor: one descriptor from its first to its last byte.
-    start = min(o for o, _n, _s in conv)
-    end = max(o + n for o, n, _s in conv)
-    return [(start, end - start, conv[0][2]), ssm]
+    # The whole conv state is one tensor: one descriptor from its first to its last byte (SD
+    # sections are one run per row, so the last byte is in the last row of the last unit).
+    start = min(p.offset for p in layer.conv)
+    end = max(
+        p.offset + (p.rows - 1) * p.row_stride + (p.units - 1) * p.unit_stride + p.unit_bytes
+        for p in layer.conv
+    )
+    return [(start, end - start, layer.conv[0].block_stride), ssm]
 
 
 def reference_plan(

@@ -172,11 +172,22 @@ def _check_attention(m: Manifest, g: Group, layer: AttentionLayer, f: str) -> No
 
 def _check_mamba(layer: MambaLayer, f: str) -> None:
     conv_bytes = math.prod(layer.conv_shape) * DTYPE_BYTES[layer.conv_dtype]
-    parts_bytes = sum(p.units * p.unit_bytes for p in layer.conv)
+    parts_bytes = sum(p.units * p.unit_bytes * p.rows for p in layer.conv)
     if len(layer.conv_shape) != 2 or parts_bytes != conv_bytes:
         raise _fail(f"{f}.conv", f"parts hold {parts_bytes} B, conv_shape needs {conv_bytes} B")
-    if layer.conv_layout == "SD" and (len(layer.conv) != 1 or layer.conv[0].sliceable):
-        raise _fail(f"{f}.conv", "SD conv interleaves sections: one unsliceable part")
+    if not all(p.sliceable for p in layer.conv):
+        if len(layer.conv) != 1 or layer.conv[0].rows != 1:
+            raise _fail(f"{f}.conv", "an unsliceable conv state is one part of one run")
+    elif layer.conv_layout == "SD":  # sections: one run per conv row, a whole row apart
+        length, row = layer.conv_shape[0], layer.conv_shape[1] * DTYPE_BYTES[layer.conv_dtype]
+        for j, p in enumerate(layer.conv):
+            if p.rows != length or (p.rows > 1 and p.row_stride != row):
+                raise _fail(
+                    f"{f}.conv[{j}].rows",
+                    f"{p.rows} rows {p.row_stride} B apart, SD needs {length} {row} B apart",
+                )
+    elif any(p.rows != 1 for p in layer.conv):
+        raise _fail(f"{f}.conv", "DS sections are one run per unit (rows = 1)")
     ssm_bytes = math.prod(layer.ssm_shape) * DTYPE_BYTES[layer.ssm_dtype]
     if layer.ssm.units * layer.ssm.unit_bytes != ssm_bytes:
         raise _fail(

@@ -204,6 +204,17 @@ def _read_nemotron_h(cfg: dict[str, Any], mt: str) -> ModelGeometry:
     )
 
 
+def _gdn(text: dict[str, Any]) -> MambaGeometry:
+    return MambaGeometry(
+        mamba_type="gdn",
+        conv_kernel=int(_need(text, "linear_conv_kernel_dim")),
+        num_k_heads=int(_need(text, "linear_num_key_heads")),
+        num_v_heads=int(_need(text, "linear_num_value_heads")),
+        head_k_dim=int(_need(text, "linear_key_head_dim")),
+        head_v_dim=int(_need(text, "linear_value_head_dim")),
+    )
+
+
 def _read_qwen_gdn(cfg: dict[str, Any], mt: str) -> ModelGeometry:
     """Qwen3-Next / Qwen3.5: gated delta net layers with periodic full attention."""
     text = cfg.get("text_config") or cfg
@@ -215,14 +226,7 @@ def _read_qwen_gdn(cfg: dict[str, Any], mt: str) -> ModelGeometry:
         every = int(_need(text, "full_attention_interval"))
         types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
     kinds: list[LayerKind] = ["full_attention" if t == "full_attention" else "mamba" for t in types]
-    gdn = MambaGeometry(
-        mamba_type="gdn",
-        conv_kernel=int(_need(text, "linear_conv_kernel_dim")),
-        num_k_heads=int(_need(text, "linear_num_key_heads")),
-        num_v_heads=int(_need(text, "linear_num_value_heads")),
-        head_k_dim=int(_need(text, "linear_key_head_dim")),
-        head_v_dim=int(_need(text, "linear_value_head_dim")),
-    )
+    gdn = _gdn(text)
     hint = None
     if mt in ("qwen3_5", "qwen3_5_moe"):  # vLLM's Qwen3.5 hook reads text_config.mamba_ssm_dtype
         hint = text.get("mamba_ssm_dtype")
@@ -237,6 +241,15 @@ def _read_qwen_gdn(cfg: dict[str, Any], mt: str) -> ModelGeometry:
     )
 
 
+def _mamba1(cfg: dict[str, Any]) -> MambaGeometry:
+    return MambaGeometry(
+        mamba_type="mamba1",
+        conv_kernel=int(_need(cfg, "mamba_d_conv")),
+        intermediate=int(_need(cfg, "mamba_expand")) * int(_need(cfg, "hidden_size")),
+        state_size=int(_need(cfg, "mamba_d_state")),
+    )
+
+
 def _read_jamba(cfg: dict[str, Any], mt: str) -> ModelGeometry:
     """Jamba: attention where ``i % attn_layer_period == attn_layer_offset``, mamba1 elsewhere."""
     n = int(_need(cfg, "num_hidden_layers"))
@@ -244,12 +257,7 @@ def _read_jamba(cfg: dict[str, Any], mt: str) -> ModelGeometry:
     kinds: list[LayerKind] = [
         "full_attention" if i % period == offset else "mamba" for i in range(n)
     ]
-    mamba = MambaGeometry(
-        mamba_type="mamba1",
-        conv_kernel=int(_need(cfg, "mamba_d_conv")),
-        intermediate=int(_need(cfg, "mamba_expand")) * int(_need(cfg, "hidden_size")),
-        state_size=int(_need(cfg, "mamba_d_state")),
-    )
+    mamba = _mamba1(cfg)
     return ModelGeometry(
         model_type=mt,
         name=_name(cfg, mt),
@@ -345,3 +353,26 @@ def read_geometry(hf_config: dict[str, Any]) -> ModelGeometry:
     if not geometry.layers:
         raise ManifestError("hf_config.num_hidden_layers", "the model has no KV-holding layer")
     return geometry
+
+
+_GRANITE_KEYS = ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv")
+_MAMBA_READERS: dict[str, Callable[[dict[str, Any]], MambaGeometry]] = {
+    "nemotron_h": lambda c: _mamba2(
+        c, "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel"
+    ),
+    "granitemoehybrid": lambda c: _mamba2(c, *_GRANITE_KEYS),
+    "bamba": lambda c: _mamba2(c, *_GRANITE_KEYS),
+    "falcon_h1": lambda c: _mamba2(c, *_GRANITE_KEYS),
+    "jamba": _mamba1,
+    "qwen3_next": lambda c: _gdn(c.get("text_config") or c),
+    "qwen3_5": lambda c: _gdn(c.get("text_config") or c),
+    "qwen3_5_moe": lambda c: _gdn(c.get("text_config") or c),
+}
+
+
+def read_mamba_geometry(hf_config: dict[str, Any]) -> MambaGeometry | None:
+    """The Mamba/GDN mixer geometry alone, without the layer list (an engine's config object
+    may have turned that into its own form): None for a model without a supported mixer."""
+    mt = hf_config.get("model_type")
+    reader = _MAMBA_READERS.get(mt) if isinstance(mt, str) else None
+    return None if reader is None else reader(hf_config)

@@ -175,9 +175,13 @@ def _mamba_layer(p: Placement, spec: LayerSpec, slot: int) -> MambaLayer:
             unit = sec.unit_channels * state.state_len * conv_dt
             conv.append(_run(sec.name, offset, stride, sec.units, unit, sec.units_total))
             offset += sec.units * unit
-    else:  # SD (state_len, dim): sections interleave per row; one unit = this rank's shard
-        whole = _run("conv", base, stride, 1, conv_bytes, p.tp_size)
-        conv.append(msgspec.structs.replace(whole, sliceable=False))
+    else:  # SD (state_len, dim): every row holds all channels, so a unit is one run per row
+        row, channel = state.conv_dim * conv_dt, base
+        for sec in state.sections:
+            unit = sec.unit_channels * conv_dt
+            part = _run(sec.name, channel, stride, sec.units, unit, sec.units_total)
+            conv.append(msgspec.structs.replace(part, rows=state.state_len, row_stride=row))
+            channel += sec.units * unit
     ssm_unit = math.prod(state.ssm_shape[1:]) * ssm_dt
     ssm = _run("ssm", base + conv_bytes, stride, state.ssm_units, ssm_unit, state.ssm_units_total)
     return MambaLayer(

@@ -94,15 +94,17 @@ def _part_digest(
     if not keep.any():
         return 0
     view = _part_view(region, part, int(ids.max()) * ratio + ratio, layer_index)
-    weights = _weights(part.unit_bytes // 8 if part.unit_bytes % 8 == 0 else part.unit_bytes)
+    nbytes = part.rows * part.unit_bytes  # a unit's rows in order are its bytes
+    weights = _weights(nbytes // 8 if nbytes % 8 == 0 else nbytes)
     key = _part_key(layer_index, part.name)
-    step = max(1, _CHUNK_BYTES // max(1, ratio * part.units * part.unit_bytes))
+    step = max(1, _CHUNK_BYTES // max(1, ratio * part.units * nbytes))
     total = 0
     for first in range(0, ids.size, step):
         chunk = ids[first : first + step]
         kernel = chunk[:, None] * ratio + np.arange(ratio, dtype=np.int64)
-        rows = np.ascontiguousarray(view[kernel][:, :, keep])  # (blocks, sub, units, bytes)
-        words = rows.view("<u8") if part.unit_bytes % 8 == 0 else rows.astype(np.uint64)
+        rows = np.ascontiguousarray(view[kernel][:, :, keep])  # (blocks, sub, units, rows, bytes)
+        rows = rows.reshape(*rows.shape[:3], nbytes)
+        words = rows.view("<u8") if nbytes % 8 == 0 else rows.astype(np.uint64)
         h = (words * weights).sum(axis=-1, dtype=np.uint64)
         ordinal = np.arange(first, first + chunk.size, dtype=np.uint64)
         ident = (
@@ -119,7 +121,8 @@ def _row_units(m: Manifest, part: Part) -> tuple[np.ndarray, np.ndarray]:
     """Identity of each local TP unit (uint64) and whether this rank counts it.
 
     Sliceable parts are identified by global unit and counted on the first rank holding them;
-    unsliceable ones (NHD K/V, SD conv) are rank-local and carry the rank in their identity.
+    unsliceable ones (NHD K/V, unsectioned conv) are rank-local and carry the rank in their
+    identity.
     """
     local = np.arange(part.units, dtype=np.int64)
     if not part.sliceable:
@@ -136,11 +139,12 @@ def _row_units(m: Manifest, part: Part) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _part_view(region: np.ndarray, part: Part, kernel_units: int, layer_index: int) -> np.ndarray:
-    """Read-only (kernel unit, TP unit, byte) view of ``part`` over the first units."""
+    """Read-only (kernel unit, TP unit, row, byte) view of ``part`` over the first units."""
     end = (
         part.offset
         + (kernel_units - 1) * part.block_stride
         + (part.units - 1) * part.unit_stride
+        + (part.rows - 1) * part.row_stride
         + part.unit_bytes
     )
     if part.offset < 0 or end > region.size:
@@ -150,7 +154,7 @@ def _part_view(region: np.ndarray, part: Part, kernel_units: int, layer_index: i
         )
     return as_strided(
         region[part.offset :],
-        shape=(kernel_units, part.units, part.unit_bytes),
-        strides=(part.block_stride, part.unit_stride, 1),
+        shape=(kernel_units, part.units, part.rows, part.unit_bytes),
+        strides=(part.block_stride, part.unit_stride, part.row_stride, 1),
         writeable=False,
     )

@@ -10,8 +10,9 @@ a TP-1 rank holds at that unit: a TP-2 save loads at TP 1 and the reverse.
 A :class:`Section` is one (layer, part) over a contiguous range of global units. The group
 fingerprint hashes what must match for bytes to be reusable (model, kind, layer list, dtypes,
 head sizes, state part sizes, chunk size); TP size, block sizes and layouts stay out of it.
-Unsliceable Mamba parts (SD conv) are per-rank shards: their unit count and size enter the
-fingerprint, so they are reused only at the same TP size.
+Unsliceable Mamba parts (a conv state without known sections) are per-rank shards: their unit
+count and size enter the fingerprint, so they are reused only at the same TP size. A part with
+rows (SD conv sections) stores each unit's rows in order.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class PartSpec:
     owned: range
     """Global units this rank holds, in local order."""
     row_bytes: int
-    """Attention: bytes of one head's one token; mamba: bytes of one unit (the whole state)."""
+    """Attention: bytes of one head's one token; mamba: bytes of one unit (all its rows)."""
     attention: AttentionLayer | None
 
 
@@ -82,7 +83,7 @@ def part_specs(manifest: Manifest, g: int) -> list[PartSpec]:
                         part,
                         part.units_total,
                         owned,
-                        part.unit_bytes,
+                        part.rows * part.unit_bytes,
                         None,
                     )  # fmt: skip
                 )
@@ -101,7 +102,9 @@ def group_fingerprint(manifest: Manifest, g: int, chunk_tokens: int) -> str:
                          layer.total_kv_heads])  # fmt: skip
         else:
             parts = [
-                [p.name, p.units_total, p.unit_bytes] + ([] if p.sliceable else ["shard"])
+                [p.name, p.units_total, p.unit_bytes]
+                + ([] if p.sliceable else ["shard"])
+                + ([] if p.rows == 1 else ["rows", p.rows])
                 for p in [*layer.conv, layer.ssm]
             ]
             desc.append([layer.index, layer.name, layer.mamba_type, layer.conv_dtype,
@@ -140,14 +143,16 @@ def _attention_view(region: np.ndarray, spec: PartSpec, group: Group, nblocks: i
 
 
 def _state_view(region: np.ndarray, spec: PartSpec, nblocks: int) -> np.ndarray:
-    """(block, local unit, byte) view of one mamba part."""
+    """(block, local unit, row, byte) view of one mamba part (SD conv sections: a run per row;
+    a unit's rows in order are its canonical bytes)."""
     p = spec.part
     last = p.offset + (nblocks - 1) * p.block_stride + (p.units - 1) * p.unit_stride + p.unit_bytes
+    last += (p.rows - 1) * p.row_stride
     if last > region.size:
         raise StoreError(f"layers.{spec.layer}.{p.name}", "part reaches past its region")
     return np.lib.stride_tricks.as_strided(
-        region[p.offset :], shape=(nblocks, p.units, p.unit_bytes),
-        strides=(p.block_stride, p.unit_stride, 1),
+        region[p.offset :], shape=(nblocks, p.units, p.rows, p.unit_bytes),
+        strides=(p.block_stride, p.unit_stride, p.row_stride, 1),
     )  # fmt: skip
 
 
@@ -205,15 +210,15 @@ def gather_state(
     region: np.ndarray, spec: PartSpec, nblocks: int, block: int, out: np.ndarray
 ) -> np.ndarray:
     """(local unit, byte) bytes of one mamba part in ``block``, into ``out`` (flat uint8)."""
-    out = out.reshape(spec.part.units, spec.part.unit_bytes)
+    out = out.reshape(spec.part.units, spec.part.rows, spec.part.unit_bytes)
     out[:] = _state_view(region, spec, nblocks)[block]
-    return out
+    return out.reshape(spec.part.units, spec.row_bytes)
 
 
 def part_bytes(spec: PartSpec, group: Group, tokens: int) -> int:
     """Canonical bytes of one part of one chunk on this rank (``tokens`` rows for attention)."""
     if spec.attention is None:
-        return spec.part.units * spec.part.unit_bytes
+        return spec.part.units * spec.row_bytes
     return spec.attention.num_kv_heads * tokens * spec.row_bytes
 
 
@@ -222,7 +227,7 @@ def scatter_state(
 ) -> None:
     """Write (unit, byte) ``data`` into local units ``units`` of ``block``."""
     view = _state_view(region, spec, nblocks)
-    view[block, units] = data
+    view[block, units] = data.reshape(-1, spec.part.rows, spec.part.unit_bytes)
 
 
 def fill_tokens(

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvxferd.client import EngineClient
+from kvxferd.vllm.manifest import ConvGeometry, conv_geometry
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
 from kvxferd.vllm.storeplan import StoreOptions, StorePlanner
 from kvxferd.vllm.worker import WorkerSide
@@ -55,6 +56,14 @@ def _group_kinds(kv_cache_config: Any) -> list[str] | None:
         "mamba" if type(g.kv_cache_spec).__name__ == "MambaSpec" else "attention"
         for g in kv_cache_config.kv_cache_groups
     ]
+
+
+def _conv_geometry(vllm_config: Any, tp_size: int) -> ConvGeometry:
+    """The conv-state layout vLLM uses (VLLM_SSM_CONV_STATE_LAYOUT) and the model's sections."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    hf = vllm_config.model_config.hf_config
+    return conv_geometry(hf.to_dict(), tp_size, get_conv_state_layout())
 
 
 def _secret(extra: dict[str, Any]) -> bytes:
@@ -107,6 +116,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
                 model=vllm_config.model_config.model,
                 tp_rank=rank,
                 tp_size=tp_size,
+                conv=_conv_geometry(vllm_config, tp_size),
             )
 
     def _read_identities(self, tp_size: int) -> list[Any]:

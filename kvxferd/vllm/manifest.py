@@ -3,7 +3,9 @@
 vLLM 0.33 gives ``register_kv_caches`` one view per layer into ONE int8 backing allocation per
 worker. Attention views are ``[blocks, heads, tokens, head_size + head_size_v]`` in one of six
 stride orders (layer-outer ``LB*``/``LHBNC`` or block-outer ``BL*``/``BHLNC``), K and V packed per
-token; Mamba/GDN views are raw int8 ``[blocks, 1, 1, page]`` pages, conv state then SSM state.
+token; Mamba/GDN views are raw int8 ``[blocks, 1, 1, page]`` pages, conv state then SSM state; the
+conv state is described per section (x|B|C, Q|K|V) from the model's config so that another TP
+size can read its share.
 Everything here comes from the views' offsets and strides and the kv-cache config's specs, never
 from a planner, so any layout vLLM picks is described byte-exactly. Pure: no I/O.
 """
@@ -20,6 +22,8 @@ import msgspec
 
 from kvxferd.errors import ManifestError
 from kvxferd.layout import validate_manifest
+from kvxferd.layout.models import read_mamba_geometry
+from kvxferd.layout.states import ConvSection, mamba_state
 from kvxferd.wire import (
     AttentionLayer,
     Group,
@@ -169,7 +173,61 @@ def _attention(name: str, pos: int, view: Any, spec: Any, off: int, total_heads:
     )
 
 
-def _mamba(name: str, pos: int, view: Any, spec: Any, off: int, tp_size: int, conv_layout: str):
+@dataclass(frozen=True)
+class ConvGeometry:
+    """How vLLM lays out one rank's conv state: its layout and its sections in channel order."""
+
+    layout: str = "SD"
+    """VLLM_SSM_CONV_STATE_LAYOUT: SD = (state_len, dim), DS = (dim, state_len)."""
+    sections: tuple[ConvSection, ...] = ()
+    """x|B|C, Q|K|V or x as vLLM shards them; empty: unknown, the conv state is one shard."""
+
+
+def conv_geometry(hf_config: Mapping[str, Any], tp_size: int, layout: str) -> ConvGeometry:
+    """The conv sections of a model's Mamba/GDN layers at ``tp_size`` (vLLM shards each section
+    by heads, groups or channels, as :mod:`kvxferd.layout.states` lists them). A model whose
+    geometry kvxferd cannot read gets none: its conv state stays one unsliceable part."""
+    try:
+        geom = read_mamba_geometry(dict(hf_config))
+        if geom is None:
+            return ConvGeometry(layout)
+        return ConvGeometry(layout, mamba_state(geom, tp_size, 0).sections)
+    except (ManifestError, KeyError, TypeError, ValueError):
+        return ConvGeometry(layout)
+
+
+def _conv_parts(
+    shape: list[int], itemsize: int, off: int, sb: int, geo: ConvGeometry, total: int
+) -> list[Part]:
+    """The conv state as its sections (sliceable by TP unit), else as one shard of ``total``.
+
+    SD: every one of the ``state_len`` rows holds all channels, so a section's unit is one run
+    of its channels per row, a row apart. DS: a section's units are back to back.
+    """
+    dim, length = (shape[1], shape[0]) if geo.layout == "SD" else (shape[0], shape[1])
+    secs = geo.sections
+    if not secs or sum(s.units * s.unit_channels for s in secs) != dim:
+        whole = dim * length * itemsize
+        return [
+            Part(name="conv", offset=off, block_stride=sb, units=1, unit_bytes=whole,
+                 unit_stride=whole, units_total=total, sliceable=False)
+        ]  # fmt: skip
+    parts, channel = [], 0
+    for sec in secs:
+        if geo.layout == "SD":
+            unit, at, rows = sec.unit_channels * itemsize, channel * itemsize, length
+        else:
+            unit, at, rows = sec.unit_channels * length * itemsize, channel * length * itemsize, 1
+        parts.append(
+            Part(name=sec.name, offset=off + at, block_stride=sb, units=sec.units,
+                 unit_bytes=unit, unit_stride=unit, units_total=sec.units_total, rows=rows,
+                 row_stride=dim * itemsize if rows > 1 else 0)
+        )  # fmt: skip
+        channel += sec.units * sec.unit_channels
+    return parts
+
+
+def _mamba(name: str, pos: int, view: Any, spec: Any, off: int, tp_size: int, geo: ConvGeometry):
     if len(spec.shapes) != 2:
         raise ManifestError(name, f"{len(spec.shapes)} state tensors; kvxferd moves conv + ssm")
     sb = view.stride(0) * view.element_size()
@@ -184,6 +242,11 @@ def _mamba(name: str, pos: int, view: Any, spec: Any, off: int, tp_size: int, co
     if mtype is None:
         raise ManifestError(name, f"mamba type {spec.mamba_type.name} is not supported")
     replicated = getattr(spec, "tp_replicated", False)
+    if replicated:  # every rank holds the whole state: one shard, read from any rank
+        geo = ConvGeometry(geo.layout)
+    conv = _conv_parts(
+        conv_shape, spec.dtypes[0].itemsize, off, sb, geo, 1 if replicated else tp_size
+    )
     return MambaLayer(
         name=name,
         index=_index(name, pos),
@@ -193,21 +256,8 @@ def _mamba(name: str, pos: int, view: Any, spec: Any, off: int, tp_size: int, co
         conv_dtype=conv_dt,  # type: ignore[arg-type]
         ssm_shape=ssm_shape,
         ssm_dtype=ssm_dt,  # type: ignore[arg-type]
-        conv_layout=conv_layout,  # type: ignore[arg-type]
-        # The conv state interleaves its sections (SD) or is sliced by rank in vLLM's own order
-        # (DS): either way this rank's whole conv state is one unit.
-        conv=[
-            Part(
-                name="conv",
-                offset=off,
-                block_stride=sb,
-                units=1,
-                unit_bytes=conv_bytes,
-                unit_stride=conv_bytes,
-                units_total=1 if replicated else tp_size,
-                sliceable=False,
-            )
-        ],
+        conv_layout=geo.layout,  # type: ignore[arg-type]
+        conv=conv,
         ssm=Part(
             name="ssm",
             offset=off + conv_bytes,
@@ -229,13 +279,15 @@ def vllm_manifest(
     tp_size: int,
     total_kv_heads: int,
     region_prefix: str,
-    conv_layout: str = "SD",
+    conv: ConvGeometry | None = None,
 ) -> Manifest:
     """The manifest of one worker's KV cache, from vLLM's views and kv-cache config.
 
-    Regions point into source 0, the backing allocation (``Region.source_offset``). Raises
+    Regions point into source 0, the backing allocation (``Region.source_offset``); ``conv``
+    says how Mamba/GDN conv states are laid out (default: SD, one unsliceable shard). Raises
     ManifestError naming what vLLM handed over that kvxferd cannot describe.
     """
+    conv = conv or ConvGeometry()
     alloc = backing_allocation(kv_caches)
     regions, where, cross = _regions(kv_cache_config, alloc, kv_caches, region_prefix)
     groups = []
@@ -256,7 +308,7 @@ def vllm_manifest(
                 raise ManifestError(f"kv_cache_groups[{g}]", f"{name} is in no KVCacheTensor")
             off = view.data_ptr() - alloc.base - regions[r].source_offset
             if kind == "mamba":
-                layer = _mamba(name, pos, view, lspec, off, tp_size, conv_layout)
+                layer = _mamba(name, pos, view, lspec, off, tp_size, conv)
             else:
                 layer = _attention(name, pos, view, lspec, off, total_kv_heads)
                 kernel = view.shape[2]

@@ -19,7 +19,7 @@ from kvxferd.client import EngineClient
 from kvxferd.errors import KvxferdError, MemoryRegionError, NotRegisteredError
 from kvxferd.memory import CudaIpcRegion
 from kvxferd.sidecar.reads import SETTLE_S
-from kvxferd.vllm.manifest import backing_allocation, vllm_manifest
+from kvxferd.vllm.manifest import ConvGeometry, backing_allocation, vllm_manifest
 from kvxferd.vllm.scheduler import StepOrders
 from kvxferd.vllm.storeio import StoreCalls
 from kvxferd.wire import (
@@ -59,9 +59,18 @@ def shm_segment(address: int) -> tuple[str, int, int] | None:
 class WorkerSide:
     """One rank's connector state: its sidecar client, pulls in flight, the released cursor."""
 
-    def __init__(self, socket_path: str, *, model: str, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        model: str,
+        tp_rank: int,
+        tp_size: int,
+        conv: ConvGeometry | None = None,
+    ) -> None:
         self.client = EngineClient(socket_path)
         self.model, self.tp_rank, self.tp_size = model, tp_rank, tp_size
+        self.conv = conv  # how Mamba/GDN conv states are laid out (None: one shard per rank)
         self.generation = -1
         self.manifest: Any = None  # what was registered (offsets from the segment start)
         self._pulls: dict[str, _Pull] = {}  # by pull id
@@ -106,6 +115,7 @@ class WorkerSide:
             tp_size=self.tp_size,
             total_kv_heads=total_heads,
             region_prefix=f"{name}-r",
+            conv=self.conv,
         )
         manifest = _shift(manifest, alloc.base - start, mem, device)
         ident = self.client.identity()

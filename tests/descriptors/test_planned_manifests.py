@@ -58,7 +58,8 @@ def merged(region: np.ndarray, start: np.ndarray, length: np.ndarray) -> list[tu
 
 
 def wanted(m: Manifest, ids: list[np.ndarray]) -> tuple[list[tuple[int, ...]], int]:
-    """Intervals of every TP unit of every part of the requested blocks, and their byte count."""
+    """Intervals of every TP unit (every row of it) of every part of the requested blocks, and
+    their byte count."""
     regs, starts, lens = [], [], []
     for group, gids in zip(m.groups, ids, strict=True):
         ratio = 1 if group.kind == "mamba" else group.block_size // group.kernel_block_size
@@ -67,8 +68,9 @@ def wanted(m: Manifest, ids: list[np.ndarray]) -> tuple[list[tuple[int, ...]], i
             parts = [layer.k, layer.v] if isinstance(layer, AttentionLayer) else [
                 *layer.conv, layer.ssm]  # fmt: skip
             for p in parts:
-                s = (p.offset + units[:, None] * p.block_stride
-                     + np.arange(p.units)[None, :] * p.unit_stride).ravel()  # fmt: skip
+                s = (p.offset + units[:, None, None] * p.block_stride
+                     + np.arange(p.units)[None, :, None] * p.unit_stride
+                     + np.arange(p.rows)[None, None, :] * p.row_stride).ravel()  # fmt: skip
                 starts.append(s)
                 regs.append(np.full(s.size, layer.region))
                 lens.append(np.full(s.size, p.unit_bytes))

@@ -47,13 +47,15 @@ def test_sd_conv_state_is_one_descriptor():
     np.testing.assert_array_equal(_pairs(ref), _pairs(plan_read(m, m, ids, ids)))
 
 
-def test_planned_mamba2_hybrid_with_kernel_blocks():
-    opts = PlanOptions(num_blocks=12, mamba_ssm_cache_dtype="float32")
+@pytest.mark.parametrize("conv_layout", ["DS", "SD"])
+def test_planned_mamba2_hybrid_with_kernel_blocks(conv_layout):
+    opts = PlanOptions(num_blocks=12, mamba_ssm_cache_dtype="float32", conv_layout=conv_layout)
     m = plan_manifest(load_hf_config("granite-4.0-h-tiny"), opts)
     ids = [np.array([g + 1]) for g in range(len(m.groups))]
     ref = reference_plan(m, m, ids, ids)
     assert ref.num_descriptors == reference_descriptor_count(m, ids)
     assert ref.total_bytes == plan_read(m, m, ids, ids).total_bytes
+    np.testing.assert_array_equal(_pairs(ref), _pairs(plan_read(m, m, ids, ids)))
 
 
 def test_rejects_unequal_tp_and_mismatched_ids():

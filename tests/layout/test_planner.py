@@ -105,13 +105,20 @@ class TestGraniteTiny:
         assert (layer.ssm.offset, layer.ssm.units, layer.ssm.unit_bytes) == (19968, 48, 16384)
         assert layer.ssm.block_stride == 819200
 
-    def test_sd_conv_is_one_unsliceable_part(self):
+    def test_sd_conv_sections_are_one_run_per_row(self):
         layer = plan("granite-4.0-h-tiny", conv_layout="SD", tp_size=2).groups[0].layers[0]
         assert isinstance(layer, MambaLayer)
-        (conv,) = layer.conv
-        whole = 3 * (24 * 64 + 2 * 128) * 2  # rows x (x + B + C channels, 1 group per rank), bf16
-        assert (conv.name, conv.units, conv.unit_bytes, conv.sliceable) == ("conv", 1, whole, False)
-        assert conv.units_total == 2  # one shard per rank
+        row = (24 * 64 + 2 * 128) * 2  # x + B + C channels of this rank (1 group, replicated), bf16
+        assert [
+            (p.name, p.offset, p.units, p.unit_bytes, p.units_total, p.rows, p.row_stride)
+            for p in layer.conv
+        ] == [
+            ("conv_x", 0, 24, 64 * 2, 48, 3, row),
+            ("conv_b", 24 * 64 * 2, 1, 128 * 2, 1, 3, row),
+            ("conv_c", (24 * 64 + 128) * 2, 1, 128 * 2, 1, 3, row),
+        ]
+        assert all(p.sliceable for p in layer.conv)
+        assert layer.ssm.offset == 3 * row  # the SSM state follows the conv state's last row
 
     def test_hybrid_attention_is_blocks_first_hnd(self):
         layer = plan("granite-4.0-h-tiny").groups[-1].layers[0]

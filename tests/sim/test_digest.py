@@ -33,9 +33,10 @@ def _ids(manifest, tokens: int, order: list[int]) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     ("config", "options"),
-    [("granite-4.0-h-tiny", {}), ("llama-3.1-8b", {}), ("qwen3-next-80b-a3b", {})],
-    ids=["mamba2-hybrid", "dense", "gdn-hybrid"],
-)
+    [("granite-4.0-h-tiny", {}), ("llama-3.1-8b", {}), ("qwen3-next-80b-a3b", {}),
+     ("granite-4.0-h-tiny", {"conv_layout": "SD"}), ("qwen3-next-80b-a3b", {"conv_layout": "SD"})],
+    ids=["mamba2-hybrid", "dense", "gdn-hybrid", "mamba2-hybrid-sd", "gdn-hybrid-sd"],
+)  # fmt: skip
 def test_same_bytes_give_the_same_digest_whatever_the_block_ids_and_tp(config, options):
     tokens = 40
     m1, r1 = _engine(config, 1, **options)

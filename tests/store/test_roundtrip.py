@@ -54,6 +54,24 @@ def test_restart_and_tp_change_load_every_byte(tmp_path, preset, save_tp, load_t
         assert verify_pattern(m, regions, ids, SEED) is None
 
 
+@pytest.mark.parametrize(("preset", "save_tp", "load_tp"), [(MAMBA2, 2, 1), (GDN, 1, 2)])
+def test_sd_conv_sections_load_every_byte_across_tp(tmp_path, preset, save_tp, load_tp):
+    """vLLM's default SD conv layout: each section's unit is one run per conv row; its rows in
+    order are its canonical bytes, so a save at one TP size loads at another."""
+    probe = plan(preset, blocks=1, conv_layout="SD")
+    tokens, chunk = 2 * probe.groups[-1].block_size, 64
+    blocks = sum(request_blocks(probe, tokens)) + 2
+    saved = [plan(preset, save_tp, r, blocks, conv_layout="SD") for r in range(save_tp)]
+    assert all(p.rows > 1 for g in saved[0].groups if g.kind == "mamba" for p in g.layers[0].conv)
+    _save(tmp_path, saved, tokens, chunk)
+    for r in range(load_tp):
+        m = plan(preset, load_tp, r, blocks, conv_layout="SD")
+        regions, ids = pool(m), block_ids(m, tokens)
+        out = store(tmp_path, chunk).load(m, regions, ids, keys(tokens, chunk), tokens)
+        assert out.state_bytes > 0
+        assert verify_pattern(m, regions, ids, SEED) is None
+
+
 def test_second_load_comes_from_dram(tmp_path):
     m = plan(MAMBA2, blocks=12)
     tokens = m.groups[0].block_size

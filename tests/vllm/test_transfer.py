@@ -134,16 +134,40 @@ def test_a_pull_that_cannot_complete_reports_its_blocks_as_load_errors(engines, 
 
 
 @pytest.mark.parametrize(
-    "model,p_tp,d_tp", [("dense", 2, 1), ("dense", 1, 2), ("nemotron-h", 2, 1)]
+    "model,p_tp,d_tp,conv",
+    [
+        ("dense", 2, 1, "SD"),
+        ("dense", 1, 2, "SD"),
+        ("nemotron-h", 2, 1, "SD"),
+        ("nemotron-h", 1, 2, "SD"),
+        ("qwen3-next", 2, 1, "SD"),
+        ("qwen3-next", 1, 2, "SD"),
+        ("nemotron-h", 2, 1, "DS"),
+        ("qwen3-next", 1, 2, "DS"),
+    ],
 )
-def test_heterogeneous_tp_moves_every_head_byte_exact(engines, model, p_tp, d_tp, tmp_path):
+def test_heterogeneous_tp_moves_every_head_byte_exact(
+    engines, monkeypatch, model, p_tp, d_tp, conv, tmp_path
+):
     """Each rank beside its own sidecar: TP 2 -> 1 (one decode rank reads both prefill ranks'
     heads) and TP 1 -> 2 (each decode rank reads its half; the prefill hold ends once both
-    have read). vLLM's Mamba conv state interleaves its sections per rank (SD), so a hybrid
-    model cannot change TP: the pull fails closed (``incompatible``) and vLLM recomputes."""
+    have read). Hybrids too: vLLM's SD conv state (every row holds all channels) is read per
+    section (x|B|C, Q|K|V) and TP unit, one run per row (DS: one run per unit), so every head,
+    group and SSM state of the running-state block arrives byte-exact at the other TP size."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
     layout = "LBHNC"
-    p_eng = engines(model, layout, num_blocks=24, tp_size=p_tp)
-    d_eng = engines(model, layout, num_blocks=24, tp_size=d_tp)
+    if conv == "DS":  # VLLM_SSM_CONV_STATE_LAYOUT=DS for the engines and connectors built here
+        from kvxferd.vllm import cpu
+        from tests.vllm.conftest import config_dir
+
+        monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+        get_conv_state_layout.cache_clear()
+        p_eng = cpu.build(config_dir(model), num_blocks=24, layout=layout, tp_size=p_tp)
+        d_eng = cpu.build(config_dir(model), num_blocks=24, layout=layout, tp_size=d_tp)
+    else:
+        p_eng = engines(model, layout, num_blocks=24, tp_size=p_tp)
+        d_eng = engines(model, layout, num_blocks=24, tp_size=d_tp)
     names = [f"p{r}" for r in range(p_tp)] + [f"d{r}" for r in range(d_tp)]
     sides = start_sidecars(str(tmp_path), names)
     ranks: list[Rank] = []
@@ -194,19 +218,15 @@ def test_heterogeneous_tp_moves_every_head_byte_exact(engines, model, p_tp, d_tp
         for i, rank in enumerate(decode):
             got = wait_until(lambda r=rank: r.step(type(orders)())[1], 60, f"decode rank {i}")
             assert got == {"d1"}
-            errors = rank.connector.get_block_ids_with_load_errors()
-            if hybrid:  # refused before any READ: nothing written, vLLM recomputes every block
-                assert errors == {b for g in wanted for b in g}
-                assert (
-                    changed_outside(before[i], rank.arrays(), rank.manifest, [[] for _ in wanted])
-                    == 0
-                )
-                continue
-            assert errors == set()
+            assert rank.connector.get_block_ids_with_load_errors() == set()
+            if hybrid:  # the conv state is read by section: every part sliceable
+                mamba = [la for g in rank.manifest.groups if g.kind == "mamba" for la in g.layers]
+                parts = [p for la in mamba for p in la.conv]
+                assert {la.conv_layout for la in mamba} == {conv}
+                assert len(parts) == 3 * len(mamba) and all(p.sliceable for p in parts)
+                assert all((p.rows > 1) == (conv == "SD") for p in parts)
             assert pattern.verify_pattern(rank.manifest, rank.arrays(), wanted, seed=23) is None
             assert changed_outside(before[i], rank.arrays(), rank.manifest, wanted) == 0
-        if hybrid:
-            return
         for i, rank in enumerate(prefill):  # every reader notified: each rank frees once
             sending = wait_until(lambda r=rank: r.step(type(orders)())[0], 30, f"release {i}")
             assert sending == {"r1"}
@@ -215,6 +235,8 @@ def test_heterogeneous_tp_moves_every_head_byte_exact(engines, model, p_tp, d_tp
             rank.close()
         for side in sides:
             side.stop()
+        monkeypatch.undo()
+        get_conv_state_layout.cache_clear()
 
 
 @pytest.mark.parametrize("p_bs,d_bs", [(128, 64), (64, 128)])
