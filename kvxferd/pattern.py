@@ -366,8 +366,10 @@ def _token_rows(
                 for part in _parts(layer):
                     where = f"groups[{g}].layers[{layer.index}].{part.name}"
                     gunits = _global_units(part, manifest.tp_rank, manifest.tp_size, where)
-                    i = np.arange(part.units, dtype=np.int64)[:, None] * part.unit_stride
-                    pos = (part.offset + int(used[-1]) * part.block_stride + i
+                    # (unit, row, byte): rows > 1 for a conv section in vLLM's SD layout
+                    i = np.arange(part.units, dtype=np.int64)[:, None, None] * part.unit_stride
+                    rows = np.arange(part.rows, dtype=np.int64)[None, :, None] * part.row_stride
+                    pos = (part.offset + int(used[-1]) * part.block_stride + i + rows
                            + np.arange(part.unit_bytes, dtype=np.int64)).ravel()  # fmt: skip
                     want = (_content(seed, layer.index, part, np.zeros(1, np.int64), 1, gunits)
                             .ravel() if content else pos)  # fmt: skip

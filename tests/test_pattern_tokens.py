@@ -97,3 +97,24 @@ def test_packed_kv_rows_name_the_same_token_bytes_as_unpacked_heads(prefill_pack
     assert sum(int(m.sum()) for m in mask) == 2 * 2 * 2 * n * 4 * 2  # layers, K/V, heads, tokens
     for b, x, m in zip(before, lpool, mask, strict=True):
         assert not ((b != x) & ~m).any()
+
+
+@pytest.mark.parametrize("name", ["granite-4.0-h-tiny", "qwen3-next-80b-a3b"])
+def test_the_state_of_an_sd_conv_layout_is_covered_row_by_row(name):
+    """In vLLM's SD conv layout a section's unit is one run per conv row: the token pattern
+    writes and checks every row of it, and its footprint is exactly the state block's parts."""
+    m = _plan(name, conv_layout="SD", tp_size=2)
+    assert any(p.rows > 1 for g in m.groups if g.kind == "mamba" for la in g.layers
+               for p in la.conv)  # fmt: skip
+    regions, ids, tokens = _pool(m), _ids(m, 40, 1), 40
+    write_token_pattern(m, regions, ids, tokens, seed=9)
+    assert verify_token_pattern(m, regions, ids, tokens, seed=9) is None
+    g = next(i for i, gr in enumerate(m.groups) if gr.kind == "mamba")
+    layer = m.groups[g].layers[0]
+    part = next(p for p in layer.conv if p.rows > 1)
+    last_row = part.offset + ids[g][-1] * part.block_stride + (part.rows - 1) * part.row_stride
+    regions[layer.region][last_row] ^= 0xFF  # the last conv row's first byte
+    bad = verify_token_pattern(m, regions, ids, tokens, seed=9)
+    assert bad is not None and bad.part == part.name and bad.group == g
+    masks = token_footprint(m, ids, tokens)
+    assert masks[layer.region][last_row]

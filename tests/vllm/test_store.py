@@ -12,6 +12,7 @@ import os
 import pytest
 
 from kvxferd import pattern
+from kvxferd.store import chunk_keys
 from kvxferd.vllm.scheduler import StepOrders
 from tests.sidecar.harness import changed_outside, metric, start_sidecars
 from tests.vllm.ranks import Rank, request, step
@@ -193,7 +194,11 @@ def test_a_corrupt_store_file_is_a_load_error_and_vllm_recomputes(engines, tmp_p
     store_dir = tmp_path / "store"
     files = sorted(p for p in store_dir.rglob("*") if p.is_file())
     assert files
-    victim = max(files, key=lambda p: p.stat().st_size)
+    # The first chunk's entry: after its load fails nothing of the prompt is left in the store,
+    # so vLLM computes it all (a later chunk's corruption leaves the chunks before it, which a
+    # second lookup finds and loads). Keys are salted with the model path, so name it.
+    first_key = chunk_keys(prompt, CHUNK, str(engine.config.model_config.model).encode())[0]
+    victim = next(p for p in files if p.name.startswith(first_key))
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0xFF  # a payload byte: its section checksum no longer matches
     victim.write_bytes(bytes(data))
