@@ -21,7 +21,11 @@ from kvxferd.wire import AttentionLayer
 CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
 BLOCKS = 4
 KNOWN = {
-    "qwen3.5-397b-a17b": "vLLM's Qwen3.5 model class imports torchvision, not in .venv-vllm",
+    "qwen3.5-397b-a17b": (
+        "vLLM's qwen3_5 module imports qwen3_vl, whose transformers image processor imports "
+        "torchvision.transforms.v2; the only torchvision 0.28.0 wheel on the local index is a "
+        "CUDA build (its _C.so needs libc10_cuda.so) that cannot load over CPU torch 2.13.0"
+    ),
 }
 """config -> why the planner and vLLM 0.33 disagree (filled from this test's findings)."""
 
