@@ -91,11 +91,14 @@ def test_canonical_bytes_do_not_depend_on_block_sizes_or_head_layout(tmp_path, a
     tokens = max(pa.groups[-1].block_size, pb.groups[-1].block_size) * 2
     blocks = max(sum(request_blocks(p, tokens)) for p in (pa, pb)) + 1
     ma, mb = plan(preset, blocks=blocks, **a), plan(preset, blocks=blocks, **b)
-    assert (ma.groups[-1].block_size, ma.groups[-1].kernel_block_size) != (
-        mb.groups[-1].block_size,
-        mb.groups[-1].kernel_block_size,
-    ) or ma.groups[-1].layers[0].head_layout != mb.groups[-1].layers[0].head_layout or (
-        ma.groups[-1].layers[0].k.rows != mb.groups[-1].layers[0].k.rows
+    assert (
+        (ma.groups[-1].block_size, ma.groups[-1].kernel_block_size)
+        != (
+            mb.groups[-1].block_size,
+            mb.groups[-1].kernel_block_size,
+        )
+        or ma.groups[-1].layers[0].head_layout != mb.groups[-1].layers[0].head_layout
+        or (ma.groups[-1].layers[0].k.rows != mb.groups[-1].layers[0].k.rows)
     )
     chunk = 32
     k = keys(tokens, chunk)
