@@ -2,6 +2,12 @@
 
 Input is the planner's unified geometry and its groups (slots of layers); output is the wire
 Regions and Groups. All offsets follow the addressing rule in :mod:`kvxferd.wire`.
+
+Attention pages follow vLLM 0.33 (``kv_packing="token"``): one kernel block of one layer is
+``[heads, tokens, K|V]`` (HND, ``LBHNC``) or ``[tokens, heads, K|V]`` (NHD, ``LBNHC``), K and V
+of a head packed per token; cross-layer pools are ``BLHNC``/``BLNHC``, or ``BHLNC`` (heads
+outer) for HND under TP. ``kv_packing="block"`` keeps the older reading (K then V per kernel
+block, or all K then all V with ``kv_first``) for engines that still lay pages out that way.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 
@@ -27,6 +34,9 @@ from kvxferd.wire import (
     Part,
     Region,
 )
+
+KVPacking = Literal["token", "block"]
+"""How an attention page holds K and V: per token (vLLM 0.33) or per kernel block (older)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class Placement:
     conv_layout: ConvLayout
     kv_order: KVOrder
     engine_id: str
+    kv_packing: KVPacking = "token"
 
     @property
     def ratio(self) -> int:
@@ -96,6 +107,63 @@ def _regions(p: Placement) -> list[Region]:
 
 
 def _attention_layer(p: Placement, spec: LayerSpec, slot: int, pack_index: int) -> AttentionLayer:
+    if p.kv_packing == "block":
+        return _block_attention_layer(p, spec, slot, pack_index)
+    attn = p.geom.attention
+    assert attn is not None  # the reader gives every attention-holding model its geometry
+    es = DTYPE_BYTES[p.kv_dtype]
+    heads = max(1, attn.num_kv_heads // p.tp_size)
+    row = 2 * attn.head_size * es  # one head's [K | V] of one token
+    head_page = p.kernel_block_size * row  # one head, one kernel block
+    kpage = heads * head_page  # one layer, one kernel block
+    if p.head_layout == "HND":
+        unit_stride, row_stride = head_page, row
+    else:  # NHD: a token's heads side by side, so a head is one run per token
+        unit_stride, row_stride = row, heads * row
+    if p.cross_layer and p.head_layout == "HND" and p.tp_size > 1:
+        # BHLNC (blocks, H, L, kbs, K|V): head h of slot l at (h*L + l) * head_page.
+        offset, stride = slot * head_page, heads * p.slots * head_page
+        unit_stride = p.slots * head_page
+    elif p.cross_layer:
+        # BLHNC / BLNHC (blocks, L, page): slot l at l*page; inside it the pack's kernel pages.
+        offset, stride = slot * p.page_bytes + pack_index * kpage, p.slots * p.page_bytes
+    else:
+        # LBHNC / LBNHC: kernel block kb at kb*pack*kpage holds [pack 0][pack 1]...
+        offset, stride = pack_index * kpage, p.pack * kpage
+
+    def part(name: str, at: int) -> Part:
+        return Part(
+            name=name,
+            offset=at,
+            block_stride=stride,
+            units=heads,
+            unit_bytes=attn.head_size * es,
+            unit_stride=unit_stride,
+            units_total=attn.num_kv_heads,
+            rows=p.kernel_block_size,
+            row_stride=row_stride,
+        )
+
+    return AttentionLayer(
+        name=spec.name,
+        index=spec.index,
+        region=0 if p.cross_layer else slot,
+        num_kv_heads=heads,
+        total_kv_heads=attn.num_kv_heads,
+        head_size=attn.head_size,
+        dtype=p.kv_dtype,  # type: ignore[arg-type]
+        head_layout=p.head_layout,
+        kv_order="blocks_first",
+        pack_index=pack_index,
+        k=part("k", offset),
+        v=part("v", offset + attn.head_size * es),
+    )
+
+
+def _block_attention_layer(
+    p: Placement, spec: LayerSpec, slot: int, pack_index: int
+) -> AttentionLayer:
+    """The older page: K then V of all local heads per kernel block (or kv_first)."""
     attn = p.geom.attention
     assert attn is not None  # the reader gives every attention-holding model its geometry
     heads = max(1, attn.num_kv_heads // p.tp_size)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from kvxferd.errors import ManifestError, UnsupportedModelError
 from kvxferd.layout.models import LayerKind, LayerSpec, ModelGeometry, read_geometry
-from kvxferd.layout.placement import Placement, place_layers
+from kvxferd.layout.placement import KVPacking, Placement, place_layers
 from kvxferd.layout.states import MambaState, mamba_state
 from kvxferd.wire import DTYPE_BYTES, ConvLayout, HeadLayout, KVOrder, Manifest
 
@@ -46,7 +46,8 @@ class PlanOptions:
     cross_layer: bool = False  # one region per page size, (blocks, layers, page) (seed 001)
     head_layout: HeadLayout = "HND"
     conv_layout: ConvLayout = "DS"  # VLLM_SSM_CONV_STATE_LAYOUT
-    kv_order: KVOrder | None = None  # None: kv_first for pure attention, blocks_first hybrids
+    kv_packing: KVPacking = "token"  # token: vLLM 0.33 [K|V] per token; block: older K then V
+    kv_order: KVOrder | None = None  # block packing only: None = kv_first dense, else blocks_first
     num_blocks: int = 64  # logical blocks in the shared pool
     mamba_cache_mode: Literal["align", "all", "none"] = "align"  # none: sized like align
     engine_id: str = ""  # goes into region names so two engines on one host never collide
@@ -188,6 +189,8 @@ def _check_options(geom: ModelGeometry, opts: PlanOptions) -> None:
         raise ManifestError("options.attn_pack_size", "must be at least 1")
     if opts.attn_pack_size > 1 and not geom.is_hybrid:
         raise ManifestError("options.attn_pack_size", "packing applies to hybrid models only")
+    if opts.kv_order == "kv_first" and opts.kv_packing == "token":
+        raise ManifestError("options.kv_order", "kv_first needs kv_packing='block'")
     if opts.kv_order == "kv_first" and (geom.is_hybrid or opts.cross_layer):
         raise ManifestError(
             "options.kv_order", "hybrid and cross-layer caches are always blocks_first"
@@ -197,6 +200,7 @@ def _check_options(geom: ModelGeometry, opts: PlanOptions) -> None:
         "head_layout": ("HND", "NHD"),
         "conv_layout": ("SD", "DS"),
         "kv_order": (None, "kv_first", "blocks_first"),
+        "kv_packing": ("token", "block"),
     }
     for name, allowed in choices.items():
         if getattr(opts, name) not in allowed:
@@ -227,15 +231,20 @@ def plan_manifest(hf_config: dict[str, Any], options: PlanOptions | None = None)
     sizes = block_geometry(geom, opts, dtypes, state)
     groups, group_size = group_layers(geom, opts.attn_pack_size)
     if opts.cross_layer and geom.is_hybrid:
+        # vLLM 0.33 puts Mamba pages at slot*page of a heads-outer (BHLNC) block: they have
+        # one "head". The older block-packed reading had no such layout.
+        heads_outer = opts.head_layout == "HND" and opts.tp_size > 1
         ratio = sizes.block_size // sizes.kernel_block_size
-        if ratio != 1 or (opts.head_layout == "HND" and opts.tp_size > 1):
+        if ratio != 1 or (heads_outer and opts.kv_packing == "block"):
             raise UnsupportedModelError(
                 "options.cross_layer",
-                "cross-layer hybrids need kernel block == block and no heads-outer layout "
-                f"(ratio {ratio}, {opts.head_layout}, tp {opts.tp_size})",
+                "cross-layer hybrids need kernel block == block (and packed K|V pages for a "
+                f"heads-outer layout): ratio {ratio}, {opts.head_layout}, tp {opts.tp_size}",
             )
     kv_order: KVOrder = opts.kv_order or (
-        "blocks_first" if geom.is_hybrid or opts.cross_layer else "kv_first"
+        "kv_first"
+        if opts.kv_packing == "block" and not (geom.is_hybrid or opts.cross_layer)
+        else "blocks_first"
     )
     placement = Placement(
         geom=geom,
@@ -256,6 +265,7 @@ def plan_manifest(hf_config: dict[str, Any], options: PlanOptions | None = None)
         conv_layout=opts.conv_layout,
         kv_order=kv_order,
         engine_id=opts.engine_id,
+        kv_packing=opts.kv_packing,
     )
     regions, wire_groups = place_layers(placement, [(g.kind, g.slots) for g in groups])
     return Manifest(

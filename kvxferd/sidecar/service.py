@@ -339,10 +339,10 @@ class Sidecar:
     async def claim(self, req: ClaimRequest) -> ClaimResponse:
         """Pin a hold for a reader; unknown -> 404, expired -> 410 (and released).
 
-        Checked first: the ticket's MAC (401), that it names this engine epoch (404), this
-        rank's TP shape (409) and a reader TP size the manifest allows (422). The hold must have
-        the ticket's block ids (409). An engine-chosen hold id not placed yet is waited for up
-        to ``hold_grace_s``.
+        Checked first: the ticket's MAC (401), that it names this engine epoch and registration
+        generation (404), this rank's TP shape (409) and a reader TP size the manifest allows
+        (422). The hold must have the ticket's block ids (409). An engine-chosen hold id not
+        placed yet is waited for up to ``hold_grace_s``.
         """
         _, manifest = self._require_engine()
         ticket = req.ticket
@@ -351,6 +351,11 @@ class Sidecar:
             raise UnknownHoldError(
                 f"ticket names engine {ticket.engine_id} epoch {ticket.epoch}; this sidecar is "
                 f"{self.engine_id} epoch {self.epoch} (restarted?)"
+            )
+        if ticket.generation != self.generation:  # its hold went with that registration
+            raise UnknownHoldError(
+                f"ticket names registration generation {ticket.generation}; the engine "
+                f"re-registered (sleep/wake?) and is at generation {self.generation}"
             )
         if (ticket.tp_rank, ticket.tp_size) != (manifest.tp_rank, manifest.tp_size):
             raise ClaimMismatchError(

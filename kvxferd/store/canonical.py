@@ -57,9 +57,10 @@ def part_specs(manifest: Manifest, g: int) -> list[PartSpec]:
     out = []
     for layer in group.layers:
         if isinstance(layer, AttentionLayer):
-            row = layer.head_size * DTYPE_BYTES[layer.dtype]
             owned = owned_units(layer.total_kv_heads, tp, rank, f"groups[{g}].total_kv_heads")
             for part in (layer.k, layer.v):
+                size = layer.head_size_v if part is layer.v and layer.head_size_v else 0
+                row = (size or layer.head_size) * DTYPE_BYTES[layer.dtype]
                 out.append(
                     PartSpec(
                         layer.index,
@@ -99,7 +100,8 @@ def group_fingerprint(manifest: Manifest, g: int, chunk_tokens: int) -> str:
     for layer in group.layers:
         if isinstance(layer, AttentionLayer):
             desc.append([layer.index, layer.name, layer.dtype, layer.head_size,
-                         layer.total_kv_heads])  # fmt: skip
+                         layer.total_kv_heads]
+                        + ([layer.head_size_v] if layer.head_size_v else []))  # fmt: skip
         else:
             parts = [
                 [p.name, p.units_total, p.unit_bytes]
@@ -122,19 +124,14 @@ def _attention_view(region: np.ndarray, spec: PartSpec, group: Group, nblocks: i
     assert layer is not None
     kbs, row, heads = group.kernel_block_size, spec.row_bytes, layer.num_kv_heads
     nku = nblocks * (group.block_size // kbs)
-    if part.rows > 1:  # vLLM's packed K|V: a head's token rows ``row_stride`` apart, any order
-        last = part.offset + (nku - 1) * part.block_stride + (heads - 1) * part.unit_stride
-        if last + (kbs - 1) * part.row_stride + row > region.size:
-            raise StoreError(f"layers.{layer.name}.{part.name}", "part reaches past its region")
-        return np.lib.stride_tricks.as_strided(
-            region[part.offset :], shape=(nku, heads, kbs, row),
-            strides=(part.block_stride, part.unit_stride, part.row_stride, 1),
-        )  # fmt: skip
-    if layer.head_layout == "HND":
+    if part.rows > 1:  # vLLM 0.33 packed K|V: each head is kbs rows, row_stride apart
+        strides = (part.block_stride, part.unit_stride, part.row_stride, 1)
+    elif layer.head_layout == "HND":
         strides = (part.block_stride, part.unit_stride, row, 1)
     else:  # NHD: (kbs, heads, row) inside one unit
         strides = (part.block_stride, row, heads * row, 1)
-    last = part.offset + (nku - 1) * part.block_stride + part.units * part.unit_stride
+    last = part.offset + (nku - 1) * part.block_stride + strides[1] * (heads - 1)
+    last += strides[2] * (kbs - 1) + row
     if last > region.size:
         raise StoreError(f"layers.{layer.name}.{part.name}", "part reaches past its region")
     return np.lib.stride_tricks.as_strided(

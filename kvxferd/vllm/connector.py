@@ -136,8 +136,8 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        """Sleep mode remaps the KV cache; re-registration on wake is not wired yet."""
-        return False
+        """Sleep unregisters the KV cache from the sidecar; wake registers it again."""
+        return True
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -172,6 +172,17 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         heads = self._vllm_config.model_config.get_total_num_kv_heads()
         self._worker.register(kv_caches, self._kv_cache_config, heads)
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep (vLLM has drained transfers): the sidecar lets go of the memory, and
+        tickets of this registration generation are refused from now on. Idempotent."""
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: register the same tensors again, under a new generation."""
+        if self._worker is not None:
+            self._worker.restore()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

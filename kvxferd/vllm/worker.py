@@ -84,6 +84,7 @@ class WorkerSide:
         self._refused: set[str] = set()  # pulls the sidecar refused: finished, with errors
         self._unheld: set[str] = set()  # holds the sidecar refused: free the blocks at once
         self.store = StoreCalls(self.client)  # store saves and loads (issue 12)
+        self.asleep = False  # unregistered for vLLM's sleep mode until restore()
 
     def register(self, kv_caches: dict[str, Any], kv_cache_config: Any, total_heads: int) -> None:
         """Describe the allocation and register it; a sidecar left registered by an earlier
@@ -92,6 +93,7 @@ class WorkerSide:
         alloc = backing_allocation(kv_caches)
         first = next(iter(kv_caches.values()))
         if first.is_cuda:  # GPU: the sidecar maps the allocation by CUDA IPC (untested here)
+            self._close_ipc()  # an earlier export names memory that may since have moved
             name = f"vllm-kv-r{self.tp_rank}"
             self._ipc = CudaIpcRegion.export(first, name)
             device = first.device.index or 0
@@ -124,7 +126,36 @@ class WorkerSide:
         resp = self.client.register(manifest, [source])
         self.manifest = manifest
         self.generation = resp.generation
+        self._cursor = 0  # each registration's released-holds feed counts from the start
         self._stale = True  # a new generation: tickets minted before it can no longer be claimed
+
+    def unregister(self) -> None:
+        """vLLM's sleep (or discard): drop the registration so the sidecar no longer reads or
+        writes this memory. Pulls still running end FAILED (their blocks become load errors),
+        holds end (their blocks are freed); tickets minted so far are refused from now on.
+        Idempotent; ``restore`` registers again."""
+        if self.asleep or self._registration is None:
+            return
+        self.asleep = True
+        try:
+            if self.generation >= 0:
+                self.client.unregister(self.generation)
+        except KvxferdError as exc:  # e.g. the sidecar restarted: nothing is registered there
+            log.warning("unregister for sleep failed: %s", exc)
+        self.generation = -1
+        for pull_id in list(self._pulls):
+            self._lose(pull_id)
+        self._unheld.update(self._holds)
+        self._holds.clear()
+        self._close_ipc()
+
+    def restore(self) -> None:
+        """vLLM's wake-up: register the same tensors again (a new generation; the scheduler
+        re-reads identities before minting the next ticket). Idempotent."""
+        if not self.asleep or self._registration is None:
+            return
+        self.register(*self._registration)
+        self.asleep = False
 
     def run(self, orders: StepOrders) -> None:
         """Save finished requests to the store (first: their blocks are free now), place this
@@ -248,7 +279,7 @@ class WorkerSide:
         """The sidecar answers that no engine is registered (it restarted beside this running
         engine): register again, give up what the old sidecar held or pulled, and have the
         scheduler re-read identities (the new sidecar has a new epoch)."""
-        if self._registration is None:
+        if self._registration is None or self.asleep:  # asleep: restore() registers
             return
         log.warning("sidecar lost this engine's registration (restarted?); registering again")
         for pull_id in list(self._pulls):
@@ -278,6 +309,11 @@ class WorkerSide:
         out, self._load_errors = self._load_errors, set()
         return out | self.store.take_errors()
 
+    def _close_ipc(self) -> None:
+        if self._ipc is not None:
+            self._ipc.close()
+            self._ipc = None
+
     def close(self) -> None:
         """Unregister (the memory goes away with the engine) and close the client."""
         try:
@@ -285,6 +321,7 @@ class WorkerSide:
                 self.client.unregister(self.generation)
         except KvxferdError as exc:
             log.warning("unregister at shutdown failed: %s", exc)
+        self._close_ipc()
         self.client.close()
 
 

@@ -175,7 +175,10 @@ def test_planned_hybrids_with_different_block_sizes_re_block(name, prefill, deco
     for group in local.groups:
         for layer in group.layers:
             if isinstance(layer, AttentionLayer):
-                kv_per_token += 2 * layer.k.units * layer.k.unit_bytes // group.kernel_block_size
+                kv = [layer.k, layer.v]
+                kv_per_token += (
+                    sum(p.units * p.unit_bytes * p.rows for p in kv) // group.kernel_block_size
+                )
             else:
                 state += sum(p.units * p.unit_bytes for p in [*layer.conv, layer.ssm])
     assert sum(p.kv_bytes for p in plans) == n * kv_per_token
@@ -194,3 +197,30 @@ def _token_ids(m: Manifest, tokens: int, top: bool) -> list[np.ndarray]:
         nxt = nxt - k if top else nxt + k
         out.append(ids.astype(np.int64))
     return out
+
+
+@pytest.mark.parametrize(
+    ("name", "opts"),
+    [("qwen3-8b", {}), ("qwen3-8b", {"head_layout": "NHD"}),
+     ("nemotron-h-8b", {"mamba_ssm_cache_dtype": "float32"})],  # 16-token kernel blocks
+)  # fmt: skip
+def test_contiguous_blocks_of_packed_pages_coalesce_to_one_descriptor_per_layer(name, opts):
+    # vLLM 0.33 pages interleave K and V per token: the pieces per token row must merge back
+    # into one run per layer, and runs of adjacent blocks into one descriptor.
+    m = plan(name, **opts)
+    g = next(i for i, group in enumerate(m.groups) if group.kind == "full_attention")
+    ids = [np.arange(1, 5) if i == g else np.zeros(0, np.int64) for i in range(len(m.groups))]
+    p = plan_read(m, m, ids, ids, coalesce=True)
+    layers = m.groups[g].layers
+    assert layers[0].k.rows > 1
+    assert p.num_descriptors == len(layers)
+    assert set(p.length.tolist()) == {4 * m.regions[layers[0].region].page_bytes}
+
+
+def test_a_half_of_the_heads_of_packed_hnd_pages_is_one_descriptor_per_layer_and_block():
+    local = plan("qwen3-8b", tp_size=2, tp_rank=1)
+    remote = plan("qwen3-8b")
+    ids = [np.arange(1, 5)]
+    p = plan_read(local, remote, ids, ids, coalesce=True)
+    assert p.num_descriptors == 36 * 4  # the remote's heads 4..7 of each block are one run
+    assert set(p.length.tolist()) == {local.regions[0].page_bytes}

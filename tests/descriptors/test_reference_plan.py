@@ -58,6 +58,24 @@ def test_planned_mamba2_hybrid_with_kernel_blocks(conv_layout):
     np.testing.assert_array_equal(_pairs(ref), _pairs(plan_read(m, m, ids, ids)))
 
 
+@pytest.mark.parametrize(
+    ("name", "opts"),
+    [("qwen3-8b", {}), ("qwen3-8b", {"head_layout": "NHD"}), ("gpt-oss-20b", {"cross_layer": True}),
+     ("nemotron-h-8b", {"mamba_ssm_cache_dtype": "float32"})],
+)  # fmt: skip
+def test_vllm_033_reads_a_packed_page_with_one_descriptor_per_layer_and_block(name, opts):
+    m = plan_manifest(load_hf_config(name), PlanOptions(num_blocks=24, **opts))
+    ids = [np.array([2 * g + 1, 2 * g + 2]) for g in range(len(m.groups))]
+    ref = reference_plan(m, m, ids, ids)
+    per_block = sum(
+        len(layer.conv) + 1 if hasattr(layer, "conv") and layer.conv_layout == "DS"
+        else 2 if hasattr(layer, "conv") else 1
+        for group in m.groups for layer in group.layers
+    )  # fmt: skip
+    assert ref.num_descriptors == reference_descriptor_count(m, ids) == 2 * per_block
+    np.testing.assert_array_equal(_pairs(ref), _pairs(plan_read(m, m, ids, ids)))
+
+
 def test_rejects_unequal_tp_and_mismatched_ids():
     m = render(vllm_like())
     with pytest.raises(BlockIdError):

@@ -42,7 +42,13 @@ ATTN = len(GRANITE.groups) - 1  # granite's attention group is last
 
 
 def test_two_layers_of_one_group_in_one_region_overlap():
-    assert field_of(with_layer(GRANITE, ATTN, 1, region=0)) == f"groups[{ATTN}].layers[1].k"
+    # A packed [K|V] layer is checked as its merged runs, so the layer is named.
+    assert field_of(with_layer(GRANITE, ATTN, 1, region=0)) == f"groups[{ATTN}].layers[1]"
+
+
+def test_two_block_packed_layers_in_one_region_overlap_at_k():
+    m = plan("granite-4.0-h-tiny", kv_packing="block")
+    assert field_of(with_layer(m, ATTN, 1, region=0)) == f"groups[{ATTN}].layers[1].k"
 
 
 def test_ssm_moved_into_conv_overlaps():
@@ -51,11 +57,12 @@ def test_ssm_moved_into_conv_overlaps():
     assert field_of(bad) == "groups[0].layers[0].ssm"
 
 
-def test_part_past_region_end_on_the_last_block_only():
-    m = plan("llama-3.1-8b")
+@pytest.mark.parametrize(("packing", "field"), [("token", ""), ("block", ".v")])
+def test_part_past_region_end_on_the_last_block_only(packing, field):
+    m = plan("llama-3.1-8b", kv_packing=packing)
     layer = m.groups[0].layers[0]
     shifted = replace(layer.v, offset=layer.v.offset + layer.v.block_stride)  # last V block spills
-    assert field_of(with_layer(m, 0, 0, v=shifted)) == "groups[0].layers[0].v"
+    assert field_of(with_layer(m, 0, 0, v=shifted)) == f"groups[0].layers[0]{field}"
 
 
 def test_mamba_page_overflowing_into_next_block_is_past_end():

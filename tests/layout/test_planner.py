@@ -63,9 +63,11 @@ class TestQwen35At397B:
         assert isinstance(first, AttentionLayer) and isinstance(second, AttentionLayer)
         assert (first.index, second.index) == (3, 7) and first.region == second.region
         assert (first.pack_index, second.pack_index) == (0, 1)
-        piece = 32 * 256 * 2  # 32-token kernel block, 1 head of 256, bf16
-        assert (first.k.offset, first.v.offset, second.k.offset) == (0, piece, 2 * piece)
-        assert first.k.block_stride == 4 * piece  # [pack0 K|V][pack1 K|V] per kernel block
+        row = 256 * 2  # one token of one 256-element bf16 head
+        kpage = 32 * 2 * row  # 32-token kernel block, 1 head, [K | V] per token
+        assert (first.k.offset, first.v.offset, second.k.offset) == (0, row, kpage)
+        assert first.k.block_stride == 2 * kpage  # [pack0 page][pack1 page] per kernel block
+        assert (first.k.rows, first.k.row_stride) == (32, 2 * row)
         assert len(m.regions) == 8  # 15 layers -> 8 packs
         assert kinds(m).count("mamba") == 6  # cdiv(45, 8)
 
@@ -120,8 +122,17 @@ class TestGraniteTiny:
         assert all(p.sliceable for p in layer.conv)
         assert layer.ssm.offset == 3 * row  # the SSM state follows the conv state's last row
 
-    def test_hybrid_attention_is_blocks_first_hnd(self):
+    def test_hybrid_attention_packs_k_and_v_per_token_hnd(self):
         layer = plan("granite-4.0-h-tiny").groups[-1].layers[0]
+        assert isinstance(layer, AttentionLayer) and layer.kv_order == "blocks_first"
+        row = 128 * 2  # one token of one bf16 head
+        head = 400 * 2 * row  # one head's [K | V] rows of a 400-token block
+        assert (layer.k.offset, layer.v.offset, layer.k.block_stride) == (0, row, 4 * head)
+        assert (layer.k.units, layer.k.unit_bytes, layer.k.unit_stride) == (4, row, head)
+        assert (layer.k.rows, layer.k.row_stride, layer.k.units_total) == (400, 2 * row, 4)
+
+    def test_block_packing_keeps_k_then_v_per_kernel_block(self):
+        layer = plan("granite-4.0-h-tiny", kv_packing="block").groups[-1].layers[0]
         assert isinstance(layer, AttentionLayer) and layer.kv_order == "blocks_first"
         piece = 400 * 4 * 128 * 2  # one kernel block of K, all 4 heads
         assert (layer.k.offset, layer.v.offset, layer.k.block_stride) == (0, piece, 2 * piece)
@@ -129,24 +140,46 @@ class TestGraniteTiny:
 
 
 class TestPureAttention:
-    def test_dense_llama_is_one_group_with_a_region_per_layer_kv_first(self):
+    def test_dense_llama_is_one_group_with_a_region_per_layer_packed_per_token(self):
         m = plan("llama-3.1-8b", num_blocks=10)
         assert kinds(m) == ["full_attention"] and len(m.regions) == 32
         layer = m.groups[0].layers[7]
         assert isinstance(layer, AttentionLayer) and layer.region == 7
+        row = 128 * 2  # one token of one bf16 head
+        page = 8 * 16 * 2 * row  # 8 heads x 16 tokens x [K | V]
+        assert layer.kv_order == "blocks_first"  # vLLM 0.33: dense pages too
+        assert (layer.k.offset, layer.v.offset, layer.k.block_stride) == (0, row, page)
+        assert m.regions[7].size_bytes == 10 * page
+
+    def test_block_packing_dense_is_kv_first(self):
+        m = plan("llama-3.1-8b", num_blocks=10, kv_packing="block")
+        layer = m.groups[0].layers[7]
         hs = 16 * 8 * 128 * 2  # K of one 16-token block, 8 heads, bf16
         assert layer.kv_order == "kv_first"
         assert (layer.k.offset, layer.k.block_stride) == (0, hs)
         assert (layer.v.offset, layer.v.block_stride) == (10 * hs, hs)  # after all K blocks
         assert m.regions[7].size_bytes == 2 * 10 * hs
 
-    def test_blocks_first_on_request(self):
-        layer = plan("qwen3-8b", kv_order="blocks_first").groups[0].layers[0]
+    def test_block_packing_blocks_first_on_request(self):
+        opts = {"kv_order": "blocks_first", "kv_packing": "block"}
+        layer = plan("qwen3-8b", **opts).groups[0].layers[0]
         hs = 16 * 8 * 128 * 2
         assert (layer.k.offset, layer.v.offset, layer.k.block_stride) == (0, hs, 2 * hs)
 
-    def test_nhd_is_one_unsliceable_unit(self):
+    def test_kv_first_needs_block_packing(self):
+        with pytest.raises(ManifestError) as err:
+            plan("qwen3-8b", kv_order="kv_first")
+        assert err.value.field == "options.kv_order"
+
+    def test_nhd_heads_are_sliceable_token_rows(self):
         layer = plan("llama-3.1-8b", head_layout="NHD", tp_size=2).groups[0].layers[0]
+        row = 128 * 2
+        assert (layer.k.units, layer.k.unit_bytes, layer.k.unit_stride) == (4, row, 2 * row)
+        assert (layer.k.rows, layer.k.row_stride, layer.k.sliceable) == (16, 4 * 2 * row, True)
+
+    def test_block_packing_nhd_is_one_unsliceable_unit(self):
+        opts = {"head_layout": "NHD", "tp_size": 2, "kv_packing": "block"}
+        layer = plan("llama-3.1-8b", **opts).groups[0].layers[0]
         assert (layer.k.units, layer.k.unit_bytes, layer.k.sliceable) == (
             1,
             16 * 4 * 128 * 2,
@@ -180,7 +213,7 @@ class TestCrossLayer:
         page = 2 * 16 * 8 * 64 * 2
         assert m.regions[0].page_bytes == 12 * page and page_bytes(m) == page
         layer = m.groups[1].layers[5]
-        assert (layer.k.offset, layer.v.offset) == (5 * page, 5 * page + page // 2)
+        assert (layer.k.offset, layer.v.offset) == (5 * page, 5 * page + 64 * 2)
         assert layer.k.block_stride == 12 * page
 
     def test_hnd_tp2_puts_heads_before_layers(self):
@@ -190,9 +223,17 @@ class TestCrossLayer:
         assert (layer.k.offset, layer.k.unit_stride, layer.k.unit_bytes) == (
             3 * ph,
             36 * ph,
-            ph // 2,
+            128 * 2,
         )
         assert layer.k.block_stride == 4 * 36 * ph
+
+    def test_hybrid_hnd_tp2_puts_heads_before_layers_and_pages_after_slots(self):
+        m = plan("granite-4.0-h-tiny", cross_layer=True, tp_size=2)  # vLLM's BHLNC
+        page = m.regions[0].page_bytes // 4  # 4 layer slots per block
+        mamba, attn = m.groups[0].layers[3], m.groups[-1].layers[3]
+        assert isinstance(attn, AttentionLayer) and mamba.region == attn.region == 0
+        assert mamba.conv[0].offset == 3 * page  # a Mamba page has one "head"
+        assert (attn.k.offset, attn.k.unit_stride) == (3 * page // 2, 4 * page // 2)
 
     def test_hybrid_with_split_kernel_blocks_is_rejected(self):
         with pytest.raises(UnsupportedModelError) as err:
@@ -268,6 +309,9 @@ VARIANTS = [
     {"cross_layer": True},
     {"cross_layer": True, "tp_size": 2},
     {"kv_order": "blocks_first"},
+    {"kv_packing": "block"},
+    {"kv_packing": "block", "head_layout": "NHD", "tp_size": 2},
+    {"kv_packing": "block", "cross_layer": True, "tp_size": 2},
 ]
 
 

@@ -98,7 +98,8 @@ def _payloads(root):  # noqa: ANN001
 @pytest.mark.parametrize(
     ("a", "b"),
     [(dict(block_size=16), dict(block_size=32)), (dict(head_layout="HND"), dict(head_layout="NHD")),
-     (dict(kernel_alignment=16), dict(kernel_alignment=32))],
+     (dict(kernel_alignment=16), dict(kernel_alignment=32)),
+     (dict(kv_packing="token"), dict(kv_packing="block"))],
 )  # fmt: skip
 def test_canonical_bytes_do_not_depend_on_block_sizes_or_head_layout(tmp_path, a, b):
     """Save at layout A, load into layout B, save B elsewhere: identical payloads; and B's save
@@ -108,10 +109,15 @@ def test_canonical_bytes_do_not_depend_on_block_sizes_or_head_layout(tmp_path, a
     tokens = max(pa.groups[-1].block_size, pb.groups[-1].block_size) * 2
     blocks = max(sum(request_blocks(p, tokens)) for p in (pa, pb)) + 1
     ma, mb = plan(preset, blocks=blocks, **a), plan(preset, blocks=blocks, **b)
-    assert (ma.groups[-1].block_size, ma.groups[-1].kernel_block_size) != (
-        mb.groups[-1].block_size,
-        mb.groups[-1].kernel_block_size,
-    ) or ma.groups[-1].layers[0].head_layout != mb.groups[-1].layers[0].head_layout
+    assert (
+        (ma.groups[-1].block_size, ma.groups[-1].kernel_block_size)
+        != (
+            mb.groups[-1].block_size,
+            mb.groups[-1].kernel_block_size,
+        )
+        or ma.groups[-1].layers[0].head_layout != mb.groups[-1].layers[0].head_layout
+        or (ma.groups[-1].layers[0].k.rows != mb.groups[-1].layers[0].k.rows)
+    )
     chunk = 32
     k = keys(tokens, chunk)
     regions_a, ids_a = filled(ma, tokens, SEED)

@@ -1,0 +1,100 @@
+"""vLLM's sleep mode through the real worker glue: ``unregister_kv_caches`` lets the sidecar go of
+the KV cache and refuses every ticket of that registration generation (a pull with one fails,
+writing nothing); ``restore_kv_caches`` registers the same tensors under a new generation, the
+scheduler re-reads identities, and a new request moves byte-exact."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvxferd import pattern
+from kvxferd.vllm.connector import KvxferdConnector
+from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
+from tests.sidecar.harness import TOKEN, changed_outside, start_sidecars, wait_until
+from tests.vllm.ranks import Rank
+
+pytestmark = pytest.mark.nixl
+N = 300  # tokens: three 128-token blocks
+
+
+def _finished(sched: SchedulerSide, rid: str, ids: list[int]) -> dict:
+    """The prefill finishes ``rid`` on blocks ``ids``: the kv_transfer_params it returns."""
+    req = SimpleNamespace(request_id=rid, prompt_token_ids=list(range(N)),
+                          kv_transfer_params={"do_remote_decode": True},
+                          status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))  # fmt: skip
+    delay, params = sched.finished(req, (ids,))
+    assert delay and params["kvxferd_tickets"]
+    return params
+
+
+def _pull(sched: SchedulerSide, decode: Rank, rid: str, params: dict, ids: list[int]):
+    """The decode loads ``rid`` into ``ids``: (finished requests, load-error blocks)."""
+    dreq = SimpleNamespace(request_id=rid, prompt_token_ids=list(range(N)),
+                           kv_transfer_params=dict(params))  # fmt: skip
+    count, is_async = sched.matched_tokens(dreq, 0)
+    assert is_async and count == N
+    sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: [ids]), count)
+    decode.step(sched.take_orders())
+    done = wait_until(lambda: decode.step(StepOrders())[1], 60, f"pull {rid} to end")
+    return done, decode.connector.get_block_ids_with_load_errors()
+
+
+def test_sleep_refuses_old_tickets_and_wake_moves_new_requests_byte_exact(engines, tmp_path):
+    assert KvxferdConnector.supports_sleep_mode(None)
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    p_side, d_side = start_sidecars(str(tmp_path), ["p", "d"])
+    prefill = decode = None
+    try:
+        prefill, decode = Rank(engine, "LBHNC", p_side), Rank(engine, "LBHNC", d_side)
+
+        def identities():
+            with p_side.client() as c:
+                return [c.identity()]
+
+        sched = SchedulerSide(engine_id="P", tp_size=1, secret=TOKEN.encode(),
+                              identities=identities, block_size=128,
+                              partial_prefill=False)  # fmt: skip
+        old = _finished(sched, "r1", [1, 2, 3])
+        assert old["remote_registration_generation"] == 0
+        pattern.write_pattern(prefill.manifest, prefill.arrays(), [[1, 2, 3]], seed=5)
+        assert prefill.step(sched.take_orders()) == (None, None)  # hold placed
+
+        prefill.connector.unregister_kv_caches()
+        prefill.connector.unregister_kv_caches()  # idempotent
+        with p_side.client() as c:
+            assert c.identity().generation == -1
+        # The hold went with the registration: its blocks are freed at the next step.
+        assert prefill.step(StepOrders()) == ({"r1"}, None)
+
+        # Asleep, then awake: a pull with the old ticket fails and writes nothing.
+        before = [a.copy() for a in decode.arrays()]
+        assert _pull(sched, decode, "d1", old, [7, 8, 9]) == ({"d1"}, {7, 8, 9})
+        prefill.connector.restore_kv_caches()
+        prefill.connector.restore_kv_caches()  # idempotent
+        with p_side.client() as c:
+            assert c.identity().generation == 1
+        assert _pull(sched, decode, "d2", old, [10, 11, 12]) == ({"d2"}, {10, 11, 12})
+        assert all(np.array_equal(b, a) for b, a in zip(before, decode.arrays(), strict=True))
+
+        # The worker tells the scheduler its generation moved; the next ticket names the new one.
+        meta = prefill.connector.build_connector_worker_meta()
+        sched.stale(meta.stale_ranks)
+        new = _finished(sched, "r2", [4, 5, 6])
+        assert new["remote_registration_generation"] == 1
+        pattern.write_pattern(prefill.manifest, prefill.arrays(), [[4, 5, 6]], seed=6)
+        assert prefill.step(sched.take_orders()) == (None, None)
+        assert _pull(sched, decode, "d3", new, [13, 14, 15]) == ({"d3"}, set())
+        assert pattern.verify_pattern(decode.manifest, decode.arrays(), [[13, 14, 15]],
+                                      seed=6) is None  # fmt: skip
+        assert changed_outside(before, decode.arrays(), decode.manifest, [[13, 14, 15]]) == 0
+        sending = wait_until(lambda: prefill.step(StepOrders())[0], 30, "hold release")
+        assert sending == {"r2"}
+    finally:
+        for rank in (prefill, decode):
+            if rank is not None:
+                rank.close()
+        p_side.stop()
+        d_side.stop()
