@@ -30,6 +30,7 @@ import msgspec
 
 from kvxferd import errors
 from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
+from kvxferd.lanes import ASYNC_LANES, Lanes, ssl_context
 from kvxferd.wire import (
     AbortHoldRequest,
     AnyRegionSpec,
@@ -419,21 +420,30 @@ class EngineClient:
 
 
 class AsyncEngineClient:
-    """asyncio client; the same methods as EngineClient, awaitable."""
+    """asyncio client; the same methods as EngineClient, awaitable. Its calls go to ``lanes``
+    small connection pools in turn (kvxferd.lanes), so many calls in flight stay cheap."""
 
     def __init__(
-        self, socket_path: str, timeout_s: float = 30.0, msgpack: bool = MSGPACK_DEFAULT
-    ) -> None:
+        self, socket_path: str, timeout_s: float = 30.0, msgpack: bool = MSGPACK_DEFAULT,
+        lanes: int = ASYNC_LANES,
+    ) -> None:  # fmt: skip
         self.msgpack = msgpack
-        self._http = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=socket_path, limits=_LIMITS),
-            base_url=_BASE,
-            timeout=timeout_s,
-        )
+
+        def make() -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                transport=httpx.AsyncHTTPTransport(
+                    uds=socket_path, limits=_LIMITS, verify=ssl_context()
+                ),
+                base_url=_BASE,
+                timeout=timeout_s,
+            )
+
+        self._lanes = Lanes(make, lanes)
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
-        await self._http.aclose()
+        """Close the connection pools."""
+        for client in self._lanes.made():
+            await client.aclose()
 
     async def __aenter__(self) -> AsyncEngineClient:
         return self
@@ -511,7 +521,7 @@ class AsyncEngineClient:
 
     async def _send(self, call: _Call) -> Any:
         try:
-            resp = await self._http.request(
+            resp = await self._lanes.next().request(
                 call.method, call.path, **call.request_args(self.msgpack)
             )
         except httpx.HTTPError as exc:
