@@ -60,6 +60,9 @@ _BACKEND_ERRORS = (httpx.HTTPError, TimeoutError)
 LANES = 8
 """Backend clients used in turn (kvxferd.lanes): one pool for 64 requests in flight was most of
 the proxy's CPU."""
+KEEPALIVE_PER_LANE = 32
+"""Idle connections one lane keeps (to prefills and decodes together): fewer made the proxy close
+and reopen connections at 64 requests in flight."""
 _SSE = "text/event-stream"
 
 
@@ -131,7 +134,7 @@ def proxy_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(
             max_connections=None,
-            max_keepalive_connections=64 // LANES,
+            max_keepalive_connections=KEEPALIVE_PER_LANE,
             keepalive_expiry=HTTP_CLIENT_KEEPALIVE_S,
         )
         # Reads are bounded per phase below (first byte, idle); httpx bounds connect and writes.
