@@ -8,6 +8,11 @@ classes cannot drift apart.
 An error answer raises the kvxferd exception the sidecar raised (same class, same ``field``)
 when it can be rebuilt, else ``SidecarError``. Every exception raised here carries ``status``
 (the HTTP status, None when no answer came) and ``body`` (the sidecar's ErrorBody).
+
+With ``msgpack=True`` (the default) the per-request calls (holds, pulls, feeds, keepalive,
+decline, store) send and accept MessagePack; the once-per-process calls (register, unregister,
+identity, healthz) and every client built with ``msgpack=False`` (tools) speak JSON. Answers
+are decoded by their Content-Type either way.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import msgspec
 
 from kvxferd import errors
 from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
+from kvxferd.lanes import ASYNC_LANES, Lanes, ssl_context
 from kvxferd.wire import (
     AbortHoldRequest,
     AnyRegionSpec,
@@ -61,6 +67,14 @@ POLL_SLICE_S = 30.0
 _POLL_MARGIN_S = 10.0  # HTTP timeout of a long poll beyond its wait
 _RUN_MARGIN_S = 15.0  # HTTP timeout of a run pull beyond its deadline (READs settling)
 _FINAL = ("done", "failed")
+MSGPACK = "application/msgpack"
+MSGPACK_DEFAULT = True
+"""Whether clients use MessagePack for the per-request calls unless told otherwise
+(scripts/bench_engine_wire.py measures it against JSON)."""
+_JSON_BODY = {"Content-Type": "application/json"}
+_MSGPACK_BODY = {"Content-Type": MSGPACK, "Accept": MSGPACK}
+_MSGPACK_ANSWER = {"Accept": MSGPACK}
+_msgpack_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 
 
 class SidecarError(errors.KvxferdError):
@@ -96,13 +110,23 @@ class _Call:
     body: Any = None
     params: dict[str, Any] | None = None
     timeout_s: float | None = None
+    lean: bool = False
+    """A per-request call: MessagePack when the client uses it."""
 
-    def request_args(self) -> dict[str, Any]:
-        """Keyword arguments of ``httpx.Client.request`` after method and url."""
+    def request_args(self, msgpack: bool = False) -> dict[str, Any]:
+        """Keyword arguments of ``httpx.Client.request`` after method and url; ``msgpack``: the
+        client's choice (applied to lean calls only)."""
         args: dict[str, Any] = {}
+        packed = msgpack and self.lean
         if self.body is not None:
-            args["content"] = msgspec.json.encode(self.body)
-            args["headers"] = {"Content-Type": "application/json"}
+            if packed:
+                args["content"] = msgspec.msgpack.encode(self.body)
+                args["headers"] = _MSGPACK_BODY
+            else:
+                args["content"] = msgspec.json.encode(self.body)
+                args["headers"] = _JSON_BODY
+        elif packed:
+            args["headers"] = _MSGPACK_ANSWER
         if self.params is not None:
             args["params"] = self.params
         if self.timeout_s is not None:
@@ -116,10 +140,23 @@ class _Call:
         if self.answer is None:
             return None
         try:
+            if _is_msgpack(resp):
+                return _msgpack_decoder(self.answer).decode(resp.content)
             return msgspec.json.decode(resp.content, type=self.answer)
         except msgspec.MsgspecError as exc:
             body = ErrorBody(error="DecodeError", detail=f"unusable {self.answer.__name__}: {exc}")
             raise error_for(resp.status_code, body) from None
+
+
+def _is_msgpack(resp: httpx.Response) -> bool:
+    return resp.headers.get("content-type", "").startswith(MSGPACK)
+
+
+def _msgpack_decoder(kind: type) -> msgspec.msgpack.Decoder[Any]:
+    decoder = _msgpack_decoders.get(kind)
+    if decoder is None:
+        decoder = _msgpack_decoders[kind] = msgspec.msgpack.Decoder(kind)
+    return decoder
 
 
 def _register(manifest: Manifest, regions: list[AnyRegionSpec]) -> _Call:
@@ -128,43 +165,43 @@ def _register(manifest: Manifest, regions: list[AnyRegionSpec]) -> _Call:
 
 
 def _hold(req: HoldRequest) -> _Call:
-    return _Call("POST", "/v1/holds", Ticket, req)
+    return _Call("POST", "/v1/holds", Ticket, req, lean=True)
 
 
 def _abort(hold_id: str) -> _Call:
-    return _Call("POST", "/v1/holds/abort", None, AbortHoldRequest(hold_id=hold_id))
+    return _Call("POST", "/v1/holds/abort", None, AbortHoldRequest(hold_id=hold_id), lean=True)
 
 
 def _pull(req: PullRequest) -> _Call:
-    return _Call("POST", "/v1/pulls", PullAccepted, req)
+    return _Call("POST", "/v1/pulls", PullAccepted, req, lean=True)
 
 
 def _pull_status(pull_id: str, wait_s: float) -> _Call:
     wait_s = max(0.0, wait_s)
     path = f"/v1/pulls/{quote(pull_id, safe='')}"
     return _Call("GET", path, PullStatus, params={"wait": wait_s},
-                 timeout_s=wait_s + _POLL_MARGIN_S)  # fmt: skip
+                 timeout_s=wait_s + _POLL_MARGIN_S, lean=True)  # fmt: skip
 
 
 def _run_pull(req: PullRequest) -> _Call:
     # The sidecar answers by the pull's deadline plus the settle bound of its READs.
     return _Call("POST", "/v1/pulls/run", PullStatus, req,
-                 timeout_s=req.deadline_s + _RUN_MARGIN_S)  # fmt: skip
+                 timeout_s=req.deadline_s + _RUN_MARGIN_S, lean=True)  # fmt: skip
 
 
 def _finished_pulls(cursor: int, limit: int) -> _Call:
     return _Call("GET", "/v1/pulls/finished", FinishedPulls,
-                 params={"cursor": cursor, "limit": limit})  # fmt: skip
+                 params={"cursor": cursor, "limit": limit}, lean=True)  # fmt: skip
 
 
 def _keepalive(tickets: list[Ticket], extend_s: float) -> _Call:
     req = KeepaliveRequest(tickets=tickets, extend_s=extend_s)
-    return _Call("POST", "/v1/keepalive", HeartbeatResponse, req)
+    return _Call("POST", "/v1/keepalive", HeartbeatResponse, req, lean=True)
 
 
 def _decline(tickets: list[Ticket], reason: str) -> _Call:
     req = DeclineRequest(tickets=tickets, reason=reason)
-    return _Call("POST", "/v1/decline", DeclineResponse, req)
+    return _Call("POST", "/v1/decline", DeclineResponse, req, lean=True)
 
 
 def _unregister(generation: int) -> _Call:
@@ -181,20 +218,20 @@ def _healthz() -> _Call:
 
 def _released(cursor: int, limit: int | None = None) -> _Call:
     params = {"cursor": cursor} if limit is None else {"cursor": cursor, "limit": limit}
-    return _Call("GET", "/v1/released", ReleasedHolds, params=params)
+    return _Call("GET", "/v1/released", ReleasedHolds, params=params, lean=True)
 
 
 def _store_save(req: StoreSaveRequest) -> _Call:
-    return _Call("POST", "/v1/store/save", StoreSaved, req)
+    return _Call("POST", "/v1/store/save", StoreSaved, req, lean=True)
 
 
 def _store_lookup(req: StoreLookupRequest) -> _Call:
-    return _Call("POST", "/v1/store/lookup", StoreLookup, req)
+    return _Call("POST", "/v1/store/lookup", StoreLookup, req, lean=True)
 
 
 def _store_load(req: StoreLoadRequest) -> _Call:
     # The sidecar answers by the load's deadline plus the chunk being written then.
-    return _Call("POST", "/v1/store/load", StoreLoadStatus, req,
+    return _Call("POST", "/v1/store/load", StoreLoadStatus, req, lean=True,
                  timeout_s=req.deadline_s + _RUN_MARGIN_S)  # fmt: skip
 
 
@@ -212,6 +249,8 @@ def _wait_pull(
 
 def _error_body(resp: httpx.Response) -> ErrorBody:
     try:
+        if _is_msgpack(resp):
+            return _msgpack_decoder(ErrorBody).decode(resp.content)
         return msgspec.json.decode(resp.content, type=ErrorBody)
     except msgspec.MsgspecError:
         return ErrorBody(error="HTTPError", detail=resp.text[:500])
@@ -273,9 +312,13 @@ def _close_abandoned_sockets(exc: BaseException) -> None:
 
 
 class EngineClient:
-    """Blocking client; one per engine rank."""
+    """Blocking client; one per engine rank. ``msgpack``: MessagePack for the per-request calls
+    (False: JSON throughout, for tools)."""
 
-    def __init__(self, socket_path: str, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, socket_path: str, timeout_s: float = 30.0, msgpack: bool = MSGPACK_DEFAULT
+    ) -> None:
+        self.msgpack = msgpack
         self._http = httpx.Client(
             transport=httpx.HTTPTransport(uds=socket_path, limits=_LIMITS),
             base_url=_BASE,
@@ -362,7 +405,7 @@ class EngineClient:
 
     def _send(self, call: _Call) -> Any:
         try:
-            resp = self._http.request(call.method, call.path, **call.request_args())
+            resp = self._http.request(call.method, call.path, **call.request_args(self.msgpack))
         except httpx.HTTPError as exc:
             if isinstance(exc, httpx.ConnectError):
                 _close_abandoned_sockets(exc)
@@ -379,18 +422,30 @@ class EngineClient:
 
 
 class AsyncEngineClient:
-    """asyncio client; the same methods as EngineClient, awaitable."""
+    """asyncio client; the same methods as EngineClient, awaitable. Its calls go to ``lanes``
+    small connection pools in turn (kvxferd.lanes), so many calls in flight stay cheap."""
 
-    def __init__(self, socket_path: str, timeout_s: float = 30.0) -> None:
-        self._http = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=socket_path, limits=_LIMITS),
-            base_url=_BASE,
-            timeout=timeout_s,
-        )
+    def __init__(
+        self, socket_path: str, timeout_s: float = 30.0, msgpack: bool = MSGPACK_DEFAULT,
+        lanes: int = ASYNC_LANES,
+    ) -> None:  # fmt: skip
+        self.msgpack = msgpack
+
+        def make() -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                transport=httpx.AsyncHTTPTransport(
+                    uds=socket_path, limits=_LIMITS, verify=ssl_context()
+                ),
+                base_url=_BASE,
+                timeout=timeout_s,
+            )
+
+        self._lanes = Lanes(make, lanes)
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
-        await self._http.aclose()
+        """Close the connection pools."""
+        for client in self._lanes.made():
+            await client.aclose()
 
     async def __aenter__(self) -> AsyncEngineClient:
         return self
@@ -468,7 +523,9 @@ class AsyncEngineClient:
 
     async def _send(self, call: _Call) -> Any:
         try:
-            resp = await self._http.request(call.method, call.path, **call.request_args())
+            resp = await self._lanes.next().request(
+                call.method, call.path, **call.request_args(self.msgpack)
+            )
         except httpx.HTTPError as exc:
             raise SidecarUnreachableError(f"{call.method} {call.path}: {exc!r}") from exc
         return call.result(resp)

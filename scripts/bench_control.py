@@ -115,6 +115,14 @@ def level_row(c: int, s: dict[str, load.Samples], cpu: dict) -> dict:
     return row
 
 
+def cpu_per_request(cores: dict, requests: int) -> dict[str, float]:
+    """CPU milliseconds our processes spent per request of a level (all three modes, warm-up
+    included), each and together: what a request costs whatever else runs on the machine."""
+    out = {role: round(s * 1e3 / requests, 2) for role, s in cores["cpu_s"].items()}
+    out["ours"] = round(sum(cores["cpu_s"].values()) * 1e3 / requests, 2)
+    return out
+
+
 def check_answers(texts: dict[str, dict[int, str]]) -> None:
     """Every prompt got the same text through the proxy, directly and locally."""
     for i, local in texts["local"].items():
@@ -173,6 +181,9 @@ def run(args: argparse.Namespace, levels: list[int], model_dir: str, settings: d
                 texts[m].update(samples[m].texts)
             pd_requests += 2 * (warm + args.requests)
             row = level_row(c, samples, cpu.read())
+            row["cpu_ms_per_request"] = cpu_per_request(
+                row["cpu_cores"], len(load.MODES) * (warm + args.requests)
+            )
             result["levels"].append(row)
             failed += row["errors"] + row["direct_errors"]
             for m in load.MODES:
@@ -180,7 +191,8 @@ def run(args: argparse.Namespace, levels: list[int], model_dir: str, settings: d
                     print(f"  ! {m} request failed: {why}", flush=True)
             print(f"  concurrency {c:>3}: {row['rps']:7.1f} req/s  p50 {row['p50_ms']:7.2f} ms  "
                   f"p99 {row['p99_ms']:7.2f} ms  direct {row['direct_p50_ms']:7.2f}  local "
-                  f"{row['local_p50_ms']:7.2f}  P/D overhead {row['pd_overhead_p50_ms']:7.2f} ms",
+                  f"{row['local_p50_ms']:7.2f}  P/D overhead {row['pd_overhead_p50_ms']:7.2f} ms  "
+                  f"CPU {row['cpu_ms_per_request']['ours']:6.2f} ms/request",
                   flush=True)  # fmt: skip
         check_answers(texts)
         cpu.restart()

@@ -108,6 +108,17 @@ fails when anything here drifts from the code).
 Bodies are JSON (`Content-Type: application/json`); bytes fields (`agent_metadata`, CUDA IPC
 `handle`) are base64 strings; tagged unions carry their tag in a `type` field.
 
+**MessagePack on the engine API.** Every engine API operation also takes its body as
+MessagePack (`Content-Type: application/msgpack`) with the same schema (field names as map keys,
+bytes as msgpack bin, integers never floats), and answers in MessagePack when the request says
+`Accept: application/msgpack` -- error bodies included, with the same status and `field`. The
+two choices are independent; without them everything is JSON, which stays the format for tools
+and the only one of the peer API. Refusals at the edge (408, 413, 431) are always JSON, so a
+client decodes every answer by its `Content-Type`. `kvxferd.client` uses MessagePack for the
+per-request calls (holds, pulls, feeds, keepalive, decline, store) and JSON for register,
+unregister, identity and healthz; `scripts/bench_engine_wire.py` measures both encodings
+against each other.
+
 ## Two APIs
 
 Every engine rank runs one sidecar. The **engine API** is served on a Unix socket created 0600:

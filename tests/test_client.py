@@ -13,6 +13,7 @@ import pytest
 
 from kvxferd import errors
 from kvxferd.client import (
+    MSGPACK,
     POLL_SLICE_S,
     AsyncEngineClient,
     EngineClient,
@@ -267,3 +268,55 @@ def test_run_pull_answers_the_failure_of_a_pull_from_a_dead_peer(sidecar):
         feed = client.finished_pulls(0)
     assert (status.state, status.reason) == ("failed", "handshake")
     assert any(f.pull_id == status.pull_id and f.failed_block_ids == [[2]] for f in feed.pulls)
+
+
+# ------------------------------------------------------------------------------ the two encodings
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["json", "msgpack"])
+def test_both_encodings_give_the_same_structs_and_errors(sidecar, packed):
+    with EngineClient(sidecar.socket, msgpack=packed) as client:
+        cursor = client.released().cursor
+        ticket = client.hold(_hold([[7]]))
+        assert (ticket.engine_id, ticket.block_ids) == (sidecar.engine_id, [[7]])
+        client.abort(ticket.hold_id)
+        feed = client.released(cursor)
+        assert [(h.hold_id, h.reason) for h in feed.holds] == [(ticket.hold_id, "aborted")]
+        with pytest.raises(errors.BlockIdError) as block:
+            client.hold(_hold([[0, 8]]))
+        assert (block.value.field, block.value.status) == ("block_ids[0][1]", 422)
+        status = client.run_pull(_dead_peer_pull())
+        assert (status.state, status.reason) == ("failed", "handshake")
+        finished = client.finished_pulls(0)
+        assert any(f.pull_id == status.pull_id for f in finished.pulls)
+        assert client.identity().engine_id == sidecar.engine_id  # JSON either way
+
+
+def test_msgpack_is_used_for_the_per_request_calls_only():
+    from kvxferd.client import _finished_pulls, _identity, _register, _run_pull
+
+    req = _dead_peer_pull()
+    run = _run_pull(req)
+    packed = run.request_args(msgpack=True)
+    assert packed["headers"] == {"Content-Type": MSGPACK, "Accept": MSGPACK}
+    assert msgspec.msgpack.decode(packed["content"], type=PullRequest) == req
+    assert run.request_args(msgpack=False)["headers"] == {"Content-Type": "application/json"}
+    assert _finished_pulls(0, 8).request_args(msgpack=True)["headers"] == {"Accept": MSGPACK}
+    assert "headers" not in _identity().request_args(msgpack=True)
+    manifest = plan("llama-3.1-8b", num_blocks=2)
+    register = _register(manifest, []).request_args(msgpack=True)
+    assert register["headers"] == {"Content-Type": "application/json"}
+
+
+def test_answers_are_decoded_by_their_content_type():
+    call = _Call("GET", "/v1/pulls/p", PullStatus, lean=True)
+    status = PullStatus(pull_id="p", state="done", kv_bytes=8)
+    packed = httpx.Response(200, content=msgspec.msgpack.encode(status),
+                            headers={"Content-Type": MSGPACK})  # fmt: skip
+    assert call.result(packed) == status
+    assert call.result(httpx.Response(200, content=msgspec.json.encode(status))) == status
+    err = ErrorBody(error="UnknownPullError", detail="no pull 'p'")
+    with pytest.raises(errors.UnknownPullError) as info:
+        call.result(httpx.Response(404, content=msgspec.msgpack.encode(err),
+                                   headers={"Content-Type": MSGPACK}))  # fmt: skip
+    assert info.value.body == err and info.value.status == 404

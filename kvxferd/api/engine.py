@@ -44,7 +44,10 @@ DESCRIPTION = (
     "What an engine rank asks of its own sidecar, over a Unix socket (0600, local only, no "
     "token): register the KV pool once, hold prefilled blocks for a decode side (a Ticket), "
     "pull a ticket's blocks into local blocks, keep the holds of queued requests alive, and "
-    "follow the feed of released holds to free blocks. Every 4xx/5xx body is an ErrorBody."
+    "follow the feed of released holds to free blocks. Every 4xx/5xx body is an ErrorBody. "
+    "Every operation also takes its body as MessagePack (`Content-Type: application/msgpack`, "
+    "the same schema) and answers in MessagePack, errors included, when the request says "
+    "`Accept: application/msgpack`; refusals at the edge (408, 413, 431) are always JSON."
 )
 MAX_WAIT_S = 60.0
 """Upper bound of a pull-status long poll; a larger ``wait`` is cut to it."""
@@ -243,6 +246,6 @@ def engine_document() -> dict[str, Any]:
 def engine_app(sidecar: Sidecar) -> FastAPI:
     """The FastAPI app an engine rank talks to (its OpenAPI document at /openapi.json)."""
     app = FastAPI(title=TITLE, version="1", default_response_class=StructResponse)
-    mount(app, OPERATIONS, sidecar, Gate(ready=lambda: sidecar.ready))
+    mount(app, OPERATIONS, sidecar, Gate(ready=lambda: sidecar.ready, msgpack=True))
     install_openapi(app, engine_document)
     return app

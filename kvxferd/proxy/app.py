@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
+from kvxferd.lanes import Lanes, ssl_context
 from kvxferd.proxy.failures import (
     BackendTimeout,
     bad_backend_reply,
@@ -56,6 +57,12 @@ KV_TRANSFER_STUB: dict[str, Any] = {
 RELEASE_PATH = "/v1/kv/release"
 """Prefill route freeing the KV it holds for a decode that will not read it (kvxferd sim)."""
 _BACKEND_ERRORS = (httpx.HTTPError, TimeoutError)
+LANES = 8
+"""Backend clients used in turn (kvxferd.lanes): one pool for 64 requests in flight was most of
+the proxy's CPU."""
+KEEPALIVE_PER_LANE = 32
+"""Idle connections one lane keeps (to prefills and decodes together): fewer made the proxy close
+and reopen connections at 64 requests in flight."""
 _SSE = "text/event-stream"
 
 
@@ -127,16 +134,26 @@ def proxy_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(
             max_connections=None,
-            max_keepalive_connections=64,
+            max_keepalive_connections=KEEPALIVE_PER_LANE,
             keepalive_expiry=HTTP_CLIENT_KEEPALIVE_S,
         )
         # Reads are bounded per phase below (first byte, idle); httpx bounds connect and writes.
         timeout = httpx.Timeout(connect=settings.connect, read=None, write=idle, pool=idle)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
-            app.state.client = client
+
+        def make() -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                timeout=timeout, limits=limits, transport=transport, verify=ssl_context()
+            )
+
+        lanes = Lanes(make, LANES)
+        app.state.lanes = lanes
+        try:
             yield
             if releases:  # bounded: each release is bounded by connect + first byte
                 await asyncio.wait(releases, timeout=settings.connect + first_byte)
+        finally:
+            for client in lanes.made():
+                await client.aclose()
 
     app = FastAPI(title="kvxferd proxy", lifespan=lifespan)
 
@@ -153,7 +170,7 @@ def proxy_app(
         headers = {"X-Request-Id": request_id}
         if auth := request.headers.get("authorization"):
             headers["Authorization"] = auth
-        client: httpx.AsyncClient = request.app.state.client
+        client: httpx.AsyncClient = request.app.state.lanes.next()
 
         prefill = prefills.next()
         try:
@@ -227,7 +244,7 @@ def proxy_app(
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         decode = decodes.backends[0]
-        client: httpx.AsyncClient = request.app.state.client
+        client: httpx.AsyncClient = request.app.state.lanes.next()
         try:
             resp, content = await _call(
                 client, client.build_request("GET", decode.url + "/v1/models"), first_byte, idle
@@ -238,7 +255,7 @@ def proxy_app(
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        client: httpx.AsyncClient = request.app.state.client
+        client: httpx.AsyncClient = request.app.state.lanes.next()
         everyone = [*prefills.backends, *decodes.backends]
         verdicts = await asyncio.gather(*(_probe(client, b, first_byte, idle) for b in everyone))
         report: dict[str, Any] = {"prefill": {}, "decode": {}}

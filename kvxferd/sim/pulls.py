@@ -1,8 +1,11 @@
-"""A decode engine's pull of one request: the same PullRequest on every rank, waited for with
-one deadline, summed into a :class:`PullOutcome`.
+"""A decode engine's pull of one request: the same PullRequest on every rank, one call each
+(``POST /v1/pulls/run``, answered with the final status) under one deadline, summed into a
+:class:`PullOutcome`.
 
-A rank whose pull is still running when the wait ends is *unsettled*: its sidecar may still
-write into the request's blocks, so the caller must not reuse them.
+A rank whose pull may still be running when the wait ends (no answer in time, the connection
+lost, an unexpected 500) is *unsettled*: its sidecar may still write into the request's
+blocks, so the caller must not reuse them. Any other error answer comes from the checks made
+before a pull starts: refused, settled.
 """
 
 from __future__ import annotations
@@ -16,11 +19,10 @@ import httpx
 
 from kvxferd.client import AsyncEngineClient
 from kvxferd.errors import KvxferdError
-from kvxferd.wire import PullAccepted, PullRequest, PullStatus
+from kvxferd.wire import PullRequest, PullStatus
 
 SETTLE_S = 15.0
 """How long past the pull's own deadline we wait for a rank to report done or failed."""
-_POLL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,9 @@ class PullOutcome:
 async def pull_all(
     clients: Sequence[AsyncEngineClient], req: PullRequest, settle_s: float = SETTLE_S
 ) -> PullOutcome:
-    """Start ``req`` on every rank and wait until all end or ``deadline_s + settle_s`` passes."""
+    """Run ``req`` on every rank; wait until all end or ``deadline_s + settle_s`` passes."""
     deadline = time.monotonic() + req.deadline_s + settle_s
-    accepted = await asyncio.gather(*(c.pull(req) for c in clients), return_exceptions=True)
-    results = await asyncio.gather(
-        *(_wait(c, a, deadline) for c, a in zip(clients, accepted, strict=True))
-    )
+    results = await asyncio.gather(*(_run(c, req, deadline) for c in clients))
     reasons = [f"rank {r}: {why}" for r, (_st, why, _s) in enumerate(results) if why]
     statuses = [st for st, _why, _s in results if st is not None]
     return PullOutcome(
@@ -60,26 +59,25 @@ async def pull_all(
     )
 
 
-async def _wait(
-    client: AsyncEngineClient, accepted: PullAccepted | BaseException, deadline: float
+async def _run(
+    client: AsyncEngineClient, req: PullRequest, deadline: float
 ) -> tuple[PullStatus | None, str, bool]:
     """(final status or None, failure text or "", settled) of one rank."""
-    if isinstance(accepted, BaseException):
-        if not isinstance(accepted, KvxferdError | httpx.HTTPError):
-            raise accepted
-        return None, f"pull refused: {_text(accepted)}", True
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            status = await client.pull_status(accepted.pull_id, wait_s=max(0.0, min(left, _POLL_S)))
-        except (KvxferdError, httpx.HTTPError) as exc:
-            return None, f"status unavailable: {_text(exc)}", False
-        if status.state == "done":
-            return status, "", True
-        if status.state == "failed":
-            return status, f"{status.reason}: {status.detail}", True
-        if left <= 0:
-            return status, f"still {status.state} after its deadline", False
+    try:
+        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            status = await client.run_pull(req)
+    except TimeoutError:
+        return None, "no final status by its deadline", False
+    except (KvxferdError, httpx.HTTPError) as exc:
+        code = getattr(exc, "status", None)  # None: no answer; 200: an unusable one
+        if isinstance(code, int) and 400 <= code < 600 and code != 500:
+            return None, f"pull refused: {_text(exc)}", True  # checked before it started
+        return None, f"status unavailable: {_text(exc)}", False
+    if status.state == "done":
+        return status, "", True
+    if status.state == "failed":
+        return status, f"{status.reason}: {status.detail}", True
+    return status, f"still {status.state} after its deadline", False
 
 
 def _text(exc: BaseException) -> str:

@@ -56,7 +56,7 @@ class SidecarProcess:
 
     def async_client(self, timeout_s: float = 30.0) -> AsyncEngineClient:
         """An asyncio engine-API client on the sidecar's Unix socket."""
-        return AsyncEngineClient(self.socket, timeout_s=timeout_s)
+        return AsyncEngineClient(self.socket, timeout_s=timeout_s, msgpack=True)
 
     def problem(self) -> str:
         """Why this sidecar cannot serve ("" while its process runs)."""
@@ -182,7 +182,7 @@ class AttachedSidecar:
 
     def async_client(self, timeout_s: float = 30.0) -> AsyncEngineClient:
         """An asyncio engine-API client on the sidecar's Unix socket."""
-        return AsyncEngineClient(self.socket, timeout_s=timeout_s)
+        return AsyncEngineClient(self.socket, timeout_s=timeout_s, msgpack=True)
 
     def problem(self) -> str:
         """Why this sidecar cannot serve: its socket is gone (it exited), or is another one (it

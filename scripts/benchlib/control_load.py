@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from kvxferd.lanes import ssl_context
 from kvxferd.proxy.app import prefill_body
 
 MODES = ("proxy", "direct", "local")
@@ -97,7 +98,10 @@ def new_client(timeout_s: float = 60.0) -> httpx.AsyncClient:
     its pool burns a full core at 32+ requests in flight on this kind of machine."""
     limits = httpx.Limits(max_connections=4, max_keepalive_connections=4,
                           keepalive_expiry=KEEPALIVE_S)  # fmt: skip
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits)
+    # One SSL context for all workers: each new one loads the CA bundle (tens of ms of CPU,
+    # 64 of them at concurrency 64, counted in the level's CPU per request).
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits,
+                             verify=ssl_context())  # fmt: skip
 
 
 def answer(resp: httpx.Response, what: str) -> dict:

@@ -177,14 +177,15 @@ class CpuMeter:
 
     def read(self) -> dict:
         """Cores (averages over the interval): ``ours`` busy, ``others`` busy (other processes
-        of this machine), ``steal`` (taken by the hypervisor), ``total`` busy, and
-        ``by_process`` (ours per role)."""
+        of this machine), ``steal`` (taken by the hypervisor), ``total`` busy,
+        ``by_process`` (ours per role) and ``cpu_s`` (CPU seconds per role, unrounded)."""
         t1, (busy1, steal1), roles1 = self._sample()
         t0, (busy0, steal0), roles0 = self._start
         wall = max(t1 - t0, 1e-9)
         by = {r: round((roles1[r] - roles0[r]) / self.hz / wall, 2) for r in roles1}
         total = (busy1 - busy0) / self.hz / wall
         ours = sum(roles1[r] - roles0[r] for r in roles1) / self.hz / wall
+        cpu_s = {r: (roles1[r] - roles0[r]) / self.hz for r in roles1}
         return {"ours": round(ours, 2), "others": round(max(total - ours, 0.0), 2),
                 "steal": round((steal1 - steal0) / self.hz / wall, 2), "total": round(total, 2),
-                "by_process": by}  # fmt: skip
+                "by_process": by, "cpu_s": cpu_s}  # fmt: skip
