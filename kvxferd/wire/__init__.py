@@ -1,0 +1,147 @@
+"""Every wire type of kvxferd, as msgspec Structs, in one place.
+
+The KV manifest (:mod:`~kvxferd.wire.manifest`) is the centre: an engine hands it to its sidecar
+at registration, and two sidecars exchange it at handshake. Everything the data plane does is a
+pure function of it.
+
+Schema rules (msgspec's schema-evolution guidance): new fields get defaults; field types never
+change; map encoding, never ``array_like``. Structs received from engines are strict
+(``forbid_unknown_fields``); the manifest is also sent between peers of possibly different
+versions, where ``MANIFEST_VERSION`` is checked before anything else.
+
+Byte addressing used throughout: a *block unit* is a kernel block for attention parts and a
+logical block for mamba parts. Part ``p`` of block unit ``u`` starts at
+``region_base + p.offset + u * p.block_stride``; within it, TP unit ``i`` (a head, group or
+channel this rank holds) occupies ``[i * p.unit_stride, i * p.unit_stride + p.unit_bytes)``,
+repeated ``p.rows`` times ``p.row_stride`` apart (rows > 1 only for vLLM's packed K|V rows).
+
+Modules: :mod:`~kvxferd.wire.manifest` (the manifest), :mod:`~kvxferd.wire.engine` (the engine
+API), :mod:`~kvxferd.wire.store` (the engine API's store calls), :mod:`~kvxferd.wire.peer` (the
+peer API). Import from ``kvxferd.wire``: every type is re-exported here.
+"""
+
+from __future__ import annotations
+
+from kvxferd.wire.engine import (
+    PROTOCOL_VERSION,
+    AbortHoldRequest,
+    AnyRegionSpec,
+    CudaRegionSpec,
+    DeclineRequest,
+    FinishedPull,
+    FinishedPulls,
+    HoldReleaseReason,
+    HoldRequest,
+    Identity,
+    KeepaliveRequest,
+    PullAccepted,
+    PullRequest,
+    PullStateName,
+    PullStatus,
+    RegionSpec,
+    RegisterRequest,
+    RegisterResponse,
+    ReleasedHold,
+    ReleasedHolds,
+    Ticket,
+    UnregisterRequest,
+)
+from kvxferd.wire.manifest import (
+    DTYPE_BYTES,
+    MANIFEST_VERSION,
+    AttentionLayer,
+    ConvLayout,
+    Dtype,
+    Group,
+    GroupKind,
+    HeadLayout,
+    KVOrder,
+    Layer,
+    MambaLayer,
+    MambaType,
+    Manifest,
+    MemType,
+    Part,
+    PoolLayout,
+    Region,
+    decode_manifest,
+    encode_manifest,
+    manifest_decoder,
+    manifest_encoder,
+)
+from kvxferd.wire.peer import (
+    ClaimRequest,
+    ClaimResponse,
+    DeclineResponse,
+    ErrorBody,
+    Handshake,
+    Heartbeat,
+    HeartbeatResponse,
+)
+from kvxferd.wire.store import (
+    StoreLoadRequest,
+    StoreLoadStatus,
+    StoreLookup,
+    StoreLookupRequest,
+    StoreSaved,
+    StoreSaveRequest,
+)
+
+__all__ = [
+    "AbortHoldRequest",
+    "AnyRegionSpec",
+    "AttentionLayer",
+    "ClaimRequest",
+    "ClaimResponse",
+    "ConvLayout",
+    "CudaRegionSpec",
+    "DTYPE_BYTES",
+    "DeclineRequest",
+    "DeclineResponse",
+    "Dtype",
+    "ErrorBody",
+    "FinishedPull",
+    "FinishedPulls",
+    "Group",
+    "GroupKind",
+    "Handshake",
+    "HeadLayout",
+    "Heartbeat",
+    "HeartbeatResponse",
+    "HoldReleaseReason",
+    "HoldRequest",
+    "Identity",
+    "KVOrder",
+    "KeepaliveRequest",
+    "Layer",
+    "MANIFEST_VERSION",
+    "MambaLayer",
+    "MambaType",
+    "Manifest",
+    "MemType",
+    "PROTOCOL_VERSION",
+    "Part",
+    "PoolLayout",
+    "PullAccepted",
+    "PullRequest",
+    "PullStateName",
+    "PullStatus",
+    "Region",
+    "RegionSpec",
+    "RegisterRequest",
+    "RegisterResponse",
+    "ReleasedHold",
+    "ReleasedHolds",
+    "StoreLoadRequest",
+    "StoreLoadStatus",
+    "StoreLookup",
+    "StoreLookupRequest",
+    "StoreSaveRequest",
+    "StoreSaved",
+    "Ticket",
+    "UnregisterRequest",
+    "decode_manifest",
+    "encode_manifest",
+    "manifest_decoder",
+    "manifest_encoder",
+]

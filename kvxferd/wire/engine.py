@@ -1,0 +1,266 @@
+"""The engine API's messages (Unix socket, an engine and its own sidecar)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from kvxferd.wire.manifest import _POSITIVE, Manifest, _Strict
+
+PROTOCOL_VERSION = 1
+"""Peer protocol version, checked first at handshake. 1: first version."""
+
+HoldReleaseReason = Literal["notified", "expired", "aborted", "declined", "unregistered"]
+PullStateName = Literal["pending", "handshaking", "claiming", "transferring", "done", "failed"]
+
+
+class RegionSpec(_Strict, kw_only=True, tag="shm"):
+    """A DRAM region the engine created as a POSIX shared-memory segment."""
+
+    name: str
+    """Segment name (without /dev/shm/)."""
+    size_bytes: int
+    """Bytes of the segment."""
+
+
+class CudaRegionSpec(_Strict, kw_only=True, tag="cuda_ipc"):
+    """A VRAM region the engine exported as a CUDA IPC handle."""
+
+    handle: bytes
+    """The serialised CUDA IPC memory handle (base64 in JSON)."""
+    size_bytes: int
+    """Bytes of the allocation."""
+    device_id: int = 0
+    """GPU index the allocation lives on."""
+
+
+AnyRegionSpec = RegionSpec | CudaRegionSpec
+
+
+class RegisterRequest(_Strict, kw_only=True):
+    """Engine -> sidecar: here is my KV layout and where its memory is."""
+
+    manifest: Manifest
+    """The engine's KV manifest (identity fields are filled in by the sidecar)."""
+    regions: list[AnyRegionSpec]
+    """Memory sources (allocations), each registered with NIXL once. Without ``Region.source``
+    one per ``manifest.regions`` entry, same order; with it, any number that regions point into."""
+
+
+class RegisterResponse(_Strict, kw_only=True):
+    """Sidecar -> engine: registration accepted."""
+
+    engine_id: str
+    """Identity this sidecar gives the engine rank in tickets and handshakes."""
+    epoch: int
+    """Boot epoch; changes when the sidecar restarts."""
+    peer_address: str
+    """host:port of this sidecar's peer API."""
+    generation: int = 0
+    """Registration generation: 0 for the first registration of this epoch, +1 per
+    re-registration after an unregister (vLLM sleep mode, KV-cache re-init)."""
+
+
+class UnregisterRequest(_Strict, kw_only=True):
+    """Engine -> sidecar: forget my memory (sleep, re-init, shutdown) before it goes away.
+
+    In-flight pulls end FAILED once none of their READs can still write; live holds are released
+    as ``unregistered``; NIXL registrations are dropped. A later register starts generation + 1.
+    """
+
+    generation: int
+    """The generation being unregistered (a stale one is a 409)."""
+
+
+class Identity(_Strict, kw_only=True):
+    """Sidecar -> engine: who this sidecar is, so a scheduler process can mint tickets itself."""
+
+    engine_id: str
+    """Engine identity used in tickets and handshakes."""
+    epoch: int
+    """Boot epoch of the sidecar."""
+    generation: int
+    """Current registration generation (-1 while no engine is registered)."""
+    peer_address: str
+    """host:port of this sidecar's peer API."""
+    tp_rank: int
+    """Engine TP rank registered here (-1 while no engine is registered)."""
+    tp_size: int
+    """Engine TP size registered here (0 while no engine is registered)."""
+    default_lease_s: float
+    """Lease a hold gets when its request names none."""
+
+
+class HoldRequest(_Strict, kw_only=True):
+    """Engine (prefill) -> sidecar: pin these blocks until a decode side has read them."""
+
+    request_id: str
+    """The engine's request id."""
+    block_ids: list[list[int]]
+    """Logical block ids per group, in request order."""
+    num_tokens: Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 0})]
+    """Prompt tokens the blocks hold."""
+    lease_s: float | None = None
+    """Lease length; None uses the sidecar default."""
+    hold_id: str = ""
+    """Hold id chosen by the engine (a ticket minted ahead by the scheduler names it); empty: the
+    sidecar picks one."""
+
+
+class Ticket(_Strict, kw_only=True):
+    """What a decode side needs to pull from one prefill rank; travels in ``kv_transfer_params``.
+
+    Every prefill TP rank's sidecar holds its own copy of the request's blocks and issues its own
+    ticket; a pull carries the tickets of all prefill ranks, in rank order.
+    """
+
+    engine_id: str
+    """Prefill engine identity."""
+    epoch: int
+    """Prefill sidecar boot epoch at hold time."""
+    hold_id: str
+    """The hold to claim."""
+    request_id: str
+    """The prefill engine's request id."""
+    block_ids: list[list[int]]
+    """Remote logical block ids per group."""
+    num_tokens: int
+    """Prompt tokens covered."""
+    expires_at: float
+    """Unix time the hold's lease ends (unless extended by heartbeat)."""
+    tp_rank: Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 0})]
+    """Prefill TP rank whose sidecar holds the blocks (one ticket per prefill rank)."""
+    tp_size: Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 1})]
+    """Prefill TP size."""
+    peer: str
+    """Peer API address (host:port) of that rank's sidecar."""
+    generation: int = 0
+    """Prefill registration generation at hold time (a re-registered engine has a new one)."""
+    token: str = ""
+    """HMAC-SHA256 (hex) over the other fields, keyed by the shared peer secret."""
+
+
+class AbortHoldRequest(_Strict, kw_only=True):
+    """Engine -> sidecar: give up a hold (request cancelled)."""
+
+    hold_id: str
+    """The hold to abort."""
+
+
+class PullRequest(_Strict, kw_only=True):
+    """Engine (decode) -> sidecar: read a ticket's blocks into local blocks."""
+
+    tickets: Annotated[list[Ticket], msgspec.Meta(extra_json_schema={"minItems": 1})]
+    """The tickets of every prefill TP rank, rank order (same request, same block ids)."""
+    block_ids: list[list[int]]
+    """Local logical block ids per group, aligned with the tickets' block_ids; -1 skips a block."""
+    deadline_s: float = 30.0
+    """Seconds the whole pull may take (handshake, claim, transfer)."""
+    request_id: str = ""
+    """The decode engine's request id, echoed in the finished-pulls feed."""
+    num_tokens: int = -1
+    """Prompt tokens the decode wants moved (-1: the tickets' num_tokens). Fewer than the
+    tickets' (Mamba partial prefill) or block sizes that differ between the sides (re-blocking)
+    map token ranges instead of block ids."""
+
+
+class DeclineRequest(_Strict, kw_only=True):
+    """Engine (decode) -> sidecar: I will not read these tickets (rejected, aborted); release the
+    prefill holds now instead of at lease expiry."""
+
+    tickets: list[Ticket]
+    """Tickets of the holds to release: any requests, any prefill ranks (MACs are checked)."""
+    reason: str = ""
+    """Why, for logs (e.g. ``rejected``, ``aborted``)."""
+
+
+class KeepaliveRequest(_Strict, kw_only=True):
+    """Engine (decode) -> sidecar: keep the holds behind these tickets alive (requests queued).
+
+    The sidecar groups the tickets by prefill sidecar (``Ticket.peer``) and sends each one
+    heartbeat for its holds; the answer is a HeartbeatResponse over all of them.
+    """
+
+    tickets: list[Ticket]
+    """Tickets of the holds to extend: any requests, any prefill ranks (repeats count once)."""
+    extend_s: Annotated[float, msgspec.Meta(extra_json_schema=_POSITIVE)]
+    """Seconds from now each lease should last at least (each prefill side caps it)."""
+
+
+class PullAccepted(_Strict, kw_only=True):
+    """Sidecar -> engine: the pull is under way."""
+
+    pull_id: str
+    """Handle for status queries."""
+
+
+class PullStatus(_Strict, kw_only=True):
+    """State of one pull."""
+
+    pull_id: str
+    """The pull."""
+    state: PullStateName
+    """Forward-only: pending < handshaking < claiming < transferring < done; failed is final."""
+    reason: str = ""
+    """Machine-readable failure code when failed (e.g. hold_expired, peer_disconnected)."""
+    detail: str = ""
+    """Human-readable failure detail."""
+    kv_bytes: int = 0
+    """Attention bytes moved."""
+    state_bytes: int = 0
+    """Mamba state bytes moved."""
+    descriptors: int = 0
+    """Descriptors posted."""
+    duration_s: float = 0.0
+    """Wall time from accept to done/failed."""
+
+
+class ReleasedHold(_Strict, kw_only=True):
+    """A hold that ended; the engine may free its blocks."""
+
+    hold_id: str
+    """The hold."""
+    request_id: str
+    """The engine's request id."""
+    block_ids: list[list[int]]
+    """The blocks it pinned, per group."""
+    reason: HoldReleaseReason
+    """Why it ended."""
+
+
+class ReleasedHolds(_Strict, kw_only=True):
+    """Feed of released holds since a cursor (one page)."""
+
+    holds: list[ReleasedHold]
+    """Released holds, oldest first."""
+    cursor: int
+    """Pass back to get only newer entries."""
+    more: bool = False
+    """More entries are waiting past this page: ask again at once with ``cursor``."""
+
+
+class FinishedPull(_Strict, kw_only=True):
+    """A pull that reached done or failed (the finished-pulls feed)."""
+
+    pull_id: str
+    """The pull."""
+    request_id: str
+    """``PullRequest.request_id`` of the pull."""
+    state: Literal["done", "failed"]
+    """How it ended."""
+    reason: str = ""
+    """Failure reason code when failed."""
+    failed_block_ids: list[list[int]] = []
+    """Local block ids per group whose bytes are not valid (all of the pull's when failed)."""
+
+
+class FinishedPulls(_Strict, kw_only=True):
+    """Feed of finished pulls since a cursor (one page); one local call per engine step."""
+
+    pulls: list[FinishedPull]
+    """Finished pulls, oldest first."""
+    cursor: int
+    """Pass back to get only newer entries."""
+    more: bool = False
+    """More entries are waiting past this page."""

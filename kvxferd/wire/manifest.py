@@ -1,0 +1,210 @@
+"""The KV manifest: regions, groups, layers and parts, the centre of everything."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+_POSITIVE = {"exclusiveMinimum": 0}
+"""Schema-only constraints (``extra_json_schema``) document what the sidecar checks itself, so
+its answer keeps naming the field with the error class it always used (HoldRequestError, ...)."""
+
+MANIFEST_VERSION = 1
+"""Bump when the manifest's meaning changes. 1: first version."""
+
+Dtype = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"]
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+MemType = Literal["DRAM", "VRAM"]
+GroupKind = Literal["full_attention", "sliding_window", "mamba"]
+HeadLayout = Literal["NHD", "HND"]
+KVOrder = Literal["kv_first", "blocks_first"]
+ConvLayout = Literal["SD", "DS"]
+MambaType = Literal["mamba1", "mamba2", "gdn"]
+PoolLayout = Literal["per_layer", "cross_layer"]
+
+
+class _Strict(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of the manifest Structs: immutable, keyword-only, typos rejected."""
+
+
+class Part(_Strict, kw_only=True):
+    """One piece of one layer's per-block data (K, V, a conv section, the SSM state).
+
+    A part repeats once per block unit. Inside one block unit it holds ``units`` TP units (heads,
+    head groups or channels) of ``unit_bytes`` each, ``unit_stride`` apart; when
+    ``unit_stride == unit_bytes`` the part is one contiguous run of ``units * unit_bytes``.
+    """
+
+    name: str
+    """What the part is: ``k``, ``v``, ``conv``, ``conv_x``, ``conv_b``, ``conv_c``, ``ssm``..."""
+    offset: int
+    """Bytes from the region base to this part in block unit 0."""
+    block_stride: int
+    """Bytes between this part in consecutive block units."""
+    units: int
+    """TP units (heads, groups, channels) this rank holds in this part."""
+    unit_bytes: int
+    """Bytes of one TP unit in one block unit."""
+    unit_stride: int
+    """Bytes between consecutive TP units inside one block unit (== unit_bytes if contiguous)."""
+    units_total: int
+    """TP units of this part across all ranks, before any replication."""
+    sliceable: bool = True
+    """Whether a rank may read a subset of the units (False for NHD K/V and unsectioned conv)."""
+    rows: int = 1
+    """Runs per TP unit: a unit is ``rows`` runs of ``unit_bytes``, ``row_stride`` apart (vLLM
+    packs K|V per token, so a head's K is one run per token; an SD conv section is one run per
+    conv row); 1: one run."""
+    row_stride: int = 0
+    """Bytes between consecutive runs of one TP unit (unused when ``rows == 1``)."""
+
+
+class AttentionLayer(_Strict, kw_only=True, tag="attention"):
+    """Where one attention layer's K and V live, and their head geometry (per rank)."""
+
+    name: str
+    """Layer name, e.g. ``model.layers.3.self_attn``."""
+    index: int
+    """Layer index in the model (0-based)."""
+    region: int
+    """Index into ``Manifest.regions`` of the pooled tensor that holds this layer."""
+    num_kv_heads: int
+    """KV heads this rank holds (replicated when tp_size > total heads)."""
+    total_kv_heads: int
+    """KV heads of the model."""
+    head_size: int
+    """Elements per head."""
+    dtype: Dtype
+    """KV cache element type."""
+    head_layout: HeadLayout
+    """NHD (tokens outer) or HND (heads outer; each head's tokens contiguous)."""
+    kv_order: KVOrder
+    """kv_first: all K blocks then all V blocks; blocks_first: per kernel block [K | V]."""
+    pack_index: int = 0
+    """Slot of this layer in its page when several attention layers share one (seed 000)."""
+    k: Part
+    """The K part."""
+    v: Part
+    """The V part."""
+    head_size_v: int = 0
+    """Elements per V head when it differs from ``head_size`` (0: the same)."""
+
+
+class MambaLayer(_Strict, kw_only=True, tag="mamba"):
+    """Where one Mamba/GDN layer's conv and SSM state live inside a page (unpadded)."""
+
+    name: str
+    """Layer name, e.g. ``model.layers.0.mixer``."""
+    index: int
+    """Layer index in the model (0-based)."""
+    region: int
+    """Index into ``Manifest.regions`` of the pooled tensor that holds this layer."""
+    mamba_type: MambaType
+    """Which mixer: mamba1, mamba2 or gated delta net."""
+    conv_shape: list[int]
+    """Conv state shape per rank, in ``conv_layout`` order."""
+    conv_dtype: Dtype
+    """Conv state element type."""
+    ssm_shape: list[int]
+    """SSM (temporal) state shape per rank."""
+    ssm_dtype: Dtype
+    """SSM state element type."""
+    conv_layout: ConvLayout
+    """SD: (state_len, dim); DS: (dim, state_len), so x/B/C (or q/k/v) sections are contiguous."""
+    conv: list[Part]
+    """Conv parts: one per section (x, B, C / q, k, v; SD: one run per conv row), or a single
+    unsliceable part when the sections are unknown."""
+    ssm: Part
+    """The SSM state part."""
+
+
+Layer = AttentionLayer | MambaLayer
+
+
+class Group(_Strict, kw_only=True):
+    """One KV-cache group: layers that share a block table (one per group in the engine)."""
+
+    kind: GroupKind
+    """full_attention, sliding_window or mamba."""
+    block_size: int
+    """Tokens per logical block (the id the engine's block table holds)."""
+    kernel_block_size: int
+    """Tokens per kernel block; attention blocks split into block_size // kernel_block_size."""
+    layers: list[Layer]
+    """The group's layers, ``layers[i]`` living in pooled region ``layers[i].region``."""
+    sliding_window: int | None = None
+    """Window in tokens, for sliding_window groups."""
+
+
+class Region(_Strict, kw_only=True):
+    """One pooled memory tensor, registered with NIXL once."""
+
+    name: str
+    """Stable name; for DRAM regions the POSIX shared-memory segment name."""
+    size_bytes: int
+    """Bytes of the region."""
+    num_blocks: int
+    """Logical blocks in the region (shared block-id space of all groups)."""
+    page_bytes: int
+    """Bytes per logical block (the block stride of hybrid pages)."""
+    mem: MemType = "DRAM"
+    """DRAM (shared memory) or VRAM (CUDA IPC)."""
+    device_id: int = 0
+    """GPU index for VRAM; 0 for DRAM."""
+    source: int = -1
+    """Index into ``RegisterRequest.regions`` of the allocation this region lives in; -1: the
+    source at this region's own index (one allocation per region)."""
+    source_offset: int = 0
+    """Bytes from the start of that allocation to this region (vLLM: one backing buffer per
+    worker, many regions inside it)."""
+
+
+class Manifest(_Strict, kw_only=True):
+    """An engine rank's KV-cache layout: identity, pooled regions and groups."""
+
+    model: str
+    """Model name or architecture, informational."""
+    num_blocks: int
+    """Logical block ids are 0..num_blocks-1, shared by all groups (vLLM's one block pool)."""
+    regions: list[Region]
+    """Pooled tensors, each registered once."""
+    groups: list[Group]
+    """KV-cache groups in engine order."""
+    tp_rank: int = 0
+    """This rank's tensor-parallel index."""
+    tp_size: int = 1
+    """Tensor-parallel world size of the engine."""
+    layout: PoolLayout = "per_layer"
+    """per_layer: a tensor per layer slot; cross_layer: a tensor per page-size group (seed 001)."""
+    attn_pack_size: int = 1
+    """Attention layers sharing one page (seed 000)."""
+    engine_id: str = ""
+    """Engine identity, set by the sidecar at registration."""
+    epoch: int = 0
+    """Boot epoch of the engine/sidecar; a restart gets a new one."""
+    version: int = MANIFEST_VERSION
+    """Manifest format version."""
+
+
+manifest_encoder = msgspec.json.Encoder()
+manifest_decoder = msgspec.json.Decoder(Manifest)
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    """JSON bytes of a manifest."""
+    return manifest_encoder.encode(manifest)
+
+
+def decode_manifest(data: bytes | str) -> Manifest:
+    """Parse and type-check a manifest (raises ``msgspec.ValidationError``)."""
+    return manifest_decoder.decode(data)

@@ -1,0 +1,102 @@
+"""The peer API's messages (TCP, signed, sidecar to sidecar)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from kvxferd.wire.engine import Ticket
+from kvxferd.wire.manifest import _POSITIVE, Manifest
+
+
+class Handshake(msgspec.Struct, frozen=True, kw_only=True):
+    """Exchanged both ways on first contact (per engine id + epoch); lenient to new fields."""
+
+    protocol_version: int
+    """PROTOCOL_VERSION of the sender."""
+    engine_id: str
+    """Sender's engine identity."""
+    epoch: int
+    """Sender's boot epoch."""
+    agent_name: str
+    """Sender's NIXL agent name."""
+    agent_metadata: bytes
+    """Sender's NIXL agent metadata (base64 in JSON)."""
+    manifest: Manifest
+    """Sender's KV manifest."""
+    region_bases: list[int]
+    """Base address of each manifest region in the sender's process (for READ descriptors)."""
+
+
+class ClaimRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode sidecar -> prefill sidecar: pin a hold while I read it."""
+
+    ticket: Ticket
+    """The ticket (its HMAC is checked)."""
+    reader: str
+    """The reader's agent name (the notification will come from it)."""
+    reader_tp_size: int
+    """Decode TP size: how many decode ranks may read this prefill rank follows from it."""
+    claim_s: float
+    """How long the claim pins the hold."""
+
+
+class ClaimResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """Claim granted."""
+
+    hold_id: str
+    """The hold."""
+    expires_at: float
+    """Unix time the claim ends."""
+    expected_readers: int
+    """Notifications the prefill side waits for before releasing."""
+    claim_s: float = 0.0
+    """Seconds the claim pins the hold from when it was granted (the request's ``claim_s``, cut
+    to the prefill side's cap and never past what the hold allows): the reader's READs must
+    end within this time, counted from when it sent the claim (0: an older peer, unknown)."""
+
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode side -> prefill side: keep these holds alive (requests still queued)."""
+
+    hold_ids: list[str]
+    """Holds to extend."""
+    extend_s: Annotated[float, msgspec.Meta(extra_json_schema=_POSITIVE)]
+    """Seconds to extend each lease by (capped by the prefill side)."""
+
+
+class HeartbeatResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """Which holds were extended and which are gone."""
+
+    extended: list[str]
+    """Holds whose lease was extended."""
+    missing: list[str]
+    """Holds that no longer exist (expired or released)."""
+    unanswered: list[str] = []
+    """Holds whose prefill sidecar gave no usable answer (unreachable, timed out, refused), so
+    their lease is unknown; only a decode sidecar's keepalive answer has any."""
+
+
+class DeclineResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """What a decline did to each hold (the engine API merges every prefill side's answer)."""
+
+    released: list[str]
+    """Holds released now, reason ``declined``."""
+    missing: list[str]
+    """Holds that were already gone (released, expired) or do not match their ticket."""
+    busy: list[str] = []
+    """Holds a reader has claimed and may be reading: left to its notification or expiry."""
+    unanswered: list[str] = []
+    """Holds whose prefill sidecar gave no usable answer (they expire with their lease)."""
+
+
+class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
+    """Body of every 4xx/5xx answer of both APIs."""
+
+    error: str
+    """Error class, e.g. BlockIdError."""
+    detail: str
+    """Human-readable message."""
+    field: str = ""
+    """The offending request field, when one is to blame."""

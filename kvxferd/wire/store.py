@@ -1,0 +1,108 @@
+"""The engine API's store messages (save, lookup and load of the offload tier)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kvxferd.wire.manifest import _Strict
+
+
+class StoreSaveRequest(_Strict, kw_only=True):
+    """Engine -> sidecar: keep a request's computed blocks in the store (issue 12)."""
+
+    request_id: str
+    """The engine's request id, for logs."""
+    keys: list[str]
+    """Chunk keys of the prompt (``kvxferd.store.chunk_keys``): one per ``store_chunk_tokens``
+    tokens, the last chunk possibly partial."""
+    block_ids: list[list[int]] = []
+    """Logical block ids per group, in request order (mamba: the state block last); empty when
+    ``hold_id`` names them."""
+    num_tokens: int = -1
+    """Tokens the blocks hold (the Mamba state is the state after this many); -1 with
+    ``hold_id``: the hold's."""
+    hold_id: str = ""
+    """Save the blocks of this live hold (pinned while it lasts) instead of ``block_ids``."""
+
+
+class StoreSaved(_Strict, kw_only=True):
+    """Sidecar -> engine: what a save stored; the blocks may be freed once this arrives."""
+
+    chunks_saved: int
+    """Entries (chunk x group) written."""
+    chunks_present: int
+    """Entries already in the store (not written again)."""
+    kv_bytes: int = 0
+    """Attention bytes copied out of the blocks."""
+    state_bytes: int = 0
+    """Mamba state bytes copied out of the blocks."""
+    dram_bytes: int = 0
+    """Entry bytes put into the DRAM tier."""
+    file_bytes: int = 0
+    """Entry bytes written to the file tier."""
+    duration_s: float = 0.0
+    """Wall time of the save."""
+
+
+class StoreLookupRequest(_Strict, kw_only=True):
+    """Engine -> sidecar: how much of this prompt can the store serve?"""
+
+    keys: list[str]
+    """Chunk keys of the prompt."""
+    num_tokens: int
+    """Prompt tokens the keys cover."""
+
+
+class StoreLookup(_Strict, kw_only=True):
+    """Sidecar -> engine: tokens each group can serve, and the prefix all of them can."""
+
+    matched_tokens: list[int]
+    """Per group: attention, the chunks present from the start; mamba, the end of the latest
+    chunk with a saved state."""
+    matched: int
+    """Tokens a load can bring back: the longest prefix every group serves (a state exactly at
+    its end). Less than a group's own count when groups disagree (logged, counted)."""
+    disagree: bool = False
+    """Whether some group's count differs from ``matched``."""
+
+
+class StoreLoadRequest(_Strict, kw_only=True):
+    """Engine -> sidecar: write a prompt's first tokens from the store into local blocks."""
+
+    keys: list[str]
+    """Chunk keys of the tokens to load (one per chunk of ``num_tokens``)."""
+    block_ids: list[list[int]]
+    """Local logical block ids per group (mamba: the state block last)."""
+    num_tokens: int
+    """Tokens to load: a lookup's ``matched`` (or fewer, on a chunk boundary)."""
+    request_id: str = ""
+    """The engine's request id, for logs."""
+    deadline_s: float = 30.0
+    """Past this the load stops before its next chunk and answers failed (``deadline``); the
+    answer comes only once nothing more is written (a client waits a margin longer)."""
+
+
+class StoreLoadStatus(_Strict, kw_only=True):
+    """Sidecar -> engine: a load's end state; like PullStatus, a failed load wrote nothing valid."""
+
+    state: Literal["done", "failed"]
+    """done: every byte of ``num_tokens`` tokens is in the blocks; failed: treat them as unset."""
+    reason: str = ""
+    """Failure code: store_miss (an entry is not there, or went away), store_corrupt (an entry
+    failed its checks and was deleted)."""
+    detail: str = ""
+    """Human-readable failure detail."""
+    tokens: int = 0
+    """Tokens loaded."""
+    kv_bytes: int = 0
+    """Attention bytes written into the blocks."""
+    state_bytes: int = 0
+    """Mamba state bytes written into the blocks."""
+    dram_bytes: int = 0
+    """Entry bytes served by the DRAM tier."""
+    file_bytes: int = 0
+    """Entry bytes read from the file tier."""
+    dram_hit_rate: float = 0.0
+    """Share of the entry bytes served by DRAM (the rest came from files)."""
+    duration_s: float = 0.0
+    """Wall time of the load."""
