@@ -15,7 +15,7 @@ import pytest
 from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
 from kvxferd.layout.presets import CONFIG_DIR
 from kvxferd.vllm import cpu
-from kvxferd.vllm.manifest import vllm_manifest
+from kvxferd.vllm.manifest import conv_geometry, vllm_manifest
 from kvxferd.wire import AttentionLayer
 
 CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
@@ -44,16 +44,15 @@ def _merge(starts: np.ndarray, ends: np.ndarray) -> list[tuple[int, int]]:
 
 def _unit_bytes(layer, units_per_block: int, block: int) -> dict[tuple[str, int], list]:
     """(part, local TP unit) -> merged byte intervals of one logical block, from the region's
-    start. Conv sections (DS) count as one conv part: vLLM's rank holds its conv as one unit."""
+    start (conv sections by their names: x|B|C, Q|K|V, x)."""
     if isinstance(layer, AttentionLayer):
         parts = [("k", layer.k), ("v", layer.v)]
     else:
-        parts = [("conv", c) for c in layer.conv] + [("ssm", layer.ssm)]
-    merged_conv = len(layer.conv) > 1 if not isinstance(layer, AttentionLayer) else False
+        parts = [(f"conv.{c.name}", c) for c in layer.conv] + [("ssm", layer.ssm)]
     out: dict[tuple[str, int], tuple[list, list]] = {}
     for name, p in parts:
         for i in range(p.units):
-            key = (name, 0 if name == "conv" and merged_conv else i)
+            key = (name, i)
             starts, ends = out.setdefault(key, ([], []))
             for u in range(block * units_per_block, (block + 1) * units_per_block):
                 grid = (
@@ -71,7 +70,7 @@ def _units_total(layer) -> dict[str, int]:
     """TP units of each part across ranks (what a peer slices by)."""
     if isinstance(layer, AttentionLayer):
         return {"k": layer.k.units_total, "v": layer.v.units_total}
-    return {"ssm": layer.ssm.units_total}
+    return {"ssm": layer.ssm.units_total} | {f"conv.{c.name}": c.units_total for c in layer.conv}
 
 
 def _vllm(name: str, tmp_path, layout: str, tp_size: int, tp_rank: int):
@@ -83,8 +82,11 @@ def _vllm(name: str, tmp_path, layout: str, tp_size: int, tp_rank: int):
     engine = cpu.build(str(d), num_blocks=48, layout=layout, max_model_len=16, tp_size=tp_size)
     views = cpu.allocate(engine, layout)
     heads = engine.config.model_config.get_total_num_kv_heads()
-    m = vllm_manifest(views, engine.kv_cache_config, model=name, tp_rank=tp_rank,
-                      tp_size=tp_size, total_kv_heads=heads, region_prefix="v")  # fmt: skip
+    # The conv sections as the connector reads them (kvxferd.vllm.connector._conv_geometry).
+    conv = conv_geometry(engine.config.model_config.hf_config.to_dict(), tp_size,
+                         os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "SD"))  # fmt: skip
+    m = vllm_manifest(views, engine.kv_cache_config, model=name, tp_rank=tp_rank, tp_size=tp_size,
+                      total_kv_heads=heads, region_prefix="v", conv=conv)  # fmt: skip
     return engine, m
 
 
