@@ -144,20 +144,8 @@ def _attention_layer(p: Placement, spec: LayerSpec, slot: int, pack_index: int) 
             row_stride=row_stride,
         )
 
-    return AttentionLayer(
-        name=spec.name,
-        index=spec.index,
-        region=0 if p.cross_layer else slot,
-        num_kv_heads=heads,
-        total_kv_heads=attn.num_kv_heads,
-        head_size=attn.head_size,
-        dtype=p.kv_dtype,  # type: ignore[arg-type]
-        head_layout=p.head_layout,
-        kv_order="blocks_first",
-        pack_index=pack_index,
-        k=part("k", offset),
-        v=part("v", offset + attn.head_size * es),
-    )
+    k, v = part("k", offset), part("v", offset + attn.head_size * es)
+    return _layer(p, spec, slot, pack_index, heads, "blocks_first", k, v)
 
 
 def _block_attention_layer(
@@ -212,6 +200,14 @@ def _block_attention_layer(
             sliceable=False,
         )
 
+    return _layer(p, spec, slot, pack_index, heads, p.kv_order, part("k", k_off), part("v", v_off))
+
+
+def _layer(p: Placement, spec: LayerSpec, slot: int, pack_index: int, heads: int, kv_order: str,
+           k: Part, v: Part) -> AttentionLayer:  # fmt: skip
+    """One attention layer of this rank from its K and V parts."""
+    attn = p.geom.attention
+    assert attn is not None
     return AttentionLayer(
         name=spec.name,
         index=spec.index,
@@ -221,10 +217,10 @@ def _block_attention_layer(
         head_size=attn.head_size,
         dtype=p.kv_dtype,  # type: ignore[arg-type]
         head_layout=p.head_layout,
-        kv_order=p.kv_order,
+        kv_order=kv_order,  # type: ignore[arg-type]
         pack_index=pack_index,
-        k=part("k", k_off),
-        v=part("v", v_off),
+        k=k,
+        v=v,
     )
 
 
