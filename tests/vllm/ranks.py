@@ -3,9 +3,12 @@ POSIX shared-memory segment (so a real sidecar maps them) and a worker-role Kvxf
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from kvxferd.vllm import pdcheck
 from kvxferd.vllm.connector import KvxferdMetadata
-from tests.sidecar.harness import SENTINEL
+from kvxferd.vllm.scheduler import SchedulerSide
+from tests.sidecar.harness import SENTINEL, TOKEN
 
 
 class Rank(pdcheck.Rank):
@@ -17,6 +20,23 @@ class Rank(pdcheck.Rank):
 
     def step(self, orders) -> tuple:
         return super().step(KvxferdMetadata(orders))
+
+
+def prefill_side(identities, block_size: int, *, tp_size: int = 1, partial_prefill: bool = False,
+                 **kw) -> SchedulerSide:  # fmt: skip
+    """The scheduler side of prefill engine "P" (the test secret), minting from ``identities``."""
+    return SchedulerSide(engine_id="P", tp_size=tp_size, secret=TOKEN.encode(),
+                         identities=identities, block_size=block_size,
+                         partial_prefill=partial_prefill, **kw)  # fmt: skip
+
+
+def finish(sched: SchedulerSide, rid: str, block_ids, n: int) -> tuple[bool, dict | None]:
+    """The prefill finishes ``rid`` (``n`` prompt tokens) on ``block_ids`` (per group): whether
+    its blocks wait for the hold, and the kv_transfer_params it returns."""
+    req = SimpleNamespace(request_id=rid, prompt_token_ids=list(range(n)),
+                          kv_transfer_params={"do_remote_decode": True},
+                          status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))  # fmt: skip
+    return sched.finished(req, tuple(block_ids))
 
 
 def request(rid: str, n: int, params: dict | None, block_size: int = 128, *,

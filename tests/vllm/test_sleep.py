@@ -13,8 +13,8 @@ import pytest
 from kvxferd import pattern
 from kvxferd.vllm.connector import KvxferdConnector
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
-from tests.sidecar.harness import TOKEN, changed_outside, start_sidecars, wait_until
-from tests.vllm.ranks import Rank
+from tests.sidecar.harness import changed_outside, start_sidecars, wait_until
+from tests.vllm.ranks import Rank, finish, prefill_side
 
 pytestmark = pytest.mark.nixl
 N = 300  # tokens: three 128-token blocks
@@ -22,10 +22,7 @@ N = 300  # tokens: three 128-token blocks
 
 def _finished(sched: SchedulerSide, rid: str, ids: list[int]) -> dict:
     """The prefill finishes ``rid`` on blocks ``ids``: the kv_transfer_params it returns."""
-    req = SimpleNamespace(request_id=rid, prompt_token_ids=list(range(N)),
-                          kv_transfer_params={"do_remote_decode": True},
-                          status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))  # fmt: skip
-    delay, params = sched.finished(req, (ids,))
+    delay, params = finish(sched, rid, [ids], N)
     assert delay and params["kvxferd_tickets"]
     return params
 
@@ -54,9 +51,7 @@ def test_sleep_refuses_old_tickets_and_wake_moves_new_requests_byte_exact(engine
             with p_side.client() as c:
                 return [c.identity()]
 
-        sched = SchedulerSide(engine_id="P", tp_size=1, secret=TOKEN.encode(),
-                              identities=identities, block_size=128,
-                              partial_prefill=False)  # fmt: skip
+        sched = prefill_side(identities, 128)
         old = _finished(sched, "r1", [1, 2, 3])
         assert old["remote_registration_generation"] == 0
         pattern.write_pattern(prefill.manifest, prefill.arrays(), [[1, 2, 3]], seed=5)

@@ -11,8 +11,8 @@ import pytest
 
 from kvxferd import pattern
 from kvxferd.vllm.scheduler import SchedulerSide
-from tests.sidecar.harness import TOKEN, changed_outside, start_sidecars, wait_until
-from tests.vllm.ranks import Rank
+from tests.sidecar.harness import changed_outside, start_sidecars, wait_until
+from tests.vllm.ranks import Rank, finish, prefill_side
 
 pytestmark = pytest.mark.nixl
 
@@ -45,23 +45,12 @@ def test_a_request_moves_byte_exact_between_two_vllm_workers(engines, model, lay
         with p_side.client() as c:
             ident = c.identity()
         hybrid = engine.config.model_config.is_hybrid
-        sched = SchedulerSide(
-            engine_id="P",
-            tp_size=1,
-            secret=TOKEN.encode(),
-            identities=lambda: [ident],
-            block_size=engine.config.cache_config.block_size,
-            partial_prefill=hybrid,
+        sched = prefill_side(
+            lambda: [ident], engine.config.cache_config.block_size, partial_prefill=hybrid
         )
         n = 300
         p_ids = _ids(engine, 1, n)
-        request = SimpleNamespace(
-            request_id="r1",
-            prompt_token_ids=list(range(n)),
-            kv_transfer_params={"do_remote_decode": True},
-            status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
-        )
-        delay, params = sched.finished(request, tuple(p_ids))
+        delay, params = finish(sched, "r1", p_ids, n)
         assert delay and params["kvxferd_tickets"]
         held = [[b for b in g if b] for g in p_ids]
         pattern.write_pattern(prefill.manifest, prefill.arrays(), held, seed=11)
@@ -100,21 +89,10 @@ def test_a_pull_that_cannot_complete_reports_its_blocks_as_load_errors(engines, 
         prefill, decode = Rank(engine, "LBHNC", p_side), Rank(engine, "LBHNC", d_side)
         with p_side.client() as c:
             ident = c.identity()
-        sched = SchedulerSide(
-            engine_id="P",
-            tp_size=1,
-            secret=TOKEN.encode(),
-            identities=lambda: [ident],
-            block_size=engine.config.cache_config.block_size,
-            partial_prefill=False,
+        sched = prefill_side(
+            lambda: [ident], engine.config.cache_config.block_size, partial_prefill=False
         )
-        request = SimpleNamespace(
-            request_id="r1",
-            prompt_token_ids=list(range(300)),
-            kv_transfer_params={"do_remote_decode": True},
-            status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
-        )
-        _delay, params = sched.finished(request, ([3, 4, 5],))
+        _delay, params = finish(sched, "r1", ([3, 4, 5],), 300)
         sched.take_orders()  # the prefill worker never places the hold: the claim finds none
         dreq = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(300)),
                                kv_transfer_params=dict(params))  # fmt: skip
@@ -181,23 +159,15 @@ def test_heterogeneous_tp_moves_every_head_byte_exact(
             with side.client() as c:
                 idents.append(c.identity())
         hybrid = p_eng.config.model_config.is_hybrid
-        sched = SchedulerSide(
-            engine_id="P",
+        sched = prefill_side(
+            lambda: idents,
+            p_eng.config.cache_config.block_size,
             tp_size=p_tp,
-            secret=TOKEN.encode(),
-            identities=lambda: idents,
-            block_size=p_eng.config.cache_config.block_size,
             partial_prefill=hybrid,
         )
         n = 300
         p_ids = _ids(p_eng, 1, n)
-        request = SimpleNamespace(
-            request_id="r1",
-            prompt_token_ids=list(range(n)),
-            kv_transfer_params={"do_remote_decode": True},
-            status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
-        )
-        _delay, params = sched.finished(request, tuple(p_ids))
+        _delay, params = finish(sched, "r1", p_ids, n)
         assert [t["tp_rank"] for t in params["kvxferd_tickets"]] == list(range(p_tp))
         held = [[b for b in g if b] for g in p_ids]
         orders = sched.take_orders()
@@ -259,20 +229,12 @@ def test_different_block_sizes_re_block_every_token_byte_exact(engines, p_bs, d_
             ident = c.identity()
 
         def side(bs: int) -> SchedulerSide:
-            return SchedulerSide(engine_id="P", tp_size=1, secret=TOKEN.encode(),
-                                 identities=lambda: [ident], block_size=bs,
-                                 partial_prefill=False, group_kinds=["attention"])  # fmt: skip
+            return prefill_side(lambda: [ident], bs, group_kinds=["attention"])
 
         p_sched, d_sched = side(p_bs), side(d_bs)
         n = 300
         p_ids = _ids(p_eng, 1, n)
-        request = SimpleNamespace(
-            request_id="r1",
-            prompt_token_ids=list(range(n)),
-            kv_transfer_params={"do_remote_decode": True},
-            status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
-        )
-        _delay, params = p_sched.finished(request, tuple(p_ids))
+        _delay, params = finish(p_sched, "r1", p_ids, n)
         assert params["remote_block_size"] == p_bs
         pattern.write_token_pattern(prefill.manifest, prefill.arrays(), p_ids, n, seed=31)
         assert prefill.step(p_sched.take_orders()) == (None, None)
