@@ -250,6 +250,14 @@ def plan_pull(
     """
     if geometry.reblock is not None:
         return geometry.reblock.plan(local_ids, remote_ids, num_tokens, remote_tokens)
+    return geometry.plan(*id_pairs(local_ids, remote_ids))
+
+
+def id_pairs(
+    local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per-group (local, remote) id arrays without the pairs whose local id is -1 (already
+    held here); BlockIdError when the groups or their lengths differ."""
     if len(local_ids) != len(remote_ids):
         raise BlockIdError(
             "remote_block_ids", f"{len(remote_ids)} groups in the ticket, {len(local_ids)} here"
@@ -263,4 +271,4 @@ def plan_pull(
         keep = lo_a >= 0
         out_l.append(lo_a[keep])
         out_r.append(re_a[keep])
-    return geometry.plan(out_l, out_r)
+    return out_l, out_r

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxferd.descriptors.geometry import kernel_ids
-from kvxferd.descriptors.mapping import ReadGeometry
+from kvxferd.descriptors.mapping import ReadGeometry, id_pairs
 from kvxferd.descriptors.pieces import Pieces
-from kvxferd.errors import BlockIdError, IncompatiblePeerError
+from kvxferd.errors import IncompatiblePeerError
 
 MAX_ROWS = 1 << 21
 """Largest table (rows per side) :func:`prepped_geometry` builds; larger pairs are not prepped."""
@@ -96,7 +96,7 @@ class PreppedGeometry:
     ) -> IndexPlan:
         """A request's index pairs, validated like :func:`~.mapping.plan_pull` (local id -1
         skips the pair; BlockIdError names the field)."""
-        lids, rids = _pairs(local_ids, remote_ids)
+        lids, rids = id_pairs(local_ids, remote_ids)
         li: list[np.ndarray] = []
         ri: list[np.ndarray] = []
         kv = state = runs = 0
@@ -125,26 +125,6 @@ class PreppedGeometry:
             state,
             runs,
         )
-
-
-def _pairs(
-    local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]]
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per-group (local, remote) id arrays without the pairs whose local id is -1."""
-    if len(local_ids) != len(remote_ids):
-        raise BlockIdError(
-            "remote_block_ids", f"{len(remote_ids)} groups in the ticket, {len(local_ids)} here"
-        )
-    out_l, out_r = [], []
-    for g, (lo, re) in enumerate(zip(local_ids, remote_ids, strict=True)):
-        if len(lo) != len(re):
-            raise BlockIdError(f"block_ids[{g}]", f"{len(lo)} local ids for {len(re)} ticket ids")
-        lo_a = np.asarray(lo, dtype=np.int64)
-        re_a = np.asarray(re, dtype=np.int64)
-        keep = lo_a >= 0
-        out_l.append(lo_a[keep])
-        out_r.append(re_a[keep])
-    return out_l, out_r
 
 
 def _logical(p: Pieces, ratio: int) -> bool:
