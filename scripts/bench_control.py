@@ -36,24 +36,13 @@ from benchlib import control_load as load  # noqa: E402
 from benchlib import control_probe as probe  # noqa: E402
 from benchlib import control_report, report  # noqa: E402
 from benchlib.control_profile import profile  # noqa: E402
+from benchlib.tiny import TINY_MODEL, write_tiny_config  # noqa: E402
 
 import kvxferd  # noqa: E402
 from kvxferd.demo import Cluster, ClusterSpec  # noqa: E402
 
 TARGET_MS = 3.0
 """Issue 6: p50 end-to-end overhead of a tiny request at concurrency 1."""
-TINY_MODEL = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "torch_dtype": "bfloat16",
-    "hidden_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-}
-"""Dense, 2 layers x 1 KV head x 64 x bf16: 256 B of KV per token, 4 KiB per 16-token block and
-layer; a prompt shorter than a block moves one block per layer (8 KiB)."""
 PROMPTS = tuple(f"request {i} asks the model for one tiny token" for i in range(16))
 """11 tokens each (< one 16-token block, so the decode's prefix cache never skips a pull)."""
 FULL = {"requests": 300, "concurrency": "1,8,64", "rounds": 3, "warmup": 16, "profile": 100}
@@ -257,8 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--max-tokens: 1..4096")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvx-bench-control-") as tmp:
-        with open(os.path.join(tmp, "config.json"), "w") as fh:
-            json.dump(TINY_MODEL, fh)
+        write_tiny_config(tmp)
         settings = {"model": TINY_MODEL, "prompts": list(PROMPTS), "max_tokens": args.max_tokens,
                     "concurrency": levels, "requests": args.requests, "rounds": args.rounds,
                     "warmup": args.warmup, "profile_requests": args.profile,

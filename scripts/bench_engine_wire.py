@@ -36,22 +36,12 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 import msgspec  # noqa: E402
 from benchlib import report  # noqa: E402
 from benchlib.procs import Pool, SidecarProcess, plan  # noqa: E402
+from benchlib.tiny import write_tiny_config  # noqa: E402
 
 from kvxferd.client import EngineClient  # noqa: E402
 from kvxferd.pattern import verify_token_pattern, write_token_pattern  # noqa: E402
 from kvxferd.wire import HoldRequest, PullRequest, Ticket  # noqa: E402
 
-TINY_MODEL = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "torch_dtype": "bfloat16",
-    "hidden_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-}
-"""The control benchmark's model: 8 KiB of KV per one-block request."""
 NUM_BLOCKS = 64
 TOKENS = 11
 CALLS = ("healthz", "hold", "abort", "run_pull", "finished", "released")
@@ -139,9 +129,7 @@ def codec_rows(repeat: int = 50) -> list[dict]:
 
 def run(args: argparse.Namespace, tmp: str) -> dict:
     """Start both sidecars, measure, return the JSON result."""
-    config = os.path.join(tmp, "config.json")
-    with open(config, "w") as fh:
-        json.dump(TINY_MODEL, fh)
+    config = write_tiny_config(tmp)
     prefill, decode = SidecarProcess.start_many(tmp, ["prefill", "decode"])
     pools = (Pool(plan(config, NUM_BLOCKS, {})), Pool(plan(config, NUM_BLOCKS, {})))
     sides: dict[str, Side] = {}

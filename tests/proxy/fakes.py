@@ -8,11 +8,16 @@ and the params it was given, streamed as SSE when asked. Every request is record
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import queue
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,3 +192,35 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+READY_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def proxy_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``kvxferd proxy ARGS`` in a child process, once it printed its ready line (bounded):
+    (the process, its URL). Stopped (SIGTERM, then killed) and drained on the way out."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvxferd", "proxy", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    pump = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)  # type: ignore[union-attr]
+    pump.start()
+    try:
+        line = lines.get(timeout=READY_TIMEOUT_S)
+        assert line.startswith("kvxferd proxy ready url=http://127.0.0.1:"), line
+        yield proc, line.split("url=", 1)[1].strip()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+        pump.join(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()

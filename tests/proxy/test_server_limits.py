@@ -4,11 +4,6 @@ deeply nested JSON a 4xx; requests within the limits still go through."""
 
 from __future__ import annotations
 
-import os
-import queue
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 
 import httpx
@@ -22,9 +17,8 @@ from tests.proxy.edge import (
     check_oversized_announced,
     check_stalled_body,
 )
-from tests.proxy.fakes import FakeBackend, fake_app, serve_app
+from tests.proxy.fakes import FakeBackend, fake_app, proxy_process, serve_app
 
-READY_TIMEOUT_S = 60.0
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -33,26 +27,11 @@ def proxy() -> Iterator[tuple[str, int]]:
     """A proxy with small limits in front of fake backends: (url, port)."""
     prefill = serve_app(fake_app(FakeBackend("P0", "prefill")))
     decode = serve_app(fake_app(FakeBackend("D0", "decode")))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvxferd", "proxy", "--prefill", prefill.url, "--decode",
-         decode.url, "--port", "0", *TEST_LIMITS],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    lines: queue.Queue[str] = queue.Queue()
-    pump = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)  # type: ignore[union-attr]
-    pump.start()
     try:
-        line = lines.get(timeout=READY_TIMEOUT_S)
-        assert line.startswith("kvxferd proxy ready url="), line
-        url = line.split("url=", 1)[1].strip()
-        yield url, int(url.rsplit(":", 1)[1])
+        with proxy_process("--prefill", prefill.url, "--decode", decode.url, "--port", "0",
+                           *TEST_LIMITS) as (_proc, url):  # fmt: skip
+            yield url, int(url.rsplit(":", 1)[1])
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        pump.join(timeout=10)
-        assert proc.stdout is not None
-        proc.stdout.close()
         prefill.stop()
         decode.stop()
 

@@ -1,0 +1,37 @@
+"""scripts/bench_engine_wire.py runs end to end and reports its ratios (not a speed test): every
+hot call measured in both encodings over a real sidecar's engine socket, the codec rows, and
+msgpack bodies smaller than JSON's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.nixl
+
+ROOT = Path(__file__).resolve().parents[1]
+CALLS = {"healthz", "hold", "abort", "run_pull", "finished", "released"}
+
+
+def test_a_short_run_measures_every_hot_call_in_both_encodings(tmp_path):
+    out = tmp_path / "wire.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_engine_wire.py"), "--iterations", "3",
+         "--warmup", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={**os.environ, "UCX_NET_DEVICES": "lo"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["iterations"] == 3
+    assert {r["call"] for r in result["rows"]} == CALLS
+    for row in result["rows"]:
+        assert row["json_p50_ms"] > 0 and row["msgpack_p50_ms"] > 0 and row["n"] == 3
+        assert row["ratio"] == pytest.approx(row["msgpack_p50_ms"] / row["json_p50_ms"])
+    assert [r["blocks_per_group"] for r in result["codec"]] == [1, 1000, 8000]
+    assert all(r["msgpack_bytes"] < r["json_bytes"] for r in result["codec"])
