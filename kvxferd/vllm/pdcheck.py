@@ -119,17 +119,22 @@ def _scheduler(engine: cpu.Engine) -> Any:
     )
 
 
-def _request(rid: str, tokens: list[int], params: dict, block_size: int) -> Any:
+def request(
+    rid: str, tokens: list[int], params: dict | None, block_size: int, max_tokens: int = 1
+) -> Any:
+    """A vLLM Request of ``tokens`` carrying ``params`` as its kv_transfer_params (in its
+    sampling params' extra_args too, as vLLM's API server puts them)."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
+    extra = {"kv_transfer_params": params} if params else None
     req = Request(
         request_id=rid,
         prompt_token_ids=tokens,
-        sampling_params=SamplingParams(max_tokens=1),
+        sampling_params=SamplingParams(max_tokens=max_tokens, extra_args=extra),
         pooling_params=None,
         block_hasher=get_request_block_hasher(block_size, sha256),
     )
@@ -137,7 +142,8 @@ def _request(rid: str, tokens: list[int], params: dict, block_size: int) -> Any:
     return req
 
 
-def _step(sched: Any, connector_output: Any = None) -> tuple[Any, dict]:
+def step(sched: Any, connector_output: Any = None, token: int = 1) -> tuple[Any, dict]:
+    """One scheduler step with made-up model outputs: ``token`` sampled for every request."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     out = sched.schedule()
@@ -145,7 +151,7 @@ def _step(sched: Any, connector_output: Any = None) -> tuple[Any, dict]:
     mro = ModelRunnerOutput(
         req_ids=ids,
         req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[1] for _ in ids],
+        sampled_token_ids=[[token] for _ in ids],
         kv_connector_output=connector_output,
     )
     return out, sched.update_from_output(out, mro)
@@ -269,8 +275,8 @@ def run(
         for i in range(requests):
             rid = f"req-{i}"
             tokens = [int(t) for t in np.random.default_rng(i).integers(1, 1000, prompt_tokens)]
-            prefill.sched.add_request(_request(rid, tokens, {"do_remote_decode": True}, bs))
-            out, eng_out = _step(prefill.sched)
+            prefill.sched.add_request(request(rid, tokens, {"do_remote_decode": True}, bs))
+            out, eng_out = step(prefill.sched)
             outs = [o for eo in eng_out.values() for o in eo.outputs if o.kv_transfer_params]
             params = outs[0].kv_transfer_params
             held = [list(g) for g in params["kvxferd_tickets"][0]["block_ids"]]
@@ -280,11 +286,11 @@ def run(
             prefill.work(out.kv_connector_metadata)
             # vLLM builds a step's metadata before the step's outputs finish requests: the hold
             # the finished prefill minted rides in the next step's metadata.
-            out, _ = _step(prefill.sched)
+            out, _ = step(prefill.sched)
             prefill.work(out.kv_connector_metadata)
 
-            decode.sched.add_request(_request(f"d-{i}", tokens, dict(params), bs))
-            out, _ = _step(decode.sched)
+            decode.sched.add_request(request(f"d-{i}", tokens, dict(params), bs))
+            out, _ = step(decode.sched)
             pulls = out.kv_connector_metadata.orders.pulls
             decode.work(out.kv_connector_metadata)
             deadline = time.monotonic() + timeout_s
@@ -292,7 +298,7 @@ def run(
             errors = set().union(
                 *(r.connector.get_block_ids_with_load_errors() for r in decode.ranks)
             )
-            _step(decode.sched, KVConnectorOutput(finished_recving=recv or set()))
+            step(decode.sched, KVConnectorOutput(finished_recving=recv or set()))
             target = pulls[0].block_ids if pulls else [[] for _ in held]
             bad = next(
                 (b for r in decode.ranks
@@ -310,7 +316,7 @@ def run(
                 report.state_bytes += state
             report.requests_ok += 1
             sending = _wait_all(prefill.ranks, 0, meta_type, deadline)
-            _step(prefill.sched, KVConnectorOutput(finished_sending=sending or set()))
+            step(prefill.sched, KVConnectorOutput(finished_sending=sending or set()))
             decode.sched.finish_requests(f"d-{i}", _finished_status())
     finally:
         for engine in built:

@@ -43,34 +43,10 @@ def request(rid: str, n: int, params: dict | None, block_size: int = 128, *,
             prompt: list[int] | None = None, max_tokens: int = 1):  # fmt: skip
     """A vLLM Request of ``n`` prompt tokens (1..n, or ``prompt``) carrying ``params`` as its
     kv_transfer_params."""
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-
-    sp = SamplingParams(
-        max_tokens=max_tokens, extra_args={"kv_transfer_params": params} if params else None
-    )
-    req = Request(request_id=rid, prompt_token_ids=prompt or list(range(1, n + 1)),
-                  sampling_params=sp,
-                  pooling_params=None,
-                  block_hasher=get_request_block_hasher(block_size, sha256))  # fmt: skip
-    req.kv_transfer_params = params
-    return req
+    tokens = prompt or list(range(1, n + 1))
+    return pdcheck.request(rid, tokens, params, block_size, max_tokens)
 
 
 def step(sched, connector_output=None):
-    """One scheduler step with made-up model outputs (one sampled token per request)."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    out = sched.schedule()
-    ids = list(out.num_scheduled_tokens)
-    mro = ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[7] for _ in ids],
-        kv_connector_output=connector_output,
-    )
-    return out, sched.update_from_output(out, mro)
+    """One scheduler step with made-up model outputs (token 7 sampled for every request)."""
+    return pdcheck.step(sched, connector_output, token=7)
