@@ -3,12 +3,14 @@ POSIX shared-memory segment (so a real sidecar maps them) and a worker-role Kvxf
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 from kvxferd.vllm import pdcheck
 from kvxferd.vllm.connector import KvxferdMetadata
 from kvxferd.vllm.scheduler import SchedulerSide
-from tests.sidecar.harness import SENTINEL, TOKEN
+from tests.sidecar.harness import SENTINEL, TOKEN, Sidecar, start_sidecars
 
 
 class Rank(pdcheck.Rank):
@@ -20,6 +22,25 @@ class Rank(pdcheck.Rank):
 
     def step(self, orders) -> tuple:
         return super().step(KvxferdMetadata(orders))
+
+
+@contextlib.contextmanager
+def worker_pair(tmp_path, layout: str, prefill_engine, decode_engine=None
+                ) -> Iterator[tuple[Rank, Rank, Sidecar]]:  # fmt: skip
+    """A prefill and a decode rank (one engine for both unless two are given), each beside its
+    own ``kvxferd serve`` ("p", "d"): (prefill, decode, the prefill's sidecar). Everything is
+    closed and stopped on the way out."""
+    p_side, d_side = start_sidecars(str(tmp_path), ["p", "d"])
+    ranks: list[Rank] = []
+    try:
+        ranks.append(Rank(prefill_engine, layout, p_side))
+        ranks.append(Rank(decode_engine or prefill_engine, layout, d_side))
+        yield ranks[0], ranks[1], p_side
+    finally:
+        for rank in ranks:
+            rank.close()
+        p_side.stop()
+        d_side.stop()
 
 
 def prefill_side(identities, block_size: int, *, tp_size: int = 1, partial_prefill: bool = False,

@@ -13,8 +13,8 @@ import pytest
 from kvxferd import pattern
 from kvxferd.vllm.connector import KvxferdConnector
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
-from tests.sidecar.harness import changed_outside, start_sidecars, wait_until
-from tests.vllm.ranks import Rank, finish, prefill_side
+from tests.sidecar.harness import changed_outside, wait_until
+from tests.vllm.ranks import Rank, finish, prefill_side, worker_pair
 
 pytestmark = pytest.mark.nixl
 N = 300  # tokens: three 128-token blocks
@@ -42,10 +42,7 @@ def _pull(sched: SchedulerSide, decode: Rank, rid: str, params: dict, ids: list[
 def test_sleep_refuses_old_tickets_and_wake_moves_new_requests_byte_exact(engines, tmp_path):
     assert KvxferdConnector.supports_sleep_mode(None)
     engine = engines("dense", "LBHNC", num_blocks=24)
-    p_side, d_side = start_sidecars(str(tmp_path), ["p", "d"])
-    prefill = decode = None
-    try:
-        prefill, decode = Rank(engine, "LBHNC", p_side), Rank(engine, "LBHNC", d_side)
+    with worker_pair(tmp_path, "LBHNC", engine) as (prefill, decode, p_side):
 
         def identities():
             with p_side.client() as c:
@@ -87,9 +84,3 @@ def test_sleep_refuses_old_tickets_and_wake_moves_new_requests_byte_exact(engine
         assert changed_outside(before, decode.arrays(), decode.manifest, [[13, 14, 15]]) == 0
         sending = wait_until(lambda: prefill.step(StepOrders())[0], 30, "hold release")
         assert sending == {"r2"}
-    finally:
-        for rank in (prefill, decode):
-            if rank is not None:
-                rank.close()
-        p_side.stop()
-        d_side.stop()

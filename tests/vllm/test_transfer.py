@@ -12,7 +12,7 @@ import pytest
 from kvxferd import pattern
 from kvxferd.vllm.scheduler import SchedulerSide
 from tests.sidecar.harness import changed_outside, start_sidecars, wait_until
-from tests.vllm.ranks import Rank, finish, prefill_side
+from tests.vllm.ranks import Rank, finish, prefill_side, worker_pair
 
 pytestmark = pytest.mark.nixl
 
@@ -38,10 +38,7 @@ def _ids(engine, first: int, n_tokens: int) -> list[list[int]]:
 )
 def test_a_request_moves_byte_exact_between_two_vllm_workers(engines, model, layout, tmp_path):
     engine = engines(model, layout, num_blocks=24)
-    p_side, d_side = start_sidecars(str(tmp_path), ["p", "d"])
-    prefill = decode = None
-    try:
-        prefill, decode = Rank(engine, layout, p_side), Rank(engine, layout, d_side)
+    with worker_pair(tmp_path, layout, engine) as (prefill, decode, p_side):
         with p_side.client() as c:
             ident = c.identity()
         hybrid = engine.config.model_config.is_hybrid
@@ -73,20 +70,11 @@ def test_a_request_moves_byte_exact_between_two_vllm_workers(engines, model, lay
         # The reader's notification ends the hold: the prefill frees its blocks once.
         sending = wait_until(lambda: prefill.step(type(sched.orders)())[0], 30, "hold release")
         assert sending == {"r1"}
-    finally:
-        for rank in (prefill, decode):
-            if rank is not None:
-                rank.close()
-        p_side.stop()
-        d_side.stop()
 
 
 def test_a_pull_that_cannot_complete_reports_its_blocks_as_load_errors(engines, tmp_path):
     engine = engines("dense", "LBHNC", num_blocks=24)
-    p_side, d_side = start_sidecars(str(tmp_path), ["p", "d"])
-    prefill = decode = None
-    try:
-        prefill, decode = Rank(engine, "LBHNC", p_side), Rank(engine, "LBHNC", d_side)
+    with worker_pair(tmp_path, "LBHNC", engine) as (prefill, decode, p_side):
         with p_side.client() as c:
             ident = c.identity()
         sched = prefill_side(
@@ -103,12 +91,6 @@ def test_a_pull_that_cannot_complete_reports_its_blocks_as_load_errors(engines, 
         assert got == {"d1"}
         assert decode.connector.get_block_ids_with_load_errors() == {9, 10, 11}
         assert decode.connector.get_block_ids_with_load_errors() == set()  # reported once
-    finally:
-        for rank in (prefill, decode):
-            if rank is not None:
-                rank.close()
-        p_side.stop()
-        d_side.stop()
 
 
 @pytest.mark.parametrize(
@@ -221,10 +203,7 @@ def test_different_block_sizes_re_block_every_token_byte_exact(engines, p_bs, d_
     d_eng = engines("dense", layout, num_blocks=24, block_size=d_bs)
     assert p_eng.config.cache_config.block_size == p_bs
     assert d_eng.config.cache_config.block_size == d_bs
-    p_side, d_side = start_sidecars(str(tmp_path), ["p", "d"])
-    prefill = decode = None
-    try:
-        prefill, decode = Rank(p_eng, layout, p_side), Rank(d_eng, layout, d_side)
+    with worker_pair(tmp_path, layout, p_eng, d_eng) as (prefill, decode, p_side):
         with p_side.client() as c:
             ident = c.identity()
 
@@ -258,9 +237,3 @@ def test_different_block_sizes_re_block_every_token_byte_exact(engines, p_bs, d_
         mask = pattern.token_footprint(decode.manifest, d_ids, n)
         assert mask[0].any()
         assert not any(((b != a) & ~m).any() for b, a, m in zip(before, arrays, mask, strict=True))
-    finally:
-        for rank in (prefill, decode):
-            if rank is not None:
-                rank.close()
-        p_side.stop()
-        d_side.stop()
