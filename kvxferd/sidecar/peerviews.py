@@ -9,10 +9,13 @@ starts afresh.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +70,10 @@ class RankPlans:
 
 PREP_MAX_ROWS = 1 << 20
 """Largest prepared table per side; larger peer pairs use the plain coalesced path."""
+PREP_BUDGET_ROWS = 1 << 21
+"""Rows prepared over all peer pairs together; the least recently used pairs are released
+beyond it. A row costs about 140 bytes (tables and NIXL's two lists): about 290 MiB at most
+(measured: scripts/bench_prepped.py)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,8 +105,13 @@ class PeerRead:
 @dataclass(eq=False)
 class _Prepared:
     local: Manifest
-    tables: descriptors.PreppedGeometry | None
+    tables: descriptors.PreppedGeometry | None = None
     lists: tuple[Any, Any] | None = None
+    pending: bool = True  # still being prepared on the views' thread
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.tables is None or self.lists is None else self.tables.num_rows
 
 
 class PeerViews:
@@ -111,15 +123,29 @@ class PeerViews:
     because fewer descriptors beat prepared ones on the wire (measured: docs/benchmarks.md).
     Re-blocking peers and pairs above PREP_MAX_ROWS rows always use the coalesced tables.
 
-    Off by default (``--prepped-reads`` turns it on) until the fault campaign has run with it.
+    The lists of a new peer pair are prepared on one background thread (a million rows take a
+    quarter of a second), so the event loop never waits for them: pulls go by coalesced tables
+    until they are ready. Prepared rows are bounded by PREP_BUDGET_ROWS over all pairs.
     """
 
-    def __init__(self, transport: Transport, *, enabled: bool = False, keep: int = _KEEP) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        enabled: bool = True,
+        keep: int = _KEEP,
+        budget_rows: int = PREP_BUDGET_ROWS,
+    ) -> None:
         self._transport = transport
         self.enabled = enabled
         """Whether lists are prepared at all (``--prepped-reads``); off: always tables."""
         self._keep = keep
+        self._budget_rows = budget_rows
         self._prepared: OrderedDict[tuple, _Prepared] = OrderedDict()
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # guards _closed against the preparing thread
+        self._closing = False
+        self._jobs: set[Future] = set()  # preparations not yet recorded on the loop
         self.prepped_reads = 0
         """READs posted by index (the rest were posted as coalesced tables)."""
 
@@ -170,44 +196,116 @@ class PeerViews:
         local_bases: Sequence[int],
         geometry: descriptors.ReadGeometry,
     ) -> _Prepared | None:
+        """The pair's prepared lists when ready; else None, starting their preparation."""
         key = (peer.address, peer.engine_id, peer.epoch, peer.agent_name, id(local))
         hit = self._prepared.get(key)
         if hit is not None and hit.local is local:
+            if hit.pending:
+                return None
             if hit.lists is None or not any(x.released for x in hit.lists):
                 self._prepared.move_to_end(key)
                 return hit
             self._release(hit)  # the peer's agent was re-added: its lists went stale
-        tables = descriptors.prepped_geometry(geometry, PREP_MAX_ROWS)
-        entry = _Prepared(local, tables)
-        if tables is not None:
-            (la, ll), (ra, rl) = tables.addresses(local_bases, peer.region_bases)
-            try:
-                loc = self._transport.prep_local((la, ll))
-                try:
-                    rem = self._transport.prep_remote(peer.agent_name, (ra, rl))
-                except KvxferdError:
-                    loc.release()
-                    raise
-                entry.lists = (loc, rem)
-            except KvxferdError as exc:
-                log.warning("no prepared lists for %s (coalesced tables instead): %s",
-                            peer.address, exc)  # fmt: skip
+        entry = _Prepared(local)
         self._prepared[key] = entry
-        while len(self._prepared) > self._keep:
-            self._release(self._prepared.popitem(last=False)[1])
-        return entry
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvxferd-prep")
+        job = self._executor.submit(
+            self._prepare, geometry, list(local_bases), list(peer.region_bases),
+            peer.agent_name, peer.address,
+        )  # fmt: skip
+        self._jobs.add(job)
+        loop = asyncio.get_running_loop()
+        job.add_done_callback(
+            lambda job: loop.call_soon_threadsafe(self._prepared_done, key, entry, job)
+        )
+        self._evict()
+        return None
+
+    def _prepare(
+        self,
+        geometry: descriptors.ReadGeometry,
+        local_bases: list[int],
+        remote_bases: list[int],
+        agent: str,
+        address: str,
+    ) -> tuple[descriptors.PreppedGeometry | None, tuple[Any, Any] | None]:
+        """Build a pair's tables and prepare its lists (on the views' thread)."""
+        tables = descriptors.prepped_geometry(geometry, PREP_MAX_ROWS)
+        if tables is None or self._closing:
+            return tables, None
+        (la, ll), (ra, rl) = tables.addresses(local_bases, remote_bases)
+        try:
+            loc = self._transport.prep_local((la, ll))
+            try:
+                rem = self._transport.prep_remote(agent, (ra, rl))
+            except KvxferdError:
+                loc.release()
+                raise
+        except KvxferdError as exc:
+            log.warning("no prepared lists for %s (coalesced tables instead): %s", address, exc)
+            return tables, None
+        with self._lock:
+            if not self._closing:
+                return tables, (loc, rem)
+        for item in (loc, rem):  # close() runs: the registration is going away
+            item.release()
+        return tables, None
+
+    def _prepared_done(self, key: tuple, entry: _Prepared, job: Future) -> None:
+        """On the loop: record a finished preparation (or drop it when no longer wanted)."""
+        self._jobs.discard(job)
+        entry.pending = False
+        if job.cancelled():
+            return
+        exc = job.exception()
+        if exc is not None:
+            log.error("preparing lists for a peer failed", exc_info=exc)
+            return
+        entry.tables, entry.lists = job.result()
+        if self._prepared.get(key) is not entry:  # evicted, replaced or closed meanwhile
+            self._release(entry)
+            return
+        self._evict()
+
+    def _evict(self) -> None:
+        """Release the least recently used pairs beyond ``keep`` pairs or the row budget."""
+        rows = sum(e.rows for e in self._prepared.values())
+        while len(self._prepared) > self._keep or (
+            rows > self._budget_rows and len(self._prepared) > 1
+        ):
+            old = self._prepared.popitem(last=False)[1]
+            rows -= old.rows
+            self._release(old)
 
     @staticmethod
     def _release(entry: _Prepared) -> None:
         lists, entry.lists = entry.lists, None
-        for item in lists or ():
-            try:
-                item.release()
-            except KvxferdError as exc:
-                log.warning("could not release %r: %s", item, exc)
+        _release_lists(lists)
 
     def close(self) -> None:
-        """Release every prepared list (before the registration goes away)."""
+        """Release every prepared list (before the registration goes away); waits for a
+        preparation in progress, whose lists are then released too. The views can be used
+        again afterwards (a new registration)."""
+        with self._lock:
+            self._closing = True
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+        for job in self._jobs:  # finished, but not yet recorded on the loop
+            if job.done() and not job.cancelled() and job.exception() is None:
+                _release_lists(job.result()[1])
+        self._jobs.clear()
         for entry in self._prepared.values():
             self._release(entry)
         self._prepared.clear()
+        with self._lock:
+            self._closing = False
+
+
+def _release_lists(lists: tuple[Any, Any] | None) -> None:
+    for item in lists or ():
+        try:
+            item.release()
+        except KvxferdError as exc:
+            log.warning("could not release %r: %s", item, exc)

@@ -1,12 +1,17 @@
-"""Per-registration rank plans: computed once, recomputed for a new registration."""
+"""Per-registration rank plans: computed once, recomputed for a new registration. Prepared
+lists: made in the background (a pull never waits for them), bounded by a row budget, released
+on close."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
+from types import SimpleNamespace
 
 import msgspec
 
-from kvxferd.sidecar.peerviews import RankPlans
+from kvxferd import descriptors
+from kvxferd.sidecar.peerviews import PeerViews, RankPlans
 from tests.descriptors.layouts import hybrid_spec, render
 
 
@@ -39,3 +44,84 @@ def test_a_plan_is_kept_per_registration_and_prefill_tp():
     again = msgspec.structs.replace(local)  # a re-registration: a new manifest object
     assert plans.get(again, 2) is not first
     assert plans.get(again, 2) == first
+
+
+# -- prepared lists (PeerViews): pure bookkeeping over a recording transport --------------------
+
+
+class _List:
+    def __init__(self) -> None:
+        self.released = False
+
+    def release(self) -> None:
+        self.released = True
+
+
+class _Transport:
+    """Records what was prepared; the lists only know whether they were released."""
+
+    def __init__(self) -> None:
+        self.lists: list[_List] = []
+
+    def prep_local(self, table):  # noqa: ANN001
+        self.lists.append(_List())
+        return self.lists[-1]
+
+    def prep_remote(self, agent, table):  # noqa: ANN001
+        return self.prep_local(table)
+
+
+def _peer(i: int, m):  # noqa: ANN001
+    bases = [0x10000000 * (k + 1) for k in range(len(m.regions))]
+    return SimpleNamespace(address=f"p{i}", engine_id=f"e{i}", epoch=1, agent_name=f"a{i}",
+                           region_bases=bases)  # fmt: skip
+
+
+async def _plan_until_prepped(views: PeerViews, peer, m, ids) -> None:  # noqa: ANN001
+    bases = [0x20000000 * (k + 1) for k in range(len(m.regions))]
+    geo = descriptors.read_geometry(m, m)
+    first = views.plan(peer, m, bases, geo, ids, ids)
+    assert first.tables is not None  # the first pull from a peer never waits for its lists
+    async with asyncio.timeout(30):
+        while views.plan(peer, m, bases, geo, ids, ids).prepped is None:
+            await asyncio.sleep(0.01)
+
+
+def _fragmented(m):  # noqa: ANN001
+    return [[1] if g.kind == "mamba" else [1, 3, 5] for g in m.groups]
+
+
+def test_lists_are_prepared_in_the_background_and_bounded_by_the_row_budget():
+    m = render(hybrid_spec(), 1, 0)
+    rows = descriptors.prepped_geometry(descriptors.read_geometry(m, m)).num_rows
+
+    async def run() -> None:
+        t = _Transport()
+        views = PeerViews(t, budget_rows=rows * 2)  # room for two peer pairs
+        for i in range(3):
+            await _plan_until_prepped(views, _peer(i, m), m, _fragmented(m))
+        assert len(t.lists) == 6
+        assert [x.released for x in t.lists] == [True, True] + [False] * 4  # oldest pair gone
+        views.close()
+        assert all(x.released for x in t.lists)
+        await _plan_until_prepped(views, _peer(0, m), m, _fragmented(m))  # usable again
+        assert [x.released for x in t.lists[6:]] == [False, False]
+        views.close()
+
+    asyncio.run(run())
+
+
+def test_disabled_views_prepare_nothing():
+    m = render(hybrid_spec(), 1, 0)
+
+    async def run() -> None:
+        t = _Transport()
+        views = PeerViews(t, enabled=False)
+        geo = descriptors.read_geometry(m, m)
+        for _ in range(3):
+            assert views.plan(_peer(0, m), m, [0] * len(m.regions), geo, *[_fragmented(m)] * 2
+                              ).tables is not None  # fmt: skip
+        views.close()
+        assert t.lists == []
+
+    asyncio.run(run())

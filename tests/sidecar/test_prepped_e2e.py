@@ -1,8 +1,10 @@
 """Pulls by index into a peer's prepared lists, and by coalesced tables, between real sidecars.
 
 A fragmented request (no two blocks adjacent on both sides) is posted by index into the
-descriptor lists prepared once per peer epoch; a contiguous one, whose runs coalesce into fewer
-descriptors, as coalesced tables. Both move every byte and nothing else.
+descriptor lists prepared once per peer epoch, on a background thread after the first pull from
+that peer (which goes by tables meanwhile); a contiguous one, whose runs coalesce into fewer
+descriptors, as coalesced tables. Both move every byte and nothing else. ``--no-prepped-reads``
+sends everything as tables.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tests.sidecar.harness import (
     split_ids,
     start_sidecar,
     wait_no_handles,
+    wait_until,
 )
 
 pytestmark = pytest.mark.nixl
@@ -39,7 +42,7 @@ def _pull(pc, dc, pm, dm, ppool, dpool, pids, dids, seed):
 
 def test_fragmented_pulls_go_by_index_and_contiguous_ones_by_coalesced_tables(tmp_path):
     p = start_sidecar(str(tmp_path), "prefill")
-    d = start_sidecar(str(tmp_path), "decode", "--prepped-reads")
+    d = start_sidecar(str(tmp_path), "decode")  # prepped reads are the default
     pm = plan("qwen3-next-80b-a3b", num_blocks=41)
     dm = plan("qwen3-next-80b-a3b", num_blocks=41)
     counts = [1 if g.kind == "mamba" else 4 for g in pm.groups]
@@ -50,18 +53,47 @@ def test_fragmented_pulls_go_by_index_and_contiguous_ones_by_coalesced_tables(tm
             dc.register(dm, dpool.specs())
             # Fragmented: every other block, so no two are adjacent on either side.
             spaced = split_ids(np.arange(1, 41, 2), counts)
+            # The first pull from a peer starts preparing its lists and goes by tables.
+            _pull(pc, dc, pm, dm, ppool, dpool, spaced, spaced, seed=2)
+            assert metric(d.peer, "kvxferd_reads_total", path="tables") == 1
+            wait_until(lambda: metric(d.peer, "kvxferd_prepped_lists") == 2, what="lists")
             _pull(pc, dc, pm, dm, ppool, dpool, spaced, spaced, seed=3)
             assert metric(d.peer, "kvxferd_reads_total", path="prepped") == 1
             assert metric(d.peer, "kvxferd_prepped_lists") == 2  # one local, one remote
             # Contiguous runs: coalescing merges them, so tables win.
             runs = split_ids(np.arange(1, 41), counts)
             status = _pull(pc, dc, pm, dm, ppool, dpool, runs, runs, seed=4)
-            assert metric(d.peer, "kvxferd_reads_total", path="tables") == 1
+            assert metric(d.peer, "kvxferd_reads_total", path="tables") == 2
             # Again fragmented, the prepared lists are reused (no new ones).
             _pull(pc, dc, pm, dm, ppool, dpool, spaced, spaced, seed=5)
             assert metric(d.peer, "kvxferd_reads_total", path="prepped") == 2
             assert metric(d.peer, "kvxferd_prepped_lists") == 2
             assert status.descriptors < sum(counts) * 12  # merged below one per block and region
+            wait_no_handles(p, d)
+    finally:
+        for s in (p, d):
+            assert s.stop() == 0
+        ppool.close()
+        dpool.close()
+
+
+def test_no_prepped_reads_sends_every_read_as_tables(tmp_path):
+    p = start_sidecar(str(tmp_path), "prefill")
+    d = start_sidecar(str(tmp_path), "decode", "--no-prepped-reads")
+    pm = plan("qwen3-next-80b-a3b", num_blocks=41)
+    dm = plan("qwen3-next-80b-a3b", num_blocks=41)
+    counts = [1 if g.kind == "mamba" else 4 for g in pm.groups]
+    ppool, dpool = EnginePool(pm), EnginePool(dm)
+    try:
+        with p.client() as pc, d.client() as dc:
+            pc.register(pm, ppool.specs())
+            dc.register(dm, dpool.specs())
+            spaced = split_ids(np.arange(1, 41, 2), counts)
+            for seed in (6, 7):
+                _pull(pc, dc, pm, dm, ppool, dpool, spaced, spaced, seed=seed)
+            assert metric(d.peer, "kvxferd_reads_total", path="tables") == 2
+            assert metric(d.peer, "kvxferd_reads_total", path="prepped") == 0
+            assert metric(d.peer, "kvxferd_prepped_lists") == 0
             wait_no_handles(p, d)
     finally:
         for s in (p, d):
