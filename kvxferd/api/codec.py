@@ -102,6 +102,11 @@ class HTTPProblem(Exception):
 async def decode(request: Request, kind: type[T], wire: Negotiated = JSON_ONLY) -> T:
     """Decode the request body as ``kind`` (JSON, or msgpack where ``wire`` says so) or raise a
     400 (not JSON/msgpack) or 422 (wrong shape, naming the field) HTTPProblem."""
+    return decode_body(await request.body(), kind, wire)
+
+
+def decode_body(body: bytes, kind: type[T], wire: Negotiated = JSON_ONLY) -> T:
+    """:func:`decode` of a body already read (the framed protocol's, a buffered HTTP body)."""
     decoder: msgspec.json.Decoder[Any] | msgspec.msgpack.Decoder[Any] | None
     if wire.body_msgpack:
         decoder = _msgpack_decoders.get(kind)
@@ -113,7 +118,6 @@ async def decode(request: Request, kind: type[T], wire: Negotiated = JSON_ONLY) 
         if decoder is None:
             decoder = _decoders[kind] = msgspec.json.Decoder(kind)
         what = "JSON"
-    body = await request.body()
     try:
         return decoder.decode(body)  # type: ignore[no-any-return]
     except msgspec.ValidationError as exc:
