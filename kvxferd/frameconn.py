@@ -86,8 +86,9 @@ class FrameConn:
             self._drop()
 
     def _connected(self, deadline: float) -> socket.socket:
-        if self._sock is not None and time.monotonic() - self._used_at < IDLE_S:
-            return self._sock
+        sock = self._sock
+        if sock is not None and time.monotonic() - self._used_at < IDLE_S and _open(sock):
+            return sock
         self._drop()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -117,6 +118,17 @@ class FrameConn:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def _open(sock: socket.socket) -> bool:
+    """Whether the server still holds ``sock`` open (no EOF or error waiting on it): a dropped
+    connection is replaced before a call is lost on it."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 class _Link:

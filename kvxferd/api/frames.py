@@ -113,12 +113,17 @@ class FrameServer:
             self._accept, sock=sock, limit=1 << 16, backlog=self.limits.backlog
         )
 
-    async def close(self) -> None:
-        """Stop accepting, drop every connection and cancel the calls still running."""
+    async def close(self, grace_s: float = 10.0) -> None:
+        """Stop accepting and reading; give the calls running ``grace_s`` to answer, then
+        cancel them and drop every connection."""
         if self._server is not None:
             self._server.close()
+        for task in self._conns:
+            task.cancel()  # stops the read loop; the connection then waits for its calls
+        if self._conns:
+            await asyncio.wait(self._conns, timeout=grace_s)
         for task in list(self._conns):
-            task.cancel()
+            task.cancel()  # past the grace: the calls too
         await asyncio.gather(*self._conns, return_exceptions=True)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -131,6 +136,8 @@ class FrameServer:
         self._conns.add(task)
         try:
             await _Connection(self, reader, writer).serve()
+        except asyncio.CancelledError:
+            pass  # close(): this task is the connection's own; end it quietly
         finally:
             self.connections -= 1
             self._conns.discard(task)
