@@ -60,11 +60,13 @@ class FrameConn:
     def call(self, op: str, query: dict[str, Any] | None, body: msgspec.Raw,
              timeout_s: float | None = None) -> tuple[int, msgspec.Raw]:  # fmt: skip
         """Send one request and wait (at most ``timeout_s``) for its answer."""
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + wait_s
         with self._lock:
             call_id = next(self._ids)
             try:
                 sock = self._connected(deadline)
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.sendall(_request(call_id, op, query, body))
                 size = frame_length(self._recv(sock, FRAME_HEADER, deadline))
                 if size > MAX_ANSWER_BYTES:
@@ -76,7 +78,12 @@ class FrameConn:
                 self._drop()
                 if isinstance(exc, FrameLinkError):
                     raise
-                raise FrameLinkError(f"{op}: {exc!r}") from exc
+                if isinstance(exc, TimeoutError):
+                    raise FrameLinkError(f"no answer in time ({wait_s:g} s)") from None
+                raise FrameLinkError(repr(exc)) from exc
+            except BaseException:
+                self._drop()  # interrupted mid-call: what is left on the socket is unusable
+                raise
             self._used_at = time.monotonic()
             return answer.status, answer.body
 
@@ -123,8 +130,9 @@ class FrameConn:
 def _open(sock: socket.socket) -> bool:
     """Whether the server still holds ``sock`` open (no EOF or error waiting on it): a dropped
     connection is replaced before a call is lost on it."""
+    sock.settimeout(0)  # a socket with a timeout would wait for data before peeking
     try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        return sock.recv(1, socket.MSG_PEEK) != b""
     except BlockingIOError:
         return True
     except OSError:
@@ -189,8 +197,9 @@ class AsyncFrameConn:
                    timeout_s: float | None = None) -> tuple[int, msgspec.Raw]:  # fmt: skip
         """Send one request and wait (at most ``timeout_s``) for its answer."""
         call_id = next(self._ids)
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            async with asyncio.timeout(self.timeout_s if timeout_s is None else timeout_s):
+            async with asyncio.timeout(wait_s):
                 link = await self._connected()
                 fut: asyncio.Future[FrameAnswer] = asyncio.get_running_loop().create_future()
                 link.pending[call_id] = fut
@@ -202,11 +211,11 @@ class AsyncFrameConn:
                     link.pending.pop(call_id, None)
                     link.used_at = time.monotonic()
         except TimeoutError:
-            raise FrameLinkError(f"{op}: no answer in time") from None
+            raise FrameLinkError(f"no answer in time ({wait_s:g} s)") from None
         except OSError as exc:
             if isinstance(exc, FrameLinkError):
                 raise
-            raise FrameLinkError(f"{op}: {exc!r}") from exc
+            raise FrameLinkError(repr(exc)) from exc
         return answer.status, answer.body
 
     async def aclose(self) -> None:

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from kvxferd.api.engine import engine_app
 from kvxferd.api.frames import FrameLimits
 from kvxferd.errors import UnknownPullError
-from kvxferd.wire import PullStatus
+from kvxferd.wire import HeartbeatResponse, KeepaliveRequest, PullStatus
 from tests.api.conftest import FakeSidecar
 from tests.api.frameio import (
     BOUND_S,
@@ -42,20 +42,28 @@ def path() -> Iterator[str]:
 
 
 class GatedFake(FakeSidecar):
-    """pull_status waits until ``release`` is set (set from the test's thread)."""
+    """pull_status and keepalive wait until ``release`` is set (set from the test's thread)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.release = threading.Event()
         self.waiting = 0
 
-    async def pull_status(self, pull_id: str, wait_s: float) -> PullStatus:
-        self._call("pull_status", (pull_id, wait_s))
+    async def _gate(self) -> None:
         self.waiting += 1
         while not self.release.is_set():
             await asyncio.sleep(0.005)  # a poll of a cross-thread event, not synchronisation
         self.waiting -= 1
+
+    async def pull_status(self, pull_id: str, wait_s: float) -> PullStatus:
+        self._call("pull_status", (pull_id, wait_s))
+        await self._gate()
         return PullStatus(pull_id=pull_id, state="done")
+
+    async def keepalive(self, req: KeepaliveRequest) -> HeartbeatResponse:
+        self._call("keepalive", req)
+        await self._gate()
+        return HeartbeatResponse(extended=[t.hold_id for t in req.tickets], missing=[])
 
 
 def test_connections_past_the_cap_are_closed_at_once(path):
