@@ -6,12 +6,13 @@ Two ``kvxferd serve`` processes (prefill and decode) on a dense 2-layer model wi
 KV head, so a one-block pull moves 8 KiB and the call itself dominates. Over each sidecar's Unix
 sockets, with one blocking client per wire (``EngineClient(msgpack=False/True)`` over HTTP,
 ``EngineClient(frames=True)`` over the framed protocol), every iteration times, on all three
-back to back (the first rotating), the hot calls of one request: ``POST /v1/holds`` and ``/v1/holds/abort`` (prefill), ``POST /v1/pulls/run`` of a
-one-block pull (decode), ``GET /v1/pulls/finished`` and ``GET /v1/released`` (one new entry
-each), and ``GET /healthz`` (the floor: no body either way). Reported: p50 per call and wire
-and the ratios msgpack / JSON and frames / JSON (below 1: faster than HTTP/JSON), medians over
-the same machine state. Then, in process, the codec alone: encode + decode of a PullRequest of
-4 prefill tickets at 1, 1,000 and 8,000 blocks per group (bytes on the wire and microseconds).
+back to back (the first rotating), the hot calls of one request: ``POST /v1/holds`` and
+``/v1/holds/abort`` (prefill), ``POST /v1/pulls/run`` of a one-block pull (decode),
+``GET /v1/pulls/finished`` and ``GET /v1/released`` (one new entry each), and ``GET /healthz``
+(the floor: no body either way). Reported: p50 per call and wire and the ratios msgpack / JSON
+and frames / JSON (below 1: faster than HTTP/JSON), medians over the same machine state. Then,
+in process, the codec alone: encode + decode of a PullRequest of 4 prefill tickets at 1, 1,000
+and 8,000 blocks per group (bytes on the wire and microseconds).
 
 Every pull must be done and its block's bytes verified (kvxferd.pattern), every feed must show
 the new entry; otherwise the run fails instead of printing numbers.
