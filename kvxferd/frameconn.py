@@ -1,10 +1,11 @@
 """Client connections of the engine API's framed protocol (kvxferd.wire.frames).
 
-``FrameConn`` (blocking: one call at a time, for an engine rank's thread) and ``AsyncFrameConn``
-(asyncio: many calls in flight on one connection, answers matched by id) send a FrameRequest and
-return the answer's status and body. Every call is bounded by its timeout; a connection that
-failed, timed out or sat idle longer than the server keeps it is replaced on the next call;
-``close`` releases everything. Failures raise :class:`FrameLinkError` (no answer came).
+``FrameConn`` (blocking: a call per connection, a few idle connections kept for the next calls,
+thread-safe) and ``AsyncFrameConn`` (asyncio: many calls in flight on one connection, answers
+matched by id) send a FrameRequest and return the answer's status and body. Every call is
+bounded by its timeout; a connection that failed, timed out or sat idle longer than the server
+keeps it is replaced on the next call; ``close`` releases everything. Failures raise
+:class:`FrameLinkError` (no answer came).
 """
 
 from __future__ import annotations
@@ -47,84 +48,102 @@ def _answer(payload: bytes) -> FrameAnswer:
 
 
 class FrameConn:
-    """A blocking framed connection to one sidecar (thread-safe: calls take turns)."""
+    """Blocking framed connections to one sidecar, thread-safe: a call takes an idle connection
+    (or opens one), so calls from several threads run side by side as over HTTP's pool, and
+    at most ``max_idle`` connections are kept between calls."""
 
-    def __init__(self, path: str, timeout_s: float) -> None:
+    def __init__(self, path: str, timeout_s: float, max_idle: int = 4) -> None:
         self.path = path
         self.timeout_s = timeout_s
-        self._sock: socket.socket | None = None
-        self._used_at = 0.0
+        self.max_idle = max_idle
+        self._idle: list[tuple[socket.socket, float]] = []  # (connection, last used), LIFO
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._closed = False
 
     def call(self, op: str, query: dict[str, Any] | None, body: msgspec.Raw,
              timeout_s: float | None = None) -> tuple[int, msgspec.Raw]:  # fmt: skip
         """Send one request and wait (at most ``timeout_s``) for its answer."""
         wait_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait_s
-        with self._lock:
-            call_id = next(self._ids)
-            try:
-                sock = self._connected(deadline)
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
-                sock.sendall(_request(call_id, op, query, body))
-                size = frame_length(self._recv(sock, FRAME_HEADER, deadline))
-                if size > MAX_ANSWER_BYTES:
-                    raise FrameLinkError(f"answer frame of {size} bytes")
-                answer = _answer(self._recv(sock, size, deadline))
-                if answer.id != call_id:
-                    raise FrameLinkError(f"answer to call {answer.id}, expected {call_id}")
-            except OSError as exc:
-                self._drop()
-                if isinstance(exc, FrameLinkError):
-                    raise
-                if isinstance(exc, TimeoutError):
-                    raise FrameLinkError(f"no answer in time ({wait_s:g} s)") from None
-                raise FrameLinkError(repr(exc)) from exc
-            except BaseException:
-                self._drop()  # interrupted mid-call: what is left on the socket is unusable
+        call_id = next(self._ids)  # itertools.count is atomic under the GIL
+        sock: socket.socket | None = None
+        try:
+            sock = self._take(deadline)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.sendall(_request(call_id, op, query, body))
+            size = frame_length(_recv(sock, FRAME_HEADER, deadline))
+            if size > MAX_ANSWER_BYTES:
+                raise FrameLinkError(f"answer frame of {size} bytes")
+            answer = _answer(_recv(sock, size, deadline))
+            if answer.id != call_id:
+                raise FrameLinkError(f"answer to call {answer.id}, expected {call_id}")
+        except OSError as exc:
+            if sock is not None:
+                sock.close()
+            if isinstance(exc, FrameLinkError):
                 raise
-            self._used_at = time.monotonic()
-            return answer.status, answer.body
+            if isinstance(exc, TimeoutError):
+                raise FrameLinkError(f"no answer in time ({wait_s:g} s)") from None
+            raise FrameLinkError(repr(exc)) from exc
+        except BaseException:
+            if sock is not None:
+                sock.close()  # interrupted mid-call: what is left on the socket is unusable
+            raise
+        self._give_back(sock)
+        return answer.status, answer.body
 
     def close(self) -> None:
-        """Close the connection (the next call opens a new one)."""
+        """Close the idle connections; those of calls still running close when they end."""
         with self._lock:
-            self._drop()
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock, _ in idle:
+            sock.close()
 
-    def _connected(self, deadline: float) -> socket.socket:
-        sock = self._sock
-        if sock is not None and time.monotonic() - self._used_at < IDLE_S and _open(sock):
-            return sock
-        self._drop()
+    def _take(self, deadline: float) -> socket.socket:
+        """A connection the server still holds open and has not idled out, or a new one."""
+        now = time.monotonic()
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise FrameLinkError("the client was closed")
+                if not self._idle:
+                    break
+                sock, used_at = self._idle.pop()
+            if now - used_at < IDLE_S and _open(sock):
+                return sock
+            sock.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.settimeout(max(0.001, deadline - now))
             sock.connect(self.path)
         except BaseException:
             sock.close()
             raise
-        self._sock = sock
         return sock
 
-    @staticmethod
-    def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("no answer in time")
-            sock.settimeout(left)
-            chunk = sock.recv(min(n - len(buf), 1 << 20))
-            if not chunk:
-                raise FrameLinkError("the sidecar closed the connection")
-            buf += chunk
-        return bytes(buf)
+    def _give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.max_idle:
+                self._idle.append((sock, time.monotonic()))
+                return
+        sock.close()
 
-    def _drop(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+
+def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """Exactly ``n`` bytes of ``sock`` by ``deadline`` (TimeoutError, or FrameLinkError at EOF)."""
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no answer in time")
+        sock.settimeout(left)
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise FrameLinkError("the sidecar closed the connection")
+        buf += chunk
+    return bytes(buf)
 
 
 def _open(sock: socket.socket) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 
@@ -227,3 +228,18 @@ def test_close_releases_every_connection(path):
 
         asyncio.run(scenario())
         wait_until(lambda: server.connections == 0, BOUND_S, "async connection closed")
+
+
+def test_blocking_calls_from_several_threads_run_side_by_side(path):
+    fake = GatedFake()
+    with served(path + ".frames", fake, _limits()) as server:
+        with EngineClient(path, frames=True) as client:
+            slow = threading.Thread(target=client.keepalive, args=([], 1.0))
+            slow.start()
+            wait_until(lambda: fake.waiting == 1, BOUND_S, "the slow call to start")
+            client.healthz()  # answered while the other thread's call waits
+            assert server.connections == 2
+            fake.release.set()
+            slow.join(BOUND_S)
+            assert not slow.is_alive()
+        wait_until(lambda: server.connections == 0, BOUND_S, "connections released")
