@@ -80,7 +80,7 @@ def frame_limits(config: Config) -> FrameLimits:
     )
 
 
-def _budget(config: Config) -> list[EdgeLimits]:
+def listener_limits(config: Config) -> list[EdgeLimits]:
     """Every listener's connection cap and backlog, for the open-file budget."""
     listeners = [edge_limits(config, "engine"), edge_limits(config, "peer")]
     if config.frames_socket:
@@ -111,7 +111,7 @@ async def _start_frames(config: Config, sidecar: Sidecar) -> FrameServer | None:
 
 async def serve(config: Config) -> None:
     """Run until SIGINT/SIGTERM; then stop accepting, finish, release everything."""
-    ensure_fd_budget(_budget(config))
+    ensure_fd_budget(listener_limits(config))
     engine_sock = bind_unix(config.engine_socket)
     try:
         peer_sock = bind_tcp(config.peer_host, config.peer_port)

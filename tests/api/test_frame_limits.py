@@ -14,7 +14,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvxferd.api.engine import engine_app
+from kvxferd.api.fdbudget import ACCEPT_BURSTS, fds_needed
 from kvxferd.api.frames import FrameLimits
+from kvxferd.api.server import frame_limits, listener_limits
+from kvxferd.config import Config, replace
 from kvxferd.errors import UnknownPullError
 from kvxferd.wire import HeartbeatResponse, KeepaliveRequest, PullStatus
 from tests.api.conftest import FakeSidecar
@@ -160,3 +163,12 @@ def test_an_unregistered_sidecar_refuses_engine_calls_as_over_http(path):
         status, body = call(path, "GET /v1/released")
         assert call(path, "GET /healthz")[0] == 200
     assert (status, body["error"]) == (503, "NotRegisteredError")
+
+
+def test_the_frames_listener_counts_in_the_open_file_budget():
+    on = Config(peer_token="t")
+    off = replace(on, engine_frames_socket="off")
+    frames = frame_limits(on)
+    extra = fds_needed(listener_limits(on)) - fds_needed(listener_limits(off))
+    assert extra == frames.max_connections + ACCEPT_BURSTS * frames.backlog
+    assert frames.max_frame_bytes == on.max_body_bytes + on.max_header_bytes
