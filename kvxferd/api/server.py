@@ -6,7 +6,8 @@ and read times (kvxferd.api.limits).
 
 We bind both sockets ourselves (uvicorn would make the Unix socket 0666) and handle SIGINT and
 SIGTERM once for both servers. When both listen, one line goes to stdout:
-``kvxferd ready engine_socket=PATH peer=HOST:PORT engine_id=ID epoch=N``.
+``kvxferd ready engine_socket=PATH peer=HOST:PORT engine_id=ID epoch=N`` (and
+``frames_socket=PATH`` when the framed engine API is served).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 
 import uvicorn
@@ -92,21 +94,11 @@ def listener_limits(config: Config) -> list[EdgeLimits]:
     return listeners
 
 
-async def _start_frames(config: Config, sidecar: Sidecar) -> FrameServer | None:
-    """The framed engine API on its own 0600 socket, or None when it is off."""
+def _bind_frames(config: Config) -> socket.socket | None:
+    """The frames listener's 0600 socket, or None when it is off."""
     if not config.frames_socket:
         return None
-    sock = bind_unix(config.frames_socket, field="engine_frames_socket")
-    server = FrameServer(
-        ENGINE_OPERATIONS, sidecar, Gate(ready=lambda: sidecar.ready), frame_limits(config)
-    )
-    try:
-        await server.start(sock)
-    except BaseException:
-        sock.close()
-        os.unlink(config.frames_socket)
-        raise
-    return server
+    return bind_unix(config.frames_socket, field="engine_frames_socket")
 
 
 async def serve(config: Config) -> None:
@@ -117,6 +109,13 @@ async def serve(config: Config) -> None:
         peer_sock = bind_tcp(config.peer_host, config.peer_port)
     except BaseException:
         engine_sock.close()
+        os.unlink(config.engine_socket)
+        raise
+    try:
+        frames_sock = _bind_frames(config)
+    except BaseException:
+        engine_sock.close()
+        peer_sock.close()
         os.unlink(config.engine_socket)
         raise
     sidecar = Sidecar(config)
@@ -134,7 +133,10 @@ async def serve(config: Config) -> None:
     frames: FrameServer | None = None
     tasks = [asyncio.create_task(srv.serve(sockets=[sock])) for srv, sock in servers]
     try:
-        frames = await _start_frames(config, sidecar)
+        if frames_sock is not None:
+            gate = Gate(ready=lambda: sidecar.ready)
+            frames = FrameServer(ENGINE_OPERATIONS, sidecar, gate, frame_limits(config))
+            await frames.start(frames_sock)
         while not all(srv.started for srv, _ in servers):
             if any(t.done() for t in tasks):
                 break
@@ -153,6 +155,8 @@ async def serve(config: Config) -> None:
             srv.should_exit = True
         if frames is not None:
             await frames.close()
+        if frames_sock is not None:
+            frames_sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(config.frames_socket)
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -4,6 +4,7 @@ socket is 0600, and garbage closes only the connection that sent it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import uuid
@@ -11,6 +12,7 @@ import uuid
 import pytest
 
 from kvxferd.api.engine import OPERATIONS
+from kvxferd.client import frames_available
 from tests.api.frameio import call, closed_by_server, connect, http_call, read_answer, request_bytes
 from tests.sidecar.harness import EnginePool, plan, start_sidecar
 
@@ -113,3 +115,21 @@ def test_a_truncated_frame_from_a_client_that_goes_away_leaves_the_daemon_servin
     with connect(sidecar.frames) as sock:
         sock.sendall(request_bytes(1, "GET /healthz")[:9])
     assert call(sidecar.frames, "GET /healthz")[0] == 200
+
+
+def test_frames_off_serves_http_only_and_the_sims_clients_fall_back_to_it(tmp_path):
+    s = start_sidecar(str(tmp_path), "o", "--engine-frames-socket", "off")
+    try:
+        assert not os.path.exists(s.socket + ".frames")
+        assert not frames_available(s.socket)
+
+        async def scenario() -> None:
+            client = s.async_client()
+            try:
+                assert (await client.identity()).engine_id == s.engine_id
+            finally:
+                await client.aclose()
+
+        asyncio.run(scenario())
+    finally:
+        assert s.stop() == 0
