@@ -175,8 +175,8 @@ class _Connection:
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
             return
         finally:
-            # Calls already running finish (a pull is never cut in half); their answers are
-            # dropped. The connection counts against the cap until then.
+            # Calls already running finish (a pull is never cut in half) and answer while the
+            # client is still there. The connection counts against the cap until then.
             if self.calls:
                 await asyncio.gather(*self.calls, return_exceptions=True)
 
