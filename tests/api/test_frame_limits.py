@@ -1,6 +1,7 @@
 """The limits of the frames listener (a FrameServer in-process, in front of the fake sidecar):
 its connection cap, frame-size cap, idle timeout, per-connection bound on calls in flight, and the
-gates and error mapping it shares with HTTP. The fake only stands in for the handlers' results."""
+gates and error mapping it shares with HTTP (any body gets HTTP's answer). The fake only stands in
+for the handlers' results."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kvxferd.api.engine import engine_app
+from kvxferd.api.engine import OPERATIONS, engine_app
 from kvxferd.api.fdbudget import ACCEPT_BURSTS, fds_needed
 from kvxferd.api.frames import FrameLimits
 from kvxferd.api.server import frame_limits, listener_limits
@@ -172,3 +175,31 @@ def test_the_frames_listener_counts_in_the_open_file_budget():
     extra = fds_needed(listener_limits(on)) - fds_needed(listener_limits(off))
     assert extra == frames.max_connections + ACCEPT_BURSTS * frames.backlog
     assert frames.max_frame_bytes == on.max_body_bytes + on.max_header_bytes
+
+
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner,
+                                                                 max_size=3),
+    max_leaves=8,
+)  # fmt: skip
+_BODY_OPS = [op for op in OPERATIONS if op.request is not None]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(op=st.sampled_from(_BODY_OPS), body=_VALUES | st.dictionaries(
+    st.sampled_from(["request_id", "block_ids", "hold_id", "tickets", "num_tokens", "x"]),
+    _VALUES, max_size=4))  # fmt: skip
+def test_any_body_gets_the_same_answer_over_frames_and_http(op, body):
+    fake = FakeSidecar()
+    name = f"{op.method} {op.path}"
+    with tempfile.TemporaryDirectory(prefix="kvxh-") as tmp, served(f"{tmp}/f", fake, _limits()):
+        framed = call(f"{tmp}/f", name, body)
+    headers = {"Content-Type": "application/msgpack", "Accept": "application/msgpack"}
+    with TestClient(engine_app(FakeSidecar()), raise_server_exceptions=False) as http:  # type: ignore[arg-type]
+        resp = http.request(op.method, op.path, content=msgspec.msgpack.encode(body),
+                            headers=headers)  # fmt: skip
+    assert framed == (
+        resp.status_code,
+        msgspec.msgpack.decode(resp.content) if resp.content else None,
+    )
