@@ -13,12 +13,18 @@ With ``msgpack=True`` (the default) the per-request calls (holds, pulls, feeds, 
 decline, store) send and accept MessagePack; the once-per-process calls (register, unregister,
 identity, healthz) and every client built with ``msgpack=False`` (tools) speak JSON. Answers
 are decoded by their Content-Type either way.
+
+With ``frames=True`` every call goes over the sidecar's framed protocol instead (its second Unix
+socket, ``<engine socket>.frames``; kvxferd.frameconn): the same operations, statuses, bodies
+and errors as MessagePack over HTTP without the HTTP stack (see scripts/bench_engine_wire.py).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import socket
+import stat
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -29,7 +35,8 @@ import httpx
 import msgspec
 
 from kvxferd import errors
-from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
+from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S, frames_socket_of
+from kvxferd.frameconn import AsyncFrameConn, FrameConn, FrameLinkError
 from kvxferd.lanes import ASYNC_LANES, Lanes, ssl_context
 from kvxferd.wire import (
     AbortHoldRequest,
@@ -58,6 +65,7 @@ from kvxferd.wire import (
     Ticket,
     UnregisterRequest,
 )
+from kvxferd.wire.frames import NIL
 
 T = TypeVar("T")
 _BASE = "http://kvxferd"
@@ -146,6 +154,33 @@ class _Call:
         except msgspec.MsgspecError as exc:
             body = ErrorBody(error="DecodeError", detail=f"unusable {self.answer.__name__}: {exc}")
             raise error_for(resp.status_code, body) from None
+
+    def frame_args(self) -> tuple[str, dict[str, Any] | None, msgspec.Raw]:
+        """The ``op``, ``query`` and ``body`` of this call's FrameRequest."""
+        body = NIL if self.body is None else msgspec.Raw(msgspec.msgpack.encode(self.body))
+        return f"{self.method} {self.path}", self.params, body
+
+    def frame_result(self, status: int, body: msgspec.Raw) -> Any:
+        """The decoded answer of a FrameAnswer, or the error it carries raised."""
+        try:
+            if status >= 400:
+                raise error_for(status, _msgpack_decoder(ErrorBody).decode(body))
+            if self.answer is None:
+                return None
+            return _msgpack_decoder(self.answer).decode(body)
+        except msgspec.MsgspecError as exc:
+            what = "ErrorBody" if status >= 400 else self.answer.__name__  # type: ignore[union-attr]
+            detail = f"unusable {what}: {exc}"
+            raise error_for(status, ErrorBody(error="DecodeError", detail=detail)) from None
+
+
+def frames_available(socket_path: str) -> bool:
+    """Whether the sidecar at ``socket_path`` serves frames at the default place (a socket
+    file exists there)."""
+    try:
+        return stat.S_ISSOCK(os.stat(frames_socket_of(socket_path)).st_mode)
+    except OSError:
+        return False
 
 
 def _is_msgpack(resp: httpx.Response) -> bool:
@@ -313,12 +348,14 @@ def _close_abandoned_sockets(exc: BaseException) -> None:
 
 class EngineClient:
     """Blocking client; one per engine rank. ``msgpack``: MessagePack for the per-request calls
-    (False: JSON throughout, for tools)."""
+    (False: JSON throughout, for tools); ``frames``: every call over the framed protocol."""
 
     def __init__(
-        self, socket_path: str, timeout_s: float = 30.0, msgpack: bool = MSGPACK_DEFAULT
-    ) -> None:
+        self, socket_path: str, timeout_s: float = 30.0, msgpack: bool = MSGPACK_DEFAULT,
+        frames: bool = False,
+    ) -> None:  # fmt: skip
         self.msgpack = msgpack
+        self._frames = FrameConn(frames_socket_of(socket_path), timeout_s) if frames else None
         self._http = httpx.Client(
             transport=httpx.HTTPTransport(uds=socket_path, limits=_LIMITS),
             base_url=_BASE,
@@ -326,8 +363,10 @@ class EngineClient:
         )
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pool (and the framed connection)."""
         self._http.close()
+        if self._frames is not None:
+            self._frames.close()
 
     def __enter__(self) -> EngineClient:
         return self
@@ -404,6 +443,11 @@ class EngineClient:
         return self._send(_identity())  # type: ignore[no-any-return]
 
     def _send(self, call: _Call) -> Any:
+        if self._frames is not None:
+            try:
+                return call.frame_result(*self._frames.call(*call.frame_args(), call.timeout_s))
+            except FrameLinkError as exc:
+                raise SidecarUnreachableError(f"{call.method} {call.path}: {exc}") from exc
         try:
             resp = self._http.request(call.method, call.path, **call.request_args(self.msgpack))
         except httpx.HTTPError as exc:
@@ -423,13 +467,15 @@ class EngineClient:
 
 class AsyncEngineClient:
     """asyncio client; the same methods as EngineClient, awaitable. Its calls go to ``lanes``
-    small connection pools in turn (kvxferd.lanes), so many calls in flight stay cheap."""
+    small connection pools in turn (kvxferd.lanes), so many calls in flight stay cheap; with
+    ``frames`` they share one framed connection instead."""
 
     def __init__(
         self, socket_path: str, timeout_s: float = 30.0, msgpack: bool = MSGPACK_DEFAULT,
-        lanes: int = ASYNC_LANES,
+        lanes: int = ASYNC_LANES, frames: bool = False,
     ) -> None:  # fmt: skip
         self.msgpack = msgpack
+        self._frames = AsyncFrameConn(frames_socket_of(socket_path), timeout_s) if frames else None
 
         def make() -> httpx.AsyncClient:
             return httpx.AsyncClient(
@@ -443,9 +489,11 @@ class AsyncEngineClient:
         self._lanes = Lanes(make, lanes)
 
     async def aclose(self) -> None:
-        """Close the connection pools."""
+        """Close the connection pools (and the framed connection)."""
         for client in self._lanes.made():
             await client.aclose()
+        if self._frames is not None:
+            await self._frames.aclose()
 
     async def __aenter__(self) -> AsyncEngineClient:
         return self
@@ -522,6 +570,12 @@ class AsyncEngineClient:
         await self._send(_healthz())
 
     async def _send(self, call: _Call) -> Any:
+        if self._frames is not None:
+            try:
+                answer = await self._frames.call(*call.frame_args(), call.timeout_s)
+            except FrameLinkError as exc:
+                raise SidecarUnreachableError(f"{call.method} {call.path}: {exc}") from exc
+            return call.frame_result(*answer)
         try:
             resp = await self._lanes.next().request(
                 call.method, call.path, **call.request_args(self.msgpack)

@@ -38,6 +38,9 @@ class Config:
 
     engine_socket: str = "/tmp/kvxferd.sock"
     """Unix socket of the engine API (created 0600)."""
+    engine_frames_socket: str = ""
+    """Unix socket of the engine API's framed protocol (created 0600); empty = the engine socket
+    plus ``.frames``, ``off`` = not served."""
     peer_host: str = "127.0.0.1"
     """Address the peer API binds to."""
     peer_port: int = 0
@@ -134,9 +137,21 @@ class Config:
             raise ConfigError("backends: at least one NIXL backend is needed")
 
     @property
+    def frames_socket(self) -> str:
+        """Where the framed engine API listens; empty when it is off."""
+        if self.engine_frames_socket == "off":
+            return ""
+        return self.engine_frames_socket or frames_socket_of(self.engine_socket)
+
+    @property
     def advertised_host(self) -> str:
         """Host to put in tickets and handshakes."""
         return self.advertise_host or self.peer_host
+
+
+def frames_socket_of(engine_socket: str) -> str:
+    """The default frames socket of a sidecar whose engine socket is ``engine_socket``."""
+    return engine_socket + ".frames"
 
 
 def load_config(

@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
-"""Benchmark the engine API's two encodings: per-call latency of the hot calls, JSON vs msgpack.
+"""Benchmark the engine API's wires: per-call latency of the hot calls, HTTP/JSON vs HTTP/msgpack
+vs frames.
 
 Two ``kvxferd serve`` processes (prefill and decode) on a dense 2-layer model with one 64-wide
 KV head, so a one-block pull moves 8 KiB and the call itself dominates. Over each sidecar's Unix
-socket, with one blocking client per encoding (``EngineClient(msgpack=False/True)``), every
-iteration times, in both encodings back to back (the first alternating), the hot calls of one
-request: ``POST /v1/holds`` and ``/v1/holds/abort`` (prefill), ``POST /v1/pulls/run`` of a
-one-block pull (decode), ``GET /v1/pulls/finished`` and ``GET /v1/released`` (one new entry
-each), and ``GET /healthz`` (the HTTP floor: no body either way). Reported: p50 per call and
-encoding and the ratio msgpack / JSON (below 1: msgpack is faster), medians over the same
-machine state. Then, in process, the codec alone: encode + decode of a PullRequest of 4 prefill
-tickets at 1, 1,000 and 8,000 blocks per group (bytes on the wire and microseconds).
+sockets, with one blocking client per wire (``EngineClient(msgpack=False/True)`` over HTTP,
+``EngineClient(frames=True)`` over the framed protocol), every iteration times, on all three
+back to back (the first rotating), the hot calls of one request: ``POST /v1/holds`` and
+``/v1/holds/abort`` (prefill), ``POST /v1/pulls/run`` of a one-block pull (decode),
+``GET /v1/pulls/finished`` and ``GET /v1/released`` (one new entry each), and ``GET /healthz``
+(the floor: no body either way). Reported: p50 per call and wire and the ratios msgpack / JSON
+and frames / JSON (below 1: faster than HTTP/JSON), medians over the same machine state. Then,
+in process, the codec alone: encode + decode of a PullRequest of 4 prefill tickets at 1, 1,000
+and 8,000 blocks per group (bytes on the wire and microseconds).
 
 Every pull must be done and its block's bytes verified (kvxferd.pattern), every feed must show
 the new entry; otherwise the run fails instead of printing numbers.
@@ -45,7 +47,7 @@ from kvxferd.wire import HoldRequest, PullRequest, Ticket  # noqa: E402
 NUM_BLOCKS = 64
 TOKENS = 11
 CALLS = ("healthz", "hold", "abort", "run_pull", "finished", "released")
-ENCODINGS = ("json", "msgpack")
+ENCODINGS = ("json", "msgpack", "frames")
 
 
 class BenchError(RuntimeError):
@@ -53,11 +55,12 @@ class BenchError(RuntimeError):
 
 
 class Side:
-    """One encoding's clients to both sidecars and its feed cursors."""
+    """One wire's clients to both sidecars and its feed cursors."""
 
-    def __init__(self, prefill: SidecarProcess, decode: SidecarProcess, msgpack: bool) -> None:
-        self.p = EngineClient(prefill.socket, timeout_s=60.0, msgpack=msgpack)
-        self.d = EngineClient(decode.socket, timeout_s=60.0, msgpack=msgpack)
+    def __init__(self, prefill: SidecarProcess, decode: SidecarProcess, wire: str) -> None:
+        kw = {"msgpack": wire != "json", "frames": wire == "frames"}
+        self.p = EngineClient(prefill.socket, timeout_s=60.0, **kw)
+        self.d = EngineClient(decode.socket, timeout_s=60.0, **kw)
         self.finished_cursor = 0
         self.released_cursor = 0
 
@@ -137,15 +140,16 @@ def run(args: argparse.Namespace, tmp: str) -> dict:
         for proc, pool in zip((prefill, decode), pools, strict=True):
             with proc.client() as c:
                 c.register(pool.manifest, pool.specs())
-        sides = {e: Side(prefill, decode, msgpack=e == "msgpack") for e in ENCODINGS}
+        sides = {e: Side(prefill, decode, e) for e in ENCODINGS}
         samples = {e: {c: [] for c in CALLS} for e in ENCODINGS}
         scratch = {c: [] for c in CALLS}
         for i in range(args.warmup + args.iterations):
-            order = ENCODINGS if i % 2 == 0 else ENCODINGS[::-1]
+            k = i % len(ENCODINGS)
+            order = ENCODINGS[k:] + ENCODINGS[:k]
             for j, enc in enumerate(order):
                 into = samples[enc] if i >= args.warmup else scratch
-                block = (2 * i + j) % NUM_BLOCKS
-                one_request(sides[enc], pools, block, seed=i * 2 + j + 1, samples=into)
+                n = len(ENCODINGS) * i + j
+                one_request(sides[enc], pools, n % NUM_BLOCKS, seed=n + 1, samples=into)
     finally:
         for side in sides.values():
             side.close()
@@ -157,7 +161,8 @@ def run(args: argparse.Namespace, tmp: str) -> dict:
     for call in CALLS:
         p50 = {e: statistics.median(samples[e][call]) for e in ENCODINGS}
         rows.append({"call": call, "json_p50_ms": p50["json"], "msgpack_p50_ms": p50["msgpack"],
-                     "ratio": p50["msgpack"] / p50["json"],
+                     "frames_p50_ms": p50["frames"], "ratio": p50["msgpack"] / p50["json"],
+                     "frames_ratio": p50["frames"] / p50["json"],
                      "n": len(samples["json"][call])})  # fmt: skip
     return {"machine": report.machine(), "iterations": args.iterations, "rows": rows,
             "codec": codec_rows()}  # fmt: skip
@@ -179,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_engine_wire: {exc}", file=sys.stderr)
             return 1
     result["machine"]["load_average_end"] = list(os.getloadavg())
-    print(f"{'call':<10} {'json p50 ms':>12} {'msgpack p50 ms':>15} {'msgpack/json':>13}")
+    print(f"{'call':<10} {'json p50 ms':>12} {'msgpack p50 ms':>15} {'frames p50 ms':>14} "
+          f"{'msgpack/json':>13} {'frames/json':>12}")  # fmt: skip
     for r in result["rows"]:
         print(f"{r['call']:<10} {r['json_p50_ms']:12.3f} {r['msgpack_p50_ms']:15.3f} "
-              f"{r['ratio']:13.3f}")  # fmt: skip
+              f"{r['frames_p50_ms']:14.3f} {r['ratio']:13.3f} "
+              f"{r['frames_ratio']:12.3f}")  # fmt: skip
     print(f"\n{'PullRequest':<16} {'json B':>9} {'msgpack B':>10} {'json us':>9} "
           f"{'msgpack us':>11} {'msgpack/json':>13}")  # fmt: skip
     for r in result["codec"]:

@@ -120,6 +120,23 @@ per-request calls (holds, pulls, feeds, keepalive, decline, store) and JSON for 
 unregister, identity and healthz; `scripts/bench_engine_wire.py` measures both encodings
 against each other.
 
+**Frames on the engine API.** The sidecar also serves the engine API, the same route table, on
+a second 0600 Unix socket, `<engine socket>.frames` (`--engine-frames-socket`; `off` turns it
+off), without HTTP: each frame is a 4-byte big-endian length and that many bytes of one
+MessagePack envelope. A request is `{{id, op, query, body}}`: `id` an integer the client chooses,
+distinct among its calls in flight on the connection; `op` the route's method and a concrete
+path, `"POST /v1/pulls/run"` or `"GET /v1/pulls/<pull id>"`; `query` a map of the route's query
+parameters (strings or typed values); `body` the MessagePack of the same Struct the HTTP route
+takes (nil without one). The answer is `{{id, status, body}}`: the request's id, the status HTTP
+answers (200, 202, 204, 4xx, 5xx; 404/405 for an unknown path or method) and the MessagePack of
+the same answer Struct, or of the ErrorBody with the same `field` (nil for 204). Many requests
+may be in flight on one connection and answers come in any order. Limits: the engine socket's
+connection cap (counted apart), a frame at most the body limit plus the header limit, 64 calls of
+a connection run at once (more wait unread), a connection idle 30 s with nothing running is
+closed, and the rest of a frame must arrive within the body timeout. A frame that is oversized,
+not MessagePack or not an envelope closes its connection (nothing else). `kvxferd.client` speaks
+frames with `frames=True` (the sim does when the socket exists); HTTP stays for tools.
+
 ## Two APIs
 
 Every engine rank runs one sidecar. The **engine API** is served on a Unix socket created 0600:

@@ -112,8 +112,13 @@ raise SystemExit(status)
         (["--engine-socket", "/no/such/dir/s.sock"], {"KVXFERD_PEER_TOKEN": "t"}, "/no/such/dir"),
         (["--engine-socket", "/tmp/" + "s" * 120], {"KVXFERD_PEER_TOKEN": "t"}, "AF_UNIX"),
         (["--peer-port", "70000"], {"KVXFERD_PEER_TOKEN": "t"}, "peer_port"),
+        (
+            ["--engine-socket", "/tmp/" + "s" * 100],
+            {"KVXFERD_PEER_TOKEN": "t"},
+            "engine_frames_socket",
+        ),  # fmt: skip
     ],
-    ids=["no-token", "log-level", "socket-dir", "socket-length", "port"],
+    ids=["no-token", "log-level", "socket-dir", "socket-length", "port", "frames-length"],
 )
 def test_serve_argument_errors_exit_before_the_server_is_imported(tmp_path, args, env, named):
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVXFERD_")}

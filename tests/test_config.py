@@ -94,3 +94,10 @@ def test_env_help_lists_every_field_with_its_docstring():
     assert all("\n" not in doc and "  " not in doc for doc in rows.values()), rows  # one line
     assert rows["KVXFERD_PEER_TOKEN"].startswith("Shared secret")
     assert rows["KVXFERD_PEER_PORT"] == "TCP port of the peer API; 0 picks a free one."
+
+
+def test_the_frames_socket_sits_beside_the_engine_socket_unless_set_or_off():
+    assert Config(engine_socket="/run/k.sock").frames_socket == "/run/k.sock.frames"
+    set_ = Config(engine_socket="/run/k.sock", engine_frames_socket="/run/f.sock")
+    assert set_.frames_socket == "/run/f.sock"
+    assert Config(engine_frames_socket="off").frames_socket == ""

@@ -91,7 +91,7 @@ _NEGOTIATED = {(b, a): Negotiated(b, a) for b in (False, True) for a in (False, 
 
 
 class HTTPProblem(Exception):
-    """An error answer with its status and body, raised by handlers and decode()."""
+    """An error answer with its status and body, raised by handlers and decode_body()."""
 
     def __init__(self, status: int, body: ErrorBody) -> None:
         super().__init__(body.detail)
@@ -99,9 +99,10 @@ class HTTPProblem(Exception):
         self.body = body
 
 
-async def decode(request: Request, kind: type[T], wire: Negotiated = JSON_ONLY) -> T:
-    """Decode the request body as ``kind`` (JSON, or msgpack where ``wire`` says so) or raise a
-    400 (not JSON/msgpack) or 422 (wrong shape, naming the field) HTTPProblem."""
+def decode_body(body: bytes, kind: type[T], wire: Negotiated = JSON_ONLY) -> T:
+    """Decode a request body (HTTP's, or a frame's) as ``kind`` (JSON, or msgpack where ``wire``
+    says so) or raise a 400 (not JSON/msgpack) or 422 (wrong shape, naming the field)
+    HTTPProblem."""
     decoder: msgspec.json.Decoder[Any] | msgspec.msgpack.Decoder[Any] | None
     if wire.body_msgpack:
         decoder = _msgpack_decoders.get(kind)
@@ -113,7 +114,6 @@ async def decode(request: Request, kind: type[T], wire: Negotiated = JSON_ONLY) 
         if decoder is None:
             decoder = _decoders[kind] = msgspec.json.Decoder(kind)
         what = "JSON"
-    body = await request.body()
     try:
         return decoder.decode(body)  # type: ignore[no-any-return]
     except msgspec.ValidationError as exc:

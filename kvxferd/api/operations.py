@@ -3,7 +3,8 @@
 An Operation names its method, path, typed body and answer, query parameters and the error
 statuses it may answer. ``mount`` turns the table into FastAPI routes whose single endpoint
 decodes, authorises, calls the handler, encodes, and turns every exception into an ErrorBody,
-so the route table and the OpenAPI documents cannot disagree.
+so the route table and the OpenAPI documents cannot disagree. The framed protocol
+(kvxferd.api.frames) serves the same table through the same :func:`invoke` and :func:`failed`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvxferd.api.codec import (
     HTTPProblem,
     Negotiated,
-    decode,
+    decode_body,
     problem_for,
     problem_response,
 )
@@ -134,7 +135,6 @@ def _endpoint(
     op: Operation, target: object, gate: Gate
 ) -> Callable[[Request], Awaitable[Response]]:
     assert op.handler is not None
-    handler = op.handler
 
     async def endpoint(request: Request) -> Response:
         wire = Negotiated.of(request, gate.msgpack)
@@ -143,18 +143,12 @@ def _endpoint(
                 checked = gate.authorize(request)  # type: ignore[misc]  # checked by mount()
                 if inspect.isawaitable(checked):  # a check that reads the body (signatures)
                     await checked
-            if op.needs_engine and not gate.ready():
-                raise NotRegisteredError(NOT_REGISTERED)
-            args: list[Any] = [target]
-            if op.request is not None:
-                args.append(await decode(request, op.request, wire))
-            kwargs = {name: request.path_params[name] for name in op.path_params}
-            kwargs.update(_query(request, op.query))
-            result = await handler(*args, **kwargs)
+            body = await request.body() if op.request is not None else b""
+            result = await invoke(
+                op, target, gate, body, wire, request.path_params, request.query_params
+            )
         except Exception as exc:
-            if not isinstance(exc, HTTPProblem | KvxferdError):
-                log.exception("%s %s failed unexpectedly", op.method, op.path)
-            return problem_response(exc, wire)
+            return problem_response(failed(op, exc), wire)
         if isinstance(result, Response):
             return result
         if result is None:
@@ -166,11 +160,36 @@ def _endpoint(
     return endpoint
 
 
-def _query(request: Request, params: tuple[Query, ...]) -> dict[str, Any]:
+async def invoke(
+    op: Operation, target: object, gate: Gate, body: bytes, wire: Negotiated,
+    path_params: Mapping[str, str], query: Mapping[str, Any],
+) -> Any:  # fmt: skip
+    """Run one call of ``op`` once its caller is authorised: the engine gate, the typed body
+    (400/422 naming the field), the typed query (422 naming the parameter), the handler. Shared by
+    the HTTP endpoints and the framed protocol (kvxferd.api.frames), so both answer alike."""
+    assert op.handler is not None
+    if op.needs_engine and not gate.ready():
+        raise NotRegisteredError(NOT_REGISTERED)
+    args: list[Any] = [target]
+    if op.request is not None:
+        args.append(decode_body(body, op.request, wire))
+    kwargs: dict[str, Any] = {name: path_params[name] for name in op.path_params}
+    kwargs.update(_query(query, op.query))
+    return await op.handler(*args, **kwargs)
+
+
+def failed(op: Operation, exc: Exception) -> HTTPProblem:
+    """The error answer of a call that raised ``exc``; anything unexpected is logged (a 500)."""
+    if not isinstance(exc, HTTPProblem | KvxferdError):
+        log.error("%s %s failed unexpectedly", op.method, op.path, exc_info=exc)
+    return problem_for(exc)
+
+
+def _query(query: Mapping[str, Any], params: tuple[Query, ...]) -> dict[str, Any]:
     """Typed query parameters; a bad value is a 422 naming the parameter."""
     out: dict[str, Any] = {}
     for param in params:
-        raw = request.query_params.get(param.name)
+        raw = query.get(param.name)
         if raw is None:
             out[param.name] = param.default
             continue

@@ -1,28 +1,35 @@
-"""Run a sidecar: the engine API on a Unix socket (0600) and the peer API on TCP, one loop.
+"""Run a sidecar: the engine API on a Unix socket (0600) and the peer API on TCP, one loop; the
+engine API also as frames on a second Unix socket (0600, kvxferd.api.frames) unless it is off.
 
 Each API is its own uvicorn server with its own connection cap; both bound header and body sizes
 and read times (kvxferd.api.limits).
 
 We bind both sockets ourselves (uvicorn would make the Unix socket 0666) and handle SIGINT and
 SIGTERM once for both servers. When both listen, one line goes to stdout:
-``kvxferd ready engine_socket=PATH peer=HOST:PORT engine_id=ID epoch=N``.
+``kvxferd ready engine_socket=PATH peer=HOST:PORT engine_id=ID epoch=N`` (and
+``frames_socket=PATH`` when the framed engine API is served).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 
 import uvicorn
 from fastapi import FastAPI
 
+from kvxferd.api.engine import OPERATIONS as ENGINE_OPERATIONS
 from kvxferd.api.engine import engine_app
 from kvxferd.api.fdbudget import ensure_fd_budget
+from kvxferd.api.frames import FrameLimits, FrameServer
 from kvxferd.api.limits import BodyLimit, EdgeLimits, uvicorn_limits
+from kvxferd.api.operations import Gate
 from kvxferd.api.peer import peer_app
 from kvxferd.api.sockets import bind_tcp, bind_unix
 from kvxferd.config import HTTP_SERVER_KEEPALIVE_S, Config
@@ -64,14 +71,51 @@ def _uvicorn_config(config: Config, app: FastAPI, listener: str) -> uvicorn.Conf
     )
 
 
+def frame_limits(config: Config) -> FrameLimits:
+    """The limits of the frames listener: the engine socket's connection cap and sizes (a frame
+    may hold the largest body plus its envelope) and its timeouts."""
+    return FrameLimits(
+        max_connections=config.engine_max_connections,
+        max_frame_bytes=config.max_body_bytes + config.max_header_bytes,
+        idle_timeout_s=HTTP_SERVER_KEEPALIVE_S,
+        frame_timeout_s=config.body_timeout_s,
+    )
+
+
+def listener_limits(config: Config) -> list[EdgeLimits]:
+    """Every listener's connection cap and backlog, for the open-file budget."""
+    listeners = [edge_limits(config, "engine"), edge_limits(config, "peer")]
+    if config.frames_socket:
+        frames = frame_limits(config)
+        cap = frames.max_connections
+        listeners.append(
+            dataclasses.replace(listeners[0], max_connections=cap, backlog=frames.backlog)
+        )
+    return listeners
+
+
+def _bind_frames(config: Config) -> socket.socket | None:
+    """The frames listener's 0600 socket, or None when it is off."""
+    if not config.frames_socket:
+        return None
+    return bind_unix(config.frames_socket, field="engine_frames_socket")
+
+
 async def serve(config: Config) -> None:
     """Run until SIGINT/SIGTERM; then stop accepting, finish, release everything."""
-    ensure_fd_budget([edge_limits(config, "engine"), edge_limits(config, "peer")])
+    ensure_fd_budget(listener_limits(config))
     engine_sock = bind_unix(config.engine_socket)
     try:
         peer_sock = bind_tcp(config.peer_host, config.peer_port)
     except BaseException:
         engine_sock.close()
+        os.unlink(config.engine_socket)
+        raise
+    try:
+        frames_sock = _bind_frames(config)
+    except BaseException:
+        engine_sock.close()
+        peer_sock.close()
         os.unlink(config.engine_socket)
         raise
     sidecar = Sidecar(config)
@@ -86,15 +130,21 @@ async def serve(config: Config) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     sidecar.start()
+    frames: FrameServer | None = None
     tasks = [asyncio.create_task(srv.serve(sockets=[sock])) for srv, sock in servers]
     try:
+        if frames_sock is not None:
+            gate = Gate(ready=lambda: sidecar.ready)
+            frames = FrameServer(ENGINE_OPERATIONS, sidecar, gate, frame_limits(config))
+            await frames.start(frames_sock)
         while not all(srv.started for srv, _ in servers):
             if any(t.done() for t in tasks):
                 break
             await asyncio.sleep(0.01)
         print(
             f"kvxferd ready engine_socket={config.engine_socket} peer={sidecar.peer_address} "
-            f"engine_id={sidecar.engine_id} epoch={sidecar.epoch}",
+            f"engine_id={sidecar.engine_id} epoch={sidecar.epoch}"
+            + (f" frames_socket={config.frames_socket}" if frames is not None else ""),
             flush=True,
         )
         waiter = asyncio.create_task(stop.wait())
@@ -103,6 +153,12 @@ async def serve(config: Config) -> None:
     finally:
         for srv, _ in servers:
             srv.should_exit = True
+        if frames is not None:
+            await frames.close()
+        if frames_sock is not None:
+            frames_sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(config.frames_socket)
         await asyncio.gather(*tasks, return_exceptions=True)
         await sidecar.close()
         for sig in (signal.SIGINT, signal.SIGTERM):

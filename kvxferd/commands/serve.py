@@ -26,6 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--engine-socket", metavar="PATH", help="engine API Unix socket path")
+    p.add_argument("--engine-frames-socket", metavar="PATH",
+                   help="framed engine API socket (default: engine socket + .frames)")  # fmt: skip
     p.add_argument("--peer-host", metavar="HOST", help="peer API bind address")
     p.add_argument("--peer-port", type=int, metavar="N", help="peer API TCP port (0 = any free)")
     p.add_argument("--advertise-host", metavar="HOST", help="host other sidecars use for us")
@@ -115,6 +117,7 @@ def _load(args: argparse.Namespace) -> Config:
     return load_config(
         {
             "engine_socket": args.engine_socket,
+            "engine_frames_socket": args.engine_frames_socket,
             "peer_host": args.peer_host,
             "peer_port": args.peer_port,
             "advertise_host": args.advertise_host,
@@ -158,4 +161,10 @@ def check_startable(config: Config) -> None:
     if len(os.fsencode(path)) > _UNIX_PATH_MAX:
         raise ConfigError(
             f"engine_socket: {path}: longer than {_UNIX_PATH_MAX} bytes (the AF_UNIX limit)"
+        )
+    frames = config.frames_socket
+    if frames and len(os.fsencode(frames)) > _UNIX_PATH_MAX:
+        raise ConfigError(
+            f"engine_frames_socket: {frames}: longer than {_UNIX_PATH_MAX} bytes (the AF_UNIX "
+            "limit; set --engine-frames-socket or off)"
         )

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvxferd.client import AsyncEngineClient, EngineClient, SidecarError
+from kvxferd.client import AsyncEngineClient, EngineClient, SidecarError, frames_available
 from kvxferd.errors import AlreadyRegisteredError, StartupError
 from kvxferd.sim.children import Child
 from kvxferd.sim.kvpool import RankPool
@@ -55,8 +55,9 @@ class SidecarProcess:
         return EngineClient(self.socket, timeout_s=timeout_s)
 
     def async_client(self, timeout_s: float = 30.0) -> AsyncEngineClient:
-        """An asyncio engine-API client on the sidecar's Unix socket."""
-        return AsyncEngineClient(self.socket, timeout_s=timeout_s, msgpack=True)
+        """An asyncio engine-API client on the sidecar's Unix socket: its framed protocol when
+        the sidecar serves it, else HTTP with MessagePack bodies."""
+        return _async_client(self.socket, timeout_s)
 
     def problem(self) -> str:
         """Why this sidecar cannot serve ("" while its process runs)."""
@@ -181,8 +182,9 @@ class AttachedSidecar:
         return EngineClient(self.socket, timeout_s=timeout_s)
 
     def async_client(self, timeout_s: float = 30.0) -> AsyncEngineClient:
-        """An asyncio engine-API client on the sidecar's Unix socket."""
-        return AsyncEngineClient(self.socket, timeout_s=timeout_s, msgpack=True)
+        """An asyncio engine-API client on the sidecar's Unix socket: its framed protocol when
+        the sidecar serves it, else HTTP with MessagePack bodies."""
+        return _async_client(self.socket, timeout_s)
 
     def problem(self) -> str:
         """Why this sidecar cannot serve: its socket is gone (it exited), or is another one (it
@@ -194,6 +196,11 @@ class AttachedSidecar:
         if any(self.identity) and now != self.identity:
             return f"sidecar at {self.socket} restarted; this engine must register again"
         return ""
+
+
+def _async_client(socket_path: str, timeout_s: float) -> AsyncEngineClient:
+    frames = frames_available(socket_path)
+    return AsyncEngineClient(socket_path, timeout_s=timeout_s, msgpack=True, frames=frames)
 
 
 def _identity(path: str) -> tuple[int, int, int]:

@@ -46,6 +46,7 @@ from kvxferd.wire.engine import (
     Ticket,
     UnregisterRequest,
 )
+from kvxferd.wire.frames import FrameAnswer, FrameRequest
 from kvxferd.wire.manifest import (
     DTYPE_BYTES,
     MANIFEST_VERSION,
@@ -100,6 +101,8 @@ __all__ = [
     "DeclineResponse",
     "Dtype",
     "ErrorBody",
+    "FrameAnswer",
+    "FrameRequest",
     "FinishedPull",
     "FinishedPulls",
     "Group",
