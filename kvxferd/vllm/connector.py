@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvxferd.client import EngineClient
+from kvxferd.client import EngineClient, frames_available
 from kvxferd.vllm.manifest import ConvGeometry, conv_geometry
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
 from kvxferd.vllm.storeplan import StoreOptions, StorePlanner
@@ -129,9 +129,11 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
     def _store_lookup(self, req: StoreLookupRequest) -> StoreLookup:
         """Rank 0's store lookup, bounded by ``store_lookup_timeout_s`` (one kept client)."""
         if self._lookup_client is None:
+            path = self._socket.format(rank=0)
             self._lookup_client = EngineClient(
-                self._socket.format(rank=0), timeout_s=self._store_options.lookup_timeout_s
-            )
+                path, timeout_s=self._store_options.lookup_timeout_s,
+                frames=frames_available(path),
+            )  # fmt: skip
         return self._lookup_client.store_lookup(req)
 
     @classmethod

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from kvxferd.client import EngineClient
+from kvxferd.client import EngineClient, frames_available
 from kvxferd.errors import KvxferdError, MemoryRegionError, NotRegisteredError
 from kvxferd.memory import CudaIpcRegion
 from kvxferd.sidecar.reads import SETTLE_S
@@ -68,7 +68,8 @@ class WorkerSide:
         tp_size: int,
         conv: ConvGeometry | None = None,
     ) -> None:
-        self.client = EngineClient(socket_path)
+        # Frames when the sidecar serves them as this worker starts (else HTTP for its life).
+        self.client = EngineClient(socket_path, frames=frames_available(socket_path))
         self.model, self.tp_rank, self.tp_size = model, tp_rank, tp_size
         self.conv = conv  # how Mamba/GDN conv states are laid out (None: one shard per rank)
         self.generation = -1
