@@ -42,6 +42,7 @@ from kvxferd.sidecar.peers import PeerTable
 from kvxferd.sidecar.pulls import Pull, PullRunner
 from kvxferd.sidecar.signing import PeerKeys
 from kvxferd.sidecar.tickets import sign_ticket, verify_ticket, verify_tickets
+from kvxferd.sidecar.wake import Wake
 from kvxferd.transport import Agent
 from kvxferd.wire import (
     PROTOCOL_VERSION,
@@ -119,7 +120,7 @@ class Sidecar:
         self._accepted = self.keys.accepted if self.keys is not None else (self._secret,)
         self._hold_waiters: dict[str, tuple[asyncio.Event, list[int]]] = {}
         self._released_reported: dict[str, int] = {}  # release counts already in metrics
-        self._notif_wake = asyncio.Event()  # set by a claim: a READ is imminent
+        self._notif_wake = Wake()  # set by a claim: a READ is imminent
         self.generation = -1  # registration generation; -1 while no engine is registered
         self._next_generation = 0
         self._registrations: list[Any] = []  # NIXL registrations of the memory sources
@@ -552,20 +553,9 @@ class Sidecar:
             live = self.agent.live_handles()
             self.metrics.nixl_handles.set(live.transfers)
             self.metrics.prepped_lists.set(live.prepped)
-            if await _woken(self._notif_wake, delay):
+            if await self._notif_wake.sleep(delay):
                 hot_since = time.monotonic()
             self._notif_wake.clear()
-
-
-async def _woken(event: asyncio.Event, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for ``event``; whether it was set."""
-    if event.is_set():
-        return True
-    try:
-        await asyncio.wait_for(event.wait(), timeout_s)
-    except TimeoutError:
-        return False
-    return True
 
 
 def check_reader_tp(manifest: Manifest, reader_tp_size: int) -> None:
