@@ -7,10 +7,9 @@ connections), at most ``max_clients`` of them: the least recently used idle one 
 another is needed, and one unused for ``idle_s`` is closed by the next call that notices. A
 client in use is never closed under its caller.
 
-Each peer's client is ``lanes`` small httpx pools used in turn (kvxferd.lanes): one pool
-rescans all its connections for every request that starts or ends, so 64 claims in flight to
-one prefill rank over one 32-connection pool were again most of the decode sidecar's CPU
-(scripts/bench_pulls.py, issue 11).
+The client is kvxferd.sidecar.peer_http's (HTTP/1.1 over asyncio streams, no pool scan): even
+per-peer httpx pools cost about a millisecond of CPU per claim, and a decode rank reading from 8
+prefill ranks makes 8 claims per pull (scripts/bench_pulls.py, issue 11).
 """
 
 from __future__ import annotations
@@ -21,9 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-import httpx
-
-from kvxferd.lanes import Lanes
+from kvxferd.sidecar.peer_http import PeerConnection
 
 MAX_CLIENTS = 64
 """Peer clients kept at once (a decode rank reads from a few prefill ranks at a time)."""
@@ -31,20 +28,18 @@ IDLE_S = 120.0
 """A peer client unused this long is closed."""
 CONNECTIONS_PER_PEER = 32
 """Connections one peer client may open (claims of concurrent pulls to one prefill rank)."""
-LANES = 4
-"""Pools per peer client; its connections are split evenly between them."""
 
 
 @dataclass
 class _Entry:
-    lanes: Lanes[httpx.AsyncClient]
+    client: PeerConnection
     used_at: float
     users: int = 0
     closing: bool = field(default=False)
 
 
 class PeerClients:
-    """Per-address ``httpx.AsyncClient`` objects (LRU-bounded, closed when idle)."""
+    """Per-address ``PeerConnection`` objects (LRU-bounded, closed when idle)."""
 
     def __init__(
         self,
@@ -54,15 +49,12 @@ class PeerClients:
         max_clients: int = MAX_CLIENTS,
         idle_s: float = IDLE_S,
         clock: Callable[[], float] = time.monotonic,
-        lanes: int = LANES,
     ) -> None:
         self._timeout = timeout_s
         self._keepalive = keepalive_s
         self._max = max_clients
         self._idle = idle_s
         self._clock = clock
-        self._lanes = lanes
-        self._per_lane = max(1, CONNECTIONS_PER_PEER // lanes)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self.opened = 0
         """Clients created so far (one per address, again after one was closed)."""
@@ -70,34 +62,30 @@ class PeerClients:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _new(self) -> Lanes[httpx.AsyncClient]:
+    def _new(self, address: str) -> PeerConnection:
         self.opened += 1
-        limits = httpx.Limits(
-            max_connections=self._per_lane,
-            max_keepalive_connections=self._per_lane,
-            keepalive_expiry=self._keepalive,
-        )
-        return Lanes(lambda: httpx.AsyncClient(timeout=self._timeout, limits=limits), self._lanes)
+        return PeerConnection(address, timeout_s=self._timeout, keepalive_s=self._keepalive,
+                              limit=CONNECTIONS_PER_PEER, clock=self._clock)  # fmt: skip
 
     @asynccontextmanager
-    async def client(self, address: str) -> AsyncIterator[httpx.AsyncClient]:
-        """A client of ``address`` (its next lane) for the duration of one call."""
+    async def client(self, address: str) -> AsyncIterator[PeerConnection]:
+        """The client of ``address`` for the duration of one call."""
         now = self._clock()
         entry = self._entries.get(address)
         if entry is None:
-            entry = self._entries[address] = _Entry(self._new(), now)
+            entry = self._entries[address] = _Entry(self._new(address), now)
         else:
             self._entries.move_to_end(address)
         entry.users += 1
         entry.used_at = now
         try:
             await self._trim(now)
-            yield entry.lanes.next()
+            yield entry.client
         finally:
             entry.users -= 1
             entry.used_at = self._clock()
             if entry.closing and entry.users == 0:
-                await _close(entry)
+                await entry.client.aclose()
 
     async def _trim(self, now: float) -> None:
         """Close idle clients beyond the bound, or unused for ``idle_s`` (oldest first)."""
@@ -108,7 +96,7 @@ class PeerClients:
             if entry.users:
                 continue  # in use: closed later
             del self._entries[address]
-            await _close(entry)
+            await entry.client.aclose()
 
     async def close(self) -> None:
         """Close every client (those in use close when their call ends)."""
@@ -117,9 +105,4 @@ class PeerClients:
             if entry.users:
                 entry.closing = True
             else:
-                await _close(entry)
-
-
-async def _close(entry: _Entry) -> None:
-    for client in entry.lanes.made():
-        await client.aclose()
+                await entry.client.aclose()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 
@@ -64,21 +63,6 @@ def test_a_peer_table_without_a_secret_refuses_to_call():
     asyncio.run(scenario())
 
 
-def test_peer_client_spreads_concurrent_calls_over_its_lanes_and_closes_them_all():
-    from kvxferd.sidecar.peer_clients import PeerClients
-
-    async def scenario() -> None:
-        pool = PeerClients(timeout_s=1.0, keepalive_s=1.0, lanes=4)
-        async with contextlib.AsyncExitStack() as stack:
-            got = [await stack.enter_async_context(pool.client("a:1")) for _ in range(8)]
-            assert len({id(c) for c in got}) == 4  # 4 pools, used in turn
-            assert len(pool) == 1 and pool.opened == 1  # still one entry for the address
-        await pool.close()
-        assert all(c.is_closed for c in got)
-
-    asyncio.run(scenario())
-
-
 def test_peer_clients_are_one_per_address_bounded_and_closed_when_idle():
     from kvxferd.sidecar.peer_clients import PeerClients
 
@@ -91,7 +75,7 @@ def test_peer_clients_are_one_per_address_bounded_and_closed_when_idle():
     async def scenario() -> None:
         clock = Clock()
         pool = PeerClients(timeout_s=1.0, keepalive_s=1.0, max_clients=2, idle_s=10.0,
-                           clock=clock, lanes=1)  # fmt: skip
+                           clock=clock)  # fmt: skip
         async with pool.client("a:1") as a1, pool.client("a:1") as a2:
             assert a1 is a2  # one client per address, shared by concurrent calls
             async with pool.client("b:1"), pool.client("c:1"):
