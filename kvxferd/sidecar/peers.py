@@ -142,6 +142,9 @@ class PeerTable:
         the peer changed (restarted) the old entry is dropped; if it did not, the ticket is
         stale and fails without disturbing the cached peer (pulls may be reading from it).
         """
+        cached = self._peers.get(address)
+        if cached is not None and (cached.engine_id, cached.epoch) == (engine_id, epoch):
+            return cached  # every pull's path: no lock (the lock only orders handshakes)
         async with self._locked(address):
             cached = self._peers.get(address)
             if cached is not None and (cached.engine_id, cached.epoch) == (engine_id, epoch):
