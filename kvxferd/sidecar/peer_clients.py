@@ -6,6 +6,10 @@ sidecar's CPU (issue 11). Here each peer address has its own client (its own few
 connections), at most ``max_clients`` of them: the least recently used idle one is closed when
 another is needed, and one unused for ``idle_s`` is closed by the next call that notices. A
 client in use is never closed under its caller.
+
+The client is kvxferd.sidecar.peer_http's (HTTP/1.1 over asyncio streams, no pool scan): even
+per-peer httpx pools cost about a millisecond of CPU per claim, and a decode rank reading from 8
+prefill ranks makes 8 claims per pull (scripts/bench_pulls.py, issue 11).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-import httpx
+from kvxferd.sidecar.peer_http import PeerConnection
 
 MAX_CLIENTS = 64
 """Peer clients kept at once (a decode rank reads from a few prefill ranks at a time)."""
@@ -28,14 +32,14 @@ CONNECTIONS_PER_PEER = 32
 
 @dataclass
 class _Entry:
-    client: httpx.AsyncClient
+    client: PeerConnection
     used_at: float
     users: int = 0
     closing: bool = field(default=False)
 
 
 class PeerClients:
-    """Per-address ``httpx.AsyncClient`` objects (LRU-bounded, closed when idle)."""
+    """Per-address ``PeerConnection`` objects (LRU-bounded, closed when idle)."""
 
     def __init__(
         self,
@@ -58,24 +62,18 @@ class PeerClients:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _new(self) -> httpx.AsyncClient:
+    def _new(self, address: str) -> PeerConnection:
         self.opened += 1
-        return httpx.AsyncClient(
-            timeout=self._timeout,
-            limits=httpx.Limits(
-                max_connections=CONNECTIONS_PER_PEER,
-                max_keepalive_connections=CONNECTIONS_PER_PEER,
-                keepalive_expiry=self._keepalive,
-            ),
-        )
+        return PeerConnection(address, timeout_s=self._timeout, keepalive_s=self._keepalive,
+                              limit=CONNECTIONS_PER_PEER, clock=self._clock)  # fmt: skip
 
     @asynccontextmanager
-    async def client(self, address: str) -> AsyncIterator[httpx.AsyncClient]:
+    async def client(self, address: str) -> AsyncIterator[PeerConnection]:
         """The client of ``address`` for the duration of one call."""
         now = self._clock()
         entry = self._entries.get(address)
         if entry is None:
-            entry = self._entries[address] = _Entry(self._new(), now)
+            entry = self._entries[address] = _Entry(self._new(address), now)
         else:
             self._entries.move_to_end(address)
         entry.users += 1

@@ -19,7 +19,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
-import httpx
 import msgspec
 
 from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
@@ -33,6 +32,7 @@ from kvxferd.errors import (
     UnknownHoldError,
 )
 from kvxferd.sidecar.peer_clients import PeerClients
+from kvxferd.sidecar.peer_http import Reply
 from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.wire import (
     PROTOCOL_VERSION,
@@ -142,6 +142,9 @@ class PeerTable:
         the peer changed (restarted) the old entry is dropped; if it did not, the ticket is
         stale and fails without disturbing the cached peer (pulls may be reading from it).
         """
+        cached = self._peers.get(address)
+        if cached is not None and (cached.engine_id, cached.epoch) == (engine_id, epoch):
+            return cached  # every pull's path: no lock (the lock only orders handshakes)
         async with self._locked(address):
             cached = self._peers.get(address)
             if cached is not None and (cached.engine_id, cached.epoch) == (engine_id, epoch):
@@ -184,16 +187,15 @@ class PeerTable:
         """Ask a prefill sidecar to release holds its decode will not read."""
         return await self._call(address, "/v1/decline", request, DeclineResponse, "decline")
 
-    async def _post(self, address: str, path: str, body: bytes) -> httpx.Response:
-        """One signed POST (the signature covers method, path, body, time and a fresh nonce)."""
+    async def _post(self, address: str, path: str, body: bytes) -> Reply:
+        """One signed POST (the signature covers method, path, body, time and a fresh nonce);
+        OSError or TimeoutError when the peer cannot be reached or answers no usable HTTP."""
         if self._keys is None:
             raise ConfigError("peer_token: no peer secret configured; cannot sign peer calls")
         auth = sign_request(self._keys, "POST", path, body)
         async with self._clients.client(address) as client:  # one small pool per peer
             return await client.post(
-                f"http://{address}{path}",
-                content=body,
-                headers={"Authorization": auth, "Content-Type": "application/json"},
+                path, body, {"Authorization": auth, "Content-Type": "application/json"}
             )
 
     async def _call(
@@ -203,7 +205,7 @@ class PeerTable:
         try:
             async with asyncio.timeout(self._timeout):
                 resp = await self._post(address, path, msgspec.json.encode(request))
-        except (httpx.HTTPError, TimeoutError) as exc:
+        except (OSError, TimeoutError) as exc:
             raise HandshakeError(f"peer {address} unreachable for {what}: {exc!r}") from exc
         if resp.status_code != 200:
             raise _remote_error(address, resp)
@@ -235,7 +237,7 @@ class PeerTable:
         body = msgspec.json.encode(self._local_handshake())
         try:
             resp = await self._post(address, "/v1/handshake", body)
-        except httpx.HTTPError as exc:
+        except (OSError, TimeoutError) as exc:
             self._count("unreachable")
             raise HandshakeError(f"peer {address} unreachable: {exc!r}") from exc
         if resp.status_code != 200:
@@ -270,7 +272,7 @@ class PeerTable:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
 
-def _remote_error(address: str, resp: httpx.Response) -> Exception:
+def _remote_error(address: str, resp: Reply) -> Exception:
     """Translate a peer's error answer into our exception type."""
     error = body_field = ""
     try:

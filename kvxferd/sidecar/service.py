@@ -42,6 +42,7 @@ from kvxferd.sidecar.peers import PeerTable
 from kvxferd.sidecar.pulls import Pull, PullRunner
 from kvxferd.sidecar.signing import PeerKeys
 from kvxferd.sidecar.tickets import sign_ticket, verify_ticket, verify_tickets
+from kvxferd.sidecar.wake import Wake
 from kvxferd.transport import Agent
 from kvxferd.wire import (
     PROTOCOL_VERSION,
@@ -70,6 +71,7 @@ from kvxferd.wire import (
 
 log = logging.getLogger(__name__)
 
+_KEEP_READERS = 64  # (registration, reader TP) pairs of _expected_readers
 _NOTIF_FAST_S = 0.001  # shortest poll interval, right after a claim or a notification
 _NOTIF_SLOW_S = 0.05  # longest poll interval (and the interval with no hold claimed)
 _NOTIF_LATENCY_SHARE = 20  # poll every elapsed/20: a READ's notification is late by <= ~5%
@@ -119,7 +121,8 @@ class Sidecar:
         self._accepted = self.keys.accepted if self.keys is not None else (self._secret,)
         self._hold_waiters: dict[str, tuple[asyncio.Event, list[int]]] = {}
         self._released_reported: dict[str, int] = {}  # release counts already in metrics
-        self._notif_wake = asyncio.Event()  # set by a claim: a READ is imminent
+        self._notif_wake = Wake()  # set by a claim: a READ is imminent
+        self._readers: dict[tuple[int, int], tuple[Manifest, int]] = {}  # _expected_readers
         self.generation = -1  # registration generation; -1 while no engine is registered
         self._next_generation = 0
         self._registrations: list[Any] = []  # NIXL registrations of the memory sources
@@ -362,8 +365,7 @@ class Sidecar:
                 "ticket.tp_rank", f"rank {ticket.tp_rank} of {ticket.tp_size}, but this sidecar "
                 f"holds rank {manifest.tp_rank} of {manifest.tp_size}",
             )  # fmt: skip
-        check_reader_tp(manifest, req.reader_tp_size)
-        readers = descriptors.expected_readers(manifest, req.reader_tp_size)
+        readers = self._expected_readers(manifest, req.reader_tp_size)
         await self._await_hold(ticket.hold_id)
         holds, _ = self._require_engine()
         try:
@@ -381,6 +383,20 @@ class Sidecar:
             expected_readers=readers,
             claim_s=grant.granted_s,
         )
+
+    def _expected_readers(self, manifest: Manifest, reader_tp_size: int) -> int:
+        """``check_reader_tp`` and ``expected_readers``, once per (registration, reader TP): both
+        walk every part of the manifest and depend on nothing else (a claim's hot path)."""
+        key = (id(manifest), reader_tp_size)
+        hit = self._readers.get(key)
+        if hit is not None and hit[0] is manifest:
+            return hit[1]
+        check_reader_tp(manifest, reader_tp_size)  # raises: nothing cached
+        readers = descriptors.expected_readers(manifest, reader_tp_size)
+        if len(self._readers) >= _KEEP_READERS:
+            self._readers.clear()
+        self._readers[key] = (manifest, readers)
+        return readers
 
     def heartbeat(self, req: Heartbeat) -> HeartbeatResponse:
         """Extend leases of still-queued requests."""
@@ -552,20 +568,9 @@ class Sidecar:
             live = self.agent.live_handles()
             self.metrics.nixl_handles.set(live.transfers)
             self.metrics.prepped_lists.set(live.prepped)
-            if await _woken(self._notif_wake, delay):
+            if await self._notif_wake.sleep(delay):
                 hot_since = time.monotonic()
             self._notif_wake.clear()
-
-
-async def _woken(event: asyncio.Event, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for ``event``; whether it was set."""
-    if event.is_set():
-        return True
-    try:
-        await asyncio.wait_for(event.wait(), timeout_s)
-    except TimeoutError:
-        return False
-    return True
 
 
 def check_reader_tp(manifest: Manifest, reader_tp_size: int) -> None:

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -41,12 +42,16 @@ class SidecarProcess:
     lines: queue.Queue[str] = field(repr=False)
 
     @classmethod
-    def start_many(cls, tmp_dir: str, names: list[str]) -> list[SidecarProcess]:
+    def start_many(
+        cls, tmp_dir: str, names: list[str], wrap: Callable[[str], list[str]] | None = None
+    ) -> list[SidecarProcess]:
         """Start one sidecar per name (in parallel) on Unix sockets under ``tmp_dir``.
 
         Waits (bounded) for every ready line; on failure stops those already started.
+        ``wrap(name)`` gives what runs instead of ``-m kvxferd`` (e.g. a profiling wrapper
+        script and its arguments, which then pass the rest on to kvxferd).
         """
-        launched = [_launch(tmp_dir, n) for n in names]
+        launched = [_launch(tmp_dir, n, wrap(n) if wrap else ["-m", "kvxferd"]) for n in names]
         ready: list[SidecarProcess] = []
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
@@ -98,14 +103,15 @@ class SidecarProcess:
         return self.proc.returncode
 
 
-def _launch(tmp_dir: str, name: str) -> tuple[str, subprocess.Popen[str], queue.Queue[str]]:
+def _launch(
+    tmp_dir: str, name: str, runner: list[str]
+) -> tuple[str, subprocess.Popen[str], queue.Queue[str]]:
     sock = os.path.join(tmp_dir, f"{name}.sock")
     env = {**os.environ, "KVXFERD_PEER_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
     env.setdefault("UCX_NET_DEVICES", "lo")
     cmd = [
         sys.executable,
-        "-m",
-        "kvxferd",
+        *runner,
         "serve",
         "--engine-socket",
         sock,

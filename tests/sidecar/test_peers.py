@@ -92,3 +92,22 @@ def test_peer_clients_are_one_per_address_bounded_and_closed_when_idle():
         assert len(pool) == 0
 
     asyncio.run(scenario())
+
+
+def test_a_cached_peer_is_served_while_a_handshake_with_its_address_is_in_progress():
+    from kvxferd.sidecar.peers import Peer
+
+    async def scenario() -> None:
+        table = _table()
+        peer = Peer("127.0.0.1:1", "e", 1, "agent", None, ())  # type: ignore[arg-type]
+        table._peers[peer.address] = peer
+        try:
+            async with table._locked(peer.address):  # someone is handshaking (a newer epoch)
+                got = await asyncio.wait_for(table.get(peer.address, "e", 1), 5.0)
+            assert got is peer
+            assert table.locks == 0
+        finally:
+            table._peers.clear()
+            await table.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,149 @@
+"""The peer API's HTTP/1.1 client against a real (tiny) asyncio server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from kvxferd.sidecar.peer_http import MAX_HEAD, PeerConnection, PeerHTTPError
+
+
+class _Server:
+    """A listening server and its handlers' writers; ``stop`` closes all and waits."""
+
+    def __init__(self, server: asyncio.Server, writers: list) -> None:
+        self.server, self.writers = server, writers
+
+    def close(self) -> None:
+        self.server.close()
+        for w in self.writers:
+            w.close()
+
+    async def stop(self) -> None:
+        self.close()
+        await self.server.wait_closed()
+        for w in self.writers:
+            with contextlib.suppress(OSError):
+                await w.wait_closed()
+
+
+async def _serve(answer, close_after: bool = False):  # noqa: ANN001
+    """A server answering each request with ``answer(body) -> bytes``; (server, address, seen)."""
+    seen: list[bytes] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))  # fmt: skip
+                body = await reader.readexactly(length)
+                seen.append(head + body)
+                writer.write(answer(body))
+                await writer.drain()
+                if close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return _Server(server, writers), f"127.0.0.1:{port}", seen
+
+
+def _ok(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(body), body)  # fmt: skip
+
+
+def _conn(address: str, **kw: float) -> PeerConnection:
+    return PeerConnection(address, timeout_s=kw.get("timeout_s", 5.0), keepalive_s=4.0, limit=4)
+
+
+def test_calls_reuse_one_kept_connection_and_send_the_headers():
+    async def scenario() -> None:
+        server, address, seen = await _serve(_ok)
+        conn = _conn(address)
+        for i in range(3):
+            reply = await conn.post("/v1/claims", b'{"n":%d}' % i, {"Authorization": "KVX1 x"})
+            assert (reply.status_code, reply.content) == (200, b'{"n":%d}' % i)
+        assert conn.opened == 1
+        assert seen[0].startswith(b"POST /v1/claims HTTP/1.1\r\n")
+        assert b"Authorization: KVX1 x\r\n" in seen[0] and b"Content-Length: 7\r\n" in seen[0]
+        await conn.aclose()
+        await server.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_connection_the_peer_closed_while_idle_is_replaced_not_an_error():
+    async def scenario() -> None:
+        server, address, seen = await _serve(_ok, close_after=True)
+        conn = _conn(address)
+        assert (await conn.post("/a", b"1", {})).content == b"1"
+        await asyncio.sleep(0.05)  # the server's close reaches us (or not: both must work)
+        assert (await conn.post("/a", b"2", {})).content == b"2"
+        assert conn.opened == 2 and len(seen) == 2  # each request reached the server once
+        await conn.aclose()
+        await server.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{}",
+        b"SSH-2.0-OpenSSH\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort",
+        b"HTTP/1.1 200 OK\r\nx: " + b"a" * MAX_HEAD + b"\r\n\r\n",
+    ],
+    ids=["chunked", "no-length", "not-http", "truncated", "huge-head"],
+)
+def test_answers_it_cannot_read_are_errors_and_drop_the_connection(answer):
+    async def scenario() -> None:
+        server, address, _ = await _serve(lambda _b: answer, close_after=True)
+        conn = _conn(address)
+        with pytest.raises(PeerHTTPError):
+            await conn.post("/a", b"{}", {})
+        assert conn._idle == []  # noqa: SLF001 - nothing kept after a bad answer
+        await conn.aclose()
+        await server.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_that_never_answers_times_out_and_an_error_status_is_a_reply():
+    async def scenario() -> None:
+        server, address, _ = await _serve(lambda _b: b"")  # reads, never answers
+        with pytest.raises(TimeoutError):
+            await _conn(address, timeout_s=0.2).post("/a", b"{}", {})
+        await server.stop()
+        server, address, _ = await _serve(
+            lambda _b: b"HTTP/1.1 410 Gone\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"
+        )
+        conn = _conn(address)
+        reply = await conn.post("/a", b"{}", {})
+        assert (reply.status_code, reply.text) == (410, "{}")
+        assert conn._idle == []  # noqa: SLF001 - "connection: close" is honoured
+        await server.stop()
+
+    asyncio.run(scenario())
+
+
+def test_an_unreachable_peer_is_an_os_error():
+    async def scenario() -> None:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        with pytest.raises(OSError):
+            await _conn(f"127.0.0.1:{port}").post("/a", b"{}", {})
+
+    asyncio.run(scenario())
