@@ -2,12 +2,11 @@
 
 httpx costs about a millisecond of CPU per call, most of it in its connection pool's per-request
 scans and anyio layers; a decode rank reading from 8 prefill ranks makes 8 claims per pull, and
-those were most of the decode sidecar's CPU (scripts/bench_pulls.py, issue 11). A peer call is
-one short signed POST answered with a ``Content-Length`` body, so this client writes the
-request in one write, reads the status line, the headers and exactly that many bytes, and keeps
-the connection for the next call. Anything else (chunked or unsized bodies, oversized heads,
-malformed lines) is a PeerHTTPError and the connection is dropped. Bounded: ``limit``
-connections at once, heads of MAX_HEAD bytes, bodies of MAX_BODY, every call by ``timeout_s``.
+those were most of the decode sidecar's CPU (scripts/bench_pulls.py, issue 11). This client
+keeps its own connections on asyncio streams and leaves the protocol to h11 (the sans-I/O
+HTTP/1.1 library under httpx and uvicorn): h11 writes the request and parses the answer, so a
+malformed one is a PeerHTTPError and its connection is dropped. Bounded: ``limit`` connections
+at once, heads of MAX_HEAD bytes, bodies of MAX_BODY, every call by ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -16,7 +15,9 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import h11
 
 MAX_HEAD = 64 << 10
 """Bytes of a response's status line and headers."""
@@ -50,6 +51,9 @@ class _Conn:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     idle_since: float = 0.0
+    http: h11.Connection = field(
+        default_factory=lambda: h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+    )
 
     def usable(self, now: float, keepalive_s: float) -> bool:
         return (now - self.idle_since < keepalive_s and not self.reader.at_eof()
@@ -88,18 +92,20 @@ class PeerConnection:
 
     async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> Reply:
         """POST ``body`` to ``path``; the peer's reply (OSError or TimeoutError otherwise)."""
-        head = [f"POST {path} HTTP/1.1", f"Host: {self.address}",
-                f"Content-Length: {len(body)}"]  # fmt: skip
-        head += [f"{k}: {v}" for k, v in headers.items()]
-        request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+        request = h11.Request(
+            method="POST",
+            target=path,
+            headers=[("Host", self.address), ("Content-Length", str(len(body))),
+                     *headers.items()],
+        )  # fmt: skip
         async with asyncio.timeout(self._timeout), self._slots:
             conn = self._take()
             if conn is not None:
                 try:
-                    return await self._exchange(conn, request)
+                    return await self._exchange(conn, request, body)
                 except _Stale:
                     pass  # closed by the peer while idle: it never saw this request
-            return await self._exchange(await self._open(), request)
+            return await self._exchange(await self._open(), request, body)
 
     def _take(self) -> _Conn | None:
         now = self._clock()
@@ -116,20 +122,23 @@ class PeerConnection:
         self.opened += 1
         return _Conn(reader, writer)
 
-    async def _exchange(self, conn: _Conn, request: bytes) -> Reply:
+    async def _exchange(self, conn: _Conn, request: h11.Request, body: bytes) -> Reply:
         keep = False
         try:
+            data = conn.http.send(request) + conn.http.send(h11.Data(body))
+            data += conn.http.send(h11.EndOfMessage())
             try:
-                conn.writer.write(request)
+                conn.writer.write(data)
                 await conn.writer.drain()
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise _Stale(f"{self.address}: connection closed before the request") from exc
-            reply, keep = await _read_reply(conn.reader)
+            reply = await _read_reply(conn)
+            keep = conn.http.our_state is h11.DONE and conn.http.their_state is h11.DONE
+            if keep:
+                conn.http.start_next_cycle()
             return reply
-        except asyncio.IncompleteReadError as exc:
-            raise PeerHTTPError(f"{self.address}: connection closed mid-answer") from exc
-        except asyncio.LimitOverrunError as exc:
-            raise PeerHTTPError(f"{self.address}: answer head over {MAX_HEAD} B") from exc
+        except h11.ProtocolError as exc:
+            raise PeerHTTPError(f"{self.address}: {exc}") from exc
         finally:
             if keep and not self.is_closed:
                 conn.idle_since = self._clock()
@@ -148,44 +157,39 @@ class PeerConnection:
                 await conn.writer.wait_closed()
 
 
-async def _read_reply(reader: asyncio.StreamReader) -> tuple[Reply, bool]:
-    """One response: (reply, whether the connection may be kept)."""
-    try:
-        line = await reader.readuntil(b"\r\n")
-    except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
-        if isinstance(exc, ConnectionResetError) or not exc.partial:
-            raise _Stale("peer closed the connection before answering") from exc
-        raise
-    parts = line.split(None, 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-        raise PeerHTTPError(f"not an HTTP/1.1 status line: {line[:80]!r}")
-    status = int(parts[1])
-    length, keep, size = -1, parts[0] == b"HTTP/1.1", len(line)
+async def _read_reply(conn: _Conn) -> Reply:
+    """One response, parsed by h11 from what the connection reads."""
+    status, chunks, size = -1, [], 0
     while True:
-        line = await reader.readuntil(b"\r\n")
-        size += len(line)
-        if size > MAX_HEAD:
-            raise PeerHTTPError(f"answer head over {MAX_HEAD} B")
-        if line == b"\r\n":
-            break
-        name, sep, value = line.partition(b":")
-        if not sep:
-            raise PeerHTTPError(f"malformed header line {line[:80]!r}")
-        name, value = name.strip().lower(), value.strip().lower()
-        if name == b"content-length":
-            if not value.isdigit():
-                raise PeerHTTPError(f"bad content-length {value[:40]!r}")
-            length = int(value)
-        elif name == b"transfer-encoding":
-            raise PeerHTTPError(f"unsupported transfer-encoding {value[:40]!r}")
-        elif name == b"connection":
-            keep = keep and value != b"close"
-    if length < 0:
-        if status in (204, 304) or 100 <= status < 200:
-            length = 0
-        else:
-            raise PeerHTTPError(f"answer {status} without content-length")
-    if length > MAX_BODY:
-        raise PeerHTTPError(f"answer body of {length} B over {MAX_BODY} B")
-    body = await reader.readexactly(length) if length else b""
-    return Reply(status, body), keep
+        event = conn.http.next_event()
+        if event is h11.NEED_DATA:
+            try:
+                data = await conn.reader.read(1 << 16)
+            except ConnectionResetError as exc:
+                data, reset = b"", exc
+            else:
+                reset = None
+            if not data and conn.http.their_state is h11.SEND_RESPONSE and not _started(conn):
+                raise _Stale("peer closed the connection before answering") from reset
+            conn.http.receive_data(data)  # b"": the peer closed
+        elif isinstance(event, h11.InformationalResponse):
+            continue
+        elif isinstance(event, h11.Response):
+            status = event.status_code
+            length = dict(event.headers).get(b"content-length")
+            if length is not None and int(length) > MAX_BODY:
+                raise PeerHTTPError(f"answer body of {int(length)} B over {MAX_BODY} B")
+        elif isinstance(event, h11.Data):
+            size += len(event.data)
+            if size > MAX_BODY:
+                raise PeerHTTPError(f"answer body over {MAX_BODY} B")
+            chunks.append(event.data)
+        elif isinstance(event, h11.EndOfMessage):
+            return Reply(status, b"".join(chunks))
+        else:  # ConnectionClosed (or PAUSED, which a client never sees mid-answer)
+            raise PeerHTTPError("connection closed mid-answer")
+
+
+def _started(conn: _Conn) -> bool:
+    """Whether any byte of an answer arrived (h11 buffers a partial head)."""
+    return bool(conn.http.trailing_data[0])

@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from kvxferd.sidecar.peer_http import MAX_HEAD, PeerConnection, PeerHTTPError
+from kvxferd.sidecar.peer_http import MAX_BODY, MAX_HEAD, PeerConnection, PeerHTTPError
 
 
 class _Server:
@@ -96,15 +96,34 @@ def test_a_connection_the_peer_closed_while_idle_is_replaced_not_an_error():
 
 
 @pytest.mark.parametrize(
+    ("answer", "body"),
+    [
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n\r\n", b"x"),
+        (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{}", b"{}"),
+    ],
+    ids=["chunked", "until-close"],
+)
+def test_other_valid_framings_are_read_and_not_kept_when_closed(answer, body):
+    async def scenario() -> None:
+        server, address, _ = await _serve(lambda _b: answer, close_after=True)
+        conn = _conn(address)
+        assert (await conn.post("/a", b"{}", {})).content == body
+        await conn.aclose()
+        await server.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
     "answer",
     [
-        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n\r\n",
-        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{}",
         b"SSH-2.0-OpenSSH\r\n\r\n",
         b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort",
-        b"HTTP/1.1 200 OK\r\nx: " + b"a" * MAX_HEAD + b"\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx: " + b"a" * 2 * MAX_HEAD + b"\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (MAX_BODY + 1),
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nab",
     ],
-    ids=["chunked", "no-length", "not-http", "truncated", "huge-head"],
+    ids=["not-http", "truncated", "huge-head", "huge-body", "two-lengths"],
 )
 def test_answers_it_cannot_read_are_errors_and_drop_the_connection(answer):
     async def scenario() -> None:
