@@ -285,7 +285,7 @@ class PullRunner:
 
         pull.advance(PullState.CLAIMING)
         claim = asyncio.create_task(self._claim(ticket, deadline, local))
-        read: asyncio.Task[_Read] | None = None
+        read: asyncio.Task[float] | None = None
         try:
             await asyncio.sleep(0)  # let the claim reach the wire before we plan and post
             req = pull.request
@@ -339,7 +339,7 @@ class PullRunner:
         return time.monotonic() + (claim.expires_at - time.time())
 
     async def _within_claim(
-        self, pull: Pull, peer: Peer, read: asyncio.Task[_Read], claim_end: float,
+        self, pull: Pull, peer: Peer, read: asyncio.Task[float], claim_end: float,
         deadline: float,
     ) -> float:  # fmt: skip
         """Wait for ``read`` no longer than the claim lasts; when it completed (monotonic).
@@ -356,13 +356,13 @@ class PullRunner:
                 raise HoldExpiredError(
                     f"the claim at {peer.address} ended before the READ completed"
                 )
-        done = await read
-        if done.finished > claim_end:
+        finished = await read
+        if finished > claim_end:
             raise HoldExpiredError(
-                f"the claim at {peer.address} ended {done.finished - claim_end:.3f} s before "
-                "the READ completed"
+                f"the claim at {peer.address} ended {finished - claim_end:.3f} s before the "
+                "READ completed"
             )
-        return done.finished
+        return finished
 
     async def _release_unread(self, ticket: Ticket, reader_tp_size: int) -> None:
         """Release the hold of a prefill rank that no decode rank reads, before its expiry.
@@ -386,9 +386,10 @@ class PullRunner:
                 exc,
             )
 
-    async def _transfer(self, pull: Pull, peer: Peer, plan: PeerRead, deadline: float) -> _Read:
+    async def _transfer(self, pull: Pull, peer: Peer, plan: PeerRead, deadline: float) -> float:
         """Post ``plan``'s READ (no notification: that waits for the claim) and wait for it
-        until the pull's deadline."""
+        until the pull's deadline; when its completion was seen (monotonic; it completed no
+        later)."""
         tables = plan.tables or (None, None)
         t0 = time.monotonic()
         try:
@@ -421,14 +422,7 @@ class PullRunner:
         m.transfer_bytes.labels("state").inc(plan.state_bytes)
         if wire_s > 0:
             m.transfer_throughput.observe(total / wire_s)
-        return _Read(finished)
-
-
-@dataclass(frozen=True, slots=True)
-class _Read:
-    """A completed READ: when its completion was seen (monotonic; it completed no later)."""
-
-    finished: float
+        return finished
 
 
 async def _settle(task: asyncio.Task[Any]) -> None:
