@@ -302,6 +302,8 @@ class PullRunner:
                 pull.kv_bytes += int(plan.kv_bytes)
                 pull.state_bytes += int(plan.state_bytes)
                 pull.descriptors += int(plan.num_descriptors)
+                m.transfer_bytes.labels("kv").inc(plan.kv_bytes)  # bytes that count (claimed)
+                m.transfer_bytes.labels("state").inc(plan.state_bytes)
                 m.phase_duration.labels("notify").observe(time.monotonic() - done)
             # Claimed and read: release our share of the hold (a rank with nothing to read
             # too: all its blocks were skipped).
@@ -418,8 +420,6 @@ class PullRunner:
         m.transfer_duration.observe(finished - t0)
         m.transfer_descriptors.observe(plan.num_descriptors)
         m.reads.labels("prepped" if plan.prepped is not None else "tables").inc()
-        m.transfer_bytes.labels("kv").inc(plan.kv_bytes)
-        m.transfer_bytes.labels("state").inc(plan.state_bytes)
         if wire_s > 0:
             m.transfer_throughput.observe(total / wire_s)
         return finished
