@@ -200,6 +200,9 @@ Safe because:
 The costs: a failed claim may have read bytes of a released hold into the decode's blocks,
 which are discarded; and a claim to a frozen prefill may leave a READ in flight (the pull ends
 `unsettled`, naming the claim's failure) where a claim made first would not have posted one.
+Without a UCX progress thread a prefill sidecar progresses its worker from its notification
+poller, which runs fast from a hold's placement (not only from its claim), so a READ that
+arrives before its claim is served promptly.
 
 ## Tickets minted by the scheduler (engine-chosen hold ids)
 
