@@ -168,10 +168,11 @@ for the other sidecars.
 5. **claim**: the decode sidecar presents the ticket (`POST /v1/claims`); the prefill sidecar
    checks its HMAC and what it binds (below) and pins the hold until the claim's deadline; the
    answer's `claim_s` says how long the claim lasts. An unknown hold answers 404 and an expired
-   one 410, so a decode side never reads blocks that may have been reused.
-6. **READ with notification**: the decode sidecar posts one-sided NIXL READs of exactly the
-   bytes the two manifests address (below), with a NIXL notification whose message is the hold
-   id, delivered when the READ completes.
+   one 410, so a decode side never *uses* blocks that may have been reused: the claim is off
+   the critical path (below), and the pull succeeds only if its claim does.
+6. **READ, then notification**: while the claim is in flight, the decode sidecar posts one-sided
+   NIXL READs of exactly the bytes the two manifests address (below). Once the claim answered
+   and the READ completed within it, it sends a NIXL notification whose message is the hold id.
 7. **release**: when every expected reader has notified (several under heterogeneous TP), the
    prefill sidecar releases the hold. Released holds (reason `notified`, `expired`, `aborted`,
    `declined` or `unregistered`, each exactly once) appear in `GET /v1/released?cursor=N&limit=M`
@@ -183,6 +184,42 @@ for the other sidecars.
 
 A pull that did not move every byte it promised ends `failed` with a machine-readable `reason`;
 it never ends `done`.
+
+### The claim off the critical path (why a READ may start before its claim lands)
+
+After the handshake (cached per peer epoch) the decode sidecar sends the claim and posts the
+READ without waiting for the answer, so a pull costs the longer of the two, not their sum.
+Safe because:
+
+- **A hold the claim finds live was live all along.** A hold lives from its placement until its
+  one release (notified, expired, aborted, declined, unregistered); nothing revives a released
+  hold and a hold id is never reused. So when the claim succeeds, every byte the READ copied
+  before it was the hold's. An engine-minted ticket may be read before the worker places its
+  hold; the engine keeps those blocks unchanged from minting (the rule in "Tickets minted by
+  the scheduler").
+- **The pull succeeds only if the claim does.** A claim that fails (404 unknown or released,
+  410 expired, 401, 409, no answer in time) fails the pull with the claim's reason, but only
+  after the READ is settled (driven to an end, never abandoned: it can no longer write); the
+  pull counts no bytes and the finished feed reports its local blocks invalid. Bytes a READ
+  wrote under a failed claim are never presented as data.
+- **The READ completes within the claim.** Once the claim answers, the READ may run until the
+  earlier of the pull's deadline and the claim's end (`claim_s`, counted from before the claim
+  was sent); a READ not complete by then -- including one that completed before a slow answer
+  arrived but after the claim's end -- fails the pull (`hold_expired`, or `unsettled` if it
+  cannot be confirmed stopped).
+- **A notification never precedes its claim.** The READ is posted without a notification; the
+  decode sends the hold id as a standalone notification only once its claim answered and its
+  READ completed. The prefill keeps its simple rule -- only a reader that claimed may release --
+  and needs no table of early notifications: one notification per READ either way, and the
+  hold is released at about the same moment as when the notification rode on the READ. A rank
+  with nothing to read claims, then notifies.
+
+The costs: a failed claim may have read bytes of a released hold into the decode's blocks,
+which are discarded; and a claim to a frozen prefill may leave a READ in flight (the pull ends
+`unsettled`, naming the claim's failure) where a claim made first would not have posted one.
+Without a UCX progress thread a prefill sidecar progresses its worker from its notification
+poller, which runs fast from a hold's placement (not only from its claim), so a READ that
+arrives before its claim is served promptly.
 
 ## Tickets minted by the scheduler (engine-chosen hold ids)
 
@@ -197,6 +234,11 @@ sidecar. So the scheduler mints the tickets itself and the workers place the hol
    per rank, a `Ticket` naming that hold id, the rank's epoch and generation, signed with the
    same MAC code the sidecar uses (`kvxferd.sidecar.tickets.sign_ticket`). The tickets go out
    in `kv_transfer_params` at once; the blocks stay allocated (delayed free).
+   **Rule:** an engine that mints its own tickets keeps the named blocks unchanged from minting
+   until the hold is released, or until it has aborted a hold it failed to place (vLLM does:
+   `request_finished` delays the free). A decode's READ may run before the hold is placed
+   (above, "The claim off the critical path"); by this rule it read the hold's bytes whenever
+   the claim then succeeds, and a claim that fails fails the pull.
 3. **place** (workers, the next engine step): the hold order rides in the step's connector
    metadata; each worker calls `POST /v1/holds` with `HoldRequest.hold_id` set to the minted id.
    The answer's ticket carries the sidecar's current epoch and generation: if they are not the
@@ -261,7 +303,8 @@ outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
 - **Who may release.** The prefill engine (abort, or by unregistering), the lease (expiry,
   kept on a monotonic clock inside the process; absolute Unix times appear only on the wire),
   the readers that claimed the hold, by NIXL notification once all expected readers have
-  notified (a notification from an agent that did not claim is counted as unknown and ignored),
+  notified (a notification from an agent that did not claim is counted as unknown and ignored;
+  a reader notifies only after its claim answered),
   and a decode side that declines with a valid ticket whose block ids are the hold's, as long as
   no reader has claimed it (a claimed hold is reported `busy` and left to its readers).
 - **Block 0** is vLLM's null block: a hold may name it (placeholders keep their position), any

@@ -1,9 +1,13 @@
-"""Pulls on the decode side: handshake, claim, plan, one NIXL READ per prefill rank, notify.
+"""Pulls on the decode side: handshake, then claim and one NIXL READ per prefill rank at once,
+then notify.
 
-A pull moves forward through PullState and ends DONE only when every READ of every source rank
-completed; anything else ends FAILED with a reason code, never DONE (fail closed), and only
-once none of its READs can still write (kvxferd.sidecar.reads). A READ never outlives the
-claim it reads under: its wait ends at the earlier of the pull's deadline and the claim's end.
+A pull moves forward through PullState and ends DONE only when every source rank's claim
+succeeded and its READ completed; anything else ends FAILED with a reason code, never DONE
+(fail closed), and only once none of its READs can still write (kvxferd.sidecar.reads). The
+READ is posted while its claim is in flight (the claim is off the critical path), yet never
+counts past the claim: it must complete by the earlier of the pull's deadline and the claim's
+end, and the hold is notified only after both the claim answered and the READ completed.
+proto/README.md ("The claim off the critical path") has the argument.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -28,14 +32,13 @@ from kvxferd.errors import (
     HoldExpiredError,
     KvxferdError,
     PeerDisconnectedError,
-    TransferTimeoutError,
     UnknownPullError,
     reason_code,
 )
 from kvxferd.sidecar.finished import FinishedFeed
 from kvxferd.sidecar.peerviews import PeerRead, PeerViews, RankPlans
 from kvxferd.sidecar.pull_request import validate_pull
-from kvxferd.sidecar.reads import SETTLE_S, Reads
+from kvxferd.sidecar.reads import SETTLE_S, Reads, run_to_end
 from kvxferd.sidecar.states import PullState, advance
 from kvxferd.wire import (
     ClaimRequest,
@@ -267,7 +270,13 @@ class PullRunner:
     async def _read_from(
         self, pull: Pull, ticket: Ticket, deadline: float, local: Manifest, bases: Sequence[int]
     ) -> None:
-        """Handshake with, claim at, and read from one prefill rank."""
+        """Handshake with one prefill rank, then claim its hold and read from it concurrently.
+
+        The claim goes out first and the READ is posted while it is in flight. This rank
+        succeeds only if the claim does and the READ completed by the claim's end (and the
+        pull's deadline); only then is the hold notified. A failed claim fails the rank once
+        the READ settled (it can no longer write).
+        """
         m = self._metrics
         pull.advance(PullState.HANDSHAKING)
         t0 = time.monotonic()
@@ -275,6 +284,40 @@ class PullRunner:
         m.phase_duration.labels("handshake").observe(time.monotonic() - t0)
 
         pull.advance(PullState.CLAIMING)
+        claim = asyncio.create_task(self._claim(ticket, deadline, local))
+        read: asyncio.Task[float] | None = None
+        try:
+            await asyncio.sleep(0)  # let the claim reach the wire before we plan and post
+            req = pull.request
+            plan = self.views.plan(
+                peer, local, bases, self._geometry(local, peer), req.block_ids,
+                ticket.block_ids, req.num_tokens, ticket.num_tokens,
+            )  # fmt: skip
+            if plan.num_descriptors:
+                read = asyncio.create_task(self._transfer(pull, peer, plan, deadline))
+            claim_end = await claim  # its error (404, 410, 401, 409, timeout) fails the rank
+            pull.advance(PullState.TRANSFERRING)
+            if read is not None:
+                done = await self._within_claim(pull, peer, read, claim_end, deadline)
+                pull.kv_bytes += int(plan.kv_bytes)
+                pull.state_bytes += int(plan.state_bytes)
+                pull.descriptors += int(plan.num_descriptors)
+                m.transfer_bytes.labels("kv").inc(plan.kv_bytes)  # bytes that count (claimed)
+                m.transfer_bytes.labels("state").inc(plan.state_bytes)
+                m.phase_duration.labels("notify").observe(time.monotonic() - done)
+            # Claimed and read: release our share of the hold (a rank with nothing to read
+            # too: all its blocks were skipped).
+            self._transport.send_notif(peer.agent_name, ticket.hold_id.encode())
+        finally:
+            await _settle(claim)
+            if read is not None:
+                await _settle(read)  # a READ is never abandoned (kvxferd.sidecar.reads)
+                if pull.unsettled and not claim.cancelled() and claim.exception() is not None:
+                    pull.unsettled += f" (its claim failed: {reason_code(claim.exception())})"
+
+    async def _claim(self, ticket: Ticket, deadline: float, local: Manifest) -> float:
+        """Claim ``ticket``'s hold until the pull's deadline; the claim's end (monotonic)."""
+        m = self._metrics
         t0 = time.monotonic()
         request = ClaimRequest(
             ticket=ticket,
@@ -294,22 +337,34 @@ class PullRunner:
         # duration counts from before we sent the claim (no cross-host clock involved); an
         # older peer without it gives only its absolute expiry.
         if claim.claim_s > 0:
-            claim_end = t0 + claim.claim_s
-        else:
-            claim_end = time.monotonic() + (claim.expires_at - time.time())
+            return t0 + claim.claim_s
+        return time.monotonic() + (claim.expires_at - time.time())
 
-        req = pull.request
-        plan = self.views.plan(
-            peer, local, bases, self._geometry(local, peer), req.block_ids, ticket.block_ids,
-            req.num_tokens, ticket.num_tokens,
-        )  # fmt: skip
-        pull.advance(PullState.TRANSFERRING)
-        notif = ticket.hold_id.encode()
-        if plan.num_descriptors == 0:
-            # Nothing to read from this rank (all blocks skipped): still release its hold.
-            self._transport.send_notif(peer.agent_name, notif)
-            return
-        await self._transfer(pull, peer, plan, notif, deadline, claim_end)
+    async def _within_claim(
+        self, pull: Pull, peer: Peer, read: asyncio.Task[float], claim_end: float,
+        deadline: float,
+    ) -> float:  # fmt: skip
+        """Wait for ``read`` no longer than the claim lasts; when it completed (monotonic).
+
+        HoldExpiredError if it did not complete by the claim's end: the hold may have expired
+        under it (a READ that completed before the claim answered is checked too).
+        """
+        if claim_end < deadline:
+            finished, _ = await asyncio.wait({read}, timeout=max(0.0, claim_end - time.monotonic()))
+            if not finished:
+                await _settle(read)
+                if pull.unsettled:
+                    pull.unsettled += " (its wait ended with its claim)"
+                raise HoldExpiredError(
+                    f"the claim at {peer.address} ended before the READ completed"
+                )
+        finished = await read
+        if finished > claim_end:
+            raise HoldExpiredError(
+                f"the claim at {peer.address} ended {finished - claim_end:.3f} s before the "
+                "READ completed"
+            )
+        return finished
 
     async def _release_unread(self, ticket: Ticket, reader_tp_size: int) -> None:
         """Release the hold of a prefill rank that no decode rank reads, before its expiry.
@@ -333,15 +388,10 @@ class PullRunner:
                 exc,
             )
 
-    async def _transfer(
-        self,
-        pull: Pull,
-        peer: Peer,
-        plan: PeerRead,
-        notif: bytes,
-        deadline: float,
-        claim_end: float,
-    ) -> None:
+    async def _transfer(self, pull: Pull, peer: Peer, plan: PeerRead, deadline: float) -> float:
+        """Post ``plan``'s READ (no notification: that waits for the claim) and wait for it
+        until the pull's deadline; when its completion was seen (monotonic; it completed no
+        later)."""
         tables = plan.tables or (None, None)
         t0 = time.monotonic()
         try:
@@ -349,41 +399,41 @@ class PullRunner:
                 peer.address,
                 peer.agent_name,
                 *tables,
-                notif,
+                b"",
                 nbytes=int(plan.kv_bytes + plan.state_bytes),
                 descs=int(plan.num_descriptors),
-                deadline=min(deadline, claim_end),
-                on_unsettled=functools.partial(_unsettled, pull, claim_end < deadline),
-                post=plan.post(self._transport, peer.agent_name, notif),
+                deadline=deadline,
+                on_unsettled=functools.partial(_unsettled, pull),
+                post=plan.post(self._transport, peer.agent_name, b""),
             )
         except PeerDisconnectedError:
             await self._peers.forget(peer.address)
             raise
-        except TransferTimeoutError as exc:
-            if claim_end < deadline:
-                raise HoldExpiredError(
-                    f"the claim at {peer.address} ended before the READ completed: {exc}"
-                ) from exc
-            raise
+        finished = time.monotonic()
         telemetry = transfer.telemetry() or {}
-        wire_s = float(telemetry.get("wall_s", time.monotonic() - t0))
-        posted = time.monotonic() - wire_s
+        wire_s = float(telemetry.get("wall_s", finished - t0))
+        posted = finished - wire_s
         m = self._metrics
         total = int(plan.kv_bytes + plan.state_bytes)
         m.phase_duration.labels("post").observe(posted - t0)
         m.phase_duration.labels("wire").observe(wire_s)
-        m.transfer_duration.observe(time.monotonic() - t0)
+        m.transfer_duration.observe(finished - t0)
         m.transfer_descriptors.observe(plan.num_descriptors)
         m.reads.labels("prepped" if plan.prepped is not None else "tables").inc()
-        m.transfer_bytes.labels("kv").inc(plan.kv_bytes)
-        m.transfer_bytes.labels("state").inc(plan.state_bytes)
         if wire_s > 0:
             m.transfer_throughput.observe(total / wire_s)
-        pull.kv_bytes += int(plan.kv_bytes)
-        pull.state_bytes += int(plan.state_bytes)
-        pull.descriptors += int(plan.num_descriptors)
+        return finished
 
 
-def _unsettled(pull: Pull, claim_first: bool, why: str) -> None:
+async def _settle(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` unless it ended, and wait for its end even if we are cancelled meanwhile
+    (its outcome is no longer wanted, but a READ's settling must not be cut short)."""
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await run_to_end(task)
+
+
+def _unsettled(pull: Pull, why: str) -> None:
     """Record on ``pull`` that one of its READs could not be confirmed stopped."""
-    pull.unsettled = why + (" (its wait ended with its claim)" if claim_first else "")
+    pull.unsettled = why

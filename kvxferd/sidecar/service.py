@@ -258,6 +258,7 @@ class Sidecar:
         if waiter is not None:
             waiter[0].set()  # a claim for this engine-chosen id arrived first
         self.metrics.holds_created.inc()
+        self._notif_wake.set()  # a READ may come before its claim: progress UCX promptly
         self.metrics.holds_active.set(holds.active)
         ticket = Ticket(
             engine_id=self.engine_id,
@@ -541,10 +542,11 @@ class Sidecar:
         """Turn readers' NIXL notifications into hold releases.
 
         Each poll also progresses our UCX worker, which a reader's READ needs to complete when
-        the progress thread is off. After a claim (or a notification) the poller is fast, then
-        backs off in proportion to the time since: polling every ``elapsed / 20`` (1 ms to
-        50 ms) delays a READ that took ``t`` by at most ~t/20, and a claimed hold whose reader
-        never reads costs 20 polls a second instead of 1,000. ``get_new_notifs`` is called on
+        the progress thread is off. After a hold, a claim (or a notification) the poller is
+        fast (a reader's READ may come before its claim), then backs off in proportion to the
+        time since: polling every ``elapsed / 20`` (1 ms to 50 ms) delays a READ that took ``t``
+        by at most ~t/20, and a live hold whose reader never reads costs 20 polls a second
+        instead of 1,000. ``get_new_notifs`` is called on
         the loop: it releases the GIL and costs microseconds, a thread hop costs more.
         """
         hot_since = time.monotonic()
@@ -562,7 +564,7 @@ class Sidecar:
                 if notifs:
                     self._after_release()
                     hot_since = time.monotonic()  # more may follow (other ranks, other pulls)
-                if self.holds.claimed:
+                if self.holds.active:  # claimed, or held: a READ may precede its claim
                     elapsed = time.monotonic() - hot_since
                     delay = min(max(elapsed / _NOTIF_LATENCY_SHARE, _NOTIF_FAST_S), _NOTIF_SLOW_S)
             live = self.agent.live_handles()

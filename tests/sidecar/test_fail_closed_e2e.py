@@ -40,6 +40,7 @@ pytestmark = pytest.mark.nixl
 MODEL = "gpt-oss-20b"  # two groups (sliding window + full attention), ~390 KB a block
 BLOCKS = 1500
 _UNDER_WAY = ("transferring", "done", "failed")
+_READING = ("claiming", *_UNDER_WAY)  # the READ goes out while the claim is in flight
 LEASE_S = 3.0  # an unclaimed hold of a round that failed early expires by then
 
 
@@ -178,9 +179,10 @@ def test_cancelling_the_pull_task_at_any_point_never_writes_after_failed(
 
 
 def test_sigstopped_prefill_mid_transfer_fails_without_leaking_a_handle(cluster):
-    """Frozen mid-READ: the READ cannot complete (its notification needs the prefill), so the
-    pull ends ``unsettled`` by its deadline plus the settle bound; the handle stays counted while
-    the READ might still write, and is released once the prefill resumes (no leak)."""
+    """Frozen as the pull reaches its claim (its READ goes out at the same time): a claim that
+    gets no answer fails the pull by its deadline, and a READ that cannot complete ends it
+    ``unsettled`` by the deadline plus the settle bound; the handle stays counted while the READ
+    might still write, and is released once the prefill resumes (no leak)."""
     c = cluster
     pid = c.p.child.pid
     for attempt in range(5):  # the READ may complete before the stop lands: try again
@@ -189,8 +191,8 @@ def test_sigstopped_prefill_mid_transfer_fails_without_leaking_a_handle(cluster)
         with c.d.client() as dc:
             pull_id = dc.pull(PullRequest(tickets=[ticket], block_ids=c.dids,
                                           deadline_s=3.0)).pull_id  # fmt: skip
-            wait_until(lambda p=pull_id: dc.pull_status(p).state in _UNDER_WAY, 30,
-                       "pull transferring")  # fmt: skip
+            wait_until(lambda p=pull_id: dc.pull_status(p).state in _READING, 30,
+                       "pull reading")  # fmt: skip
             os.kill(pid, signal.SIGSTOP)
             try:
                 status = dc.wait_pull(pull_id, timeout_s=60)
