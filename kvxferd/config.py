@@ -105,9 +105,11 @@ class Config:
     sidecars share a directory)."""
     store_chunk_tokens: int = 64
     """Tokens per store chunk (hybrid_chunk_size); every engine sharing a store uses the same."""
-    prepped_reads: bool = True
+    prepped_reads: bool = False
     """Prepare each peer's descriptor lists once per epoch (on a background thread) and post
-    fragmented READs by index into them; off: every READ goes as coalesced tables."""
+    fragmented READs by index into them; off: every READ goes as coalesced tables (the default:
+    the tables keep one row per piece where coalescing merges adjacent pieces, so on some
+    layouts an index plan posts more descriptors; docs/benchmarks.md)."""
     require_transport: str = "any"
     """READ transport readiness requires: ``rdma`` (an RDMA device, and no READ over TCP; else
     /readyz answers 503 naming why) or ``any``."""

@@ -65,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--prepped-reads", action=argparse.BooleanOptionalAction, default=None,
                    dest="prepped_reads",
                    help="post fragmented READs by index into per-peer prepared lists "
-                        "(default: on)")  # fmt: skip
+                        "(default: off)")  # fmt: skip
     p.add_argument("--require-transport", choices=("rdma", "any"), dest="require_transport",
                    help="refuse readiness unless READs can use RDMA (never TCP)")  # fmt: skip
     p.add_argument("--ucx-proto-log", metavar="PATH|off", dest="ucx_proto_log",

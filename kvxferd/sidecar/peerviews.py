@@ -126,13 +126,16 @@ class PeerViews:
     The lists of a new peer pair are prepared on one background thread (a million rows take a
     quarter of a second), so the event loop never waits for them: pulls go by coalesced tables
     until they are ready. Prepared rows are bounded by PREP_BUDGET_ROWS over all pairs.
+
+    Off by default (``--prepped-reads`` turns it on): the tables keep one row per piece where
+    coalescing merges adjacent pieces, so an index plan can post more descriptors.
     """
 
     def __init__(
         self,
         transport: Transport,
         *,
-        enabled: bool = True,
+        enabled: bool = False,
         keep: int = _KEEP,
         budget_rows: int = PREP_BUDGET_ROWS,
     ) -> None:

@@ -97,7 +97,7 @@ def test_lists_are_prepared_in_the_background_and_bounded_by_the_row_budget():
 
     async def run() -> None:
         t = _Transport()
-        views = PeerViews(t, budget_rows=rows * 2)  # room for two peer pairs
+        views = PeerViews(t, enabled=True, budget_rows=rows * 2)  # room for two peer pairs
         for i in range(3):
             await _plan_until_prepped(views, _peer(i, m), m, _fragmented(m))
         assert len(t.lists) == 6

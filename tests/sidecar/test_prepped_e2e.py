@@ -3,8 +3,8 @@
 A fragmented request (no two blocks adjacent on both sides) is posted by index into the
 descriptor lists prepared once per peer epoch, on a background thread after the first pull from
 that peer (which goes by tables meanwhile); a contiguous one, whose runs coalesce into fewer
-descriptors, as coalesced tables. Both move every byte and nothing else. ``--no-prepped-reads``
-sends everything as tables.
+descriptors, as coalesced tables. Both move every byte and nothing else. Without
+``--prepped-reads`` (the default) everything goes as tables.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _pull(pc, dc, pm, dm, ppool, dpool, pids, dids, seed):
 
 def test_fragmented_pulls_go_by_index_and_contiguous_ones_by_coalesced_tables(tmp_path):
     p = start_sidecar(str(tmp_path), "prefill")
-    d = start_sidecar(str(tmp_path), "decode")  # prepped reads are the default
+    d = start_sidecar(str(tmp_path), "decode", "--prepped-reads")
     pm = plan("qwen3-next-80b-a3b", num_blocks=41)
     dm = plan("qwen3-next-80b-a3b", num_blocks=41)
     counts = [1 if g.kind == "mamba" else 4 for g in pm.groups]
@@ -77,9 +77,9 @@ def test_fragmented_pulls_go_by_index_and_contiguous_ones_by_coalesced_tables(tm
         dpool.close()
 
 
-def test_no_prepped_reads_sends_every_read_as_tables(tmp_path):
+def test_by_default_every_read_goes_as_tables(tmp_path):
     p = start_sidecar(str(tmp_path), "prefill")
-    d = start_sidecar(str(tmp_path), "decode", "--no-prepped-reads")
+    d = start_sidecar(str(tmp_path), "decode")
     pm = plan("qwen3-next-80b-a3b", num_blocks=41)
     dm = plan("qwen3-next-80b-a3b", num_blocks=41)
     counts = [1 if g.kind == "mamba" else 4 for g in pm.groups]

@@ -65,10 +65,13 @@ def test_a_decode_refusing_through_the_proxy_leaves_no_hold_on_the_prefill(sims,
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
     wait_until(lambda: _all_free(p), BOUND_S, "the prefill's hold to be released")
     after = p.stats()
-    assert after["holds_released"] == before["holds_released"] + 1
+    assert after["holds_released"] == before["holds_released"] + 1  # once, by either path
     assert after["holds_expired"] == before["holds_expired"]  # released, not expired
-    assert after["holds_given_up"] == before["holds_given_up"] + 1
-    assert d.stats()["declined"] == d_before["declined"] + 1  # the decode declined too
+    # Two paths race to release it: the proxy tells the prefill to give the hold up, and the
+    # decode declines its tickets (a background task) through its sidecar. Whichever lands
+    # second finds the hold gone, so the prefill gave it up at most once.
+    assert after["holds_given_up"] - before["holds_given_up"] in (0, 1)
+    wait_until(lambda: d.stats()["declined"] == d_before["declined"] + 1, BOUND_S, "decline")
 
 
 def test_release_needs_the_requests_tickets_and_happens_once(sims):
