@@ -32,6 +32,10 @@ SELF_TEST_S = 10.0
 """Bound on the self-test READ."""
 
 
+TCP_RECHECK_S = 5.0
+"""How often :meth:`Fabric.reads_over_tcp` rescans the UCX protocol log."""
+
+
 def rdma_devices(root: str = "/sys/class/infiniband") -> list[str]:
     """RDMA devices the kernel exposes (InfiniBand, RoCE, EFA: all appear under verbs)."""
     try:
@@ -56,6 +60,7 @@ class Fabric:
         self._log = ProtoLog(proto_log) if proto_log and proto_log != "off" else None
         self._devices = devices
         self._metric = metric
+        self._tcp, self._tcp_checked = False, float("-inf")
         self.self_test = ""
         """``ok`` once the self-test READ completed, the error if it failed, "" before."""
 
@@ -98,6 +103,17 @@ class Fabric:
                     for t in ts:
                         self._metric.labels(lane, ep, kind(t)).set(1)
         return out
+
+    def reads_over_tcp(self, now: float) -> bool:
+        """Whether a READ between agents went over TCP (rechecked at most every
+        TCP_RECHECK_S). Over TCP the target's UCX worker must progress for a READ to move, so
+        a sidecar without a progress thread polls fast while a hold is claimed."""
+        if now - self._tcp_checked >= TCP_RECHECK_S:
+            self._tcp_checked = now
+            reads = self.transports().get("reads", {})
+            self._tcp = any(kind(t) == "tcp" for ep, ts in reads.items() if ep != "self"
+                            for t in ts)  # fmt: skip
+        return self._tcp
 
     def problem(self, transports: dict[str, dict[str, list[str]]]) -> str:
         """Why the data plane is not ready ("" when it is)."""

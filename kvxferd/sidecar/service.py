@@ -546,7 +546,8 @@ class Sidecar:
         fast (a reader's READ may come before its claim), then backs off in proportion to the
         time since: polling every ``elapsed / 20`` (1 ms to 50 ms) delays a READ that took ``t``
         by at most ~t/20, and a live hold whose reader never reads costs 20 polls a second
-        instead of 1,000. ``get_new_notifs`` is called on
+        instead of 1,000. Over TCP a READ itself needs our progress (not only its notification),
+        so while a hold is claimed the poller stays fast there. ``get_new_notifs`` is called on
         the loop: it releases the GIL and costs microseconds, a thread hop costs more.
         """
         hot_since = time.monotonic()
@@ -565,8 +566,15 @@ class Sidecar:
                     self._after_release()
                     hot_since = time.monotonic()  # more may follow (other ranks, other pulls)
                 if self.holds.active:  # claimed, or held: a READ may precede its claim
-                    elapsed = time.monotonic() - hot_since
-                    delay = min(max(elapsed / _NOTIF_LATENCY_SHARE, _NOTIF_FAST_S), _NOTIF_SLOW_S)
+                    now = time.monotonic()
+                    delay = min(max((now - hot_since) / _NOTIF_LATENCY_SHARE, _NOTIF_FAST_S),
+                                _NOTIF_SLOW_S)  # fmt: skip
+                    if (
+                        self.holds.claimed
+                        and not self.config.progress_thread
+                        and (self.fabric.reads_over_tcp(now))
+                    ):
+                        delay = _NOTIF_FAST_S  # over TCP a READ moves only as we progress
             live = self.agent.live_handles()
             self.metrics.nixl_handles.set(live.transfers)
             self.metrics.prepped_lists.set(live.prepped)

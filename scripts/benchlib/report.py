@@ -111,9 +111,10 @@ def profile_table(result: dict) -> str:
         )
     out.append(
         "ms per pull. client: pull call to done as the engine sees it; sidecar_total: the pull's "
-        "own duration; claim: claim HTTP to prefill; post: address table + NIXL descriptor "
-        "lists + initialize_xfer + post; wire: post to done; other: sidecar_total - claim - "
-        "post - wire (plan_read, handshake cache, thread hops); plan_read: measured in-process."
+        "own duration; claim: claim HTTP to prefill (concurrent with post and wire); post: "
+        "address table + NIXL descriptor lists + initialize_xfer + post; wire: post to done; "
+        "other: sidecar_total - max(claim, post + wire) (plan_read, handshake cache, notify); "
+        "plan_read: measured in-process."
     )
     return "\n".join(out)
 

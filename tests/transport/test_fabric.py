@@ -82,3 +82,19 @@ def test_enable_leaves_an_operators_ucx_logging_alone(tmp_path, monkeypatch):
     assert enable(tmp_path / "x.log") == tmp_path / "x.log"
     assert os.environ["UCX_PROTO_INFO"] == "y"
     assert os.environ["UCX_LOG_FILE"] == str(tmp_path / "x.log")
+
+
+def test_a_sidecar_knows_when_reads_go_over_tcp_and_rechecks_the_log(tmp_path):
+    from kvxferd.sidecar.fabric import TCP_RECHECK_S, Fabric
+
+    path = tmp_path / "proto.log"
+    path.write_text(LOG)  # a cma READ; tcp only for messages
+    fabric = Fabric("any", str(path))
+    try:
+        assert fabric.reads_over_tcp(now=100.0) is False
+        with path.open("a") as fh:
+            fh.write(LOG.replace("cma/memory", "tcp/lo").replace("cfg#1", "cfg#3"))
+        assert fabric.reads_over_tcp(now=100.0 + TCP_RECHECK_S / 2) is False  # not rescanned
+        assert fabric.reads_over_tcp(now=100.0 + TCP_RECHECK_S) is True
+    finally:
+        fabric.close()
