@@ -183,10 +183,10 @@ class Engine:
             self.ranks.append(Rank(engine, layout, r))
         self.sched = _scheduler(engine)
 
-    def work(self, meta: Any) -> None:
-        """Every worker runs this step's ``meta`` (finished requests are collected later)."""
-        for rank in self.ranks:
-            rank.step(meta)
+    def work(self, meta: Any) -> list[tuple[set[str] | None, set[str] | None]]:
+        """Every worker runs this step's ``meta``: each rank's finished sets (a fast pull can
+        end inside the very step that started it, so the caller must count these too)."""
+        return [rank.step(meta) for rank in self.ranks]
 
     def close(self) -> None:
         for rank in self.ranks:
@@ -213,11 +213,16 @@ class _Seen:
         return done
 
 
-def _wait_all(ranks: list[Rank], which: int, meta_type: Any, deadline: float) -> set[str] | None:
-    """Step every rank with empty orders until each has reported a request (bounded)."""
+def _wait_all(
+    ranks: list[Rank], which: int, meta_type: Any, deadline: float, first: list[tuple] = (),
+) -> set[str] | None:  # fmt: skip
+    """Step every rank with empty orders until each has reported a request (bounded); ``first``
+    is what the ranks already answered this round (the step that started the pull)."""
     from kvxferd.vllm.scheduler import StepOrders
 
     seen = _Seen(len(ranks))
+    if first and (done := seen.add([answer[which] for answer in first])):
+        return done
     while time.monotonic() < deadline:
         done = seen.add([rank.step(meta_type(StepOrders()))[which] for rank in ranks])
         if done:
@@ -292,9 +297,9 @@ def run(
             decode.sched.add_request(request(f"d-{i}", tokens, dict(params), bs))
             out, _ = step(decode.sched)
             pulls = out.kv_connector_metadata.orders.pulls
-            decode.work(out.kv_connector_metadata)
+            started = decode.work(out.kv_connector_metadata)
             deadline = time.monotonic() + timeout_s
-            recv = _wait_all(decode.ranks, 1, meta_type, deadline)
+            recv = _wait_all(decode.ranks, 1, meta_type, deadline, started)
             errors = set().union(
                 *(r.connector.get_block_ids_with_load_errors() for r in decode.ranks)
             )

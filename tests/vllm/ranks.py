@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from kvxferd.vllm import pdcheck
 from kvxferd.vllm.connector import KvxferdMetadata
 from kvxferd.vllm.scheduler import SchedulerSide
-from tests.sidecar.harness import SENTINEL, TOKEN, Sidecar, start_sidecars
+from tests.sidecar.harness import SENTINEL, TOKEN, Sidecar, start_sidecars, wait_until
 
 
 class Rank(pdcheck.Rank):
@@ -22,6 +22,14 @@ class Rank(pdcheck.Rank):
 
     def step(self, orders) -> tuple:
         return super().step(KvxferdMetadata(orders))
+
+
+def step_until(rank: Rank, orders, which: int, timeout: float, what: str) -> set[str]:
+    """Step ``rank`` with ``orders``, then with empty orders until its finished set ``which``
+    (0: holds released, 1: pulls ended) is non-empty. The first step's answer counts: a fast
+    pull can end inside the very step that started it."""
+    got = rank.step(orders)[which]
+    return got or wait_until(lambda: rank.step(type(orders)())[which], timeout, what)
 
 
 @contextlib.contextmanager

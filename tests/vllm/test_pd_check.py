@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -53,3 +54,20 @@ def test_heterogeneous_tp_moves_byte_exact(config, p_tp, d_tp):
     assert report["verified"] is True and report["failures"] == []
     assert (report["requests_ok"], report["requests_failed"]) == (2, 0)
     assert report["kv_bytes"] > 0 and (report["state_bytes"] > 0) == (config != "dense")
+
+
+def test_a_pull_that_ends_inside_the_step_that_started_it_is_counted():
+    """vLLM reports a step's finished pulls in that step's output: the check must not drop the
+    answer of the step that started the pull (a warm pull can end before that step returns)."""
+    from kvxferd.vllm import pdcheck
+    from kvxferd.vllm.scheduler import StepOrders
+
+    class Quiet:  # a rank whose later steps report nothing
+        def step(self, meta):
+            return None, None
+
+    deadline = time.monotonic() + 0.5  # bounds the wait if the first answer were dropped
+    started = [(None, {"d-1"}), (None, {"d-1"})]
+    assert pdcheck._wait_all([Quiet(), Quiet()], 1, StepOrders, deadline, started) == {"d-1"}
+    assert pdcheck._wait_all([Quiet(), Quiet()], 1, StepOrders, deadline, [(None, {"d-1"})] * 1
+                             + [(None, None)]) is None  # fmt: skip

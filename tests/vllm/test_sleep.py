@@ -13,7 +13,7 @@ from kvxferd import pattern
 from kvxferd.vllm.connector import KvxferdConnector
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
 from tests.sidecar.harness import changed_outside, wait_until
-from tests.vllm.ranks import Rank, finish, prefill_side, worker_pair
+from tests.vllm.ranks import Rank, finish, prefill_side, step_until, worker_pair
 
 pytestmark = pytest.mark.nixl
 N = 300  # tokens: three 128-token blocks
@@ -33,8 +33,7 @@ def _pull(sched: SchedulerSide, decode: Rank, rid: str, params: dict, ids: list[
     count, is_async = sched.matched_tokens(dreq, 0)
     assert is_async and count == N
     sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: [ids]), count)
-    decode.step(sched.take_orders())
-    done = wait_until(lambda: decode.step(StepOrders())[1], 60, f"pull {rid} to end")
+    done = step_until(decode, sched.take_orders(), 1, 60, f"pull {rid} to end")
     return done, decode.connector.get_block_ids_with_load_errors()
 
 

@@ -12,7 +12,7 @@ import pytest
 from kvxferd import pattern
 from kvxferd.vllm.scheduler import SchedulerSide
 from tests.sidecar.harness import changed_outside, start_sidecars, wait_until
-from tests.vllm.ranks import Rank, finish, prefill_side, worker_pair
+from tests.vllm.ranks import Rank, finish, prefill_side, step_until, worker_pair
 
 pytestmark = pytest.mark.nixl
 
@@ -60,8 +60,7 @@ def test_a_request_moves_byte_exact_between_two_vllm_workers(engines, model, lay
         count, is_async = sched.matched_tokens(dreq, 0)
         assert is_async and count == (n - 1 if hybrid else n)
         sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: d_ids), count)
-        decode.step(sched.take_orders())
-        got = wait_until(lambda: decode.step(type(sched.orders)())[1], 60, "the pull to finish")
+        got = step_until(decode, sched.take_orders(), 1, 60, "the pull to finish")
         assert got == {"d1"}
         assert decode.connector.get_block_ids_with_load_errors() == set()
         wanted = [[b for b in g if b] for g in d_ids]
@@ -86,8 +85,7 @@ def test_a_pull_that_cannot_complete_reports_its_blocks_as_load_errors(engines, 
                                kv_transfer_params=dict(params))  # fmt: skip
         count, _ = sched.matched_tokens(dreq, 0)
         sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: [[9, 10, 11]]), count)
-        decode.step(sched.take_orders())
-        got = wait_until(lambda: decode.step(type(sched.orders)())[1], 60, "the pull to end")
+        got = step_until(decode, sched.take_orders(), 1, 60, "the pull to end")
         assert got == {"d1"}
         assert decode.connector.get_block_ids_with_load_errors() == {9, 10, 11}
         assert decode.connector.get_block_ids_with_load_errors() == set()  # reported once
@@ -165,10 +163,8 @@ def test_heterogeneous_tp_moves_every_head_byte_exact(
         count, _ = sched.matched_tokens(dreq, 0)
         sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: d_ids), count)
         orders = sched.take_orders()
-        for rank in decode:
-            rank.step(orders)
         for i, rank in enumerate(decode):
-            got = wait_until(lambda r=rank: r.step(type(orders)())[1], 60, f"decode rank {i}")
+            got = step_until(rank, orders, 1, 60, f"decode rank {i}")
             assert got == {"d1"}
             assert rank.connector.get_block_ids_with_load_errors() == set()
             if hybrid:  # the conv state is read by section: every part sliceable
@@ -196,7 +192,6 @@ def test_different_block_sizes_re_block_every_token_byte_exact(engines, p_bs, d_
     """The decode names its own blocks at its own block size; the sidecars map vLLM's packed
     K|V token rows between the two kernel block sizes (kvxferd.descriptors.reblock): every
     token of every layer, part and head verifies, and nothing outside those tokens changes."""
-    from kvxferd.vllm.scheduler import StepOrders
 
     layout = "LBHNC"
     p_eng = engines("dense", layout, num_blocks=24, block_size=p_bs)
@@ -228,8 +223,7 @@ def test_different_block_sizes_re_block_every_token_byte_exact(engines, p_bs, d_
         d_sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: d_ids), count)
         orders = d_sched.take_orders()
         assert orders.pulls[0].block_ids == d_ids  # its own ids, at its own block size
-        decode.step(orders)
-        got = wait_until(lambda: decode.step(StepOrders())[1], 60, "the pull to end")
+        got = step_until(decode, orders, 1, 60, "the pull to end")
         assert got == {"d1"}
         assert decode.connector.get_block_ids_with_load_errors() == set()
         arrays = decode.arrays()
