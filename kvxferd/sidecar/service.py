@@ -26,7 +26,6 @@ from kvxferd.errors import (
     ClaimMismatchError,
     HoldExpiredError,
     HoldRequestError,
-    KvxferdError,
     NotRegisteredError,
     StaleGenerationError,
     UnknownHoldError,
@@ -37,12 +36,12 @@ from kvxferd.metrics import Metrics
 from kvxferd.sidecar.fabric import Fabric
 from kvxferd.sidecar.holds import REAP_SLICE, DeclineOutcome, HoldTable
 from kvxferd.sidecar.keepalive import decline_at_peers, keep_alive
+from kvxferd.sidecar.notifs import NotificationPoller
 from kvxferd.sidecar.offload import Offload
 from kvxferd.sidecar.peers import PeerTable
 from kvxferd.sidecar.pulls import Pull, PullRunner
 from kvxferd.sidecar.signing import PeerKeys
 from kvxferd.sidecar.tickets import sign_ticket, verify_ticket, verify_tickets
-from kvxferd.sidecar.wake import Wake
 from kvxferd.transport import Agent
 from kvxferd.wire import (
     PROTOCOL_VERSION,
@@ -72,9 +71,6 @@ from kvxferd.wire import (
 log = logging.getLogger(__name__)
 
 _KEEP_READERS = 64  # (registration, reader TP) pairs of _expected_readers
-_NOTIF_FAST_S = 0.001  # shortest poll interval, right after a claim or a notification
-_NOTIF_SLOW_S = 0.05  # longest poll interval (and the interval with no hold claimed)
-_NOTIF_LATENCY_SHARE = 20  # poll every elapsed/20: a READ's notification is late by <= ~5%
 _REAP_MAX_SLEEP_S = 1.0
 MAX_READER_TP = 1024
 """Largest decode TP size a claim may announce (its expected readers follow from it)."""
@@ -121,7 +117,6 @@ class Sidecar:
         self._accepted = self.keys.accepted if self.keys is not None else (self._secret,)
         self._hold_waiters: dict[str, tuple[asyncio.Event, list[int]]] = {}
         self._released_reported: dict[str, int] = {}  # release counts already in metrics
-        self._notif_wake = Wake()  # set by a claim: a READ is imminent
         self._readers: dict[tuple[int, int], tuple[Manifest, int]] = {}  # _expected_readers
         self.generation = -1  # registration generation; -1 while no engine is registered
         self._next_generation = 0
@@ -129,6 +124,10 @@ class Sidecar:
         self.offload = Offload(config, self.metrics, self._store_target, self._hold_blocks)
         self.fabric = Fabric(config.require_transport, config.ucx_proto_log,
                              metric=self.metrics.fabric_transports)  # fmt: skip
+        self.notifs = NotificationPoller(
+            agent=self.agent, holds=lambda: self.holds, fabric=self.fabric, metrics=self.metrics,
+            progress_thread=config.progress_thread, after_release=self._after_release,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -145,7 +144,7 @@ class Sidecar:
         """Start the background tasks (call from the running loop)."""
         self._tasks = [
             asyncio.create_task(self._reaper(), name="kvxferd-reaper"),
-            asyncio.create_task(self._notif_poller(), name="kvxferd-notifs"),
+            asyncio.create_task(self.notifs.run(), name="kvxferd-notifs"),
         ]
 
     async def close(self) -> None:
@@ -258,7 +257,7 @@ class Sidecar:
         if waiter is not None:
             waiter[0].set()  # a claim for this engine-chosen id arrived first
         self.metrics.holds_created.inc()
-        self._notif_wake.set()  # a READ may come before its claim: progress UCX promptly
+        self.notifs.wake.set()  # a READ may come before its claim: progress UCX promptly
         self.metrics.holds_active.set(holds.active)
         ticket = Ticket(
             engine_id=self.engine_id,
@@ -377,7 +376,7 @@ class Sidecar:
             )  # fmt: skip
         finally:
             self._after_release()
-        self._notif_wake.set()  # the READ comes next: poll notifications fast from now on
+        self.notifs.wake.set()  # the READ comes next: poll notifications fast from now on
         return ClaimResponse(
             hold_id=grant.hold_id,
             expires_at=self._wall(grant.expires_at),
@@ -537,50 +536,6 @@ class Sidecar:
             else:
                 delay = _REAP_MAX_SLEEP_S
             await asyncio.sleep(min(delay, _REAP_MAX_SLEEP_S) + 0.001)
-
-    async def _notif_poller(self) -> None:
-        """Turn readers' NIXL notifications into hold releases.
-
-        Each poll also progresses our UCX worker, which a reader's READ needs to complete when
-        the progress thread is off. After a hold, a claim (or a notification) the poller is
-        fast (a reader's READ may come before its claim), then backs off in proportion to the
-        time since: polling every ``elapsed / 20`` (1 ms to 50 ms) delays a READ that took ``t``
-        by at most ~t/20, and a live hold whose reader never reads costs 20 polls a second
-        instead of 1,000. Over TCP a READ itself needs our progress (not only its notification),
-        so while a hold is claimed the poller stays fast there. ``get_new_notifs`` is called on
-        the loop: it releases the GIL and costs microseconds, a thread hop costs more.
-        """
-        hot_since = time.monotonic()
-        while True:
-            delay = _NOTIF_SLOW_S
-            if self.holds is not None:
-                try:
-                    notifs = self.agent.get_notifs()
-                except KvxferdError as exc:
-                    log.warning("reading notifications failed: %s", exc)
-                    notifs = {}
-                for reader, messages in notifs.items():
-                    for message in messages:
-                        self.holds.notify(message.decode(errors="replace"), reader)
-                if notifs:
-                    self._after_release()
-                    hot_since = time.monotonic()  # more may follow (other ranks, other pulls)
-                if self.holds.active:  # claimed, or held: a READ may precede its claim
-                    now = time.monotonic()
-                    delay = min(max((now - hot_since) / _NOTIF_LATENCY_SHARE, _NOTIF_FAST_S),
-                                _NOTIF_SLOW_S)  # fmt: skip
-                    if (
-                        self.holds.claimed
-                        and not self.config.progress_thread
-                        and (self.fabric.reads_over_tcp(now))
-                    ):
-                        delay = _NOTIF_FAST_S  # over TCP a READ moves only as we progress
-            live = self.agent.live_handles()
-            self.metrics.nixl_handles.set(live.transfers)
-            self.metrics.prepped_lists.set(live.prepped)
-            if await self._notif_wake.sleep(delay):
-                hot_since = time.monotonic()
-            self._notif_wake.clear()
 
 
 def check_reader_tp(manifest: Manifest, reader_tp_size: int) -> None:
