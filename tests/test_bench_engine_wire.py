@@ -4,30 +4,18 @@ engine sockets, the codec rows, and msgpack bodies smaller than JSON's."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.benchrun import run_bench
 
 pytestmark = pytest.mark.nixl
 
-ROOT = Path(__file__).resolve().parents[1]
 CALLS = {"healthz", "hold", "abort", "run_pull", "finished", "released"}
 
 
 def test_a_short_run_measures_every_hot_call_on_every_wire(tmp_path):
-    out = tmp_path / "wire.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_engine_wire.py"), "--iterations", "3",
-         "--warmup", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env={**os.environ, "UCX_NET_DEVICES": "lo"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result, _, _ = run_bench("bench_engine_wire.py", "--iterations", "3", "--warmup", "1",
+                             out=tmp_path / "wire.json")  # fmt: skip
     assert result["iterations"] == 3
     assert {r["call"] for r in result["rows"]} == CALLS
     for row in result["rows"]:

@@ -3,29 +3,16 @@ and real NIXL lists of the asked sizes prepared and timed."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.benchrun import run_bench
 
 pytestmark = pytest.mark.nixl
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def test_a_short_run_reports_rows_and_prep_costs(tmp_path):
-    out = tmp_path / "prepped.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_prepped.py"), "--blocks", "64,128",
-         "--rows", "100,1000", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env={**os.environ, "UCX_NET_DEVICES": "lo"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result, _, _ = run_bench("bench_prepped.py", "--blocks", "64,128", "--rows", "100,1000",
+                             out=tmp_path / "prepped.json")  # fmt: skip
     by_cfg = {}
     for row in result["rows"]:
         by_cfg.setdefault(row["config"], []).append(row["rows"])

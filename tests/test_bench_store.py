@@ -3,17 +3,12 @@ every case has the keys of the issue, every measured figure is positive, loads w
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "bench_store.py"
+from tests.benchrun import run_bench
+
 MEASURED = ("save_file_gbps", "load_file_gbps", "file_write_gbps", "file_read_gbps",
             "save_dram_gbps", "load_dram_gbps", "memcpy_gbps", "crc32_gbps")  # fmt: skip
 RATIOS = ("save_file_vs_ceiling", "load_file_vs_ceiling", "save_dram_vs_memcpy",
@@ -23,13 +18,10 @@ RATIOS = ("save_file_vs_ceiling", "load_file_vs_ceiling", "save_dram_vs_memcpy",
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
-    out, png = tmp / "store.json", tmp / "store.png"
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--json", str(out), "--dir", str(tmp)]
-    if importlib.util.find_spec("matplotlib") is not None:
-        cmd += ["--plot", str(png)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=270)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stdout, png if "--plot" in cmd else None, tmp
+    result, stdout, png = run_bench("bench_store.py", "--quick", "--dir", str(tmp),
+                                    out=tmp / "store.json", plot=tmp / "store.png",
+                                    timeout_s=270)  # fmt: skip
+    return result, stdout, png, tmp
 
 
 def test_every_case_reports_positive_figures_and_ratios(quick):

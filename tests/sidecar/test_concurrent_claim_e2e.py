@@ -18,33 +18,16 @@ from kvxferd.wire import HoldRequest, PullRequest, PullStatus, Ticket
 from tests.sidecar.harness import (
     QUIET,
     TOKEN,
-    EnginePool,
     ReleasedFeed,
-    Sidecar,
     changed_outside,
-    plan,
     start_sidecars,
     wait_no_handles,
     wait_until,
 )
+from tests.sidecar.ranks import DIDS, PIDS
+from tests.sidecar.ranks import Engine as Rank
 
 pytestmark = pytest.mark.nixl
-
-MODEL = "llama-3.1-8b"
-NUM_BLOCKS = 9
-PIDS = [[3, 1, 7, 5]]
-DIDS = [[2, 8, 4, 6]]
-
-
-class Rank:
-    """A registered rank: sidecar, manifest, pool in shared memory."""
-
-    def __init__(self, sidecar: Sidecar) -> None:
-        self.sidecar = sidecar
-        self.manifest = plan(MODEL, num_blocks=NUM_BLOCKS)
-        self.pool = EnginePool(self.manifest)
-        with sidecar.client() as c:
-            c.register(self.manifest, self.pool.specs())
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +35,7 @@ def pair(tmp_path_factory):
     """A prefill that waits up to 60 s for an engine-chosen hold, and a decode."""
     tmp = str(tmp_path_factory.mktemp("fastclaim"))
     p, d = start_sidecars(tmp, ["prefill", "decode"], "--hold-grace", "60", env=QUIET)
-    ranks = [Rank(p), Rank(d)]
+    ranks = [Rank(p).register(), Rank(d).register()]
     try:
         yield ranks
     finally:

@@ -12,7 +12,6 @@ import os
 import secrets
 import signal
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import msgspec
@@ -20,14 +19,13 @@ import numpy as np
 import pytest
 
 from kvxferd.errors import AuthError, BlockIdError
-from kvxferd.pattern import verify_pattern, write_pattern
+from kvxferd.pattern import verify_pattern
 from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.sidecar.tickets import sign_ticket
 from kvxferd.wire import (
     PROTOCOL_VERSION,
     Handshake,
     HoldRequest,
-    Manifest,
     PullRequest,
     PullStatus,
     Ticket,
@@ -35,67 +33,23 @@ from kvxferd.wire import (
 from tests.sidecar.harness import (
     QUIET,
     TOKEN,
-    EnginePool,
-    ReleasedFeed,
-    Sidecar,
     changed_outside,
     metric,
-    plan,
     start_sidecar,
     start_sidecars,
     wait_no_handles,
     wait_until,
 )
+from tests.sidecar.ranks import DIDS, NUM_BLOCKS, Engine
 
 pytestmark = pytest.mark.nixl
-
-MODEL = "llama-3.1-8b"
-NUM_BLOCKS = 9  # a request of 4 blocks, fragmented, twice over
-PIDS = [[3, 1, 7, 5]]
-DIDS = [[2, 8, 4, 6]]
-
-
-@dataclass
-class Engine:
-    """A registered rank: sidecar, manifest, pool and a follower of its released feed."""
-
-    sidecar: Sidecar
-    manifest: Manifest
-    pool: EnginePool
-    feed: ReleasedFeed = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.feed = ReleasedFeed(self.sidecar)
-
-    def register(self) -> None:
-        with self.sidecar.client() as c:
-            c.register(self.manifest, self.pool.specs())
-
-    def hold(self, request_id: str, seed: int = 5, **kw: object) -> Ticket:
-        write_pattern(self.manifest, self.pool.views, PIDS, seed=seed)
-        with self.sidecar.client() as c:
-            return c.hold(HoldRequest(request_id=request_id, block_ids=PIDS, num_tokens=60, **kw))
-
-    def abort(self, ticket: Ticket) -> None:
-        with self.sidecar.client() as c:
-            c.abort(ticket.hold_id)
-
-    def released_once(self, ticket: Ticket, reason: str) -> None:
-        """The hold shows up in the feed exactly once, with ``reason``."""
-        assert self.feed.wait_for(ticket.hold_id) == {ticket.hold_id: reason}
-        assert self.feed.count(ticket.hold_id) == 1
-
-
-def _engine(sidecar: Sidecar, model: str = MODEL) -> Engine:
-    m = plan(model, num_blocks=NUM_BLOCKS)
-    return Engine(sidecar, m, EnginePool(m))
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A registered prefill and decode sidecar shared by the scenarios that leave them healthy."""
     p, d = start_sidecars(str(tmp_path_factory.mktemp("fail")), ["prefill", "decode"], env=QUIET)
-    engines = [_engine(p), _engine(d)]
+    engines = [Engine(p), Engine(d)]
     try:
         for e in engines:
             e.register()
@@ -265,7 +219,7 @@ def test_decode_side_signing_with_another_secret_fails_auth(pair, tmp_path):
     """The stranger accepts the prefill's tickets (our secret is its second one) but signs with
     a secret the prefill does not know: the prefill refuses its handshake."""
     p, _ = pair
-    stranger = _engine(start_sidecar(str(tmp_path), "stranger", env={**QUIET,
+    stranger = Engine(start_sidecar(str(tmp_path), "stranger", env={**QUIET,
                        "KVXFERD_PEER_TOKEN": "another-secret",
                        "KVXFERD_PEER_TOKEN_PREVIOUS": TOKEN}))  # fmt: skip
     try:
@@ -286,7 +240,7 @@ def test_decode_side_signing_with_another_secret_fails_auth(pair, tmp_path):
 
 def test_incompatible_manifests_are_409_naming_the_fields(pair, tmp_path):
     p, _ = pair
-    other = _engine(start_sidecar(str(tmp_path), "other-model", env=QUIET), model="qwen3-8b")
+    other = Engine(start_sidecar(str(tmp_path), "other-model", env=QUIET), model="qwen3-8b")
     try:
         other.register()
         # Direct: a handshake carrying a manifest of another model is refused field by field.
@@ -317,7 +271,7 @@ def test_incompatible_manifests_are_409_naming_the_fields(pair, tmp_path):
 
 def test_peer_killed_mid_pull_fails_within_deadline_then_restart_rehandshakes(pair, tmp_path):
     _, d = pair
-    victim = _engine(start_sidecar(str(tmp_path), "victim", env=QUIET))
+    victim = Engine(start_sidecar(str(tmp_path), "victim", env=QUIET))
     pool = victim.pool
     try:
         victim.register()
@@ -350,7 +304,7 @@ def test_peer_killed_mid_pull_fails_within_deadline_then_restart_rehandshakes(pa
         # re-handshakes and moves every byte.
         port = int(victim.sidecar.peer.rsplit(":", 1)[1])
         reborn = Engine(start_sidecar(str(tmp_path), "victim-2", port=port, env=QUIET),
-                        victim.manifest, pool)  # fmt: skip
+                        pool=pool)  # fmt: skip
         assert reborn.sidecar.peer == victim.sidecar.peer
         assert reborn.sidecar.epoch != victim.sidecar.epoch
         try:

@@ -18,27 +18,20 @@ import pytest
 from kvxferd.errors import AuthError
 from kvxferd.pattern import verify_pattern, write_pattern
 from kvxferd.sidecar.tickets import sign_ticket
-from kvxferd.wire import HoldRequest, PullRequest, PullStatus, Ticket
+from kvxferd.wire import PullRequest, Ticket
 from tests.sidecar.harness import (
     QUIET,
     TOKEN,
-    EnginePool,
     ReleasedFeed,
-    Sidecar,
     changed_outside,
     metric,
-    plan,
     start_sidecars,
     wait_no_handles,
     wait_until,
 )
+from tests.sidecar.ranks import DIDS, PIDS, Engine
 
 pytestmark = pytest.mark.nixl
-
-MODEL = "llama-3.1-8b"
-NUM_BLOCKS = 9
-PIDS = [[3, 1, 7, 5]]
-DIDS = [[2, 8, 4, 6]]
 
 
 class Recorder:
@@ -87,30 +80,6 @@ def bytes_of(secret: str) -> list[bytes]:
     return [raw, raw.hex().encode(), raw.hex().upper().encode(), base64.b64encode(raw)]
 
 
-class Engine:
-    """A registered rank: sidecar, manifest, pool."""
-
-    def __init__(self, sidecar: Sidecar) -> None:
-        self.sidecar = sidecar
-        self.manifest = plan(MODEL, num_blocks=NUM_BLOCKS)
-        self.pool = EnginePool(self.manifest)
-        with sidecar.client() as c:
-            c.register(self.manifest, self.pool.specs())
-
-    def hold(self, request_id: str, seed: int, **kw: object) -> Ticket:
-        write_pattern(self.manifest, self.pool.views, PIDS, seed=seed)
-        with self.sidecar.client() as c:
-            return c.hold(HoldRequest(request_id=request_id, block_ids=PIDS, num_tokens=60, **kw))
-
-    def pull(self, tickets: list[Ticket], timeout_s: float = 60.0) -> PullStatus:
-        with self.sidecar.client() as c:
-            accepted = c.pull(PullRequest(tickets=tickets, block_ids=DIDS, deadline_s=timeout_s))
-            return c.wait_pull(accepted.pull_id, timeout_s=timeout_s + 30)
-
-    def close(self) -> None:
-        self.pool.close()
-
-
 def _pair(tmp_dir: str, envs: tuple[dict, dict] | None = None, *extra: str):
     p_env, d_env = envs or ({}, {})
     if p_env == d_env:
@@ -118,7 +87,7 @@ def _pair(tmp_dir: str, envs: tuple[dict, dict] | None = None, *extra: str):
     else:  # different secrets: start them one by one
         (p,) = start_sidecars(tmp_dir, ["prefill"], *extra, env={**QUIET, **p_env})
         (d,) = start_sidecars(tmp_dir, ["decode"], *extra, env={**QUIET, **d_env})
-    return Engine(p), Engine(d)
+    return Engine(p).register(), Engine(d).register()
 
 
 @pytest.fixture(scope="module")
