@@ -3,9 +3,12 @@ fragmented blocks of a llama-3.1-8b pool, pulled into four other fragmented bloc
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from kvxferd.pattern import write_pattern
 from kvxferd.wire import HoldRequest, PullRequest, PullStatus, Ticket
-from tests.sidecar.harness import EnginePool, ReleasedFeed, Sidecar, plan
+from tests.sidecar.harness import QUIET, EnginePool, ReleasedFeed, Sidecar, plan, start_sidecars
 
 MODEL = "llama-3.1-8b"
 NUM_BLOCKS = 9  # a request of 4 blocks, fragmented, twice over
@@ -53,3 +56,20 @@ class Engine:
 
     def close(self) -> None:
         self.pool.close()
+
+
+@contextlib.contextmanager
+def engine_pair(tmp: str, *extra: str) -> Iterator[tuple[Engine, Engine]]:
+    """A registered prefill and decode, each beside its own ``kvxferd serve`` (``extra``
+    flags, no progress thread); on the way out both sidecars must stop cleanly (exit 0)."""
+    p, d = start_sidecars(tmp, ["prefill", "decode"], *extra, env=QUIET)
+    engines = (Engine(p), Engine(d))
+    try:
+        for e in engines:
+            e.register()
+        yield engines
+    finally:
+        codes = [p.stop(), d.stop()]
+        for e in engines:
+            e.close()
+    assert codes == [0, 0]

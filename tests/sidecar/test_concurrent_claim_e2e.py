@@ -16,15 +16,13 @@ from kvxferd.pattern import verify_pattern, write_pattern
 from kvxferd.sidecar.tickets import sign_ticket
 from kvxferd.wire import HoldRequest, PullRequest, PullStatus, Ticket
 from tests.sidecar.harness import (
-    QUIET,
     TOKEN,
     ReleasedFeed,
     changed_outside,
-    start_sidecars,
     wait_no_handles,
     wait_until,
 )
-from tests.sidecar.ranks import DIDS, PIDS
+from tests.sidecar.ranks import DIDS, PIDS, engine_pair
 from tests.sidecar.ranks import Engine as Rank
 
 pytestmark = pytest.mark.nixl
@@ -33,16 +31,8 @@ pytestmark = pytest.mark.nixl
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A prefill that waits up to 60 s for an engine-chosen hold, and a decode."""
-    tmp = str(tmp_path_factory.mktemp("fastclaim"))
-    p, d = start_sidecars(tmp, ["prefill", "decode"], "--hold-grace", "60", env=QUIET)
-    ranks = [Rank(p).register(), Rank(d).register()]
-    try:
+    with engine_pair(str(tmp_path_factory.mktemp("fastclaim")), "--hold-grace", "60") as ranks:
         yield ranks
-    finally:
-        codes = [p.stop(), d.stop()]
-        for r in ranks:
-            r.pool.close()
-    assert codes == [0, 0]
 
 
 def _mint(p: Rank, hold_id: str, seed: int) -> Ticket:

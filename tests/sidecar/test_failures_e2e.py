@@ -36,11 +36,10 @@ from tests.sidecar.harness import (
     changed_outside,
     metric,
     start_sidecar,
-    start_sidecars,
     wait_no_handles,
     wait_until,
 )
-from tests.sidecar.ranks import DIDS, NUM_BLOCKS, Engine
+from tests.sidecar.ranks import DIDS, NUM_BLOCKS, Engine, engine_pair
 
 pytestmark = pytest.mark.nixl
 
@@ -48,17 +47,8 @@ pytestmark = pytest.mark.nixl
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A registered prefill and decode sidecar shared by the scenarios that leave them healthy."""
-    p, d = start_sidecars(str(tmp_path_factory.mktemp("fail")), ["prefill", "decode"], env=QUIET)
-    engines = [Engine(p), Engine(d)]
-    try:
-        for e in engines:
-            e.register()
+    with engine_pair(str(tmp_path_factory.mktemp("fail"))) as engines:
         yield engines
-    finally:
-        codes = [p.stop(), d.stop()]
-        for e in engines:
-            e.pool.close()
-    assert codes == [0, 0]
 
 
 def _pull(decode: Engine, tickets: list[Ticket], deadline_s: float = 20.0) -> PullStatus:
