@@ -107,9 +107,9 @@ class Config:
     """Tokens per store chunk (hybrid_chunk_size); every engine sharing a store uses the same."""
     prepped_reads: bool = False
     """Prepare each peer's descriptor lists once per epoch (on a background thread) and post
-    fragmented READs by index into them; off: every READ goes as coalesced tables (the default:
-    the tables keep one row per piece where coalescing merges adjacent pieces, so on some
-    layouts an index plan posts more descriptors; docs/benchmarks.md)."""
+    READs whose rows coalesce to nothing by index into them (never more descriptors than the
+    coalesced tables); off: every READ goes as coalesced tables (the default until an A/B on a
+    quiet machine shows it never slower; docs/benchmarks.md)."""
     require_transport: str = "any"
     """READ transport readiness requires: ``rdma`` (an RDMA device, and no READ over TCP; else
     /readyz answers 503 naming why) or ``any``."""

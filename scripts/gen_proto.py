@@ -188,7 +188,9 @@ it never ends `done`.
 ### The claim off the critical path (why a READ may start before its claim lands)
 
 After the handshake (cached per peer epoch) the decode sidecar sends the claim and posts the
-READ without waiting for the answer, so a pull costs the longer of the two, not their sum.
+READ without waiting for the answer, so a pull costs the longer of the two, not their sum (a
+READ large enough to be posted off the event loop is handed to its post thread just before the
+claim is sent; the argument below does not depend on which goes first).
 Safe because:
 
 - **A hold the claim finds live was live all along.** A hold lives from its placement until its

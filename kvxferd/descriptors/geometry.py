@@ -131,7 +131,27 @@ def check_request_ids(
         raise BlockIdError(field, "expected one list of block ids per group") from None
     if len(seq) != num_groups:
         raise BlockIdError(field, f"{len(seq)} id lists for {num_groups} groups (one per group)")
+    fast = _valid_ids(num_blocks, seq)
+    if fast is not None:
+        return fast
     return [check_block_ids(num_blocks, ids, f"{field}[{g}]") for g, ids in enumerate(seq)]
+
+
+def _valid_ids(num_blocks: int, seq: list) -> list[np.ndarray] | None:
+    """All groups' ids checked at once (a pull's planning runs per request), or None when any
+    check fails or an input is unusual: the per-group checks then name the bad entry."""
+    parts = [np.asarray(ids) for ids in seq]
+    if not parts or any(a.ndim != 1 or (a.size and a.dtype.kind not in "iu") for a in parts):
+        return None
+    sizes = [a.size for a in parts]
+    flat = np.concatenate([a.astype(np.int64, copy=False) for a in parts])
+    if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= num_blocks):
+        return None
+    key = np.repeat(np.arange(len(parts), dtype=np.int64), sizes) * num_blocks + flat
+    key.sort()
+    if key.size > 1 and bool((key[1:] == key[:-1]).any()):
+        return None  # a repeat within a group
+    return np.split(flat, np.cumsum(sizes[:-1]))
 
 
 def kernel_ids(logical_ids: np.ndarray, ratio: int) -> np.ndarray:

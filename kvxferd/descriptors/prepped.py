@@ -8,7 +8,8 @@ hybrid all live in the same pages), and an attention group whose kernel blocks a
 inside a logical block gets one row per logical block instead of one per kernel block.
 
 Index plans are block granular: adjacent blocks are not merged (the coalesced :class:`ReadPlan`
-does that); the sidecar picks whichever is cheaper for a request.
+does that); :meth:`PreppedGeometry.cheaper` coalesces an index plan's rows, so the sidecar posts
+whichever has fewer descriptors and never more than the coalesced plan.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxferd.descriptors.coalesce import coalesce
 from kvxferd.descriptors.geometry import kernel_ids
 from kvxferd.descriptors.mapping import ReadGeometry, id_pairs
 from kvxferd.descriptors.pieces import Pieces
+from kvxferd.descriptors.plan import ReadPlan
 from kvxferd.errors import IncompatiblePeerError
 
 MAX_ROWS = 1 << 21
@@ -125,6 +128,21 @@ class PreppedGeometry:
             state,
             runs,
         )
+
+    def rows(self, idx: IndexPlan) -> ReadPlan:
+        """The byte pairs ``idx`` addresses (its table rows), one pair per index pair."""
+        (lr, lo, ll), (rr, ro, _) = self.local, self.remote
+        li, ri = idx.local_idx, idx.remote_idx
+        return ReadPlan(lr[li], lo[li], rr[ri], ro[ri], ll[li], idx.kv_bytes, idx.state_bytes)
+
+    def cheaper(self, idx: IndexPlan) -> ReadPlan | None:
+        """The coalesced plan of ``idx``'s rows if it has fewer descriptors than ``idx`` (post
+        it as tables), else None (post by index). Either way no more descriptors than the
+        coalesced :func:`~.mapping.plan_pull` of the same request: it is that plan."""
+        if idx.num_descriptors == 0:
+            return None
+        merged = coalesce(self.rows(idx))
+        return merged if merged.num_descriptors < idx.num_descriptors else None
 
 
 def _logical(p: Pieces, ratio: int) -> bool:

@@ -119,16 +119,16 @@ class PeerViews:
     FA and Mamba views of the peer pair, once), and each pull's choice of path.
 
     A request whose blocks do not line up in runs is posted by index into the prepared lists
-    (no table built, no coalescing); one whose runs coalesce is posted as coalesced tables,
+    (no table built); one whose rows coalesce is posted as the coalesced tables of those rows,
     because fewer descriptors beat prepared ones on the wire (measured: docs/benchmarks.md).
+    So a prepped pull never posts more descriptors than the coalesced plan.
     Re-blocking peers and pairs above PREP_MAX_ROWS rows always use the coalesced tables.
 
     The lists of a new peer pair are prepared on one background thread (a million rows take a
     quarter of a second), so the event loop never waits for them: pulls go by coalesced tables
     until they are ready. Prepared rows are bounded by PREP_BUDGET_ROWS over all pairs.
 
-    Off by default (``--prepped-reads`` turns it on): the tables keep one row per piece where
-    coalescing merges adjacent pieces, so an index plan can post more descriptors.
+    Off by default (``--prepped-reads`` turns it on).
     """
 
     def __init__(
@@ -169,7 +169,8 @@ class PeerViews:
             idx = prepared.tables.plan(local_ids, remote_ids)
             if idx.num_descriptors == 0:
                 return PeerRead(0, 0, 0)
-            if idx.num_descriptors <= idx.runs:  # coalescing would merge nothing
+            merged = prepared.tables.cheaper(idx)
+            if merged is None:  # coalescing merges nothing: post by index
                 loc, rem = prepared.lists
                 self.prepped_reads += 1
                 return PeerRead(
@@ -178,7 +179,13 @@ class PeerViews:
                     idx.num_descriptors,
                     prepped=(loc, idx.local_idx, rem, idx.remote_idx),
                 )
+            return self._tables(merged, local_bases, peer)
         plan = descriptors.plan_pull(geometry, local_ids, remote_ids, num_tokens, remote_tokens)
+        return self._tables(plan, local_bases, peer)
+
+    @staticmethod
+    def _tables(plan: descriptors.ReadPlan, local_bases: Sequence[int], peer: Peer) -> PeerRead:
+        """``plan`` as coalesced descriptor tables at the two sides' region bases."""
         if plan.num_descriptors == 0:
             return PeerRead(0, 0, 0)
         lb = np.asarray(local_bases, dtype=np.int64)

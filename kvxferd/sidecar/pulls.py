@@ -272,10 +272,10 @@ class PullRunner:
     ) -> None:
         """Handshake with one prefill rank, then claim its hold and read from it concurrently.
 
-        The claim goes out first and the READ is posted while it is in flight. This rank
-        succeeds only if the claim does and the READ completed by the claim's end (and the
-        pull's deadline); only then is the hold notified. A failed claim fails the rank once
-        the READ settled (it can no longer write).
+        The READ is posted while the claim is in flight (a large one just before it is sent).
+        This rank succeeds only if the claim does and the READ completed by the claim's end
+        (and the pull's deadline); only then is the hold notified. A failed claim fails the
+        rank once the READ settled (it can no longer write).
         """
         m = self._metrics
         pull.advance(PullState.HANDSHAKING)
@@ -284,16 +284,20 @@ class PullRunner:
         m.phase_duration.labels("handshake").observe(time.monotonic() - t0)
 
         pull.advance(PullState.CLAIMING)
-        claim = asyncio.create_task(self._claim(ticket, deadline, local))
+        req = pull.request
+        plan = self.views.plan(
+            peer, local, bases, self._geometry(local, peer), req.block_ids,
+            ticket.block_ids, req.num_tokens, ticket.num_tokens,
+        )  # fmt: skip
         read: asyncio.Task[float] | None = None
+        if plan.num_descriptors and not self.reads.inline(plan.total_bytes, plan.num_descriptors):
+            # A large READ goes out first: its post thread builds and posts it while the loop
+            # sends the claim. A small one is posted on the loop, after the claim left.
+            read = asyncio.create_task(self._transfer(pull, peer, plan, deadline))
+        claim = asyncio.create_task(self._claim(ticket, deadline, local))
         try:
-            await asyncio.sleep(0)  # let the claim reach the wire before we plan and post
-            req = pull.request
-            plan = self.views.plan(
-                peer, local, bases, self._geometry(local, peer), req.block_ids,
-                ticket.block_ids, req.num_tokens, ticket.num_tokens,
-            )  # fmt: skip
-            if plan.num_descriptors:
+            if plan.num_descriptors and read is None:
+                await asyncio.sleep(0)  # let the claim reach the wire before we post
                 read = asyncio.create_task(self._transfer(pull, peer, plan, deadline))
             claim_end = await claim  # its error (404, 410, 401, 409, timeout) fails the rank
             pull.advance(PullState.TRANSFERRING)

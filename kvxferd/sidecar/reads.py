@@ -127,11 +127,16 @@ class Reads:
             if entry[1][0] == 0:
                 del self._slots[address]
 
+    @staticmethod
+    def inline(nbytes: int, descs: int) -> bool:
+        """Whether a READ of this size is posted on the loop (else on the post threads)."""
+        return nbytes <= INLINE_BYTES and descs <= INLINE_DESCS
+
     def _post(
         self, post: Callable[[], PostedRead], nbytes: int, descs: int
     ) -> asyncio.Future[PostedRead]:
         loop = asyncio.get_running_loop()
-        if nbytes <= INLINE_BYTES and descs <= INLINE_DESCS:
+        if self.inline(nbytes, descs):
             fut: asyncio.Future[PostedRead] = loop.create_future()
             try:
                 fut.set_result(post())

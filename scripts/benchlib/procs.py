@@ -65,9 +65,10 @@ class SidecarProcess:
             raise
         return ready
 
-    def client(self) -> EngineClient:
-        """An engine-API client on the Unix socket."""
-        return EngineClient(self.socket, timeout_s=120.0)
+    def client(self, frames: bool = False) -> EngineClient:
+        """An engine-API client on the Unix socket (``frames``: over its framed protocol, the
+        wire the engines use)."""
+        return EngineClient(self.socket, timeout_s=120.0, frames=frames)
 
     def cpu_seconds(self) -> float:
         """User + system CPU time the process has used so far."""

@@ -114,7 +114,8 @@ def profile_table(result: dict) -> str:
         "own duration; claim: claim HTTP to prefill (concurrent with post and wire); post: "
         "address table + NIXL descriptor lists + initialize_xfer + post; wire: post to done; "
         "other: sidecar_total - max(claim, post + wire) (plan_read, handshake cache, notify); "
-        "plan_read: measured in-process."
+        "plan_read: the sidecar's per-pull planning (geometry cached per peer epoch) measured "
+        "in-process."
     )
     return "\n".join(out)
 

@@ -91,3 +91,47 @@ def test_bad_ids_name_the_field():
     with pytest.raises(BlockIdError) as err:
         prepped.plan([[0]] * n, [[0, 1]] + [[0]] * (n - 1))
     assert err.value.field == "block_ids[0]"
+
+
+@SETTINGS
+@given(pairs(), st.data())
+def test_the_cheaper_of_index_and_coalesced_plan_never_posts_more_than_the_coalesced_plan(
+    case, data
+):
+    # Random layouts and block lists (runs, shuffles, adjacency across groups of one pool), some
+    # local ids skipped: what a prepped pull posts is never more than plan_pull's descriptors.
+    local, remote, lids, rids = case
+    skip = data.draw(st.booleans())
+    lo = [[-1 if skip and data.draw(st.booleans()) else int(b) for b in a] for a in lids]
+    geometry = read_geometry(local, remote)
+    prepped = prepped_geometry(geometry)
+    ro = [r.tolist() for r in rids]
+    idx = prepped.plan(lo, ro)
+    want = plan_pull(geometry, lo, ro)
+    merged = prepped.cheaper(idx)
+    posted = idx.num_descriptors if merged is None else merged.num_descriptors
+    assert posted <= want.num_descriptors
+    if merged is not None:  # posted as tables: exactly the coalesced plan
+        assert merged.num_descriptors < idx.num_descriptors
+        for f in ("local_region", "local_offset", "remote_region", "remote_offset", "length"):
+            np.testing.assert_array_equal(getattr(merged, f), getattr(want, f))
+        assert (merged.kv_bytes, merged.state_bytes) == (want.kv_bytes, want.state_bytes)
+
+
+def test_a_run_of_blocks_is_posted_coalesced_and_a_scatter_by_index():
+    # The bench's GDN hybrid: one pool, 12 regions; a run of blocks coalesces, a scatter not.
+    from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
+
+    m = plan_manifest(load_hf_config("qwen3-next-80b-a3b"), PlanOptions(num_blocks=16))
+    geometry = read_geometry(m, m)
+    prepped = prepped_geometry(geometry)
+    run = [[1] if g.kind == "mamba" else [2, 3] for g in m.groups]
+    scatter = [[1] if g.kind == "mamba" else [3, 5] for g in m.groups]
+    idx = prepped.plan(run, run)
+    merged = prepped.cheaper(idx)
+    assert merged is not None
+    assert merged.num_descriptors == plan_pull(geometry, run, run).num_descriptors
+    assert merged.num_descriptors < idx.num_descriptors
+    idx = prepped.plan(scatter, scatter)
+    assert prepped.cheaper(idx) is None
+    assert idx.num_descriptors == plan_pull(geometry, scatter, scatter).num_descriptors

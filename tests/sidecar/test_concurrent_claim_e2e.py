@@ -157,3 +157,14 @@ def test_a_rank_with_nothing_to_read_still_claims_then_releases_its_hold(pair):
     assert (status.kv_bytes, status.descriptors) == (0, 0)
     assert all(np.array_equal(b, a) for b, a in zip(before, d.pool.views, strict=True))
     assert feed.wait_for(ticket.hold_id) == {ticket.hold_id: "notified"}
+
+
+def test_these_reads_take_the_post_thread_so_they_are_posted_before_their_claim_is_sent():
+    # The cases above then cover the order a large READ takes: handed to its post thread just
+    # before the claim is sent (a small one is posted on the loop after the claim left).
+    from kvxferd.descriptors import plan_read
+    from kvxferd.sidecar.reads import Reads
+
+    m = plan(MODEL, num_blocks=NUM_BLOCKS)
+    read = plan_read(m, m, [np.asarray(DIDS[0])], [np.asarray(PIDS[0])])
+    assert not Reads.inline(read.total_bytes, read.num_descriptors)

@@ -1,0 +1,47 @@
+"""A request's block ids are checked for all groups at once, with the per-group checks' verdicts:
+the same arrays when valid, the same offending field and reason when not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvxferd.descriptors.geometry import check_block_ids, check_request_ids
+from kvxferd.errors import BlockIdError
+
+NUM_BLOCKS = 8
+
+
+def _per_group(seq: list) -> list[np.ndarray] | BlockIdError:
+    try:
+        return [check_block_ids(NUM_BLOCKS, ids, f"block_ids[{g}]") for g, ids in enumerate(seq)]
+    except BlockIdError as exc:
+        return exc
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(-2, NUM_BLOCKS + 1), max_size=6), min_size=1, max_size=4))
+def test_all_groups_at_once_agree_with_the_per_group_checks(seq):
+    want = _per_group(seq)
+    if isinstance(want, BlockIdError):
+        with pytest.raises(BlockIdError) as got:
+            check_request_ids(NUM_BLOCKS, len(seq), seq, "block_ids")
+        assert (got.value.field, got.value.reason) == (want.field, want.reason)
+        return
+    got = check_request_ids(NUM_BLOCKS, len(seq), seq, "block_ids")
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == np.int64
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_repeat_across_groups_is_allowed_and_within_one_is_named():
+    assert [a.tolist() for a in check_request_ids(8, 2, [[1, 2], [2, 1]], "ids")] == [
+        [1, 2],
+        [2, 1],
+    ]
+    with pytest.raises(BlockIdError) as exc:
+        check_request_ids(8, 2, [[1, 2], [3, 3]], "ids")
+    assert exc.value.field == "ids[1][1]"
