@@ -42,6 +42,7 @@ from kvxferd.proxy.failures import (
     unreachable,
 )
 from kvxferd.proxy.routing import Backend, RoundRobin
+from kvxferd.proxy.transport import KeptTransport
 
 log = logging.getLogger(__name__)
 
@@ -139,9 +140,10 @@ def proxy_app(
         timeout = httpx.Timeout(connect=settings.connect, read=None, write=idle, pool=idle)
 
         def make() -> httpx.AsyncClient:
-            return httpx.AsyncClient(
-                timeout=timeout, limits=limits, transport=transport, verify=ssl_context()
+            kept = transport or KeptTransport(
+                ssl_context(), KEEPALIVE_PER_CLIENT, HTTP_CLIENT_KEEPALIVE_S
             )
+            return httpx.AsyncClient(timeout=timeout, limits=limits, transport=kept)
 
         slots = ClientSlots(make)
         app.state.clients = slots
