@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
 from kvxferd._docstrings import attribute_docs
+from kvxferd.aio import check_event_loop
 from kvxferd.errors import ConfigError
 
 ENV_PREFIX = "KVXFERD_"
@@ -116,6 +117,9 @@ class Config:
     ucx_proto_log: str = ""
     """File UCX logs its protocol choices to (UCX_PROTO_INFO), read to report the transports
     READs use; empty = a file in the temp directory, ``off`` = not reported."""
+    event_loop: str = "auto"
+    """Event loop of the process: ``uvloop``, ``asyncio``, or ``auto`` (uvloop when installed).
+    Also read by ``kvxferd sim`` and ``kvxferd proxy`` (and passed on to a sim's sidecars)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.peer_port <= 65535:
@@ -137,6 +141,7 @@ class Config:
             )
         if not self.backends:
             raise ConfigError("backends: at least one NIXL backend is needed")
+        check_event_loop(self.event_loop)
 
     @property
     def frames_socket(self) -> str:

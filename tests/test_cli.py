@@ -117,8 +117,17 @@ raise SystemExit(status)
             {"KVXFERD_PEER_TOKEN": "t"},
             "engine_frames_socket",
         ),  # fmt: skip
+        ([], {"KVXFERD_PEER_TOKEN": "t", "KVXFERD_EVENT_LOOP": "tokio"}, "event_loop"),
     ],
-    ids=["no-token", "log-level", "socket-dir", "socket-length", "port", "frames-length"],
+    ids=[
+        "no-token",
+        "log-level",
+        "socket-dir",
+        "socket-length",
+        "port",
+        "frames-length",
+        "event-loop",
+    ],  # fmt: skip
 )
 def test_serve_argument_errors_exit_before_the_server_is_imported(tmp_path, args, env, named):
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVXFERD_")}

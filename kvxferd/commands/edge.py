@@ -82,3 +82,26 @@ def limits_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
             raise ConfigError(f"{source}: must be > 0, got {value}")
         values[name] = value
     return EdgeLimits(**values)  # type: ignore[arg-type]
+
+
+def add_event_loop_flag(p: argparse.ArgumentParser) -> None:
+    """Add ``--event-loop`` to ``p`` (unset: KVXFERD_EVENT_LOOP, else auto)."""
+    from kvxferd.aio import EVENT_LOOPS
+
+    p.add_argument("--event-loop", choices=EVENT_LOOPS, dest="event_loop",
+                   help="asyncio, uvloop, or auto: uvloop when installed (default: "
+                   "KVXFERD_EVENT_LOOP, else auto)")  # fmt: skip
+
+
+def event_loop_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> str:
+    """The event loop the flag, then KVXFERD_EVENT_LOOP, then ``auto`` name (ConfigError naming
+    the variable when it holds no loop name)."""
+    from kvxferd.aio import check_event_loop
+
+    if args.event_loop:
+        return args.event_loop
+    raw = (os.environ if env is None else env).get("KVXFERD_EVENT_LOOP") or "auto"
+    try:
+        return check_event_loop(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"KVXFERD_EVENT_LOOP: {exc}") from None

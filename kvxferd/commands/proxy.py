@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
-from kvxferd.commands.edge import add_limit_flags, limits_from_args
+from kvxferd.aio import run as run_main
+from kvxferd.commands.edge import (
+    add_event_loop_flag,
+    add_limit_flags,
+    event_loop_from_args,
+    limits_from_args,
+)
 from kvxferd.errors import ConfigError
 
 
@@ -57,6 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="first-byte bound of a non-streaming decode, whose first byte is its "
                    "whole answer: the longest generation (default 600)")  # fmt: skip
     add_limit_flags(p)
+    add_event_loop_flag(p)
     p.add_argument("--log-level", default="warning", metavar="LEVEL",
                    help="debug, info, warning, error")  # fmt: skip
     p.set_defaults(func=run)
@@ -75,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: {args.port} is not a TCP port")
     limits = limits_from_args(args)
+    event_loop = event_loop_from_args(args)
     RoundRobin("prefill", args.prefill)  # validates the URLs before binding anything
     RoundRobin("decode", args.decode)
     setup_logging(args.log_level)
@@ -87,5 +94,5 @@ def run(args: argparse.Namespace) -> int:
         idle_s=args.idle_timeout,
         generation_s=args.generation_timeout,
     )
-    asyncio.run(serve_proxy(settings, args.host, args.port, args.log_level, limits))
+    run_main(serve_proxy(settings, args.host, args.port, args.log_level, limits), event_loop)
     return 0

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import tempfile
 
+from kvxferd.aio import EVENT_LOOPS, loop_factory, loop_name
+from kvxferd.aio import run as run_main
 from kvxferd.config import Config, env_help, load_config, replace
 from kvxferd.errors import ConfigError
 
@@ -68,6 +69,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "(default: off)")  # fmt: skip
     p.add_argument("--require-transport", choices=("rdma", "any"), dest="require_transport",
                    help="refuse readiness unless READs can use RDMA (never TCP)")  # fmt: skip
+    p.add_argument("--event-loop", choices=EVENT_LOOPS, dest="event_loop",
+                   help="asyncio, uvloop, or auto: uvloop when installed (default)")  # fmt: skip
     p.add_argument("--ucx-proto-log", metavar="PATH|off", dest="ucx_proto_log",
                    help="file UCX logs its protocol choices to (default: a temp file)")  # fmt: skip
     p.set_defaults(func=run)
@@ -85,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     from kvxferd.cli import setup_logging
 
     setup_logging(config.log_level)
-    asyncio.run(serve(_with_proto_log(config)))
+    logging.getLogger(__name__).info("event loop: %s", loop_name(config.event_loop))
+    run_main(serve(_with_proto_log(config)), config.event_loop)
     return 0
 
 
@@ -140,13 +144,15 @@ def _load(args: argparse.Namespace) -> Config:
             "require_transport": args.require_transport,
             "prepped_reads": args.prepped_reads,
             "ucx_proto_log": args.ucx_proto_log,
+            "event_loop": args.event_loop,
         }
     )
 
 
 def check_startable(config: Config) -> None:
     """ConfigError for what would stop the sidecar later: no peer token, an unknown log level,
-    an engine socket whose directory is missing or whose path is too long for AF_UNIX."""
+    an event loop that is not installed, an engine socket whose directory is missing or whose
+    path is too long for AF_UNIX."""
     if not config.peer_token:
         raise ConfigError(
             "no peer token: set KVXFERD_PEER_TOKEN or --peer-token-file (peers must authenticate)"
@@ -155,6 +161,7 @@ def check_startable(config: Config) -> None:
         raise ConfigError(
             f"log_level: unknown level {config.log_level!r} (debug, info, warning, error)"
         )
+    loop_factory(config.event_loop)  # uvloop asked for by name must be installed
     path = config.engine_socket
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):

@@ -7,7 +7,12 @@ from __future__ import annotations
 import argparse
 import logging
 
-from kvxferd.commands.edge import add_limit_flags, limits_from_args
+from kvxferd.commands.edge import (
+    add_event_loop_flag,
+    add_limit_flags,
+    event_loop_from_args,
+    limits_from_args,
+)
 from kvxferd.layout import preset_names
 
 
@@ -66,6 +71,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--store-chunk-tokens", type=int, default=64, metavar="N",
                    help="tokens per store chunk (default 64)")  # fmt: skip
     add_limit_flags(p)
+    add_event_loop_flag(p)
     p.add_argument("--log-level", default="info", metavar="LEVEL",
                    help="debug, info, warning, error")  # fmt: skip
     p.set_defaults(func=run)
@@ -100,5 +106,6 @@ def run(args: argparse.Namespace) -> int:
             store_dir=args.store,
             store_chunk_tokens=args.store_chunk_tokens,
             limits=limits,
+            event_loop=event_loop_from_args(args),
         )
     )

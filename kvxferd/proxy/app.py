@@ -32,7 +32,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
-from kvxferd.lanes import Lanes, ssl_context
+from kvxferd.lanes import ssl_context
+from kvxferd.proxy.clients import ClientSlots
 from kvxferd.proxy.failures import (
     BackendTimeout,
     bad_backend_reply,
@@ -41,6 +42,7 @@ from kvxferd.proxy.failures import (
     unreachable,
 )
 from kvxferd.proxy.routing import Backend, RoundRobin
+from kvxferd.proxy.transport import KeptTransport
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +59,9 @@ KV_TRANSFER_STUB: dict[str, Any] = {
 RELEASE_PATH = "/v1/kv/release"
 """Prefill route freeing the KV it holds for a decode that will not read it (kvxferd sim)."""
 _BACKEND_ERRORS = (httpx.HTTPError, TimeoutError)
-LANES = 8
-"""Backend clients used in turn (kvxferd.lanes): one pool for 64 requests in flight was most of
-the proxy's CPU."""
-KEEPALIVE_PER_LANE = 32
-"""Idle connections one lane keeps (to prefills and decodes together): fewer made the proxy close
-and reopen connections at 64 requests in flight."""
+KEEPALIVE_PER_CLIENT = 16
+"""Idle connections one backend client keeps (to prefills and decodes together; a client
+serves one request at a time until the proxy has more in flight than clients)."""
 _SSE = "text/event-stream"
 
 
@@ -134,30 +133,41 @@ def proxy_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(
             max_connections=None,
-            max_keepalive_connections=KEEPALIVE_PER_LANE,
+            max_keepalive_connections=KEEPALIVE_PER_CLIENT,
             keepalive_expiry=HTTP_CLIENT_KEEPALIVE_S,
         )
         # Reads are bounded per phase below (first byte, idle); httpx bounds connect and writes.
         timeout = httpx.Timeout(connect=settings.connect, read=None, write=idle, pool=idle)
 
         def make() -> httpx.AsyncClient:
-            return httpx.AsyncClient(
-                timeout=timeout, limits=limits, transport=transport, verify=ssl_context()
+            kept = transport or KeptTransport(
+                ssl_context(), KEEPALIVE_PER_CLIENT, HTTP_CLIENT_KEEPALIVE_S
             )
+            return httpx.AsyncClient(timeout=timeout, limits=limits, transport=kept)
 
-        lanes = Lanes(make, LANES)
-        app.state.lanes = lanes
+        slots = ClientSlots(make)
+        app.state.clients = slots
         try:
             yield
             if releases:  # bounded: each release is bounded by connect + first byte
                 await asyncio.wait(releases, timeout=settings.connect + first_byte)
         finally:
-            for client in lanes.made():
+            for client in slots.made():
                 await client.aclose()
 
     app = FastAPI(title="kvxferd proxy", lifespan=lifespan)
 
     async def relay(request: Request, path: str, chat: bool) -> Response:
+        slots: ClientSlots = request.app.state.clients
+        client = slots.take()
+        try:  # a stream still being relayed shares the client with the next request
+            return await forward(request, path, chat, client)
+        finally:
+            slots.give(client)
+
+    async def forward(
+        request: Request, path: str, chat: bool, client: httpx.AsyncClient
+    ) -> Response:
         try:
             body = await request.json()
         except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
@@ -170,7 +180,6 @@ def proxy_app(
         headers = {"X-Request-Id": request_id}
         if auth := request.headers.get("authorization"):
             headers["Authorization"] = auth
-        client: httpx.AsyncClient = request.app.state.lanes.next()
 
         prefill = prefills.next()
         try:
@@ -244,20 +253,29 @@ def proxy_app(
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         decode = decodes.backends[0]
-        client: httpx.AsyncClient = request.app.state.lanes.next()
+        slots: ClientSlots = request.app.state.clients
+        client = slots.take()
         try:
             resp, content = await _call(
                 client, client.build_request("GET", decode.url + "/v1/models"), first_byte, idle
             )
         except _BACKEND_ERRORS as exc:
             return unreachable(decode, exc, first_byte)
+        finally:
+            slots.give(client)
         return _passthrough(resp.status_code, content, resp.headers, None)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        client: httpx.AsyncClient = request.app.state.lanes.next()
+        slots: ClientSlots = request.app.state.clients
+        client = slots.take()
         everyone = [*prefills.backends, *decodes.backends]
-        verdicts = await asyncio.gather(*(_probe(client, b, first_byte, idle) for b in everyone))
+        try:
+            verdicts = await asyncio.gather(
+                *(_probe(client, b, first_byte, idle) for b in everyone)
+            )
+        finally:
+            slots.give(client)
         report: dict[str, Any] = {"prefill": {}, "decode": {}}
         for backend, verdict in zip(everyone, verdicts, strict=True):
             report[backend.role][backend.url] = verdict

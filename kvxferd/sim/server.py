@@ -22,6 +22,7 @@ from types import FrameType
 
 import uvicorn
 
+from kvxferd.aio import run as run_main
 from kvxferd.api.limits import EdgeLimits
 from kvxferd.api.sockets import bind_tcp
 from kvxferd.errors import ConfigError
@@ -75,6 +76,8 @@ class SimOptions:
     """Tokens per store chunk (--store-chunk-tokens of the sidecars)."""
     limits: EdgeLimits = FRONT_DOOR_LIMITS
     """Connection cap, head and body sizes and read timeouts of the HTTP listener."""
+    event_loop: str = "auto"
+    """Event loop of the sim and of the sidecars it starts (kvxferd.aio)."""
 
 
 class _Server(uvicorn.Server):
@@ -120,7 +123,7 @@ def run_sim(opts: SimOptions) -> int:
         for p in pools:
             p.unlink()
         log.info("%s: %d ranks, %d blocks per rank", engine_id, opts.tp, blocks)
-        asyncio.run(_serve(opts, engine_id, model, pools, sidecars))
+        run_main(_serve(opts, engine_id, model, pools, sidecars), opts.event_loop)
     except KeyboardInterrupt:
         pass
     finally:
@@ -173,6 +176,7 @@ def _start_sidecars(
     """One ``kvxferd serve`` per rank (killed with us), each registering its rank's pool."""
     token = os.environ.get("KVXFERD_PEER_TOKEN") or secrets.token_hex(32)
     extra = ["--peer-host", opts.host, "--log-level", _child_level(opts.log_level)]
+    extra += ["--event-loop", opts.event_loop]
     if opts.lease_s is not None:
         extra += ["--lease", str(opts.lease_s), "--max-lease", str(max(opts.lease_s, MAX_LEASE_S))]
     if opts.store_dir:

@@ -1,0 +1,136 @@
+"""KeptTransport: the proxy's HTTP/1.1 under httpx, against real servers on loopback.
+
+A request goes out in one write and its answer streams back; a connection whose answer was
+read to the end is kept and reused, one abandoned mid-answer is closed, a kept connection the
+server closed while idle is replaced without the caller seeing it, and failures are httpx's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from kvxferd.proxy.transport import KeptTransport
+from tests.proxy.fakes import free_port, serve_app
+
+
+def _app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict:
+        client = request.client
+        return {"body": (await request.body()).decode(), "port": client.port if client else 0,
+                "id": request.headers.get("x-request-id")}  # fmt: skip
+
+    @app.get("/stream")
+    async def stream() -> StreamingResponse:
+        async def parts():
+            for i in range(50):
+                yield f"part {i}\n".encode() * 100
+
+        return StreamingResponse(parts(), media_type="text/plain")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def server():
+    served = serve_app(_app())
+    yield served.url
+    served.stop()
+
+
+def _client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=KeptTransport(ssl.create_default_context()), timeout=30)
+
+
+def test_answers_arrive_whole_and_a_connection_read_to_the_end_is_reused(server):
+    async def main() -> list[dict]:
+        async with _client() as c:
+            out = []
+            for i in range(3):
+                resp = await c.post(f"{server}/echo", content=f"body {i}",
+                                    headers={"X-Request-Id": f"r{i}"})  # fmt: skip
+                out.append(resp.json())
+            return out
+
+    got = asyncio.run(main())
+    assert [g["body"] for g in got] == ["body 0", "body 1", "body 2"]
+    assert [g["id"] for g in got] == ["r0", "r1", "r2"]
+    assert len({g["port"] for g in got}) == 1  # one kept connection
+
+
+def test_a_streamed_answer_comes_in_order_and_an_abandoned_one_is_not_reused(server):
+    async def main() -> tuple[bytes, set[int]]:
+        async with _client() as c:
+            async with c.stream("GET", f"{server}/stream") as resp:
+                whole = b"".join([chunk async for chunk in resp.aiter_bytes()])
+            async with c.stream("GET", f"{server}/stream") as resp:
+                await anext(resp.aiter_bytes())  # walk away mid-answer
+            ports = {(await c.post(f"{server}/echo", content="x")).json()["port"]
+                     for _ in range(2)}  # fmt: skip
+            return whole, ports
+
+    whole, ports = asyncio.run(main())
+    assert whole == b"".join(f"part {i}\n".encode() * 100 for i in range(50))
+    assert len(ports) == 1
+
+
+def test_a_kept_connection_closed_by_the_server_is_replaced_unseen():
+    answers = [0]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        answers[0] += 1
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()  # keep-alive was not refused, yet the connection goes away
+
+    async def main() -> list[int]:
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        try:
+            async with _client() as c:
+                codes = []
+                for _ in range(3):
+                    codes.append((await c.get(f"http://127.0.0.1:{port}/")).status_code)
+                return codes
+        finally:
+            srv.close()
+
+    assert asyncio.run(main()) == [200, 200, 200] and answers[0] == 3
+
+
+def test_a_refused_connection_is_an_httpx_connect_error():
+    async def main() -> None:
+        async with _client() as c:
+            await c.get(f"http://127.0.0.1:{free_port()}/")
+
+    with pytest.raises(httpx.ConnectError):
+        asyncio.run(main())
+
+
+def test_an_answer_that_is_not_http_is_an_httpx_protocol_error():
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"SSH-2.0-nonsense\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        try:
+            async with _client() as c:
+                await c.get(f"http://127.0.0.1:{port}/")
+        finally:
+            srv.close()
+
+    with pytest.raises(httpx.RemoteProtocolError):
+        asyncio.run(main())
