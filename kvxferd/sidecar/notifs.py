@@ -101,6 +101,7 @@ class NotificationPoller:
     async def run(self) -> None:
         """Poll until cancelled."""
         hot_since = time.monotonic()
+        gauged = float("-inf")
         while True:
             delay = SLOW_S
             holds = self.holds()
@@ -108,9 +109,12 @@ class NotificationPoller:
                 if self.poll(holds):
                     hot_since = time.monotonic()  # more may follow (other ranks, other pulls)
                 delay = self.delay(holds, hot_since)
-            live = self.agent.live_handles()
-            self.metrics.nixl_handles.set(live.transfers)
-            self.metrics.prepped_lists.set(live.prepped)
+            now = time.monotonic()
+            if now - gauged >= SLOW_S:  # gauges for scrapes: not worth 200 updates a second
+                gauged = now
+                live = self.agent.live_handles()
+                self.metrics.nixl_handles.set(live.transfers)
+                self.metrics.prepped_lists.set(live.prepped)
             if await self.wake.sleep(delay):
                 hot_since = time.monotonic()
                 lag = self.wake_lag(hot_since)
