@@ -162,8 +162,11 @@ class PeerViews:
         remote_ids: Sequence[Sequence[int]],
         num_tokens: int = -1,
         remote_tokens: int = 0,
+        *,
+        local_checked: bool = False,
     ) -> PeerRead:
-        """One rank's READ of a pull (BlockIdError names a bad field, as ``plan_pull``)."""
+        """One rank's READ of a pull (BlockIdError names a bad field, as ``plan_pull``;
+        ``local_checked`` as there)."""
         prepared = self._get(peer, local, local_bases, geometry) if self.enabled else None
         if prepared is not None and prepared.tables is not None and prepared.lists is not None:
             idx = prepared.tables.plan(local_ids, remote_ids)
@@ -178,7 +181,8 @@ class PeerViews:
                     idx.num_descriptors,
                     prepped=(loc, idx.local_idx, rem, idx.remote_idx),
                 )
-        plan = descriptors.plan_pull(geometry, local_ids, remote_ids, num_tokens, remote_tokens)
+        plan = descriptors.plan_pull(geometry, local_ids, remote_ids, num_tokens, remote_tokens,
+                                     local_checked=local_checked)  # fmt: skip
         if plan.num_descriptors == 0:
             return PeerRead(0, 0, 0)
         lb = np.asarray(local_bases, dtype=np.int64)
