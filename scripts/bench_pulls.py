@@ -8,8 +8,9 @@ on the decode sidecar (decode TP 1):
 - in-flight sweep: one prefill sidecar, N pulls in flight (N in 1,4,16,64): pulls/s, p50/p99
   of the pull call, CPU seconds of each sidecar per pull;
 - fan-in sweep: prefill TP 1,2,4,8 (one sidecar per prefill rank, as deployments run them),
-  the same bytes per pull (the decode reads its units from every rank), 16 in flight: pulls/s,
-  p50, and cost(TP k) / cost(TP 1) against the issue's target (<= 2 at TP 8).
+  the same bytes per pull (the decode reads its units from every rank), 16 in flight
+  (``--fanin-inflight``; 1 gives the latency): pulls/s, p50, and cost(TP k) / cost(TP 1)
+  against the issue's target (<= 2 at TP 8).
 
 Holds are placed before each round (untimed; the prefill engine's side of the work); a round's
 time runs from its first pull call to its last answer. The first round of every level is a
@@ -254,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small smoke run (~30 s)")
     ap.add_argument("--inflight", help="comma list of pulls in flight (in-flight sweep; '' skips)")
     ap.add_argument("--fanin", help="comma list of prefill TP sizes (fan-in sweep; '' skips)")
+    ap.add_argument(
+        "--fanin-inflight",
+        type=int,
+        default=FANIN_INFLIGHT,
+        help=f"pulls in flight in the fan-in sweep (default {FANIN_INFLIGHT}; 1: latency)",
+    )
     ap.add_argument("--rounds", type=int, help="timed rounds per level (after a verified one)")
     ap.add_argument("--pulls", type=int, help="pulls per round (at least 2 per slot)")
     ap.add_argument("--verify-all", action="store_true", help="byte-verify timed rounds too")
@@ -263,21 +270,26 @@ def main(argv: list[str] | None = None) -> int:
     cli.fill_defaults(args, QUICK, FULL)
     inflight = [int(x) for x in args.inflight.split(",") if x]
     fanin = [int(x) for x in args.fanin.split(",") if x]
-    if min(inflight + fanin, default=1) < 1 or args.rounds < 1 or args.pulls < 1:
-        ap.error("--inflight/--fanin/--rounds/--pulls: positive")
+    if (
+        min(inflight + fanin, default=1) < 1
+        or args.fanin_inflight < 1
+        or args.rounds < 1
+        or args.pulls < 1
+    ):
+        ap.error("--inflight/--fanin/--fanin-inflight/--rounds/--pulls: positive")
     if any(8 % t for t in fanin):
         ap.error("--fanin: TP sizes that shard the bench model (1, 2, 4, 8)")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     started = time.monotonic()
     prof = Profiler(args.profile)
-    slots = max(inflight + [FANIN_INFLIGHT if fanin else 1])
+    slots = max(inflight + [args.fanin_inflight if fanin else 1])
     result: dict = {
         "machine": report.machine(),
         "settings": {
             "inflight": inflight,
             "fanin": fanin,
-            "fanin_inflight": FANIN_INFLIGHT,
+            "fanin_inflight": args.fanin_inflight,
             "rounds": args.rounds,
             "pulls": args.pulls,
             "quick": args.quick,
@@ -307,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                                       flush=True)  # fmt: skip
                         if tp in fanin:
                             tag = f"fanin-tp{tp}"
-                            row = asyncio.run(measure(rig, FANIN_INFLIGHT, args, prof, tag))
+                            row = asyncio.run(measure(rig, args.fanin_inflight, args, prof, tag))
                             result["fanin"].append(row)
                             print(f"# prefill TP {tp}: {row['pulls_per_s']:.1f} pulls/s",
                                   flush=True)  # fmt: skip
@@ -328,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if result["inflight"]:
         print_rows("in-flight sweep (prefill TP 1 -> decode TP 1)", result["inflight"], "inflight")
     if result["fanin"]:
-        print_rows(f"fan-in sweep ({FANIN_INFLIGHT} in flight, same bytes per pull)",
+        print_rows(f"fan-in sweep ({args.fanin_inflight} in flight, same bytes per pull)",
                    result["fanin"], "prefill_tp")  # fmt: skip
     for row in result["inflight"] + result["fanin"]:
         for name, p in row.get("profiles", {}).items():

@@ -133,11 +133,22 @@ class ReadGeometry:
     """Set when the sides' block sizes or grouping differ: requests map tokens, not block ids."""
 
     def check_pairs(
-        self, local_ids: Sequence[np.ndarray], remote_ids: Sequence[np.ndarray]
+        self,
+        local_ids: Sequence[np.ndarray],
+        remote_ids: Sequence[np.ndarray],
+        *,
+        local_checked: bool = False,
     ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Validated (local, remote) logical ids per group; BlockIdError names the bad field."""
+        """Validated (local, remote) logical ids per group; BlockIdError names the bad field.
+        ``local_checked``: the local ids were validated once for the whole pull (one check,
+        not one per prefill rank); only their group count is rechecked here."""
         n = len(self.ratios)
-        lids = check_request_ids(self.local_blocks, n, local_ids, "block_ids")
+        if local_checked:
+            if len(local_ids) != n:
+                raise BlockIdError("block_ids", f"{len(local_ids)} id lists for {n} groups")
+            lids = [np.asarray(a, dtype=np.int64) for a in local_ids]
+        else:
+            lids = check_request_ids(self.local_blocks, n, local_ids, "block_ids")
         rids = check_request_ids(self.remote_blocks, n, remote_ids, "remote_block_ids")
         for g, (a, b) in enumerate(zip(lids, rids, strict=True)):
             if a.size != b.size:
@@ -152,8 +163,10 @@ class ReadGeometry:
         remote_ids: Sequence[np.ndarray],
         *,
         coalesce: bool = True,
+        local_checked: bool = False,
     ) -> ReadPlan:
-        """The descriptor pairs of one request (see :func:`plan_read`).
+        """The descriptor pairs of one request (see :func:`plan_read`; ``local_checked`` as
+        :meth:`check_pairs`).
 
         Block ids pair up only between equal block sizes: with a :attr:`reblock` geometry this
         raises IncompatiblePeerError naming the sizes (use :func:`plan_pull`).
@@ -162,7 +175,8 @@ class ReadGeometry:
             raise IncompatiblePeerError(self.reblock.block_diff)
         cols: list[list[np.ndarray]] = [[] for _ in range(5)]
         kv_bytes = state_bytes = 0
-        for g, (a, b) in enumerate(self.check_pairs(local_ids, remote_ids)):
+        pairs = self.check_pairs(local_ids, remote_ids, local_checked=local_checked)
+        for g, (a, b) in enumerate(pairs):
             p = self.pieces[g]
             if a.size == 0 or p.length.size == 0:
                 continue
@@ -239,6 +253,8 @@ def plan_pull(
     remote_ids: Sequence[Sequence[int]],
     num_tokens: int = -1,
     remote_tokens: int = 0,
+    *,
+    local_checked: bool = False,
 ) -> ReadPlan:
     """The coalesced plan of one pull from one remote rank, whichever way the ids map.
 
@@ -246,11 +262,12 @@ def plan_pull(
     is -1 are skipped; ``num_tokens`` is not used), exactly :meth:`ReadGeometry.plan`. Different
     block sizes or grouping: tokens ``[0, num_tokens)`` (-1: ``remote_tokens``, the ticket's)
     move between the sides' own block lists, see :meth:`ReblockGeometry.plan`. Raises
-    BlockIdError naming the field.
+    BlockIdError naming the field. ``local_checked``: the local ids were validated for the
+    whole pull already (kvxferd.sidecar.pull_request), so each rank's plan skips that check.
     """
     if geometry.reblock is not None:
         return geometry.reblock.plan(local_ids, remote_ids, num_tokens, remote_tokens)
-    return geometry.plan(*id_pairs(local_ids, remote_ids))
+    return geometry.plan(*id_pairs(local_ids, remote_ids), local_checked=local_checked)
 
 
 def id_pairs(

@@ -1,17 +1,23 @@
 """The prefill side's notification poller: readers' NIXL notifications become hold releases.
 
-Each poll also progresses this sidecar's UCX worker, which a reader's READ needs to complete
-when the progress thread is off. After a hold, a claim or a notification the poller is fast (a
-reader's READ may come before its claim), then backs off in proportion to the time since:
-polling every ``elapsed / 20`` (1 ms to 50 ms) delays a READ that took ``t`` by at most ~t/20,
-and a live hold whose reader never reads costs 20 polls a second instead of 1,000. Over TCP a
-READ itself needs our progress (not only its notification), so while a hold is claimed the
-poller stays fast there. ``get_notifs`` is called on the loop: it releases the GIL and costs
-microseconds, a thread hop costs more.
+Each poll also progresses this sidecar's UCX worker. Whether a reader's READ needs that depends
+on the fabric: over TCP without a progress thread a READ moves only as we progress, so there the
+poller is fast (1 ms) right after a hold or a claim (a READ may come before its claim) and for
+the whole time a hold is claimed. Over CMA/shm (loopback), RDMA, or with a progress thread, the
+READ needs nothing from us: a notification only frees the reader's blocks, so the poller is paced
+for release latency instead, every RELEASE_S at most. A release up to ~5 ms late keeps a pull's
+blocks held ~5 ms longer (at 350 pulls/s, ~2 pulls' blocks), where polling at 1 kHz cost each
+prefill rank ~0.2 core: at prefill TP 8 most of the prefill CPU per pull (issue 11,
+scripts/bench_pulls.py). Either way it backs off in proportion to the time since the last
+notification or wake: polling every ``elapsed / 20`` (up to 50 ms) delays a READ or release that
+took ``t`` by at most ~t/20, and a live hold whose reader never reads costs 20 polls a second.
+``get_notifs`` is called on the loop: it releases the GIL and costs microseconds, a thread hop
+costs more.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +33,8 @@ log = logging.getLogger(__name__)
 
 FAST_S = 0.001
 """Shortest poll interval, right after a claim or a notification."""
+RELEASE_S = 0.005
+"""Shortest poll interval where READs need no progress from us: how late a release may be."""
 SLOW_S = 0.05
 """Longest poll interval (and the interval with no hold claimed)."""
 LATENCY_SHARE = 20
@@ -34,8 +42,8 @@ LATENCY_SHARE = 20
 
 
 class NotificationPoller:
-    """Polls ``agent`` for notifications while ``holds()`` has a table; ``wake`` makes it fast
-    (a claim was recorded: a READ is imminent)."""
+    """Polls ``agent`` for notifications while ``holds()`` has a table; ``wake`` (a hold or a
+    claim was recorded: a READ is imminent) makes it poll soon."""
 
     def __init__(
         self,
@@ -69,19 +77,31 @@ class NotificationPoller:
             self.after_release()
         return bool(notifs)
 
+    def reads_need_us(self, now: float) -> bool:
+        """Whether a reader's READ moves only as this poller progresses UCX (TCP, no progress
+        thread); otherwise polling only delivers notifications (releases)."""
+        return not self.progress_thread and self.fabric.reads_over_tcp(now)
+
     def delay(self, holds: HoldTable, hot_since: float) -> float:
         """How long to sleep before the next poll (see the module docstring)."""
         if not holds.active:  # neither claimed nor held: nothing to read from us
             return SLOW_S
         now = time.monotonic()
-        delay = min(max((now - hot_since) / LATENCY_SHARE, FAST_S), SLOW_S)
-        if holds.claimed and not self.progress_thread and self.fabric.reads_over_tcp(now):
-            delay = FAST_S  # over TCP a READ moves only as we progress
-        return delay
+        if not self.reads_need_us(now):  # paced for release latency only
+            return min(max((now - hot_since) / LATENCY_SHARE, RELEASE_S), SLOW_S)
+        if holds.claimed:
+            return FAST_S  # over TCP a READ moves only as we progress
+        return min(max((now - hot_since) / LATENCY_SHARE, FAST_S), SLOW_S)
+
+    def wake_lag(self, now: float) -> float:
+        """How long after a wake (a hold or a claim) to poll: at once where the READ needs us,
+        else RELEASE_S (what comes is a notification: a release may be that late)."""
+        return 0.0 if self.reads_need_us(now) else RELEASE_S
 
     async def run(self) -> None:
         """Poll until cancelled."""
         hot_since = time.monotonic()
+        gauged = float("-inf")
         while True:
             delay = SLOW_S
             holds = self.holds()
@@ -89,11 +109,17 @@ class NotificationPoller:
                 if self.poll(holds):
                     hot_since = time.monotonic()  # more may follow (other ranks, other pulls)
                 delay = self.delay(holds, hot_since)
-            live = self.agent.live_handles()
-            self.metrics.nixl_handles.set(live.transfers)
-            self.metrics.prepped_lists.set(live.prepped)
+            now = time.monotonic()
+            if now - gauged >= SLOW_S:  # gauges for scrapes: not worth 200 updates a second
+                gauged = now
+                live = self.agent.live_handles()
+                self.metrics.nixl_handles.set(live.transfers)
+                self.metrics.prepped_lists.set(live.prepped)
             if await self.wake.sleep(delay):
                 hot_since = time.monotonic()
+                lag = self.wake_lag(hot_since)
+                if lag > 0:  # not woken again meanwhile: a wake per claim would make it 1 kHz
+                    await asyncio.sleep(lag)
             self.wake.clear()
 
 

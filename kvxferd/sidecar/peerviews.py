@@ -162,8 +162,11 @@ class PeerViews:
         remote_ids: Sequence[Sequence[int]],
         num_tokens: int = -1,
         remote_tokens: int = 0,
+        *,
+        local_checked: bool = False,
     ) -> PeerRead:
-        """One rank's READ of a pull (BlockIdError names a bad field, as ``plan_pull``)."""
+        """One rank's READ of a pull (BlockIdError names a bad field, as ``plan_pull``;
+        ``local_checked`` as there)."""
         prepared = self._get(peer, local, local_bases, geometry) if self.enabled else None
         if prepared is not None and prepared.tables is not None and prepared.lists is not None:
             idx = prepared.tables.plan(local_ids, remote_ids)
@@ -180,7 +183,8 @@ class PeerViews:
                     prepped=(loc, idx.local_idx, rem, idx.remote_idx),
                 )
             return self._tables(merged, local_bases, peer)
-        plan = descriptors.plan_pull(geometry, local_ids, remote_ids, num_tokens, remote_tokens)
+        plan = descriptors.plan_pull(geometry, local_ids, remote_ids, num_tokens, remote_tokens,
+                                     local_checked=local_checked)  # fmt: skip
         return self._tables(plan, local_bases, peer)
 
     @staticmethod

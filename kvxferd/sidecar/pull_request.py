@@ -63,10 +63,15 @@ def validate_pull(req: PullRequest, local: Manifest) -> None:
             raise BlockIdError(
                 f"block_ids[{g}]", f"{len(lo)} local ids for {len(remote[g])} ticket ids"
             )
+        seen: dict[int, int] = {}
         for k, b in enumerate(lo):
             if b < -1 or b >= local.num_blocks:
                 raise BlockIdError(
                     f"block_ids[{g}][{k}]", f"{b} is outside 0..{local.num_blocks - 1} (or -1)"
+                )
+            if b >= 0 and seen.setdefault(b, k) != k:  # checked here once, not per rank
+                raise BlockIdError(
+                    f"block_ids[{g}][{k}]", f"id {b} repeats block_ids[{g}][{seen[b]}]"
                 )
     if req.deadline_s <= 0:
         raise BlockIdError("deadline_s", "must be > 0")

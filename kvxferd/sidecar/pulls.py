@@ -79,6 +79,7 @@ class Pull:
     descriptors: int = 0
     duration_s: float = 0.0
     unsettled: str = ""  # why a READ could not be confirmed stopped: this reason wins
+    validated: Manifest | None = None  # the registration validate_pull checked the ids against
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def advance(self, new: PullState) -> None:
@@ -162,8 +163,9 @@ class PullRunner:
 
     def start(self, req: PullRequest) -> Pull:
         """Validate ``req`` synchronously (4xx to the engine), then run it in the background."""
-        validate_pull(req, self._local()[0])
-        pull = Pull(pull_id=secrets.token_hex(8), request=req)
+        local = self._local()[0]
+        validate_pull(req, local)
+        pull = Pull(pull_id=secrets.token_hex(8), request=req, validated=local)
         self._pulls[pull.pull_id] = pull
         while len(self._pulls) > _KEEP_FINISHED:
             oldest = next(iter(self._pulls.values()))
@@ -288,6 +290,7 @@ class PullRunner:
         plan = self.views.plan(
             peer, local, bases, self._geometry(local, peer), req.block_ids,
             ticket.block_ids, req.num_tokens, ticket.num_tokens,
+            local_checked=pull.validated is local,  # checked once per pull, not per rank
         )  # fmt: skip
         read: asyncio.Task[float] | None = None
         if plan.num_descriptors and not self.reads.inline(plan.total_bytes, plan.num_descriptors):

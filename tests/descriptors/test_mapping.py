@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxferd.descriptors import compare_manifests, plan_read
+from kvxferd.descriptors import compare_manifests, plan_pull, plan_read, read_geometry
 from kvxferd.errors import BlockIdError, IncompatiblePeerError, ManifestError
 from kvxferd.wire import AttentionLayer
 
@@ -186,3 +186,23 @@ def test_cached_peer_geometry_plans_like_plan_read():
     with pytest.raises(BlockIdError) as exc:
         geo.plan(lids, [np.array([8, 9]), *rids[1:]])
     assert exc.value.field == "remote_block_ids[0][1]"
+
+
+def test_a_pull_whose_local_ids_were_checked_plans_the_same_and_still_checks_remote_ids():
+    m = render(hybrid_spec())
+    geometry = read_geometry(m, m)
+    lids, rids = [[1, -1, 4], [2], [3]], [[5, 6, 7], [8], [9]]
+    want = plan_pull(geometry, lids, rids)
+    got = plan_pull(geometry, lids, rids, local_checked=True)
+    for a, b in zip(
+        (want.local_region, want.local_offset, want.remote_offset, want.length),
+        (got.local_region, got.local_offset, got.remote_offset, got.length),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(BlockIdError) as exc:
+        plan_pull(geometry, lids, [[5, 6, 7], [m.num_blocks], [9]], local_checked=True)
+    assert exc.value.field == "remote_block_ids[1][0]"
+    with pytest.raises(BlockIdError) as exc:
+        plan_pull(geometry, lids[:2], rids[:2], local_checked=True)
+    assert exc.value.field == "block_ids"

@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 
 from kvxferd.pattern import write_pattern
-from kvxferd.wire import HoldRequest, PullRequest, PullStatus, Ticket
+from kvxferd.wire import HoldRequest, Manifest, PullRequest, PullStatus, Ticket
 from tests.sidecar.harness import QUIET, EnginePool, ReleasedFeed, Sidecar, plan, start_sidecars
 
 MODEL = "llama-3.1-8b"
@@ -24,9 +24,14 @@ class Engine:
 
     def __init__(self, sidecar: Sidecar, model: str = MODEL, pool: EnginePool | None = None):
         self.sidecar = sidecar
-        self.manifest = pool.manifest if pool is not None else plan(model, num_blocks=NUM_BLOCKS)
+        self.manifest = pool.manifest if pool is not None else Engine.plan(model)
         self.pool = pool if pool is not None else EnginePool(self.manifest)
         self.feed = ReleasedFeed(sidecar)
+
+    @staticmethod
+    def plan(model: str = MODEL) -> Manifest:
+        """The manifest of a rank's pool."""
+        return plan(model, num_blocks=NUM_BLOCKS)
 
     def register(self) -> Engine:
         with self.sidecar.client() as c:

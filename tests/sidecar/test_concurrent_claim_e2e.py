@@ -165,6 +165,6 @@ def test_these_reads_take_the_post_thread_so_they_are_posted_before_their_claim_
     from kvxferd.descriptors import plan_read
     from kvxferd.sidecar.reads import Reads
 
-    m = plan(MODEL, num_blocks=NUM_BLOCKS)
+    m = Rank.plan()
     read = plan_read(m, m, [np.asarray(DIDS[0])], [np.asarray(PIDS[0])])
     assert not Reads.inline(read.total_bytes, read.num_descriptors)

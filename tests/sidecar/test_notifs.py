@@ -1,5 +1,6 @@
-"""The notification poller's pacing: fast right after a claim, backing off with time, and
-fast for the whole claim when READs go over TCP without a progress thread."""
+"""The notification poller's pacing: where a READ needs our UCX progress (TCP, no progress
+thread) fast right after a hold and for the whole claim; elsewhere (CMA, RDMA, a progress
+thread) paced for release latency only; backing off with time since the last notification."""
 
 from __future__ import annotations
 
@@ -28,12 +29,31 @@ def test_with_no_hold_the_poller_polls_slowly():
     assert _poller().delay(_holds(0, 0), time.monotonic()) == notifs.SLOW_S
 
 
-def test_right_after_a_claim_it_polls_fast_then_backs_off_in_proportion():
-    p, now = _poller(), time.monotonic()
-    assert p.delay(_holds(1, 1), now) == notifs.FAST_S
-    later = p.delay(_holds(1, 1), now - 0.4)  # hot since 0.4 s ago: every 0.4/20 s
+def test_over_tcp_right_after_a_hold_it_polls_fast_then_backs_off_in_proportion():
+    p, now = _poller(tcp=True), time.monotonic()
+    assert p.delay(_holds(1, 0), now) == notifs.FAST_S  # the READ may come before its claim
+    later = p.delay(_holds(1, 0), now - 0.4)  # hot since 0.4 s ago: every 0.4/20 s
     assert later == pytest.approx(0.4 / notifs.LATENCY_SHARE, rel=0.05)
-    assert p.delay(_holds(1, 1), now - 100) == notifs.SLOW_S  # capped
+    assert p.delay(_holds(1, 0), now - 100) == notifs.SLOW_S  # capped
+
+
+@pytest.mark.parametrize("tcp,progress_thread", [(False, False), (True, True)])
+def test_where_reads_need_no_progress_from_us_it_is_paced_for_release_latency(tcp, progress_thread):
+    p, now = _poller(tcp=tcp, progress_thread=progress_thread), time.monotonic()
+    assert not p.reads_need_us(now)
+    assert p.delay(_holds(1, 1), now) == notifs.RELEASE_S  # a fresh claim: not 1 kHz
+    assert notifs.RELEASE_S > notifs.FAST_S
+    later = p.delay(_holds(1, 1), now - 0.4)
+    assert later == pytest.approx(0.4 / notifs.LATENCY_SHARE, rel=0.05)
+    assert p.delay(_holds(1, 1), now - 100) == notifs.SLOW_S
+
+
+@pytest.mark.parametrize("tcp,progress_thread,lag", [
+    (True, False, 0.0), (False, False, notifs.RELEASE_S), (True, True, notifs.RELEASE_S),
+])  # fmt: skip
+def test_a_wake_polls_at_once_only_where_the_read_needs_us(tcp, progress_thread, lag):
+    p = _poller(tcp=tcp, progress_thread=progress_thread)
+    assert p.wake_lag(time.monotonic()) == lag
 
 
 @pytest.mark.parametrize("progress_thread", [False, True])

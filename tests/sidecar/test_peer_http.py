@@ -100,8 +100,23 @@ def test_a_connection_the_peer_closed_while_idle_is_replaced_not_an_error():
     [
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n\r\n", b"x"),
         (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{}", b"{}"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2;x=1\r\nab\r\n1\r\nc\r\n"
+            b"0\r\nx-trailer: 1\r\n\r\n",
+            b"abc",
+        ),
+        (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", b"ok"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nContent-Length: 2\r\n\r\nok", b"ok"),
+        (b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok", b"ok"),
     ],
-    ids=["chunked", "until-close"],
+    ids=[
+        "chunked",
+        "until-close",
+        "chunked-ext-trailers",
+        "informational",
+        "same-lengths",
+        "http10",
+    ],
 )
 def test_other_valid_framings_are_read_and_not_kept_when_closed(answer, body):
     async def scenario() -> None:
@@ -122,8 +137,28 @@ def test_other_valid_framings_are_read_and_not_kept_when_closed(answer, body):
         b"HTTP/1.1 200 OK\r\nx: " + b"a" * 2 * MAX_HEAD + b"\r\n\r\n",
         b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (MAX_BODY + 1),
         b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx: a\r\n folded\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nab",
+        b"HTTP/1.1 2000 OK\r\ncontent-length: 0\r\n\r\n",
     ],
-    ids=["not-http", "truncated", "huge-head", "huge-body", "two-lengths"],
+    ids=[
+        "not-http",
+        "truncated",
+        "huge-head",
+        "huge-body",
+        "two-lengths",
+        "negative-length",
+        "folded-header",
+        "unknown-coding",
+        "coding-and-length",
+        "bad-chunk-size",
+        "truncated-chunk",
+        "bad-status",
+    ],
 )
 def test_answers_it_cannot_read_are_errors_and_drop_the_connection(answer):
     async def scenario() -> None:
@@ -151,6 +186,21 @@ def test_a_peer_that_never_answers_times_out_and_an_error_status_is_a_reply():
         reply = await conn.post("/a", b"{}", {})
         assert (reply.status_code, reply.text) == (410, "{}")
         assert conn._idle == []  # noqa: SLF001 - "connection: close" is honoured
+        await server.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_field_that_would_break_the_framing_is_refused_before_any_write():
+    async def scenario() -> None:
+        server, address, seen = await _serve(_ok)
+        conn = _conn(address)
+        with pytest.raises(PeerHTTPError):
+            await conn.post("/a", b"{}", {"Authorization": "x\r\nX-Injected: 1"})
+        with pytest.raises(PeerHTTPError):
+            await conn.post("/a b", b"{}", {})
+        assert conn.opened == 0 and seen == []
+        await conn.aclose()
         await server.stop()
 
     asyncio.run(scenario())

@@ -1,0 +1,48 @@
+"""validate_pull checks a pull's local block ids once for all prefill ranks: in range (or -1)
+and no id twice in a group, a 422 naming the entry (each rank's plan then skips that check)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxferd.errors import BlockIdError
+from kvxferd.sidecar.pull_request import validate_pull
+from kvxferd.wire import PullRequest, Ticket
+from tests.descriptors.layouts import hybrid_spec, render
+
+
+def _request(local_ids: list[list[int]], tp: int = 2) -> PullRequest:
+    remote = [list(range(10, 10 + len(g))) for g in local_ids]
+    tickets = [
+        Ticket(engine_id="e", epoch=1, hold_id=f"h{r}", request_id="r", block_ids=remote,
+               num_tokens=16, expires_at=0.0, tp_rank=r, tp_size=tp, peer="127.0.0.1:1")
+        for r in range(tp)
+    ]  # fmt: skip
+    return PullRequest(tickets=tickets, block_ids=local_ids)
+
+
+def test_valid_ids_and_skipped_ones_pass():
+    m = render(hybrid_spec())
+    validate_pull(_request([[1, -1, 2], [3], [-1]]), m)
+
+
+@pytest.mark.parametrize(
+    ("ids", "field"),
+    [
+        ([[1, 4, 5, 4], [2], [3]], "block_ids[0][3]"),
+        ([[1], [2, -1, 2], [3]], "block_ids[1][2]"),
+    ],
+)
+def test_an_id_repeated_in_a_group_is_refused_naming_the_repeat(ids, field):
+    m = render(hybrid_spec())
+    with pytest.raises(BlockIdError) as exc:
+        validate_pull(_request(ids), m)
+    assert exc.value.field == field
+    assert "repeats" in str(exc.value)
+
+
+def test_an_id_outside_the_pool_is_refused():
+    m = render(hybrid_spec())
+    with pytest.raises(BlockIdError) as exc:
+        validate_pull(_request([[1], [m.num_blocks], [3]]), m)
+    assert exc.value.field == "block_ids[1][0]"
