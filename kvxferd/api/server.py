@@ -105,6 +105,8 @@ def _bind_frames(config: Config) -> socket.socket | None:
 async def serve(config: Config) -> None:
     """Run until SIGINT/SIGTERM; then stop accepting, finish, release everything."""
     ensure_fd_budget(listener_limits(config))
+    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    log.info("event loop: %s", "uvloop" if loop == "uvloop" else "asyncio")
     engine_sock = bind_unix(config.engine_socket)
     try:
         peer_sock = bind_tcp(config.peer_host, config.peer_port)

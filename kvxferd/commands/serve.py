@@ -7,7 +7,7 @@ import logging
 import os
 import tempfile
 
-from kvxferd.aio import EVENT_LOOPS, loop_factory, loop_name
+from kvxferd.aio import EVENT_LOOPS, loop_factory
 from kvxferd.aio import run as run_main
 from kvxferd.config import Config, env_help, load_config, replace
 from kvxferd.errors import ConfigError
@@ -88,7 +88,6 @@ def run(args: argparse.Namespace) -> int:
     from kvxferd.cli import setup_logging
 
     setup_logging(config.log_level)
-    logging.getLogger(__name__).info("event loop: %s", loop_name(config.event_loop))
     run_main(serve(_with_proto_log(config)), config.event_loop)
     return 0
 
