@@ -25,6 +25,7 @@ import sys
 import uvicorn
 from fastapi import FastAPI
 
+from kvxferd.aio import loop_name
 from kvxferd.api.engine import OPERATIONS as ENGINE_OPERATIONS
 from kvxferd.api.engine import engine_app
 from kvxferd.api.fdbudget import ensure_fd_budget
@@ -105,8 +106,7 @@ def _bind_frames(config: Config) -> socket.socket | None:
 async def serve(config: Config) -> None:
     """Run until SIGINT/SIGTERM; then stop accepting, finish, release everything."""
     ensure_fd_budget(listener_limits(config))
-    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
-    log.info("event loop: %s", "uvloop" if loop == "uvloop" else "asyncio")
+    log.info("event loop: %s", loop_name(config.event_loop))
     engine_sock = bind_unix(config.engine_socket)
     try:
         peer_sock = bind_tcp(config.peer_host, config.peer_port)
