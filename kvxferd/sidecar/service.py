@@ -376,7 +376,7 @@ class Sidecar:
             )  # fmt: skip
         finally:
             self._after_release()
-        self.notifs.wake.set()  # the READ comes next: poll notifications fast from now on
+        self.notifs.claimed(holds)  # progress now: the READ may wait on our UCX worker
         return ClaimResponse(
             hold_id=grant.hold_id,
             expires_at=self._wall(grant.expires_at),

@@ -62,3 +62,21 @@ def test_over_tcp_a_claimed_hold_keeps_it_fast_unless_a_progress_thread_runs(pro
     long_ago = time.monotonic() - 100
     assert p.delay(_holds(1, 1), long_ago) == (notifs.SLOW_S if progress_thread else notifs.FAST_S)
     assert p.delay(_holds(1, 0), long_ago) == notifs.SLOW_S  # held, not claimed: no READ yet
+
+
+def test_a_claim_progresses_ucx_at_once_and_releases_what_arrived_before_it():
+    """A reader's READ waits on its previous notification to us until we progress (over CMA
+    too): a claim must not wait for the paced poll."""
+    notified: list[tuple[str, str]] = []
+    released: list[int] = []
+    agent = SimpleNamespace(get_notifs=lambda: {"reader-a": [b"hold-1"]})
+    holds = SimpleNamespace(notify=lambda hold, reader: notified.append((hold, reader)))
+    p = NotificationPoller(
+        agent=agent, holds=lambda: holds, fabric=SimpleNamespace(reads_over_tcp=lambda now: False),
+        metrics=None, progress_thread=False, after_release=lambda: released.append(1),
+    )  # fmt: skip
+    assert not p.wake.is_set()
+    p.claimed(holds)
+    assert notified == [("hold-1", "reader-a")]
+    assert released == [1]
+    assert p.wake.is_set()  # and the poller comes round soon for the READ's own notification
