@@ -1,7 +1,8 @@
-"""Run a process's main coroutine on the chosen event loop: uvloop when it is installed.
+"""The optional speed-ups a daemon runs on: uvloop for the event loop, httptools for HTTP.
 
 Every daemon entry point (``kvxferd serve``, ``sim``, ``proxy``) calls ``run`` instead of
-``asyncio.run``: they start their own loop, so uvicorn's ``loop`` setting never applies.
+``asyncio.run``: they start their own loop, so uvicorn's ``loop`` setting never applies. The
+HTTP listeners pick their parser with :func:`http_parser` (kvxferd.api.limits).
 """
 
 from __future__ import annotations
@@ -56,3 +57,30 @@ def run(main: Coroutine[Any, Any, T], event_loop: str = "auto") -> T:
         raise
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
+
+
+HTTP_PARSERS = ("auto", "httptools", "h11")
+"""Accepted values of ``--http`` / ``KVXFERD_HTTP``: auto = httptools if importable."""
+
+
+def check_http(name: str) -> str:
+    """``name`` if it is one of HTTP_PARSERS (and installed), else ConfigError naming it."""
+    if name not in HTTP_PARSERS:
+        raise ConfigError(f"http: {name!r} is not one of {', '.join(HTTP_PARSERS)}")
+    if name == "httptools" and not _httptools():
+        raise ConfigError("http: httptools is not installed (pip install httptools)")
+    return name
+
+
+def http_parser(name: str = "auto") -> str:
+    """The parser ``name`` selects: ``httptools`` or ``h11``."""
+    check_http(name)
+    return "httptools" if name != "h11" and _httptools() else "h11"
+
+
+def _httptools() -> bool:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return False
+    return True

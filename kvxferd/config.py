@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
 from kvxferd._docstrings import attribute_docs
-from kvxferd.aio import check_event_loop
+from kvxferd.aio import check_event_loop, check_http
 from kvxferd.errors import ConfigError
 
 ENV_PREFIX = "KVXFERD_"
@@ -120,6 +120,9 @@ class Config:
     event_loop: str = "auto"
     """Event loop of the process: ``uvloop``, ``asyncio``, or ``auto`` (uvloop when installed).
     Also read by ``kvxferd sim`` and ``kvxferd proxy`` (and passed on to a sim's sidecars)."""
+    http: str = "auto"
+    """HTTP parser of the engine and peer listeners: ``httptools``, ``h11``, or ``auto``
+    (httptools when installed); the same edge limits apply with either."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.peer_port <= 65535:
@@ -142,6 +145,7 @@ class Config:
         if not self.backends:
             raise ConfigError("backends: at least one NIXL backend is needed")
         check_event_loop(self.event_loop)
+        check_http(self.http)
 
     @property
     def frames_socket(self) -> str:

@@ -64,3 +64,18 @@ def test_sim_and_proxy_take_the_flag_then_the_environment_then_auto():
     assert _from(["--event-loop", "uvloop"], {"KVXFERD_EVENT_LOOP": "asyncio"}) == "uvloop"
     with pytest.raises(ConfigError, match="^KVXFERD_EVENT_LOOP: "):
         _from([], {"KVXFERD_EVENT_LOOP": "tokio"})
+
+
+def test_the_http_parser_is_httptools_when_installed_unless_h11_is_asked_for():
+    pytest.importorskip("httptools")
+    assert aio.http_parser() == aio.http_parser("httptools") == "httptools"
+    assert aio.http_parser("h11") == "h11"
+
+
+def test_without_httptools_auto_falls_back_to_h11_and_httptools_is_a_config_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "httptools", None)  # import httptools -> ImportError
+    assert aio.http_parser("auto") == "h11"
+    with pytest.raises(ConfigError, match="^http: httptools is not installed"):
+        aio.http_parser("httptools")
+    with pytest.raises(ConfigError, match="^http: 'h2' is not one of auto, httptools, h11"):
+        aio.check_http("h2")

@@ -29,6 +29,7 @@ def test_defaults_without_environment():
         ("PEER_TOKEN", "s3cret", "peer_token", "s3cret"),
         ("ENGINE_SOCKET", "/run/k.sock", "engine_socket", "/run/k.sock"),
         ("EVENT_LOOP", "asyncio", "event_loop", "asyncio"),
+        ("HTTP", "h11", "http", "h11"),
     ],
 )
 def test_environment_values_are_parsed_to_the_field_type(var, raw, field, value):
@@ -63,6 +64,7 @@ def test_advertise_host_wins_over_the_bind_host_when_set():
         ({"KVXFERD_DEFAULT_LEASE_S": "900"}, "default_lease_s"),
         ({"KVXFERD_BACKENDS": " , "}, "backends"),
         ({"KVXFERD_EVENT_LOOP": "tokio"}, "event_loop"),
+        ({"KVXFERD_HTTP": "h3"}, "http"),
     ],
 )
 def test_invalid_values_are_config_errors_naming_the_variable(env, named):

@@ -25,7 +25,7 @@ import sys
 import uvicorn
 from fastapi import FastAPI
 
-from kvxferd.aio import loop_name
+from kvxferd.aio import http_parser, loop_name
 from kvxferd.api.engine import OPERATIONS as ENGINE_OPERATIONS
 from kvxferd.api.engine import engine_app
 from kvxferd.api.fdbudget import ensure_fd_budget
@@ -57,6 +57,7 @@ def edge_limits(config: Config, listener: str) -> EdgeLimits:
         max_body_bytes=config.max_body_bytes,
         header_timeout_s=config.header_timeout_s,
         body_timeout_s=config.body_timeout_s,
+        http=config.http,
     )
 
 
@@ -106,7 +107,7 @@ def _bind_frames(config: Config) -> socket.socket | None:
 async def serve(config: Config) -> None:
     """Run until SIGINT/SIGTERM; then stop accepting, finish, release everything."""
     ensure_fd_budget(listener_limits(config))
-    log.info("event loop: %s", loop_name(config.event_loop))
+    log.info("event loop: %s, http: %s", loop_name(config.event_loop), http_parser(config.http))
     engine_sock = bind_unix(config.engine_socket)
     try:
         peer_sock = bind_tcp(config.peer_host, config.peer_port)

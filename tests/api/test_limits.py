@@ -1,6 +1,7 @@
-"""Limits at the edge of a real ``kvxferd serve``: a flood of the peer port leaves the engine
-socket answering; oversized heads and bodies, and bodies or heads that never finish, are answered
-(or dropped) within their bound instead of pinning the server; JSON nested 1,000 deep is a 4xx."""
+"""Limits at the edge of a real ``kvxferd serve``, on both HTTP parsers (httptools, h11): a
+flood of the peer port leaves the engine socket answering; oversized heads and bodies, and bodies
+or heads that never finish, are answered (or dropped) within their bound instead of pinning the
+server; JSON nested 1,000 deep is a 4xx."""
 
 from __future__ import annotations
 
@@ -14,6 +15,12 @@ import msgspec
 import pytest
 
 from kvxferd.api import engine, peer
+from kvxferd.api.limits import (
+    EdgeLimits,
+    LimitedH11Protocol,
+    LimitedHttpToolsProtocol,
+    limited_protocol,
+)
 from kvxferd.client import EngineClient
 from kvxferd.wire import ErrorBody
 from tests.api.conftest import signed
@@ -28,10 +35,12 @@ LIMITS = {
 BOUND_S = 30.0  # how long a test waits for an answer before calling it a hang
 
 
-@pytest.fixture(scope="module")
-def limited(tmp_path_factory) -> Iterator[tuple[str, int]]:
-    """A sidecar with small size limits and 1 s read timeouts: (engine socket, peer port)."""
-    sidecar = start_sidecar(str(tmp_path_factory.mktemp("limits")), "limits", env=LIMITS)
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def limited(request, tmp_path_factory) -> Iterator[tuple[str, int]]:
+    """A sidecar with small size limits and 1 s read timeouts, on either HTTP parser: (engine
+    socket, peer port)."""
+    env = {**LIMITS, "KVXFERD_HTTP": request.param}
+    sidecar = start_sidecar(str(tmp_path_factory.mktemp("limits")), "limits", env=env)
     try:
         yield sidecar.socket, int(sidecar.peer.rpartition(":")[2])
     finally:
@@ -116,6 +125,45 @@ def test_an_oversized_request_head_is_refused(limited, pieces):
                 sock.sendall(head[i : i + step])
         status, _ = _answer(sock)
     assert status in (400, 431)  # h11 while the head arrives (400), the edge once whole (431)
+
+
+def test_a_head_still_arriving_past_the_limit_is_refused_before_it_ends(limited):
+    _, port = limited
+    with _connect(port) as sock:
+        with contextlib.suppress(OSError):  # the server may close while we still send
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            for _ in range(16):  # 8 KiB of headers, never the blank line
+                sock.sendall(b"X-Pad: " + b"a" * 505 + b"\r\n")
+        status, _ = _answer(sock)
+    assert status == 400  # answered at once: not held until the head timeout drops it
+
+
+def test_a_kept_connection_s_next_head_is_bounded_too(limited):
+    _, port = limited
+    with _connect(port) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = b""
+        while not first.endswith(b'{"status":"ok"}'):
+            chunk = sock.recv(65536)
+            assert chunk, "closed after the first answer"
+            first += chunk
+        assert first.startswith(b"HTTP/1.1 200")
+        with contextlib.suppress(OSError):
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            for _ in range(16):
+                sock.sendall(b"X-Pad: " + b"a" * 505 + b"\r\n")
+        status, _ = _answer(sock)
+    assert status == 400
+
+
+def test_each_listener_gets_the_parser_its_setting_names_with_its_own_limits():
+    limits = EdgeLimits(max_connections=7, max_header_bytes=100, max_body_bytes=10,
+                        header_timeout_s=2.0, body_timeout_s=1.0)  # fmt: skip
+    fast = limited_protocol(limits, "peer")
+    assert issubclass(fast, LimitedHttpToolsProtocol)  # httptools is a dependency
+    assert (fast.max_connections, fast.max_header_bytes, fast.header_timeout_s) == (7, 100, 2.0)
+    h11 = limited_protocol(EdgeLimits(**{**limits.__dict__, "http": "h11"}), "peer")
+    assert issubclass(h11, LimitedH11Protocol) and h11.max_connections == 7
 
 
 def test_requests_within_the_limits_are_served(limited):
