@@ -88,16 +88,41 @@ class EdgeLimits:
     """HTTP parser: ``httptools``, ``h11``, or ``auto`` (httptools when installed)."""
 
 
-class LimitedH11Protocol(H11Protocol):
+class _HeadTimer:
+    """The request-head timeout both limited protocols share: armed while a head is awaited,
+    it closes the connection if the head is still not whole when it fires."""
+
+    header_timeout_s = 10.0
+    _head_timer: asyncio.TimerHandle | None = None
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+
+    def _awaiting_head(self) -> bool:
+        raise NotImplementedError
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._awaiting_head() and not self.transport.is_closing():
+            log.debug("closing a connection whose request head did not come in time")
+            self.transport.close()
+
+
+class LimitedH11Protocol(_HeadTimer, H11Protocol):
     """uvicorn's h11 protocol with a per-listener connection cap and a request-head timeout.
 
     Configured through class attributes by :func:`limited_protocol` (uvicorn builds the protocol
     with a fixed signature)."""
 
     max_connections = 1024
-    header_timeout_s = 10.0
-
-    _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.max_connections:
@@ -120,34 +145,20 @@ class LimitedH11Protocol(H11Protocol):
         self._cancel_head_timer()
         super().connection_lost(exc)
 
-    def _arm_head_timer(self) -> None:
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
-
-    def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            log.debug("closing a connection whose request head did not come in time")
-            self.transport.close()
+    def _awaiting_head(self) -> bool:
+        return self.conn.their_state is h11.IDLE
 
 
 if HttpToolsProtocol is not None:
 
-    class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    class LimitedHttpToolsProtocol(_HeadTimer, HttpToolsProtocol):
         """uvicorn's httptools protocol with the connection cap and head timeout of
         :class:`LimitedH11Protocol`, and a bound on a head still arriving: past
         ``max_header_bytes`` buffered for one head, 400 and close (httptools would keep them)."""
 
         max_connections = 1024
-        header_timeout_s = 10.0
         max_header_bytes = 65536
 
-        _head_timer: asyncio.TimerHandle | None = None
         _in_head = True  # from the connection (or a message's first byte) to its whole head
         _head_bytes = 0
 
@@ -195,20 +206,8 @@ if HttpToolsProtocol is not None:
                 return
             super().connection_lost(exc)
 
-        def _arm_head_timer(self) -> None:
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
-
-        def _cancel_head_timer(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_timed_out(self) -> None:
-            self._head_timer = None
-            if self._in_head and not self.transport.is_closing():
-                log.debug("closing a connection whose request head did not come in time")
-                self.transport.close()
+        def _awaiting_head(self) -> bool:
+            return self._in_head
 
 
 def limited_protocol(limits: EdgeLimits, name: str) -> type[asyncio.Protocol]:
