@@ -60,7 +60,8 @@ def run(main: Coroutine[Any, Any, T], event_loop: str = "auto") -> T:
 
 
 HTTP_PARSERS = ("auto", "httptools", "h11")
-"""Accepted values of ``--http`` / ``KVXFERD_HTTP``: auto = httptools if importable."""
+"""Accepted values of ``KVXFERD_HTTP`` (``Config.http``, ``EdgeLimits.http``): auto = httptools
+if importable."""
 
 
 def check_http(name: str) -> str:
