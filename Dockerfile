@@ -37,11 +37,13 @@ ENV PATH=/opt/venv/bin:$PATH \
     UCX_NET_DEVICES=all \
     KVXFERD_PEER_HOST=0.0.0.0 \
     KVXFERD_PEER_PORT=7600 \
+    KVXFERD_PEER_FRAMES_PORT=7601 \
     KVXFERD_ENGINE_SOCKET=/run/kvxferd/engine.sock
 USER 10001:10001
 WORKDIR /tmp
-# 7600: peer API (handshake, claims, heartbeat) plus /metrics, /healthz, /readyz.
-EXPOSE 7600
+# 7600: peer API (handshake, claims, heartbeat) plus /metrics, /healthz, /readyz; 7601: the
+# per-pull peer calls as signed frames.
+EXPOSE 7600 7601
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('KVXFERD_PEER_PORT', '7600'), timeout=2)"]
 ENTRYPOINT ["kvxferd", "serve"]

@@ -46,6 +46,9 @@ class Config:
     """Address the peer API binds to."""
     peer_port: int = 0
     """TCP port of the peer API; 0 picks a free one."""
+    peer_frames_port: int = 0
+    """TCP port of the peer API's framed protocol (signed claims, heartbeats, declines; named in
+    the handshake); 0 picks a free one, -1 = not served (readers then use HTTP)."""
     advertise_host: str = ""
     """Host other sidecars use to reach this one; empty = peer_host."""
     peer_token: str = field(default="", repr=False)
@@ -127,6 +130,10 @@ class Config:
     def __post_init__(self) -> None:
         if not 0 <= self.peer_port <= 65535:
             raise ConfigError(f"peer_port: {self.peer_port} is not a TCP port")
+        if not -1 <= self.peer_frames_port <= 65535:
+            raise ConfigError(
+                f"peer_frames_port: {self.peer_frames_port} is not a TCP port (or -1: off)"
+            )
         for name in ("default_lease_s", "max_lease_s", "claim_s", "pull_deadline_s",
                      "auth_skew_s", "max_claim_s", "released_feed_bytes", *_LIMITS):  # fmt: skip
             if getattr(self, name) <= 0:

@@ -1,11 +1,12 @@
-"""Client connections of the engine API's framed protocol (kvxferd.wire.frames).
+"""Client connections of the framed protocol (kvxferd.wire.frames).
 
 ``FrameConn`` (blocking: a call per connection, a few idle connections kept for the next calls,
-thread-safe) and ``AsyncFrameConn`` (asyncio: many calls in flight on one connection, answers
-matched by id) send a FrameRequest and return the answer's status and body. Every call is
-bounded by its timeout; a connection that failed, timed out or sat idle longer than the server
-keeps it is replaced on the next call; ``close`` releases everything. Failures raise
-:class:`FrameLinkError` (no answer came).
+thread-safe; the engine socket) and ``AsyncFrameConn`` (asyncio: many calls in flight on one
+connection, answers matched by id; the engine socket, or a peer's framed TCP port) send a
+FrameRequest and return the answer's status and body. Every call is bounded by its timeout; a
+connection that failed, timed out or sat idle longer than the server keeps it is replaced on the
+next call; ``close`` releases everything. Failures raise :class:`FrameLinkError` (no answer
+came), :class:`FrameConnectError` when no connection could be opened (so nothing was sent).
 """
 
 from __future__ import annotations
@@ -36,8 +37,15 @@ class FrameLinkError(ConnectionError):
     """No usable answer: the socket is missing, the connection failed, closed or timed out."""
 
 
-def _request(call_id: int, op: str, query: dict[str, Any] | None, body: msgspec.Raw) -> bytes:
-    return frame(_encoder.encode(FrameRequest(id=call_id, op=op, query=query or {}, body=body)))
+class FrameConnectError(FrameLinkError):
+    """No connection could be opened: the request was not sent."""
+
+
+def _request(
+    call_id: int, op: str, query: dict[str, Any] | None, body: msgspec.Raw, auth: str = ""
+) -> bytes:
+    req = FrameRequest(id=call_id, op=op, query=query or {}, body=body, auth=auth)
+    return frame(_encoder.encode(req))
 
 
 def _answer(payload: bytes) -> FrameAnswer:
@@ -203,18 +211,35 @@ class _Link:
 
 class AsyncFrameConn:
     """An asyncio framed connection to one sidecar: calls share one connection, each waiting
-    for its own answer."""
+    for its own answer. ``path`` is a Unix socket, or ``tcp=(host, port)`` a TCP listener (a
+    peer's framed port; opening it is bounded by ``connect_timeout_s``)."""
 
-    def __init__(self, path: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        path: str,
+        timeout_s: float,
+        *,
+        tcp: tuple[str, int] | None = None,
+        connect_timeout_s: float = 1.0,
+    ) -> None:
         self.path = path
         self.timeout_s = timeout_s
+        self.tcp = tcp
+        self.connect_timeout_s = connect_timeout_s
         self._link: _Link | None = None
         self._ids = itertools.count(1)
         self._connecting: asyncio.Lock | None = None
 
-    async def call(self, op: str, query: dict[str, Any] | None, body: msgspec.Raw,
-                   timeout_s: float | None = None) -> tuple[int, msgspec.Raw]:  # fmt: skip
-        """Send one request and wait (at most ``timeout_s``) for its answer."""
+    async def call(
+        self,
+        op: str,
+        query: dict[str, Any] | None,
+        body: msgspec.Raw,
+        timeout_s: float | None = None,
+        auth: str = "",
+    ) -> tuple[int, msgspec.Raw]:
+        """Send one request (``auth``: its signature, for a signed operation) and wait (at most
+        ``timeout_s``) for its answer."""
         call_id = next(self._ids)
         wait_s = self.timeout_s if timeout_s is None else timeout_s
         try:
@@ -223,7 +248,7 @@ class AsyncFrameConn:
                 fut: asyncio.Future[FrameAnswer] = asyncio.get_running_loop().create_future()
                 link.pending[call_id] = fut
                 try:
-                    link.writer.write(_request(call_id, op, query, body))
+                    link.writer.write(_request(call_id, op, query, body, auth))
                     await link.writer.drain()
                     answer = await fut
                 finally:
@@ -258,6 +283,13 @@ class AsyncFrameConn:
                 return link
             if link is not None:
                 link.shut(FrameLinkError("replaced an idle connection"))
-            reader, writer = await asyncio.open_unix_connection(self.path, limit=1 << 16)
+            try:
+                if self.tcp is None:
+                    reader, writer = await asyncio.open_unix_connection(self.path, limit=1 << 16)
+                else:
+                    async with asyncio.timeout(self.connect_timeout_s):
+                        reader, writer = await asyncio.open_connection(*self.tcp, limit=1 << 16)
+            except (OSError, TimeoutError) as exc:
+                raise FrameConnectError(f"cannot connect to {self.path}: {exc!r}") from exc
             self._link = _Link(reader, writer)
             return self._link

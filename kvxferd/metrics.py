@@ -81,6 +81,13 @@ class Metrics:
             "kvxferd_handshakes", "Handshakes by outcome", ["outcome"], registry=r
         )
         self.peers = Gauge("kvxferd_peers", "Remote peers with loaded NIXL metadata", registry=r)
+        self.peer_calls = Counter(
+            "kvxferd_peer_calls",
+            "Calls to prefill sidecars answered, by call (claim, heartbeat, decline) and wire "
+            "(frames: the signed framed port; http)",
+            ["call", "wire"],
+            registry=r,
+        )
         self.peer_epochs = Counter(
             "kvxferd_peer_epochs_seen", "Distinct (engine, epoch) pairs handshaken", registry=r
         )

@@ -137,6 +137,21 @@ closed, and the rest of a frame must arrive within the body timeout. A frame tha
 not MessagePack or not an envelope closes its connection (nothing else). `kvxferd.client` speaks
 frames with `frames=True` (the sim does when the socket exists); HTTP stays for tools.
 
+**Frames on the peer port.** The per-pull peer calls -- `POST /v1/claims`, `/v1/heartbeat` and
+`/v1/decline` -- are also served as frames on a second TCP port (`--peer-frames-port`; 0 picks a
+free one, -1 turns it off; 7601 in the Kubernetes manifests), same envelope and answers. The
+handshake stays on HTTP: its answer's `frames_port` names the port (0: none), and the reader
+sends those calls there from then on, or over HTTP where the port is 0 or cannot be opened
+(then until the next handshake; a connection that failed to open carried nothing, so nothing is
+sent twice). Every such frame carries its signature in the envelope's `auth` field: the value
+HTTP sends as `Authorization`, computed over the method, the op's path and the body's exact
+MessagePack bytes (Trust model); a frame of a signed operation takes no query. A missing, stale,
+replayed, tampered or foreign signature answers 401 (ErrorBody) before the body is decoded; the
+connection stays open. Both peer listeners share one nonce table, so a signature spent on one is
+refused on the other. Limits: the peer port's connection cap (counted apart in the open-file
+budget) and the engine frames' others. A frame costs the prefill sidecar about a third of the
+CPU of the HTTP call (`scripts/bench_pulls.py`, docs/benchmarks.md).
+
 ## Two APIs
 
 Every engine rank runs one sidecar. The **engine API** is served on a Unix socket created 0600:
@@ -165,7 +180,8 @@ for the other sidecars.
    (`POST /v1/handshake`). The result is cached per (engine id, epoch); a ticket with a new
    epoch (the peer restarted) drops the cache and handshakes again. Manifests that cannot
    exchange blocks answer 409 naming every field that disagrees.
-5. **claim**: the decode sidecar presents the ticket (`POST /v1/claims`); the prefill sidecar
+5. **claim**: the decode sidecar presents the ticket (`POST /v1/claims`, as a signed frame where
+   the handshake named a framed port); the prefill sidecar
    checks its HMAC and what it binds (below) and pins the hold until the claim's deadline; the
    answer's `claim_s` says how long the claim lasts. An unknown hold answers 404 and an expired
    one 410, so a decode side never *uses* blocks that may have been reused: the claim is off
@@ -187,10 +203,12 @@ it never ends `done`.
 
 ### The claim off the critical path (why a READ may start before its claim lands)
 
-After the handshake (cached per peer epoch) the decode sidecar sends the claim and posts the
-READ without waiting for the answer, so a pull costs the longer of the two, not their sum (a
-READ large enough to be posted off the event loop is handed to its post thread just before the
-claim is sent; the argument below does not depend on which goes first).
+After the handshake (cached per peer epoch) the decode sidecar posts the READ and sends the
+claim without waiting for its answer, so a pull costs the longer of the two, not their sum. The
+READ goes first: its completion waits for one progress of the prefill's UCX worker (the reader's
+previous notification shares the endpoint), which the claim's arrival gives; posted after the
+claim it could miss that and wait for the prefill's next paced poll. The argument below does not
+depend on which goes first.
 Safe because:
 
 - **A hold the claim finds live was live all along.** A hold lives from its placement until its
@@ -220,8 +238,8 @@ The costs: a failed claim may have read bytes of a released hold into the decode
 which are discarded; and a claim to a frozen prefill may leave a READ in flight (the pull ends
 `unsettled`, naming the claim's failure) where a claim made first would not have posted one.
 Without a UCX progress thread a prefill sidecar progresses its worker from its notification
-poller, which runs fast from a hold's placement (not only from its claim), so a READ that
-arrives before its claim is served promptly.
+poller, paced after a hold's placement, and once more as each claim arrives, so a READ posted
+just before its claim is served when the claim lands.
 
 ## Tickets minted by the scheduler (engine-chosen hold ids)
 
@@ -264,7 +282,8 @@ created 0600, no token). Sidecars trust each other only as holders of the shared
 (`KVXFERD_PEER_TOKEN` or `--peer-token-file`). Everything that reaches a decode engine from
 outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
 
-- **The secret never goes on the wire.** Every peer `/v1` call is signed:
+- **The secret never goes on the wire.** Every peer `/v1` call is signed (a framed one carries
+  the same value in its envelope's `auth`, over the frame's exact body bytes):
   `Authorization: KVX1 key=<key id>, ts=<unix seconds>, nonce=<hex>, sig=<hex>`, where `sig` is
   HMAC-SHA256, under `HMAC-SHA256(secret, "kvxferd peer request v1")`, of the lines `KVX1`,
   the method, the path with its query, the hex SHA-256 of the body, `ts`, `nonce` and the key id,

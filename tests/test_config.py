@@ -60,6 +60,8 @@ def test_advertise_host_wins_over_the_bind_host_when_set():
         ({"KVXFERD_CLAIM_S": "soon"}, "KVXFERD_CLAIM_S"),
         ({"KVXFERD_PROGRESS_THREAD": "maybe"}, "KVXFERD_PROGRESS_THREAD"),
         ({"KVXFERD_PEER_PORT": "70000"}, "peer_port"),
+        ({"KVXFERD_PEER_FRAMES_PORT": "-2"}, "peer_frames_port"),
+        ({"KVXFERD_PEER_FRAMES_PORT": "65536"}, "peer_frames_port"),
         ({"KVXFERD_CLAIM_S": "0"}, "claim_s"),
         ({"KVXFERD_DEFAULT_LEASE_S": "900"}, "default_lease_s"),
         ({"KVXFERD_BACKENDS": " , "}, "backends"),

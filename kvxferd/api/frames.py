@@ -1,9 +1,13 @@
-"""The engine API's framed protocol: length-prefixed MessagePack frames on a Unix socket.
+"""The framed protocol: length-prefixed MessagePack frames on a Unix socket (engine API) or on
+TCP (the peer API's claims, heartbeats and declines).
 
 HTTP costs more than a millisecond a call on the engine socket (h11, uvicorn, starlette, httpx)
 while decoding a body costs microseconds. This listener serves the same route table (OPERATIONS)
 through the same :func:`~kvxferd.api.operations.invoke` as HTTP: same gates, same statuses, same
-ErrorBody with the offending field. Frame and envelope: :mod:`kvxferd.wire.frames`.
+ErrorBody with the offending field. Frame and envelope: :mod:`kvxferd.wire.frames`. A signed
+operation is served only with ``Gate.verify``: its request's ``auth`` is checked (the signature
+over method, path and the body's exact bytes, as over HTTP) before the body is decoded, and a
+missing or wrong one answers 401 like HTTP's.
 
 Limits, like the HTTP edge's: a connection cap (more are closed at once), a frame-size cap, a
 bound on requests in flight per connection (past it the connection is not read until one
@@ -26,6 +30,7 @@ import msgspec
 
 from kvxferd.api.codec import HTTPProblem, Negotiated
 from kvxferd.api.operations import Gate, Operation, failed, invoke
+from kvxferd.errors import AuthError
 from kvxferd.wire import ErrorBody, FrameAnswer, FrameRequest
 from kvxferd.wire.frames import FRAME_HEADER, NIL, frame, frame_length
 
@@ -97,8 +102,8 @@ class FrameServer:
     def __init__(
         self, operations: list[Operation], target: object, gate: Gate, limits: FrameLimits
     ) -> None:
-        if any(op.auth for op in operations if op.handler is not None):
-            raise ValueError("frames carry no signatures: serve only operations without auth")
+        if gate.verify is None and any(op.auth for op in operations if op.handler is not None):
+            raise ValueError("operations need a signature but the gate has no verify check")
         self.router = Router(operations)
         self.target = target
         self.gate = gate
@@ -108,8 +113,9 @@ class FrameServer:
         self._conns: set[asyncio.Task[None]] = set()
 
     async def start(self, sock: socket.socket) -> None:
-        """Start accepting on ``sock`` (bound and listening)."""
-        self._server = await asyncio.start_unix_server(
+        """Start accepting on ``sock`` (bound and listening; Unix or TCP)."""
+        start = asyncio.start_unix_server if sock.family == socket.AF_UNIX else asyncio.start_server
+        self._server = await start(
             self._accept, sock=sock, limit=1 << 16, backlog=self.limits.backlog
         )
 
@@ -223,6 +229,8 @@ async def answer(
     op: Operation | None = None
     try:
         op, params = router.match(req.op)
+        if op.auth:
+            _verify(gate, req)
         result: Any = await invoke(
             op, target, gate, memoryview(req.body), MSGPACK_BOTH, params, req.query
         )
@@ -232,6 +240,20 @@ async def answer(
     except Exception as exc:
         problem = failed(op, exc) if op is not None else _unrouted(exc)
         return problem.status, msgspec.Raw(_encoder.encode(problem.body))
+
+
+def _verify(gate: Gate, req: FrameRequest) -> None:
+    """Admit a request of a signed operation: its signature covers the method, the op's path
+    and the body's exact bytes; queries are not signed, so a signed request has none."""
+    assert gate.verify is not None  # checked by FrameServer
+    if req.query:
+        detail = "a signed operation takes no query parameters"
+        raise HTTPProblem(400, ErrorBody(error="BadRequest", detail=detail, field="query"))
+    method, _, target = req.op.partition(" ")
+    try:
+        gate.verify(method, target, bytes(req.body), req.auth)
+    except AuthError as exc:
+        raise HTTPProblem(401, ErrorBody(error="AuthError", detail=str(exc))) from None
 
 
 def _unrouted(exc: Exception) -> HTTPProblem:

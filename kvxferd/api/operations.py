@@ -99,6 +99,10 @@ class Gate:
 
     ready: Callable[[], bool] = field(default=lambda: True)
     authorize: Callable[[Request], Awaitable[None] | None] | None = None
+    """HTTP: admits a request of an operation with ``auth`` (raises HTTPProblem 401)."""
+    verify: Callable[[str, str, bytes, str], None] | None = None
+    """Frames: ``verify(method, target, body, signature)`` admits a request of an operation with
+    ``auth`` (raises AuthError); the same check as ``authorize``, minus HTTP."""
     msgpack: bool = False
     """Bodies and answers may also be MessagePack (Content-Type / Accept: application/msgpack)."""
 

@@ -38,7 +38,9 @@ DESCRIPTION = (
     "sig=<hex HMAC-SHA256 over method, path and query, sha256(body), ts, nonce and key id>' "
     "(see proto/README.md); a missing, stale, replayed or wrong signature is a 401 before the "
     "body is decoded. /healthz, /readyz and /metrics need none. Every 4xx/5xx body is an "
-    "ErrorBody."
+    "ErrorBody. Claims, heartbeats and declines are also served as signed MessagePack frames on "
+    "the TCP port a handshake answer names (frames_port; proto/README.md, Frames on the peer "
+    "port)."
 )
 READY = {
     "type": "object",
@@ -122,6 +124,10 @@ OPERATIONS = [
               doc="Prometheus metrics of this sidecar (no token)."),
 ]  # fmt: skip
 """The route table: served by peer_app, documented by peer_document."""
+FRAME_OPERATIONS = [op for op in OPERATIONS if op.path in ("/v1/claims", "/v1/heartbeat",
+                                                           "/v1/decline")]  # fmt: skip
+"""What the framed peer listener serves: the per-pull calls (a handshake stays on HTTP: it
+comes first, and its answer names the frames port)."""
 
 
 def signature_check(verifier: RequestVerifier | None) -> Callable[[Request], Awaitable[None]]:
@@ -153,6 +159,19 @@ def peer_verifier(config: Any) -> RequestVerifier | None:
     return RequestVerifier(keys, skew_s=getattr(config, "auth_skew_s", 30.0))
 
 
+def peer_gate(sidecar: Sidecar) -> Gate:
+    """The peer API's gate, for HTTP and frames alike: one verifier, so a nonce seen on either
+    listener is refused on both."""
+    verifier = peer_verifier(sidecar.config)
+
+    def verify(method: str, target: str, body: bytes, signature: str) -> None:
+        if verifier is None:
+            raise AuthError("no peer secret is configured: nobody is admitted")
+        verifier.verify(method, target, body, signature)
+
+    return Gate(ready=lambda: sidecar.ready, authorize=signature_check(verifier), verify=verify)
+
+
 def peer_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document of the peer API."""
     return document(TITLE, DESCRIPTION, OPERATIONS)
@@ -168,13 +187,11 @@ class _Asgi:
         await self.app(scope, receive, send)
 
 
-def peer_app(sidecar: Sidecar) -> FastAPI:
-    """The FastAPI app other sidecars talk to; /metrics, /healthz and /readyz need no token."""
+def peer_app(sidecar: Sidecar, gate: Gate | None = None) -> FastAPI:
+    """The FastAPI app other sidecars talk to; /metrics, /healthz and /readyz need no token.
+    ``gate``: the one the framed listener shares (default: a new :func:`peer_gate`)."""
     app = FastAPI(title=TITLE, version="1", default_response_class=StructResponse)
-    gate = Gate(
-        ready=lambda: sidecar.ready, authorize=signature_check(peer_verifier(sidecar.config))
-    )
-    mount(app, OPERATIONS, sidecar, gate)
+    mount(app, OPERATIONS, sidecar, gate or peer_gate(sidecar))
     app.router.routes.append(
         Route("/metrics", _Asgi(make_asgi_app(sidecar.metrics.registry)), methods=["GET"])
     )

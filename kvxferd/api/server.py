@@ -1,5 +1,6 @@
 """Run a sidecar: the engine API on a Unix socket (0600) and the peer API on TCP, one loop; the
-engine API also as frames on a second Unix socket (0600, kvxferd.api.frames) unless it is off.
+engine API also as frames on a second Unix socket (0600, kvxferd.api.frames) and the peer API's
+per-pull calls as signed frames on a second TCP port, unless they are off.
 
 Each API is its own uvicorn server with its own connection cap; both bound header and body sizes
 and read times (kvxferd.api.limits).
@@ -7,7 +8,7 @@ and read times (kvxferd.api.limits).
 We bind both sockets ourselves (uvicorn would make the Unix socket 0666) and handle SIGINT and
 SIGTERM once for both servers. When both listen, one line goes to stdout:
 ``kvxferd ready engine_socket=PATH peer=HOST:PORT engine_id=ID epoch=N`` (and
-``frames_socket=PATH`` when the framed engine API is served).
+``frames_socket=PATH`` / ``peer_frames=HOST:PORT`` when the framed APIs are served).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from kvxferd.api.fdbudget import ensure_fd_budget
 from kvxferd.api.frames import FrameLimits, FrameServer
 from kvxferd.api.limits import BodyLimit, EdgeLimits, uvicorn_limits
 from kvxferd.api.operations import Gate
-from kvxferd.api.peer import peer_app
+from kvxferd.api.peer import FRAME_OPERATIONS as PEER_FRAME_OPERATIONS
+from kvxferd.api.peer import peer_app, peer_gate
 from kvxferd.api.sockets import bind_tcp, bind_unix
 from kvxferd.config import HTTP_SERVER_KEEPALIVE_S, Config
 from kvxferd.sidecar.service import Sidecar
@@ -85,23 +87,40 @@ def frame_limits(config: Config) -> FrameLimits:
     )
 
 
+def peer_frame_limits(config: Config) -> FrameLimits:
+    """The limits of the framed peer listener: the peer port's connection cap, sizes and
+    timeouts."""
+    return dataclasses.replace(frame_limits(config), max_connections=config.peer_max_connections)
+
+
 def listener_limits(config: Config) -> list[EdgeLimits]:
     """Every listener's connection cap and backlog, for the open-file budget."""
     listeners = [edge_limits(config, "engine"), edge_limits(config, "peer")]
-    if config.frames_socket:
-        frames = frame_limits(config)
-        cap = frames.max_connections
-        listeners.append(
-            dataclasses.replace(listeners[0], max_connections=cap, backlog=frames.backlog)
-        )
+    framed = [(config.frames_socket, frame_limits(config), 0),
+              (config.peer_frames_port >= 0, peer_frame_limits(config), 1)]  # fmt: skip
+    for served, frames, like in framed:
+        if served:
+            listeners.append(dataclasses.replace(
+                listeners[like], max_connections=frames.max_connections, backlog=frames.backlog
+            ))  # fmt: skip
     return listeners
 
 
-def _bind_frames(config: Config) -> socket.socket | None:
-    """The frames listener's 0600 socket, or None when it is off."""
-    if not config.frames_socket:
-        return None
-    return bind_unix(config.frames_socket, field="engine_frames_socket")
+def _bind_frames(config: Config) -> tuple[socket.socket | None, socket.socket | None]:
+    """The framed listeners' sockets (engine: Unix, 0600; peer: TCP on the peer host), None for
+    one that is off."""
+    engine = peer = None
+    try:
+        if config.frames_socket:
+            engine = bind_unix(config.frames_socket, field="engine_frames_socket")
+        if config.peer_frames_port >= 0:
+            peer = bind_tcp(config.peer_host, config.peer_frames_port, field="peer_frames_port")
+    except BaseException:
+        if engine is not None:
+            engine.close()
+            os.unlink(config.frames_socket)
+        raise
+    return engine, peer
 
 
 async def serve(config: Config) -> None:
@@ -116,7 +135,7 @@ async def serve(config: Config) -> None:
         os.unlink(config.engine_socket)
         raise
     try:
-        frames_sock = _bind_frames(config)
+        frames_sock, peer_frames_sock = _bind_frames(config)
     except BaseException:
         engine_sock.close()
         peer_sock.close()
@@ -125,9 +144,12 @@ async def serve(config: Config) -> None:
     sidecar = Sidecar(config)
     port = peer_sock.getsockname()[1]
     sidecar.peer_address = f"{config.advertised_host}:{port}"
+    if peer_frames_sock is not None:
+        sidecar.frames_port = peer_frames_sock.getsockname()[1]
+    gate = peer_gate(sidecar)  # one verifier (nonces) for both peer listeners
     servers = [
         (_Server(_uvicorn_config(config, engine_app(sidecar), "engine")), engine_sock),
-        (_Server(_uvicorn_config(config, peer_app(sidecar), "peer")), peer_sock),
+        (_Server(_uvicorn_config(config, peer_app(sidecar, gate), "peer")), peer_sock),
     ]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -135,12 +157,18 @@ async def serve(config: Config) -> None:
         loop.add_signal_handler(sig, stop.set)
     sidecar.start()
     frames: FrameServer | None = None
+    peer_frames: FrameServer | None = None
     tasks = [asyncio.create_task(srv.serve(sockets=[sock])) for srv, sock in servers]
     try:
         if frames_sock is not None:
-            gate = Gate(ready=lambda: sidecar.ready)
-            frames = FrameServer(ENGINE_OPERATIONS, sidecar, gate, frame_limits(config))
+            engine_gate = Gate(ready=lambda: sidecar.ready)
+            frames = FrameServer(ENGINE_OPERATIONS, sidecar, engine_gate, frame_limits(config))
             await frames.start(frames_sock)
+        if peer_frames_sock is not None:
+            peer_frames = FrameServer(
+                PEER_FRAME_OPERATIONS, sidecar, gate, peer_frame_limits(config)
+            )
+            await peer_frames.start(peer_frames_sock)
         while not all(srv.started for srv, _ in servers):
             if any(t.done() for t in tasks):
                 break
@@ -152,7 +180,12 @@ async def serve(config: Config) -> None:
         print(
             f"kvxferd ready engine_socket={config.engine_socket} peer={sidecar.peer_address} "
             f"engine_id={sidecar.engine_id} epoch={sidecar.epoch}"
-            + (f" frames_socket={config.frames_socket}" if frames is not None else ""),
+            + (f" frames_socket={config.frames_socket}" if frames is not None else "")
+            + (
+                f" peer_frames={config.advertised_host}:{sidecar.frames_port}"
+                if peer_frames is not None
+                else ""
+            ),  # fmt: skip
             flush=True,
         )
         waiter = asyncio.create_task(stop.wait())
@@ -161,8 +194,11 @@ async def serve(config: Config) -> None:
     finally:
         for srv, _ in servers:
             srv.should_exit = True
-        if frames is not None:
-            await frames.close()
+        for framed in (frames, peer_frames):
+            if framed is not None:
+                await framed.close()
+        if peer_frames_sock is not None:
+            peer_frames_sock.close()
         if frames_sock is not None:
             frames_sock.close()
             with contextlib.suppress(FileNotFoundError):

@@ -7,7 +7,7 @@ import logging
 import os
 import tempfile
 
-from kvxferd.aio import EVENT_LOOPS, loop_factory
+from kvxferd.aio import EVENT_LOOPS, HTTP_PARSERS, loop_factory
 from kvxferd.aio import run as run_main
 from kvxferd.config import Config, env_help, load_config, replace
 from kvxferd.errors import ConfigError
@@ -22,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "serve",
         help="run the sidecar of one engine rank",
         description="Run a kvxferd sidecar: the engine API on a Unix socket (0600) and the peer "
-        "API (handshake, claims, /metrics, /healthz, /readyz) on TCP.",
+        "API (handshake, claims, /metrics, /healthz, /readyz) on TCP; claims also as signed "
+        "frames on a second TCP port.",
         epilog="Every setting can also come from the environment (flags win):\n" + env_lines,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -31,6 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="framed engine API socket (default: engine socket + .frames)")  # fmt: skip
     p.add_argument("--peer-host", metavar="HOST", help="peer API bind address")
     p.add_argument("--peer-port", type=int, metavar="N", help="peer API TCP port (0 = any free)")
+    p.add_argument("--peer-frames-port", type=int, metavar="N",
+                   help="framed peer API TCP port for claims (0 = any free, -1 = off)")  # fmt: skip
     p.add_argument("--advertise-host", metavar="HOST", help="host other sidecars use for us")
     p.add_argument(
         "--peer-token-file",
@@ -71,6 +74,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="refuse readiness unless READs can use RDMA (never TCP)")  # fmt: skip
     p.add_argument("--event-loop", choices=EVENT_LOOPS, dest="event_loop",
                    help="asyncio, uvloop, or auto: uvloop when installed (default)")  # fmt: skip
+    p.add_argument("--http", choices=HTTP_PARSERS, dest="http",
+                   help="HTTP parser of the listeners: httptools, h11, or auto: httptools when "
+                        "installed (default)")  # fmt: skip
     p.add_argument("--ucx-proto-log", metavar="PATH|off", dest="ucx_proto_log",
                    help="file UCX logs its protocol choices to (default: a temp file)")  # fmt: skip
     p.set_defaults(func=run)
@@ -124,6 +130,7 @@ def _load(args: argparse.Namespace) -> Config:
             "engine_frames_socket": args.engine_frames_socket,
             "peer_host": args.peer_host,
             "peer_port": args.peer_port,
+            "peer_frames_port": args.peer_frames_port,
             "advertise_host": args.advertise_host,
             "peer_token": token,
             "peer_token_previous": previous,
@@ -144,6 +151,7 @@ def _load(args: argparse.Namespace) -> Config:
             "prepped_reads": args.prepped_reads,
             "ucx_proto_log": args.ucx_proto_log,
             "event_loop": args.event_loop,
+            "http": args.http,
         }
     )
 

@@ -14,15 +14,17 @@ took ``t`` by at most ~t/20, and a live hold whose reader never reads costs 20 p
 ``get_notifs`` is called on the loop: it releases the GIL and costs microseconds, a thread hop
 costs more.
 
-A claim progresses UCX at once (:meth:`NotificationPoller.claimed`), whatever the pacing: a
-reader's READ from us does not complete while its notification of the previous pull to us is
-unprogressed on our side (the notification is a UCX active message over TCP; the reader's next
-READ on that endpoint waits behind it, even where the READ itself is a CMA copy). Measured
-(a 1 MiB READ after a standalone notification, target polling every 2 ms): 2.2 ms
-median, 3 s with the target paused; 0.2 ms without the notification before it. Back to back
-pulls at 1 in flight took 7.7 ms in the sidecar with the 5 ms pacing alone, 2.5 ms with the
-claim's poll (``scripts/bench_pulls.py --inflight 1``). The claim reaches us just as the READ is
-posted, so the READ no longer waits for our next paced poll.
+A claim progresses UCX at once (:meth:`NotificationPoller.claimed`), whatever the pacing: the
+first READ a reader posts after its last notification to us (a UCX active message over TCP)
+completes only once we progress after it was posted, even where the READ itself is a CMA copy;
+the READ after that one needs nothing from us. Measured with bare agents (a 1 MiB READ after a
+standalone notification, target polling every 2 ms): 2.2 ms median, 3 s with the target paused;
+0.2 ms without a notification before it; with the target paused 0.5 s after it had progressed
+the notification: 500 ms, then 0.4 ms for the next READ. Back to back pulls at 1 in flight took
+7.7 ms in the sidecar with the 5 ms pacing alone, 2.5 ms with the claim's poll
+(``scripts/bench_pulls.py --inflight 1``). The reader posts its READ just before it sends the
+claim, so the claim's poll finds the READ's request waiting (posted after the claim, p90 of the
+READ's completion at concurrency 1 was 5 ms: one paced poll; ``scripts/bench_control.py``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ client in use is never closed under its caller.
 
 The client is kvxferd.sidecar.peer_http's (HTTP/1.1 over asyncio streams, no pool scan): even
 per-peer httpx pools cost about a millisecond of CPU per claim, and a decode rank reading from 8
-prefill ranks makes 8 claims per pull (scripts/bench_pulls.py, issue 11).
+prefill ranks makes 8 claims per pull (scripts/bench_pulls.py, issue 11). Where the peer serves
+the framed peer API, the same entry also keeps one framed connection to it (every call in flight
+shares it), closed with the entry.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from kvxferd.sidecar.peer_http import PeerConnection
+from kvxferd.frameconn import AsyncFrameConn
+from kvxferd.sidecar.peer_http import PeerConnection, split_address
 
 MAX_CLIENTS = 64
 """Peer clients kept at once (a decode rank reads from a few prefill ranks at a time)."""
@@ -28,6 +31,8 @@ IDLE_S = 120.0
 """A peer client unused this long is closed."""
 CONNECTIONS_PER_PEER = 32
 """Connections one peer client may open (claims of concurrent pulls to one prefill rank)."""
+CONNECT_S = 1.0
+"""Longest wait to open a framed connection (a firewalled port: then HTTP is used)."""
 
 
 @dataclass
@@ -36,6 +41,12 @@ class _Entry:
     used_at: float
     users: int = 0
     closing: bool = field(default=False)
+    frames: AsyncFrameConn | None = None
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        if self.frames is not None:
+            await self.frames.aclose()
 
 
 class PeerClients:
@@ -70,6 +81,27 @@ class PeerClients:
     @asynccontextmanager
     async def client(self, address: str) -> AsyncIterator[PeerConnection]:
         """The client of ``address`` for the duration of one call."""
+        async with self._use(address) as entry:
+            yield entry.client
+
+    @asynccontextmanager
+    async def framed(self, address: str, port: int) -> AsyncIterator[AsyncFrameConn]:
+        """The framed connection to ``address``'s host at ``port`` for the duration of one
+        call (opened on first use; replaced if the peer now names another port)."""
+        async with self._use(address) as entry:
+            host, _ = split_address(address)
+            if entry.frames is not None and entry.frames.tcp != (host, port):
+                await entry.frames.aclose()
+                entry.frames = None
+            if entry.frames is None:
+                entry.frames = AsyncFrameConn(
+                    f"{host}:{port}", self._timeout, tcp=(host, port),
+                    connect_timeout_s=min(self._timeout, CONNECT_S),
+                )  # fmt: skip
+            yield entry.frames
+
+    @asynccontextmanager
+    async def _use(self, address: str) -> AsyncIterator[_Entry]:
         now = self._clock()
         entry = self._entries.get(address)
         if entry is None:
@@ -80,12 +112,12 @@ class PeerClients:
         entry.used_at = now
         try:
             await self._trim(now)
-            yield entry.client
+            yield entry
         finally:
             entry.users -= 1
             entry.used_at = self._clock()
             if entry.closing and entry.users == 0:
-                await entry.client.aclose()
+                await entry.aclose()
 
     async def _trim(self, now: float) -> None:
         """Close idle clients beyond the bound, or unused for ``idle_s`` (oldest first)."""
@@ -96,7 +128,7 @@ class PeerClients:
             if entry.users:
                 continue  # in use: closed later
             del self._entries[address]
-            await entry.client.aclose()
+            await entry.aclose()
 
     async def close(self) -> None:
         """Close every client (those in use close when their call ends)."""
@@ -105,4 +137,4 @@ class PeerClients:
             if entry.users:
                 entry.closing = True
             else:
-                await entry.client.aclose()
+                await entry.aclose()

@@ -68,7 +68,8 @@ class _Conn:
         self.writer.close()
 
 
-def _split(address: str) -> tuple[str, int]:
+def split_address(address: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``host:port`` or ``[v6]:port`` peer address."""
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
 
@@ -117,7 +118,7 @@ class PeerConnection:
         return None
 
     async def _open(self) -> _Conn:
-        host, port = _split(self.address)
+        host, port = split_address(self.address)
         reader, writer = await asyncio.open_connection(host, port, limit=MAX_HEAD)
         self.opened += 1
         return _Conn(reader, writer)

@@ -7,6 +7,12 @@ dropped (its NIXL remote agent removed) and the next pull handshakes again.
 Every call is signed (kvxferd.sidecar.signing): the secret never goes on the wire, so a ticket
 naming a stranger's address (which the caller refuses anyway, having checked its MAC first)
 could at most show the stranger a signature valid for one request, for one window.
+
+Claims, heartbeats and declines go as signed frames to the port the peer's handshake names
+(``frames_port``; a frame costs the peer about a third of an HTTP request), and over HTTP to a
+peer that names none. A framed port that cannot be connected to (a firewall, ``-1``) sends that
+peer's calls to HTTP until it is handshaken again; nothing was sent on it, so nothing is
+repeated.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -31,6 +37,7 @@ from kvxferd.errors import (
     IncompatiblePeerError,
     UnknownHoldError,
 )
+from kvxferd.frameconn import FrameConnectError
 from kvxferd.sidecar.peer_clients import PeerClients
 from kvxferd.sidecar.peer_http import Reply
 from kvxferd.sidecar.signing import PeerKeys, sign_request
@@ -62,6 +69,8 @@ class Peer:
     agent_name: str
     manifest: Manifest
     region_bases: tuple[int, ...]
+    frames_port: int = 0
+    """The peer's framed peer API port on its host (0: none)."""
 
 
 class PeerTable:
@@ -81,6 +90,7 @@ class PeerTable:
         keys: PeerKeys | None,
         timeout_s: float,
         on_change: Callable[[int, bool], None] | None = None,
+        on_call: Callable[[str, str], None] | None = None,
     ) -> None:
         self._local_handshake = local_handshake
         self._add_agent = add_agent
@@ -89,7 +99,9 @@ class PeerTable:
         self._keys = keys
         self._timeout = timeout_s
         self._on_change = on_change
+        self._on_call = on_call
         self._peers: dict[str, Peer] = {}
+        self._http_only: set[str] = set()  # cached peers whose framed port could not be opened
         # address -> (lock, callers using it); an entry lives only while someone uses it.
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._epochs: OrderedDict[tuple[str, int], None] = OrderedDict()
@@ -126,6 +138,7 @@ class PeerTable:
 
     def _adopt(self, address: str, peer: Peer) -> None:
         self._peers[address] = peer
+        self._http_only.discard(address)
         pair = (peer.engine_id, peer.epoch)
         new = pair not in self._epochs
         self._epochs[pair] = None
@@ -201,22 +214,53 @@ class PeerTable:
     async def _call(
         self, address: str, path: str, request: object, answer: type[T], what: str
     ) -> T:
-        """POST ``request`` to a peer and decode its answer; errors become our exceptions."""
+        """POST ``request`` to a peer (framed where it serves frames) and decode its answer;
+        errors become our exceptions."""
+        peer = self._peers.get(address)
+        port = peer.frames_port if peer is not None and address not in self._http_only else 0
         try:
             async with asyncio.timeout(self._timeout):
-                resp = await self._post(address, path, msgspec.json.encode(request))
+                if port:
+                    try:
+                        status, content = await self._framed(address, port, path, request)
+                        wire = "frames"
+                    except FrameConnectError as exc:
+                        log.warning("peer %s: framed port %d unusable (%s); calling it over HTTP "
+                                    "until the next handshake", address, port, exc)  # fmt: skip
+                        if self._peers.get(address) is peer:
+                            self._http_only.add(address)
+                        port = 0
+                if not port:
+                    resp = await self._post(address, path, msgspec.json.encode(request))
+                    status, content, wire = resp.status_code, resp.content, "http"
         except (OSError, TimeoutError) as exc:
             raise HandshakeError(f"peer {address} unreachable for {what}: {exc!r}") from exc
-        if resp.status_code != 200:
-            raise _remote_error(address, resp)
+        if self._on_call is not None:
+            self._on_call(what, wire)
+        codec = msgspec.msgpack if wire == "frames" else msgspec.json
+        if status != 200:
+            raise _remote_error(address, status, content, codec)
         try:
-            return msgspec.json.decode(resp.content, type=answer)
+            return codec.decode(content, type=answer)
         except msgspec.MsgspecError as exc:
             raise HandshakeError(f"peer {address} answered an invalid {what}: {exc}") from exc
+
+    async def _framed(
+        self, address: str, port: int, path: str, request: object
+    ) -> tuple[int, bytes]:
+        """One signed framed call: the signature covers these exact MessagePack bytes."""
+        if self._keys is None:
+            raise ConfigError("peer_token: no peer secret configured; cannot sign peer calls")
+        body = msgspec.msgpack.encode(request)
+        auth = sign_request(self._keys, "POST", path, body)
+        async with self._clients.framed(address, port) as conn:
+            status, raw = await conn.call(f"POST {path}", None, msgspec.Raw(body), auth=auth)
+        return status, bytes(raw)
 
     async def forget(self, address: str) -> None:
         """Drop a cached peer and its NIXL remote agent (peer died or restarted)."""
         peer = self._peers.pop(address, None)
+        self._http_only.discard(address)
         if peer is not None:
             if self._on_change is not None:
                 self._on_change(len(self._peers), False)
@@ -242,7 +286,7 @@ class PeerTable:
             raise HandshakeError(f"peer {address} unreachable: {exc!r}") from exc
         if resp.status_code != 200:
             self._count(f"http_{resp.status_code}")
-            raise _remote_error(address, resp)
+            raise _remote_error(address, resp.status_code, resp.content, msgspec.json)
         try:
             theirs = msgspec.json.decode(resp.content, type=Handshake)
         except msgspec.ValidationError as exc:
@@ -266,31 +310,33 @@ class PeerTable:
             agent_name=agent_name,
             manifest=theirs.manifest,
             region_bases=tuple(theirs.region_bases),
+            frames_port=theirs.frames_port if 0 < theirs.frames_port <= 65535 else 0,
         )
 
     def _count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
 
-def _remote_error(address: str, resp: Reply) -> Exception:
-    """Translate a peer's error answer into our exception type."""
+def _remote_error(address: str, status: int, content: bytes, codec: Any) -> Exception:
+    """Translate a peer's error answer (an ErrorBody in ``codec``: JSON over HTTP, MessagePack
+    over frames) into our exception type."""
     error = body_field = ""
     try:
-        body = msgspec.json.decode(resp.content, type=ErrorBody)
+        body = codec.decode(content, type=ErrorBody)
         detail, error, body_field = body.detail, body.error, body.field
     except msgspec.MsgspecError:
-        detail = resp.text[:200]
-    if resp.status_code == UnknownHoldError.status:
+        detail = content[:200].decode(errors="replace")
+    if status == UnknownHoldError.status:
         return UnknownHoldError(f"peer {address}: {detail}")
-    if resp.status_code == HoldExpiredError.status:
+    if status == HoldExpiredError.status:
         return HoldExpiredError(f"peer {address}: {detail}")
-    if resp.status_code == AuthError.status:
+    if status == AuthError.status:
         return AuthError(f"peer {address} refused our signature: {detail}")
-    if resp.status_code == ClaimMismatchError.status and error == "ClaimMismatchError":
+    if status == ClaimMismatchError.status and error == "ClaimMismatchError":
         return ClaimMismatchError(body_field, f"peer {address}: {detail}")
-    if resp.status_code == IncompatiblePeerError.status and error == "IncompatiblePeerError":
+    if status == IncompatiblePeerError.status and error == "IncompatiblePeerError":
         # The peer compared manifests and names the disagreeing fields (comma-separated).
         exc = IncompatiblePeerError({f: (None, None) for f in body_field.split(",") if f})
         exc.args = (f"peer {address} finds us incompatible: {detail}",)
         return exc
-    return HandshakeError(f"peer {address} answered {resp.status_code}: {detail}")
+    return HandshakeError(f"peer {address} answered {status}: {detail}")

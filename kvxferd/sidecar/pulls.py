@@ -274,7 +274,7 @@ class PullRunner:
     ) -> None:
         """Handshake with one prefill rank, then claim its hold and read from it concurrently.
 
-        The READ is posted while the claim is in flight (a large one just before it is sent).
+        The READ is posted just before the claim is sent, so it runs while the claim is in flight.
         This rank succeeds only if the claim does and the READ completed by the claim's end
         (and the pull's deadline); only then is the hold notified. A failed claim fails the
         rank once the READ settled (it can no longer write).
@@ -293,15 +293,15 @@ class PullRunner:
             local_checked=pull.validated is local,  # checked once per pull, not per rank
         )  # fmt: skip
         read: asyncio.Task[float] | None = None
-        if plan.num_descriptors and not self.reads.inline(plan.total_bytes, plan.num_descriptors):
-            # A large READ goes out first: its post thread builds and posts it while the loop
-            # sends the claim. A small one is posted on the loop, after the claim left.
+        if plan.num_descriptors:
+            # The READ goes out before the claim: its completion needs one progress of the
+            # prefill's UCX worker (our last notification to it is on that endpoint), which the
+            # claim's arrival gives (NotificationPoller.claimed). Posted after the claim, it
+            # could miss that poll and wait for the next paced one (p90 5 ms at concurrency 1,
+            # scripts/bench_control.py). A large READ is posted by its thread meanwhile.
             read = asyncio.create_task(self._transfer(pull, peer, plan, deadline))
         claim = asyncio.create_task(self._claim(ticket, deadline, local))
         try:
-            if plan.num_descriptors and read is None:
-                await asyncio.sleep(0)  # let the claim reach the wire before we post
-                read = asyncio.create_task(self._transfer(pull, peer, plan, deadline))
             claim_end = await claim  # its error (404, 410, 401, 409, timeout) fails the rank
             pull.advance(PullState.TRANSFERRING)
             if read is not None:

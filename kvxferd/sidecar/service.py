@@ -86,6 +86,7 @@ class Sidecar:
         self.epoch = time.time_ns()
         self.engine_id = config.engine_id or f"kvx-{secrets.token_hex(4)}"
         self.peer_address = ""  # host:port, set once the peer server is bound
+        self.frames_port = 0  # the framed peer listener's port (0: not served), named in handshakes
         self.agent = Agent(
             f"{self.engine_id}-{self.epoch}",
             backends=list(config.backends),
@@ -107,6 +108,7 @@ class Sidecar:
             keys=self.keys,
             timeout_s=config.handshake_timeout_s,
             on_change=self._peers_changed,
+            on_call=lambda call, wire: self.metrics.peer_calls.labels(call, wire).inc(),
         )
         self.pulls = PullRunner(
             local=self._local_layout, transport=self.agent, peers=self.peers, metrics=self.metrics,
@@ -502,6 +504,7 @@ class Sidecar:
             agent_metadata=self.agent.get_agent_metadata(),
             manifest=manifest,
             region_bases=self._bases,
+            frames_port=self.frames_port,
         )
 
     def _compare(self, remote: Manifest) -> dict[str, tuple[object, object]]:

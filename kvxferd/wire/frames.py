@@ -1,11 +1,12 @@
-"""The engine API's framed protocol: the same operations as HTTP, on a second Unix socket.
+"""The framed protocol: the same operations as HTTP, on a second socket (engine: Unix; peer: TCP).
 
 A frame is a 4-byte big-endian length followed by that many bytes of one MessagePack envelope.
 A :class:`FrameRequest` names the operation as ``"METHOD /path"`` (the route table's method and
 a concrete path, ``GET /v1/pulls/<id>``) and carries the body as the MessagePack of the same
 Struct the HTTP route takes; the :class:`FrameAnswer` carries the same HTTP status and the same
 answer Struct or ErrorBody. Requests on one connection carry distinct ids; answers come in any
-order, each with its request's id.
+order, each with its request's id. On the peer listener a request of a signed operation carries
+its signature in ``auth`` (proto/README.md, "Signatures").
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ NIL = msgspec.Raw(b"\xc0")
 
 
 class FrameRequest(msgspec.Struct, frozen=True):
-    """One engine API call over frames."""
+    """One call over frames (engine or peer API)."""
 
     id: int
     """Chosen by the client, distinct among its requests in flight on the connection."""
@@ -31,6 +32,9 @@ class FrameRequest(msgspec.Struct, frozen=True):
     """Query parameters of the operation (strings or their typed values)."""
     body: msgspec.Raw = NIL
     """MessagePack of the operation's request Struct (nil when it takes none)."""
+    auth: str = ""
+    """A signed operation's signature: the value HTTP sends as ``Authorization`` (``KVX1 ...``),
+    computed over the method, the op's path and these exact body bytes; empty otherwise."""
 
 
 class FrameAnswer(msgspec.Struct, frozen=True):

@@ -27,6 +27,9 @@ class Handshake(msgspec.Struct, frozen=True, kw_only=True):
     """Sender's KV manifest."""
     region_bases: list[int]
     """Base address of each manifest region in the sender's process (for READ descriptors)."""
+    frames_port: int = 0
+    """TCP port of the sender's framed peer API on its peer host (claims, heartbeats, declines);
+    0: none, call it over HTTP."""
 
 
 class ClaimRequest(msgspec.Struct, frozen=True, kw_only=True):

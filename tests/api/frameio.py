@@ -15,7 +15,7 @@ import msgspec
 
 from kvxferd.api.engine import OPERATIONS
 from kvxferd.api.frames import FrameLimits, FrameServer
-from kvxferd.api.operations import Gate
+from kvxferd.api.operations import Gate, Operation
 from kvxferd.api.sockets import bind_unix
 from kvxferd.wire import FrameAnswer, FrameRequest
 from kvxferd.wire.frames import NIL, frame, frame_length
@@ -89,13 +89,16 @@ def http_call(socket_path: str, op: str, body: Any = None, query: dict | None = 
 
 
 @contextmanager
-def served(path: str, target: object, limits: FrameLimits, ready: bool = True
-           ) -> Iterator[FrameServer]:  # fmt: skip
-    """The engine route table on ``target`` served as frames at ``path`` by a loop on its own
-    thread, until the block ends."""
+def served(
+    path: str, target: object, limits: FrameLimits, ready: bool = True, *,
+    operations: list[Operation] = OPERATIONS, gate: Gate | None = None,
+    sock: socket.socket | None = None,
+) -> Iterator[FrameServer]:  # fmt: skip
+    """The engine route table (or ``operations``) on ``target`` served as frames at ``path`` (or
+    on the bound ``sock``, e.g. TCP) by a loop on its own thread, until the block ends."""
     loop = asyncio.new_event_loop()
-    server = FrameServer(OPERATIONS, target, Gate(ready=lambda: ready), limits)
-    sock = bind_unix(path)
+    server = FrameServer(operations, target, gate or Gate(ready=lambda: ready), limits)
+    sock = sock or bind_unix(path)
     started = threading.Event()
 
     def run() -> None:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kvxferd.api.engine import OPERATIONS, engine_app
 from kvxferd.api.fdbudget import ACCEPT_BURSTS, fds_needed
 from kvxferd.api.frames import FrameLimits
-from kvxferd.api.server import frame_limits, listener_limits
+from kvxferd.api.server import frame_limits, listener_limits, peer_frame_limits
 from kvxferd.config import Config, replace
 from kvxferd.errors import UnknownPullError
 from kvxferd.wire import HeartbeatResponse, KeepaliveRequest, PullStatus
@@ -175,6 +175,15 @@ def test_the_frames_listener_counts_in_the_open_file_budget():
     extra = fds_needed(listener_limits(on)) - fds_needed(listener_limits(off))
     assert extra == frames.max_connections + ACCEPT_BURSTS * frames.backlog
     assert frames.max_frame_bytes == on.max_body_bytes + on.max_header_bytes
+
+
+def test_the_framed_peer_listener_counts_in_the_open_file_budget_with_the_peer_cap():
+    on = Config(peer_token="t", peer_max_connections=300, engine_max_connections=20)
+    off = replace(on, peer_frames_port=-1)
+    frames = peer_frame_limits(on)
+    extra = fds_needed(listener_limits(on)) - fds_needed(listener_limits(off))
+    assert frames.max_connections == 300
+    assert extra == 300 + ACCEPT_BURSTS * frames.backlog
 
 
 _VALUES = st.recursive(

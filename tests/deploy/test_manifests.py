@@ -93,8 +93,12 @@ def test_sidecar_probes_token_and_peer_port(tree, name):
     objects = render(tree)
     deployment = find(objects, "Deployment", name)
     sidecar = container(deployment, "kvxferd")
-    assert sidecar["ports"] == [{"name": "peer", "containerPort": 7600}]
+    assert sidecar["ports"] == [
+        {"name": "peer", "containerPort": 7600},
+        {"name": "peer-frames", "containerPort": 7601},
+    ]
     assert "--peer-port=7600" in sidecar["args"]
+    assert "--peer-frames-port=7601" in sidecar["args"]  # fixed: pods may firewall ports
     assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "peer"}
     assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "peer"}
     token_dir = mounts(sidecar)["peer-token"]
