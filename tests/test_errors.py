@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 
-import httpx
 import msgspec
 import pytest
 
@@ -89,10 +88,10 @@ def test_the_client_rebuilds_the_class_from_its_status_and_name(cls):
      errors.IncompatiblePeerError],
     ids=lambda c: c.__name__,
 )  # fmt: skip
-def test_a_peer_answer_becomes_the_class_whose_status_it_carries(cls):
+@pytest.mark.parametrize("codec", [msgspec.json, msgspec.msgpack], ids=["http", "frames"])
+def test_a_peer_answer_becomes_the_class_whose_status_it_carries(cls, codec):
     body = problem_for(_instance(cls)).body
-    resp = httpx.Response(cls.status, content=msgspec.json.encode(body))
-    assert type(_remote_error("127.0.0.1:9", resp)) is cls
+    assert type(_remote_error("127.0.0.1:9", cls.status, codec.encode(body), codec)) is cls
 
 
 def test_an_error_body_names_the_class():

@@ -30,7 +30,7 @@ LAYERS: dict[str, int] = {
     "kvxferd.sidecar": 5,
     "kvxferd.api": 6,
     "kvxferd.client": 6,
-    "kvxferd.frameconn": 6,
+    "kvxferd.frameconn": 5,
     "kvxferd.lanes": 6,
     "kvxferd.sim": 7,
     "kvxferd.proxy": 7,

@@ -49,6 +49,8 @@ class SidecarProcess:
     engine_id: str
     epoch: int
     child: Child
+    peer_frames: str = ""
+    """HOST:PORT of its framed peer API ("" when it serves none)."""
 
     def client(self, timeout_s: float = 30.0) -> EngineClient:
         """A blocking engine-API client on the sidecar's Unix socket."""
@@ -112,6 +114,7 @@ def wait_ready(child: Child, socket_path: str, timeout_s: float) -> SidecarProce
             engine_id=fields["engine_id"],
             epoch=int(fields["epoch"]),
             child=child,
+            peer_frames=fields.get("peer_frames", ""),
         )
     except (KeyError, ValueError) as exc:
         child.kill()

@@ -1,5 +1,7 @@
 """Hostile HTTP at the sidecars' and sims' ports, sent raw over sockets: malformed, deeply
-nested, oversized and stalled bodies, huge headers, and bounded connection floods.
+nested, oversized and stalled bodies, huge headers, and bounded connection floods; and hostile
+frames at the sidecars' framed peer port (garbage envelopes, oversized or stalled frames,
+unsigned or badly typed claims).
 
 Every request must get an answer below 500, or be closed, within a bound: a 5xx is a crashed
 handler (``crashes``), no answer in time a ``hangs``. During a flood of a sidecar's peer port its
@@ -13,6 +15,11 @@ import json
 import socket
 import time
 from dataclasses import dataclass
+
+import msgspec
+
+from kvxferd.wire import FrameAnswer, FrameRequest
+from kvxferd.wire.frames import frame
 
 from . import osproc
 from .context import Ctx
@@ -37,6 +44,8 @@ class Target:
     unix: bool = False
     secret: str = ""
     """Sign as a peer with this secret (peer API); empty: no auth header."""
+    framed: bool = False
+    """The framed peer port: hostile frames instead of hostile HTTP."""
 
     def connect(self, timeout_s: float) -> socket.socket:
         if self.unix:
@@ -123,6 +132,61 @@ def request(variant: str, t: Target, rng) -> tuple[bytes, bytes, bool]:  # noqa:
     return _head(t, len(body), body), body, False
 
 
+FRAME_VARIANTS = ("garbage", "not_an_envelope", "oversized", "stalled", "unsigned",
+                  "wrong_types", "nested")  # fmt: skip
+
+
+def frame_request(variant: str, t: Target, rng) -> tuple[bytes, bool]:  # noqa: ANN001
+    """(bytes, stalled) of one hostile frame to the framed peer port."""
+    if variant == "garbage":
+        return bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 512))), False
+    if variant == "oversized":  # a header announcing more than any frame limit
+        return (1 << 31).to_bytes(4, "big") + b"\x00" * 64, False
+    if variant == "stalled":  # announce 1 MB, send one byte, go quiet
+        return (1 << 20).to_bytes(4, "big") + b"\x80", True
+    if variant == "not_an_envelope":
+        return frame(msgspec.msgpack.encode([1, "x", {"deep": [[[]]]}])), False
+    if variant == "wrong_types":
+        raw = msgspec.msgpack.encode({"ticket": "x", "reader": 7, "claim_s": "soon"})
+    elif variant == "nested":  # {"ticket": [[[...]]]}, thousands deep, as raw MessagePack
+        raw = b"\x81\xa6ticket" + b"\x91" * rng.choice([1000, 5000, 20000]) + b"\xc0"
+    else:
+        raw = msgspec.msgpack.encode({"reader": "r"})
+    auth = "" if variant == "unsigned" else peer_headers(
+        "POST", t.path, raw, t.secret)["Authorization"]  # fmt: skip
+    req = FrameRequest(id=1, op=f"POST {t.path}", body=msgspec.Raw(raw), auth=auth)
+    return frame(msgspec.msgpack.encode(req)), False
+
+
+def send_frame(t: Target, data: bytes, stalled: bool) -> tuple[int | None, str]:
+    """Send one frame; (status, "") of its answer or (None, "closed" | "timeout" | error). A
+    stalled one must be closed by the server's frame timeout (the body timeout: 5 s in the
+    campaign) within ANSWER_BOUND_S."""
+    try:
+        s = t.connect(ANSWER_BOUND_S)
+    except OSError as exc:
+        return None, f"connect: {exc}"
+    with s:
+        with contextlib.suppress(OSError):
+            s.sendall(data)
+        s.settimeout(ANSWER_BOUND_S)
+        data = b""
+        try:
+            while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    return None, "closed"
+                data += chunk
+        except TimeoutError:
+            return None, "timeout"  # a stalled frame must be dropped by the frame timeout
+        except OSError as exc:
+            return None, f"closed ({exc.__class__.__name__})"
+    try:
+        return msgspec.msgpack.decode(data[4:], type=FrameAnswer).status, ""
+    except msgspec.MsgspecError:
+        return None, f"unparsable answer {data[:40]!r}"
+
+
 def targets(ctx: Ctx) -> list[Target]:
     """Every hostile-body target the campaign runs."""
     pair = ctx.pair
@@ -130,6 +194,9 @@ def targets(ctx: Ctx) -> list[Target]:
            for rng_path in ("/v1/pulls", "/v1/holds", "/v1/keepalive")]  # fmt: skip
     out += [Target("peer", pair.p.peer, path, secret=ctx.secret)
             for path in ("/v1/claims", "/v1/handshake", "/v1/heartbeat")]  # fmt: skip
+    if pair.p.peer_frames:
+        out += [Target("peer-frames", pair.p.peer_frames, path, secret=ctx.secret, framed=True)
+                for path in ("/v1/claims", "/v1/heartbeat")]  # fmt: skip
     if ctx.sims is not None:
         out += ctx.sims.body_targets()  # type: ignore[attr-defined]
     return out
@@ -138,9 +205,13 @@ def targets(ctx: Ctx) -> list[Target]:
 def body(ctx: Ctx, kind: str) -> None:
     """One hostile request to a random API of a random process."""
     t = ctx.rng.choice(targets(ctx))
-    variant = ctx.rng.choice(VARIANTS)
-    head, payload, stalled = request(variant, t, ctx.rng)
-    status, why = send(t, head, payload, stalled)
+    if t.framed:
+        variant = ctx.rng.choice(FRAME_VARIANTS)
+        status, why = send_frame(t, *frame_request(variant, t, ctx.rng))
+    else:
+        variant = ctx.rng.choice(VARIANTS)
+        head, payload, stalled = request(variant, t, ctx.rng)
+        status, why = send(t, head, payload, stalled)
     ctx.tally.note(kind, f"{t.name}:{variant}:{status or why.split(' ')[0]}")
     what = f"{variant} body to {t.name} {t.path}"
     if status is not None and status >= 500:

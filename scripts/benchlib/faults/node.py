@@ -55,6 +55,11 @@ class Node:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def peer_frames(self) -> str:
+        """HOST:PORT of its framed peer API (a new port at every start; "" when off)."""
+        return self.proc.peer_frames if self.proc is not None else ""
+
+    @property
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.child.pid
