@@ -305,6 +305,8 @@ class PullRunner:
             claim_end = await claim  # its error (404, 410, 401, 409, timeout) fails the rank
             pull.advance(PullState.TRANSFERRING)
             if read is not None:
+                if not read.done():  # the prefill progressed its UCX worker as the claim came
+                    self.reads.poller.kick()
                 done = await self._within_claim(pull, peer, read, claim_end, deadline)
                 pull.kv_bytes += int(plan.kv_bytes)
                 pull.state_bytes += int(plan.state_bytes)

@@ -31,6 +31,7 @@ class CompletionPoller:
         self._waiting: dict[PostedRead, list[asyncio.Future[TransferState]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._fresh = False  # a transfer was added since the last round: restart the backoff
+        self._sleeper: asyncio.Future[None] | None = None  # the backoff sleep, while in one
 
     @property
     def waiting(self) -> int:
@@ -63,6 +64,14 @@ class CompletionPoller:
             raise transfer.error
         return state
 
+    def kick(self) -> None:
+        """Poll now and spin again: something that tends to come with a completion happened (a
+        READ's claim answered; the peer progressed its side just before answering), so the
+        next round should not wait out the backoff."""
+        self._fresh = True
+        if self._sleeper is not None and not self._sleeper.done():
+            self._sleeper.set_result(None)
+
     def _drop(self, transfer: PostedRead, fut: asyncio.Future[TransferState]) -> None:
         futs = self._waiting.get(transfer)
         if futs is not None:
@@ -90,8 +99,19 @@ class CompletionPoller:
             if progressed or rounds <= SPIN_ROUNDS:
                 await asyncio.sleep(0)
             else:
-                await asyncio.sleep(sleep)
+                await self._backoff(sleep)
                 sleep = min(sleep * 2, MAX_SLEEP_S)
+
+    async def _backoff(self, delay: float) -> None:
+        """Sleep ``delay`` unless kicked first."""
+        loop = asyncio.get_running_loop()
+        self._sleeper = sleeper = loop.create_future()
+        timer = loop.call_later(delay, _wake, sleeper)
+        try:
+            await sleeper
+        finally:
+            timer.cancel()
+            self._sleeper = None
 
     async def close(self) -> None:
         """Stop the polling task (waiters then time out at their deadlines)."""
@@ -99,3 +119,8 @@ class CompletionPoller:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -90,6 +90,31 @@ def test_the_deadline_raises_a_timeout_and_leaves_the_transfer_posted():
     assert xfer.state is TransferState.POSTED
 
 
+def test_a_kick_ends_the_backoff_sleep_at_once(monkeypatch):
+    """With the backoff stretched to a minute, only the kick can make the poller look again
+    within the test's bound (a claim's answer kicks it: the READ is likely done by then)."""
+    from kvxferd.transport import completion
+
+    monkeypatch.setattr(completion, "FIRST_SLEEP_S", 60.0)
+    monkeypatch.setattr(completion, "MAX_SLEEP_S", 60.0)
+    nixl = _Nixl()
+    xfer = _transfer(nixl)
+
+    async def main() -> TransferState:
+        poller = CompletionPoller()
+        loop = asyncio.get_running_loop()
+        waiter = asyncio.create_task(poller.wait(xfer, loop.time() + 120))
+        while poller._sleeper is None:  # spun SPIN_ROUNDS times, now in the minute-long sleep
+            await asyncio.sleep(0)
+        nixl.finish = True
+        poller.kick()
+        state = await asyncio.wait_for(waiter, 30)
+        await poller.close()
+        return state
+
+    assert asyncio.run(main()) is TransferState.DONE
+
+
 def test_a_stalled_transfer_does_not_delay_another():
     stalled, healthy = _Nixl(), _Nixl()
     xs, xh = _transfer(stalled), _transfer(healthy)
