@@ -332,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         if base is not None:
             r["cost_vs_tp1"] = base["pulls_per_s"] / r["pulls_per_s"]
             r["p50_vs_tp1"] = r["p50_ms"] / base["p50_ms"]
-            r["decode_cpu_vs_tp1"] = r["decode_cpu_ms_per_pull"] / base["decode_cpu_ms_per_pull"]
+            # CPU times tick at 10 ms: a short TP 1 level may read 0 (no ratio then)
+            base_cpu = base["decode_cpu_ms_per_pull"]
+            r["decode_cpu_vs_tp1"] = r["decode_cpu_ms_per_pull"] / base_cpu if base_cpu else None
     result["targets"] = targets(result)
     result["verified"] = True
     result["machine"]["load_average_end"] = list(os.getloadavg())
