@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import select
 import socket
 import threading
 import time
@@ -175,6 +176,10 @@ class _Link:
         self.used_at = time.monotonic()
         self.closed = False
         self.task = asyncio.create_task(self._read(reader))
+        # The loop may not have read the server's close yet when the next call comes: an idle
+        # link is polled (no data is consumed) before it is reused.
+        self._poll = select.poll()
+        self._poll.register(writer.get_extra_info("socket").fileno(), select.POLLIN)
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         error: Exception = FrameLinkError("the sidecar closed the connection")
@@ -205,8 +210,13 @@ class _Link:
         self.pending.clear()
 
     def usable(self) -> bool:
-        """Open, and busy or recently used (so the server has not timed it out)."""
-        return not self.closed and (bool(self.pending) or time.monotonic() - self.used_at < IDLE_S)
+        """Open, and busy, or recently used with nothing waiting to be read (an idle link that
+        is readable holds the server's close, or a stray answer: replaced either way)."""
+        if self.closed:
+            return False
+        if self.pending:
+            return True
+        return time.monotonic() - self.used_at < IDLE_S and not self._poll.poll(0)
 
 
 class AsyncFrameConn:

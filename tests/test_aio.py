@@ -1,5 +1,6 @@
 """kvxferd.aio: the daemons run on uvloop when it is installed, on asyncio when told or when it
-is not, and a loop that cannot be had is a ConfigError before anything runs."""
+is not, and a loop that cannot be had is a ConfigError before anything runs. ``Wake``: a polling
+loop's sleep that an event cuts short, with no task per sleep."""
 
 from __future__ import annotations
 
@@ -79,3 +80,41 @@ def test_without_httptools_auto_falls_back_to_h11_and_httptools_is_a_config_erro
         aio.http_parser("httptools")
     with pytest.raises(ConfigError, match="^http: 'h2' is not one of auto, httptools, h11"):
         aio.check_http("h2")
+
+
+def test_sleep_times_out_false_when_nobody_sets_the_flag():
+    async def scenario() -> None:
+        wake = aio.Wake()
+        assert await wake.sleep(0.001) is False
+        assert not wake.is_set()
+
+    asyncio.run(scenario())
+
+
+def test_set_ends_a_sleep_early_and_stays_set_until_cleared():
+    async def scenario() -> None:
+        wake = aio.Wake()
+        sleeping = asyncio.create_task(wake.sleep(60.0))
+        await asyncio.sleep(0)
+        assert wake.sleeping
+        wake.set()
+        assert await asyncio.wait_for(sleeping, 10.0) is True
+        assert await wake.sleep(60.0) is True  # still set: returns at once
+        wake.clear()
+        assert await wake.sleep(0.001) is False
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_sleep_leaves_the_wake_usable():
+    async def scenario() -> None:
+        wake = aio.Wake()
+        sleeping = asyncio.create_task(wake.sleep(60.0))
+        await asyncio.sleep(0)
+        sleeping.cancel()
+        await asyncio.gather(sleeping, return_exceptions=True)
+        assert sleeping.cancelled()
+        wake.set()  # no sleeper left to wake: just the flag
+        assert await wake.sleep(60.0) is True
+
+    asyncio.run(scenario())

@@ -145,9 +145,13 @@ class FrameServer:
         except asyncio.CancelledError:
             pass  # close(): this task is the connection's own; end it quietly
         finally:
-            self.connections -= 1
-            self._conns.discard(task)
             writer.transport.abort()
+            try:  # the socket closes a loop turn later: it stops counting once it has
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
+            finally:
+                self.connections -= 1
+                self._conns.discard(task)
 
 
 class _Connection:

@@ -34,11 +34,11 @@ import logging
 import time
 from collections.abc import Callable
 
+from kvxferd.aio import Wake
 from kvxferd.errors import KvxferdError
 from kvxferd.metrics import Metrics
 from kvxferd.sidecar.fabric import Fabric
 from kvxferd.sidecar.holds import HoldTable
-from kvxferd.sidecar.wake import Wake
 from kvxferd.transport import Agent
 
 log = logging.getLogger(__name__)

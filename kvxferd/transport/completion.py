@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 
+from kvxferd.aio import Wake
 from kvxferd.errors import TransferTimeoutError
 from kvxferd.transport.base import PostedRead
 from kvxferd.transport.transfer import TransferState
@@ -31,7 +32,7 @@ class CompletionPoller:
         self._waiting: dict[PostedRead, list[asyncio.Future[TransferState]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._fresh = False  # a transfer was added since the last round: restart the backoff
-        self._sleeper: asyncio.Future[None] | None = None  # the backoff sleep, while in one
+        self._kicked = Wake()  # ends a backoff sleep early
 
     @property
     def waiting(self) -> int:
@@ -64,13 +65,17 @@ class CompletionPoller:
             raise transfer.error
         return state
 
+    @property
+    def backing_off(self) -> bool:
+        """Whether the polling task sleeps between rounds right now (a kick ends the sleep)."""
+        return self._kicked.sleeping
+
     def kick(self) -> None:
         """Poll now and spin again: something that tends to come with a completion happened (a
         READ's claim answered; the peer progressed its side just before answering), so the
         next round should not wait out the backoff."""
         self._fresh = True
-        if self._sleeper is not None and not self._sleeper.done():
-            self._sleeper.set_result(None)
+        self._kicked.set()
 
     def _drop(self, transfer: PostedRead, fut: asyncio.Future[TransferState]) -> None:
         futs = self._waiting.get(transfer)
@@ -99,19 +104,9 @@ class CompletionPoller:
             if progressed or rounds <= SPIN_ROUNDS:
                 await asyncio.sleep(0)
             else:
-                await self._backoff(sleep)
+                await self._kicked.sleep(sleep)
+                self._kicked.clear()
                 sleep = min(sleep * 2, MAX_SLEEP_S)
-
-    async def _backoff(self, delay: float) -> None:
-        """Sleep ``delay`` unless kicked first."""
-        loop = asyncio.get_running_loop()
-        self._sleeper = sleeper = loop.create_future()
-        timer = loop.call_later(delay, _wake, sleeper)
-        try:
-            await sleeper
-        finally:
-            timer.cancel()
-            self._sleeper = None
 
     async def close(self) -> None:
         """Stop the polling task (waiters then time out at their deadlines)."""
@@ -119,8 +114,3 @@ class CompletionPoller:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)

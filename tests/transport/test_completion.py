@@ -104,7 +104,7 @@ def test_a_kick_ends_the_backoff_sleep_at_once(monkeypatch):
         poller = CompletionPoller()
         loop = asyncio.get_running_loop()
         waiter = asyncio.create_task(poller.wait(xfer, loop.time() + 120))
-        while poller._sleeper is None:  # spun SPIN_ROUNDS times, now in the minute-long sleep
+        while not poller.backing_off:  # spun SPIN_ROUNDS times, now in the minute-long sleep
             await asyncio.sleep(0)
         nixl.finish = True
         poller.kick()
