@@ -3,7 +3,8 @@
 
 Real ``kvxferd serve`` processes and real NIXL on loopback; a small Mamba2 hybrid
 (``benchlib.pullrig.HYBRID``), 16-block pulls of ~0.5 MB, each pull one ``POST /v1/pulls/run``
-on the decode sidecar (decode TP 1):
+on the decode sidecar (decode TP 1), sent as the vLLM connector sends it: a frame on the
+engine socket's framed protocol (``--http`` sends engine calls as HTTP/JSON instead):
 
 - in-flight sweep: one prefill sidecar, N pulls in flight (N in 1,4,16,64): pulls/s, p50/p99
   of the pull call, CPU seconds of each sidecar per pull;
@@ -138,8 +139,10 @@ async def measure(rig: Rig, inflight: int, args: argparse.Namespace, prof: Profi
                   ) -> dict:  # fmt: skip
     """One level: a verified warm-up round, then ``rounds`` timed rounds."""
     pulls = max(args.pulls, 2 * inflight)
-    dc = AsyncEngineClient(rig.decode.sidecar.socket, timeout_s=120.0)
-    pcs = [AsyncEngineClient(r.sidecar.socket, timeout_s=120.0) for r in rig.prefills]
+    frames = not args.http
+    dc = AsyncEngineClient(rig.decode.sidecar.socket, timeout_s=120.0, frames=frames)
+    pcs = [AsyncEngineClient(r.sidecar.socket, timeout_s=120.0, frames=frames)
+           for r in rig.prefills]  # fmt: skip
     tp = len(rig.prefills)
     ranks = {
         "decode": rig.decode,
@@ -265,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pulls", type=int, help="pulls per round (at least 2 per slot)")
     ap.add_argument("--verify-all", action="store_true", help="byte-verify timed rounds too")
     ap.add_argument("--profile", metavar="DIR", help="cProfile the sidecars' timed rounds")
+    ap.add_argument(
+        "--http",
+        action="store_true",
+        help="engine calls as HTTP/JSON (default: frames, as the vLLM connector)",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     cli.fill_defaults(args, QUICK, FULL)
@@ -295,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
             "verify_all": args.verify_all,
             "profile": bool(args.profile),
+            "engine_wire": "http" if args.http else "frames",
         },  # fmt: skip
         "inflight": [],
         "fanin": [],
