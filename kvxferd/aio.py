@@ -88,20 +88,19 @@ def _httptools() -> bool:
     return True
 
 
-# A wake-up flag a polling loop sleeps on with a timeout, at the cost of one future and one timer
-# per sleep. The prefill sidecar's notification poller sleeps up to 1,000 times a second while
-# holds are claimed; ``asyncio.wait_for(event.wait(), t)`` made a task per sleep and raised on
-# every timeout, most of the poller's CPU at prefill TP 8 (scripts/bench_pulls.py, issue 11). The
-# completion poller's backoff sleeps on one too. Loop-thread only, like ``asyncio.Event``.
-
-
 def _expire(fut: asyncio.Future[bool]) -> None:
     if not fut.done():
         fut.set_result(False)
 
 
 class Wake:
-    """``set`` wakes a sleeping ``sleep`` early; the flag stays set until ``clear``."""
+    """A wake-up flag a polling loop sleeps on with a timeout: ``set`` wakes a sleeping ``sleep``
+    early; the flag stays set until ``clear``. Loop-thread only, like ``asyncio.Event``.
+
+    One future and one timer per sleep: ``asyncio.wait_for(event.wait(), t)`` made a task per
+    sleep and raised on every timeout, most of the prefill's notification poller CPU at TP 8
+    (scripts/bench_pulls.py, issue 11). The completion poller's backoff sleeps on one too.
+    """
 
     def __init__(self) -> None:
         self._set = False

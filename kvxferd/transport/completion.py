@@ -88,8 +88,9 @@ class CompletionPoller:
     async def _run(self) -> None:
         rounds, sleep = 0, FIRST_SLEEP_S
         while self._waiting:
-            if self._fresh:
+            if self._fresh:  # a kick between sleeps restarts the spin; it cuts no later sleep
                 self._fresh, rounds, sleep = False, 0, FIRST_SLEEP_S
+                self._kicked.clear()
             progressed = False
             for transfer, futs in list(self._waiting.items()):
                 state = transfer.poll()
