@@ -3,6 +3,9 @@
 
 Run: ``PYTHONPATH=. .venv/bin/python scripts/bench_pull_plan.py`` (medians of 20 calls after one
 warm-up); planner manifests with 2000 blocks, contiguous and fragmented (shuffled) block ids.
+The last section plans a decode TP 1 rank's pull from prefill TP 2, 4 and 8 both ways: one
+``plan_pull`` per prefill rank, and all ranks at once (``descriptors.fanin``, what the sidecar
+does); the ratio is per-rank time / stacked time.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from collections.abc import Callable
 import numpy as np
 
 from kvxferd import descriptors
+from kvxferd.descriptors.fanin import fan_in_geometry
+from kvxferd.errors import ManifestError
 from kvxferd.layout import planner, presets
 from kvxferd.sidecar.pull_request import unread_ranks
 
@@ -79,6 +84,31 @@ def main() -> None:
                 line += (f", index plan {t_idx:.3f} ms ({idx.num_descriptors}, runs {idx.runs});"
                          f" tables {pg.num_rows} rows built in {build:.1f} ms")  # fmt: skip
             print(line)
+    for cfg in ("granite-4.0-h-tiny", "qwen3-next-80b-a3b", "jamba-mini-1.5"):
+        local = manifest(cfg, 1)
+        ids = ids_for(local, "fragmented", rng)
+        for tp in (2, 4, 8):
+            try:
+                geos = [descriptors.read_geometry(local, rank_manifest(cfg, tp, r))
+                        for r in descriptors.source_ranks(local, tp)]  # fmt: skip
+            except ManifestError as exc:
+                print(f"{cfg} fan-in from TP {tp}: not shardable ({exc.reason})")
+                continue
+            fan = fan_in_geometry(geos)
+            if fan is None:  # e.g. the planner picked another block size at this TP
+                print(f"{cfg} fan-in from TP {tp}: the sides re-block (planned per rank)")
+                continue
+            one = median_ms(lambda geos=geos, ids=ids: [
+                descriptors.plan_pull(g, ids, ids, local_checked=True) for g in geos])  # fmt: skip
+            all_ = median_ms(lambda fan=fan, ids=ids: fan.plan(ids, ids, local_checked=True))
+            print(f"{cfg} fan-in from TP {tp}: per rank {one:.3f} ms, all ranks at once "
+                  f"{all_:.3f} ms ({one / all_:.1f}x)")  # fmt: skip
+
+
+def rank_manifest(cfg: str, tp: int, rank: int):
+    """A planned manifest of rank ``rank`` of ``tp``."""
+    o = planner.PlanOptions(num_blocks=BLOCKS, tp_size=tp, tp_rank=rank)
+    return planner.plan_manifest(presets.load_hf_config(cfg), o)
 
 
 if __name__ == "__main__":

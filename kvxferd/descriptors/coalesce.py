@@ -47,7 +47,9 @@ def _sort_order(cols: tuple[np.ndarray, ...]) -> np.ndarray:
     """Lexicographic order of the rows of ``cols`` (first column most significant).
 
     Packs the columns into one int64 key when their ranges allow (several times faster than
-    ``np.lexsort``), else falls back to ``np.lexsort``.
+    ``np.lexsort``), else falls back to ``np.lexsort``. Stable either way: rows that tie keep
+    their order, so a subset of rows sorts the same alone as among others (kvxferd.descriptors
+    .fanin relies on it).
     """
     lows = [int(c.min()) for c in cols]
     spans = [int(c.max()) - lo + 1 for c, lo in zip(cols, lows, strict=True)]
@@ -55,7 +57,7 @@ def _sort_order(cols: tuple[np.ndarray, ...]) -> np.ndarray:
         key = np.zeros(cols[0].size, dtype=np.int64)
         for c, lo, span in zip(cols, lows, spans, strict=True):
             key = key * span + (c - lo)
-        return np.argsort(key)
+        return np.argsort(key, kind="stable")
     return np.lexsort(tuple(reversed(cols)))
 
 

@@ -111,10 +111,6 @@ class PeerTable:
     def __len__(self) -> int:
         return len(self._peers)
 
-    def cached(self, address: str) -> Peer | None:
-        """The cached peer at ``address``, if any."""
-        return self._peers.get(address)
-
     @property
     def locks(self) -> int:
         """Per-address handshake locks alive now (only addresses someone is handshaking with)."""
@@ -148,6 +144,13 @@ class PeerTable:
         if self._on_change is not None:
             self._on_change(len(self._peers), new)
 
+    def cached(self, address: str, engine_id: str, epoch: int) -> Peer | None:
+        """The handshaken peer at ``address`` if it is this engine epoch (no I/O)."""
+        cached = self._peers.get(address)
+        if cached is not None and (cached.engine_id, cached.epoch) == (engine_id, epoch):
+            return cached
+        return None
+
     async def get(self, address: str, engine_id: str, epoch: int) -> Peer:
         """The peer at ``address`` for this engine epoch, handshaking if needed.
 
@@ -155,9 +158,9 @@ class PeerTable:
         the peer changed (restarted) the old entry is dropped; if it did not, the ticket is
         stale and fails without disturbing the cached peer (pulls may be reading from it).
         """
-        cached = self._peers.get(address)
-        if cached is not None and (cached.engine_id, cached.epoch) == (engine_id, epoch):
-            return cached  # every pull's path: no lock (the lock only orders handshakes)
+        hit = self.cached(address, engine_id, epoch)
+        if hit is not None:
+            return hit  # every pull's path: no lock (the lock only orders handshakes)
         async with self._locked(address):
             cached = self._peers.get(address)
             if cached is not None and (cached.engine_id, cached.epoch) == (engine_id, epoch):

@@ -102,6 +102,22 @@ class PeerRead:
         return functools.partial(transport.read, remote, *self.tables, notif)
 
 
+def table_read(plan: descriptors.ReadPlan, local_bases: Sequence[int], peer: Peer) -> PeerRead:
+    """``plan`` as coalesced descriptor tables at the two sides' region bases."""
+    if plan.num_descriptors == 0:
+        return PeerRead(0, 0, 0)
+    lb = np.asarray(local_bases, dtype=np.int64)
+    rb = np.asarray(peer.region_bases, dtype=np.int64)
+    local_addr = lb[plan.local_region] + plan.local_offset
+    remote_addr = rb[plan.remote_region] + plan.remote_offset
+    return PeerRead(
+        plan.kv_bytes,
+        plan.state_bytes,
+        plan.num_descriptors,
+        tables=((local_addr, plan.length), (remote_addr, plan.length)),
+    )
+
+
 @dataclass(eq=False)
 class _Prepared:
     local: Manifest
@@ -182,26 +198,10 @@ class PeerViews:
                     idx.num_descriptors,
                     prepped=(loc, idx.local_idx, rem, idx.remote_idx),
                 )
-            return self._tables(merged, local_bases, peer)
+            return table_read(merged, local_bases, peer)
         plan = descriptors.plan_pull(geometry, local_ids, remote_ids, num_tokens, remote_tokens,
                                      local_checked=local_checked)  # fmt: skip
-        return self._tables(plan, local_bases, peer)
-
-    @staticmethod
-    def _tables(plan: descriptors.ReadPlan, local_bases: Sequence[int], peer: Peer) -> PeerRead:
-        """``plan`` as coalesced descriptor tables at the two sides' region bases."""
-        if plan.num_descriptors == 0:
-            return PeerRead(0, 0, 0)
-        lb = np.asarray(local_bases, dtype=np.int64)
-        rb = np.asarray(peer.region_bases, dtype=np.int64)
-        local_addr = lb[plan.local_region] + plan.local_offset
-        remote_addr = rb[plan.remote_region] + plan.remote_offset
-        return PeerRead(
-            plan.kv_bytes,
-            plan.state_bytes,
-            plan.num_descriptors,
-            tables=((local_addr, plan.length), (remote_addr, plan.length)),
-        )
+        return table_read(plan, local_bases, peer)
 
     def _get(
         self,

@@ -1,5 +1,5 @@
-"""Pulls on the decode side: handshake, then claim and one NIXL READ per prefill rank at once,
-then notify.
+"""Pulls on the decode side: handshake, plan every prefill rank's READ at once, then claim
+and read from each rank concurrently, then notify.
 
 A pull moves forward through PullState and ends DONE only when every source rank's claim
 succeeded and its READ completed; anything else ends FAILED with a reason code, never DONE
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from kvxferd import descriptors
+from kvxferd.descriptors.fanin import FanInGeometry, fan_in_geometry
 from kvxferd.errors import (
     ClaimTimeoutError,
     HandshakeError,
@@ -35,8 +36,9 @@ from kvxferd.errors import (
     UnknownPullError,
     reason_code,
 )
+from kvxferd.metrics import BYTE_KINDS, PHASES
 from kvxferd.sidecar.finished import FinishedFeed
-from kvxferd.sidecar.peerviews import PeerRead, PeerViews, RankPlans
+from kvxferd.sidecar.peerviews import PeerRead, PeerViews, RankPlans, table_read
 from kvxferd.sidecar.pull_request import validate_pull
 from kvxferd.sidecar.reads import SETTLE_S, Reads, run_to_end
 from kvxferd.sidecar.states import PullState, advance
@@ -62,6 +64,7 @@ log = logging.getLogger(__name__)
 
 _KEEP_FINISHED = 4096  # finished pulls remembered for status queries
 _KEEP_GEOMETRIES = 256  # per-peer read geometries cached (keyed by peer epoch)
+_KEEP_FAN_INS = 64  # stacked geometries of the prefill ranks pulls read from together
 
 
 @dataclass
@@ -142,6 +145,12 @@ class PullRunner:
         self._geometries: OrderedDict[
             tuple[str, str, int, int], tuple[Manifest, descriptors.ReadGeometry]
         ] = OrderedDict()
+        self._fan_ins: OrderedDict[
+            tuple[int, ...], tuple[tuple[descriptors.ReadGeometry, ...], FanInGeometry | None]
+        ] = OrderedDict()
+        # Children bound once: a labels() lookup per observation is ~10 per READ (hot path).
+        self._phase = {p: metrics.phase_duration.labels(p) for p in PHASES}
+        self._bytes = {k: metrics.transfer_bytes.labels(k) for k in BYTE_KINDS}
         self.reads = Reads(transport, on_stuck=peers.forget)
         self.rank_plans = RankPlans()
         self.views = PeerViews(transport, enabled=prepped_reads)
@@ -160,6 +169,19 @@ class PullRunner:
         while len(self._geometries) > _KEEP_GEOMETRIES:
             self._geometries.popitem(last=False)
         return geometry
+
+    def _fan_in(self, geometries: tuple[descriptors.ReadGeometry, ...]) -> FanInGeometry | None:
+        """The stacked geometry of these ranks (built once per set of peer epochs)."""
+        key = tuple(id(g) for g in geometries)
+        cached = self._fan_ins.get(key)
+        if cached is not None and all(a is b for a, b in zip(cached[0], geometries, strict=True)):
+            self._fan_ins.move_to_end(key)
+            return cached[1]
+        fan = fan_in_geometry(geometries)
+        self._fan_ins[key] = (geometries, fan)
+        while len(self._fan_ins) > _KEEP_FAN_INS:
+            self._fan_ins.popitem(last=False)
+        return fan
 
     def start(self, req: PullRequest) -> Pull:
         """Validate ``req`` synchronously (4xx to the engine), then run it in the background."""
@@ -231,15 +253,18 @@ class PullRunner:
             async with asyncio.timeout(req.deadline_s):
                 local, bases = self._local()  # one registration for the whole pull
                 ranks = self.rank_plans.get(local, len(req.tickets))
+                tickets = [req.tickets[r] for r in ranks.sources]
                 # A TaskGroup, not gather: one failed read cancels its siblings, so no READ is
                 # still running (and no handle still live) once the pull reports FAILED.
                 async with asyncio.TaskGroup() as group:
-                    for r in ranks.sources:
-                        group.create_task(
-                            self._read_from(pull, req.tickets[r], deadline, local, bases)
-                        )
                     for r in ranks.unread:
                         group.create_task(self._release_unread(req.tickets[r], local.tp_size))
+                    peers = await self._handshake(pull, tickets)
+                    plans = self._plan(pull, peers, tickets, local, bases)
+                    for peer, ticket, plan in zip(peers, tickets, plans, strict=True):
+                        group.create_task(
+                            self._read_from(pull, peer, ticket, plan, deadline, local)
+                        )
             pull.advance(PullState.DONE)
             m.pulls.labels("done").inc()
         except asyncio.CancelledError:
@@ -257,7 +282,7 @@ class PullRunner:
                 log.exception("pull %s failed unexpectedly", pull.pull_id)
         finally:
             pull.duration_s = time.monotonic() - pull.started
-            m.phase_duration.labels("total").observe(pull.duration_s)
+            self._phase["total"].observe(pull.duration_s)
             m.pulls_in_flight.dec()
             self.feed.add(pull.finished())
             pull.done.set()
@@ -269,29 +294,67 @@ class PullRunner:
         self._metrics.pulls.labels("failed").inc()
         self._metrics.pull_failures.labels(reason).inc()
 
+    async def _handshake(self, pull: Pull, tickets: list[Ticket]) -> list[Peer]:
+        """The peer of each ticket: cached ones at once, the others handshaken concurrently."""
+        pull.advance(PullState.HANDSHAKING)
+        t0 = time.monotonic()
+        peers = [self._peers.cached(t.peer, t.engine_id, t.epoch) for t in tickets]
+        missing = [i for i, p in enumerate(peers) if p is None]
+        if missing:
+            async with asyncio.TaskGroup() as group:
+                tasks = {
+                    i: group.create_task(
+                        self._peers.get(tickets[i].peer, tickets[i].engine_id, tickets[i].epoch)
+                    )
+                    for i in missing
+                }
+            for i, task in tasks.items():
+                peers[i] = task.result()
+        self._phase["handshake"].observe(time.monotonic() - t0)
+        return peers  # type: ignore[return-value]  # every None was replaced
+
+    def _plan(
+        self, pull: Pull, peers: list[Peer], tickets: list[Ticket], local: Manifest,
+        bases: Sequence[int],
+    ) -> list[PeerRead]:  # fmt: skip
+        """Every source rank's READ; one stacked plan for all ranks where they read the same
+        remote ids and share a geometry (kvxferd.descriptors.fanin), else one plan per rank."""
+        req = pull.request
+        checked = pull.validated is local  # local ids checked once per pull, not per rank
+        geometries = tuple(self._geometry(local, p) for p in peers)
+        if len(peers) > 1 and not self.views.enabled:
+            ids = tickets[0].block_ids
+            fan = self._fan_in(geometries) if all(t.block_ids == ids for t in tickets) else None
+            if fan is not None:
+                plans = fan.plan(req.block_ids, ids, local_checked=checked)
+                return [table_read(p, bases, peer) for p, peer in zip(plans, peers, strict=True)]
+        return [
+            self.views.plan(
+                peer,
+                local,
+                bases,
+                geometry,
+                req.block_ids,
+                ticket.block_ids,
+                req.num_tokens,
+                ticket.num_tokens,
+                local_checked=checked,
+            )  # fmt: skip
+            for peer, ticket, geometry in zip(peers, tickets, geometries, strict=True)
+        ]
+
     async def _read_from(
-        self, pull: Pull, ticket: Ticket, deadline: float, local: Manifest, bases: Sequence[int]
-    ) -> None:
-        """Handshake with one prefill rank, then claim its hold and read from it concurrently.
+        self, pull: Pull, peer: Peer, ticket: Ticket, plan: PeerRead, deadline: float,
+        local: Manifest,
+    ) -> None:  # fmt: skip
+        """Claim one prefill rank's hold and read ``plan`` from it concurrently.
 
         The READ is posted just before the claim is sent, so it runs while the claim is in flight.
         This rank succeeds only if the claim does and the READ completed by the claim's end
         (and the pull's deadline); only then is the hold notified. A failed claim fails the
         rank once the READ settled (it can no longer write).
         """
-        m = self._metrics
-        pull.advance(PullState.HANDSHAKING)
-        t0 = time.monotonic()
-        peer = await self._peers.get(ticket.peer, ticket.engine_id, ticket.epoch)
-        m.phase_duration.labels("handshake").observe(time.monotonic() - t0)
-
         pull.advance(PullState.CLAIMING)
-        req = pull.request
-        plan = self.views.plan(
-            peer, local, bases, self._geometry(local, peer), req.block_ids,
-            ticket.block_ids, req.num_tokens, ticket.num_tokens,
-            local_checked=pull.validated is local,  # checked once per pull, not per rank
-        )  # fmt: skip
         read: asyncio.Task[float] | None = None
         if plan.num_descriptors:
             # The READ goes out before the claim: its completion needs one progress of the
@@ -311,9 +374,9 @@ class PullRunner:
                 pull.kv_bytes += int(plan.kv_bytes)
                 pull.state_bytes += int(plan.state_bytes)
                 pull.descriptors += int(plan.num_descriptors)
-                m.transfer_bytes.labels("kv").inc(plan.kv_bytes)  # bytes that count (claimed)
-                m.transfer_bytes.labels("state").inc(plan.state_bytes)
-                m.phase_duration.labels("notify").observe(time.monotonic() - done)
+                self._bytes["kv"].inc(plan.kv_bytes)  # bytes that count (claimed)
+                self._bytes["state"].inc(plan.state_bytes)
+                self._phase["notify"].observe(time.monotonic() - done)
             # Claimed and read: release our share of the hold (a rank with nothing to read
             # too: all its blocks were skipped).
             self._transport.send_notif(peer.agent_name, ticket.hold_id.encode())
@@ -340,7 +403,7 @@ class PullRunner:
             if isinstance(exc.__cause__, (TimeoutError, httpx.TimeoutException)):
                 raise ClaimTimeoutError(f"claim at {ticket.peer} timed out: {exc}") from exc
             raise
-        m.phase_duration.labels("claim").observe(time.monotonic() - t0)
+        self._phase["claim"].observe(time.monotonic() - t0)
         m.lease_headroom.observe(max(0.0, ticket.expires_at - time.time()))
         # The claim's end, on our monotonic clock: the READ must be over by then. The granted
         # duration counts from before we sent the claim (no cross-host clock involved); an
@@ -424,8 +487,8 @@ class PullRunner:
         posted = finished - wire_s
         m = self._metrics
         total = int(plan.kv_bytes + plan.state_bytes)
-        m.phase_duration.labels("post").observe(posted - t0)
-        m.phase_duration.labels("wire").observe(wire_s)
+        self._phase["post"].observe(posted - t0)
+        self._phase["wire"].observe(wire_s)
         m.transfer_duration.observe(finished - t0)
         m.transfer_descriptors.observe(plan.num_descriptors)
         m.reads.labels("prepped" if plan.prepped is not None else "tables").inc()

@@ -11,6 +11,7 @@ under the key: it names the key without revealing it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import hmac
@@ -59,6 +60,11 @@ class PeerKeys:
         """The key requests are signed with (derived, so a request MAC is never a ticket MAC)."""
         return hmac.new(secret, _REQUEST_LABEL, hashlib.sha256).digest()
 
+    @functools.cached_property
+    def signer(self) -> tuple[str, bytes]:
+        """``(key id, request key)`` of the current secret, derived once (every claim signs)."""
+        return key_id(self.current), self.request_key(self.current)
+
 
 def _message(method: str, target: str, body: bytes, ts: str, nonce: str, kid: str) -> bytes:
     digest = hashlib.sha256(body).hexdigest()
@@ -72,11 +78,8 @@ def sign_request(
     """The Authorization header value of one request (``target`` is its path and query)."""
     ts = str(int(time.time() if now is None else now))
     nonce = nonce or secrets.token_hex(16)
-    kid = key_id(keys.current)
-    sig = hmac.new(
-        keys.request_key(keys.current), _message(method, target, body, ts, nonce, kid),
-        hashlib.sha256,
-    ).hexdigest()  # fmt: skip
+    kid, key = keys.signer
+    sig = hmac.new(key, _message(method, target, body, ts, nonce, kid), hashlib.sha256).hexdigest()
     return f"{SCHEME} key={kid}, ts={ts}, nonce={nonce}, sig={sig}"
 
 

@@ -30,7 +30,11 @@ def as_xfer_table(table: TableLike, device_id: int = 0, field: str = "descs") ->
                 f"{field}: addrs and lens must be 1-D of equal length, "
                 f"got {addrs.shape} and {lens.shape}"
             )
-        arr = np.stack([addrs, lens], axis=1)
+        if _well_formed(addrs, lens):  # every READ's path: one copy, no intermediate table
+            out = np.empty((addrs.size, 3), dtype=np.uint64)
+            out[:, 0], out[:, 1], out[:, 2] = addrs, lens, device_id
+            return out
+        arr = np.stack([addrs, lens], axis=1)  # below: which check fails, and where
     else:
         arr = np.asarray(table)
     if arr.ndim != 2 or arr.shape[1] not in (2, 3):
@@ -48,6 +52,17 @@ def as_xfer_table(table: TableLike, device_id: int = 0, field: str = "descs") ->
     if zero.size:
         raise DescriptorError(f"{field}[{int(zero[0])}]: zero-length descriptor")
     return out
+
+
+def _well_formed(addrs: np.ndarray, lens: np.ndarray) -> bool:
+    """Non-empty integer columns, no negative address, no zero or negative length."""
+    return (
+        addrs.size > 0
+        and addrs.dtype.kind in "iu"
+        and lens.dtype.kind in "iu"
+        and int(addrs.min()) >= 0
+        and int(lens.min()) > 0
+    )
 
 
 def check_pairs(local: np.ndarray, remote: np.ndarray) -> None:

@@ -19,6 +19,8 @@ def test_nx3_table_keeps_its_device_column_and_pair_form_is_stacked():
     assert as_xfer_table(np.array([[1, 2, 5]], np.uint64), device_id=0).tolist() == [[1, 2, 5]]
     out = as_xfer_table((np.array([10, 20]), np.array([1, 2])))
     assert out.tolist() == [[10, 1, 0], [20, 2, 0]]
+    out = as_xfer_table((np.array([10], np.uint64), np.array([1], np.int64)), device_id=2)
+    assert out.dtype == np.uint64 and out.flags.c_contiguous and out.tolist() == [[10, 1, 2]]
 
 
 @pytest.mark.parametrize(
@@ -32,6 +34,10 @@ def test_nx3_table_keeps_its_device_column_and_pair_form_is_stacked():
         (np.array([[1, 2], [3, 0]]), r"local\[1\]: zero-length"),
         ((np.array([1, 2]), np.array([1])), "equal length"),
         ((np.array([1]),), r"expected \(addrs, lens\)"),
+        ((np.zeros(0, np.int64), np.zeros(0, np.int64)), "empty"),
+        ((np.array([5, -1]), np.array([1, 1])), "negative"),
+        ((np.array([5, 9]), np.array([4, 0])), r"local\[1\]: zero-length"),
+        ((np.array([5.0]), np.array([4.0])), "integers"),
     ],
 )
 def test_malformed_tables_are_rejected_with_the_reason(table, message):
