@@ -179,7 +179,9 @@ class Reads:
             finally:
                 if transfer is None and _posted(posting):
                     transfer = posting.result()
-                if transfer is not None:
+                if transfer is not None and transfer.state is not TransferState.POSTED:
+                    _release(transfer)  # DONE or FAILED: it can no longer write
+                elif transfer is not None:
                     why = await run_to_end(self._settle(transfer, address, on_unsettled))
                     if why:
                         raise UnsettledReadError(why)
