@@ -339,7 +339,7 @@ class PullRunner:
                 req.num_tokens,
                 ticket.num_tokens,
                 local_checked=checked,
-            )  # fmt: skip
+            )
             for peer, ticket, geometry in zip(peers, tickets, geometries, strict=True)
         ]
 
