@@ -56,12 +56,9 @@ class FanInGeometry:
                 continue
             kl, kr = kernel_ids(a, first.ratios[g]), kernel_ids(b, first.ratios[g])
             units[g] = kl.size
-            cols[0].append(np.repeat(self.rank[g], kl.size))
-            cols[1].append(np.repeat(p.local_region, kl.size))
-            cols[2].append((p.local_offset[:, None] + p.local_stride[:, None] * kl).ravel())
-            cols[3].append(np.repeat(p.remote_region, kl.size))
-            cols[4].append((p.remote_offset[:, None] + p.remote_stride[:, None] * kr).ravel())
-            cols[5].append(np.repeat(p.length, kl.size))
+            cols[0].append(np.repeat(self.rank[g], kl.size))  # piece by piece, as expand
+            for col, part in zip(cols[1:], p.expand(kl, kr), strict=True):
+                col.append(part)
         if not cols[0]:
             return (ReadPlan.empty(),) * ranks
         rank, lreg, loff, rreg, roff, ln = (np.concatenate(c) for c in cols)

@@ -181,11 +181,8 @@ class ReadGeometry:
             if a.size == 0 or p.length.size == 0:
                 continue
             kl, kr = kernel_ids(a, self.ratios[g]), kernel_ids(b, self.ratios[g])
-            cols[0].append(np.repeat(p.local_region, kl.size))
-            cols[1].append((p.local_offset[:, None] + p.local_stride[:, None] * kl).ravel())
-            cols[2].append(np.repeat(p.remote_region, kl.size))
-            cols[3].append((p.remote_offset[:, None] + p.remote_stride[:, None] * kr).ravel())
-            cols[4].append(np.repeat(p.length, kl.size))
+            for col, part in zip(cols, p.expand(kl, kr), strict=True):
+                col.append(part)
             if self.is_attention[g]:
                 kv_bytes += p.bytes_per_unit * kl.size
             else:

@@ -37,6 +37,19 @@ class Pieces:
         """Bytes one pair of block units moves."""
         return int(self.length.sum())
 
+    def expand(self, local_units: np.ndarray, remote_units: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Every piece over the block unit pairs ``(local_units[k], remote_units[k])``, piece
+        by piece: the ``(local region, local offset, remote region, remote offset, length)``
+        columns of the descriptor pairs."""
+        n = local_units.size
+        return (
+            np.repeat(self.local_region, n),
+            (self.local_offset[:, None] + self.local_stride[:, None] * local_units).ravel(),
+            np.repeat(self.remote_region, n),
+            (self.remote_offset[:, None] + self.remote_stride[:, None] * remote_units).ravel(),
+            np.repeat(self.length, n),
+        )
+
 
 class _Rows:
     """Collects TP-unit pieces part by part; numpy work happens once, in :meth:`pieces`."""
