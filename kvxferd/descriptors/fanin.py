@@ -68,7 +68,7 @@ class FanInGeometry:
         bounds = np.searchsorted(rank, np.arange(ranks + 1)).tolist()
         moved = units @ self.unit_bytes  # bytes per rank, [kv, state] split below
         attn = np.asarray(first.is_attention, dtype=bool)
-        kv = (units[attn] @ self.unit_bytes[attn]).tolist() if attn.any() else [0] * ranks
+        kv = units[attn] @ self.unit_bytes[attn]  # zeros without attention groups
         plans = []
         for r in range(ranks):
             s = slice(bounds[r], bounds[r + 1])
