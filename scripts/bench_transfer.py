@@ -13,7 +13,9 @@ For each layout (planner-made hybrid pools in shared memory), request size and b
   K and V, per mamba layer per block per conv section and SSM) driven through NIXL directly,
   with a progress thread (as vLLM and the sidecars run) and busy-polling;
 - ucx: ``ucx_perftest -t ucp_get`` over loopback at the mean kvxferd descriptor size;
-- memcpy: ``np.copyto`` of each region's volume, one thread.
+- memcpy: ``np.copyto`` of each region's volume, one thread;
+- kernel TCP (``--tls`` sets other than ``default``): the same byte count over loopback TCP
+  sockets between two processes, no UCX (benchlib.tcp): what any transport over TCP is bounded by.
 
 Re-blocking layouts (``*-reblock``) give the prefill other planner options than the decode, so
 the sides' block sizes (and grouping) differ and the pull maps tokens (kvxferd.descriptors
@@ -42,7 +44,7 @@ import numpy as np
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creation at INFO
 
-from benchlib import cli, raw, report, ucx  # noqa: E402
+from benchlib import cli, raw, report, tcp, ucx  # noqa: E402
 from benchlib.procs import SENTINEL, Pool, SidecarProcess, plan  # noqa: E402
 
 from kvxferd.client import EngineClient  # noqa: E402
@@ -282,6 +284,7 @@ def run_case(s: Setup, tokens: int, pattern: str, args: argparse.Namespace) -> d
         prog.close()
     memcpy = raw.median_gbps(nbytes, lambda: raw.memcpy_s(s.ppool.views, s.dpool.views, ceil), w, n)
     u = ucx.ucp_get(nbytes // max(1, ours.num_descriptors), nbytes)
+    tcp_kernel = tcp.ceiling(nbytes, w, n) if args.tcp_ceiling else {"gbps": None, "streams": None}
 
     kx = statistics.median(nbytes / c / 1e9 for c in client)
     kx_sc = statistics.median(nbytes / c / 1e9 for c in sidecar)
@@ -312,6 +315,8 @@ def run_case(s: Setup, tokens: int, pattern: str, args: argparse.Namespace) -> d
         "ucx_iterations": u.iterations,
         "ucx_lane": u.lane,
         "memcpy_gbps": memcpy["gbps"],
+        "tcp_kernel_gbps": tcp_kernel["gbps"],
+        "tcp_kernel_streams": tcp_kernel["streams"],
         "kvxferd_descriptors": ours.num_descriptors,
         "per_layer_descriptors": None if ref is None else ref.num_descriptors,
         "ceiling_descriptors": ceil.num_descriptors,
@@ -324,6 +329,8 @@ def run_case(s: Setup, tokens: int, pattern: str, args: argparse.Namespace) -> d
         "kvxferd_vs_per_layer": ratio(kx, per_layer["gbps"]),
         "kvxferd_vs_per_layer_busy": ratio(kx, pl_busy["gbps"]),
         "kvxferd_vs_memcpy": ratio(kx, memcpy["gbps"]),
+        "kvxferd_vs_tcp_kernel": ratio(kx, tcp_kernel["gbps"]),
+        "tcp_kernel_vs_memcpy": ratio(tcp_kernel["gbps"], memcpy["gbps"]),
         "samples_gbps": {
             "ceiling": ceiling["samples_gbps"],
             "ceiling_progress": ceiling_pt["samples_gbps"],
@@ -414,6 +421,10 @@ NOTES = {
     "ucx_gbps": "ucx_perftest -t ucp_get between two processes on loopback (libucx wheel), "
     "message = mean kvxferd descriptor size; MB/s (2**20) converted to GB/s.",
     "memcpy_gbps": "np.copyto of each region's volume, prefill pool -> decode pool, one thread.",
+    "tcp_kernel_gbps": "the same byte count sent over 1 or 2 loopback TCP connections (the "
+    "better median) from the bench process to a receiver process, recv_into preallocated "
+    "memory, no UCX (scripts/benchlib/tcp.py): no transport over TCP moves more here. Measured "
+    "for --tls sets other than 'default'.",
     "verified": "every timed and warm-up kvxferd pull, and the per-layer table once, were "
     "checked byte for byte (kvxferd.pattern) before their time counted.",
 }
@@ -487,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         for tls in tls_sets:
             with ucx_tls(tls):
                 for name in layouts:
+                    args.tcp_ceiling = tls != "default"
                     for case in run_layout(name, tokens, args, tmp, idle):
                         case["tls"] = tls
                         result["cases"].append(case)
@@ -497,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table(result))
     print()
     print(report.profile_table(result))
+    bounds = report.tcp_bounds(result)
+    if bounds:
+        print("\nover TCP, against the kernel's own loopback TCP:\n" + bounds)
     mach = result["machine"]
     print(
         f"\n{len(result['cases'])} cases in {result['elapsed_s']} s; load average "

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.nixl
@@ -101,3 +102,21 @@ def test_prints_the_table_and_draws_the_plot(quick):
     assert "kx/ceil" in stdout and "plan_read" in stdout
     if png is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_kernel_tcp_ceiling_times_each_stream_count_and_ends_its_receiver():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from benchlib import tcp
+
+    link = tcp.KernelTcp(2)
+    try:
+        assert (
+            link.send_s(np.ones(3 << 20, dtype=np.uint8)) > 0
+        )  # every byte acknowledged, both streams
+    finally:
+        link.close()
+    assert link.child.returncode == 0  # the zero-length round ended it
+    best = tcp.ceiling(4 << 20, warmup=0, repeat=2)
+    assert set(best["by_streams"]) == {1, 2}
+    assert _positive(best["gbps"]) and best["gbps"] == pytest.approx(
+        max(best["by_streams"].values()), rel=1e-2)  # fmt: skip

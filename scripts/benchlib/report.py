@@ -69,12 +69,32 @@ def _label(case: dict) -> str:
     return case["layout"] if tls == "default" else f"{case['layout']}/{tls}"
 
 
+def tcp_bounds(result: dict) -> str:
+    """Where the over-TCP targets (>= 5x per-layer, >= 0.5x memcpy) stand against the kernel's
+    own TCP: a target above the kernel's loopback TCP cannot be met by any transport here."""
+    out = []
+    for c in result["cases"]:
+        tcp = c.get("tcp_kernel_gbps")
+        if not tcp:
+            continue
+        kx, pl, mc = c["kvxferd_gbps"], c["per_layer_gbps"], c["memcpy_gbps"]
+        need = [("0.5x memcpy", 0.5 * mc)] + ([("5x per-layer", 5 * pl)] if pl else [])
+        said = ", ".join(
+            f"{name} = {gbps:.2f} ({'above' if gbps > tcp else 'within'} it)" for name, gbps in need
+        )
+        out.append(
+            f"{_label(c)} {c['tokens']} {c['pattern']}: kernel TCP {tcp:.2f} GB/s "
+            f"({c['tcp_kernel_streams']} streams); kvxferd {kx:.2f} = {kx / tcp:.2f}x it; {said}"
+        )
+    return "\n".join(out)
+
+
 def table(result: dict) -> str:
     """The per-case table (GB/s = 1e9 B/s, medians) with descriptor counts and ratios."""
     head = (
         f"{'layout':20} {'tokens':>6} {'pattern':10} {'MB':>7} {'kvxferd':>7} {'(sc)':>6} "
         f"{'ceil':>6} {'ceil-pt':>7} {'perlay':>6} {'pl-busy':>7} {'ucx':>6} {'memcpy':>6} "
-        f"{'descs':>6} {'pl-descs':>8} {'kx/ceil':>7} {'kx/pl':>6}"
+        f"{'tcp':>6} {'descs':>6} {'pl-descs':>8} {'kx/ceil':>7} {'kx/pl':>6}"
     )
     out = [head]
     for c in result["cases"]:
@@ -83,15 +103,17 @@ def table(result: dict) -> str:
             f"{_f(c['kvxferd_gbps'], '7.2f')} {_f(c['kvxferd_sidecar_gbps'])} "
             f"{_f(c['ceiling_gbps'])} {_f(c['ceiling_progress_gbps'], '7.2f')} "
             f"{_f(c['per_layer_gbps'])} {_f(c['per_layer_busy_gbps'], '7.2f')} "
-            f"{_f(c['ucx_gbps'])} {_f(c['memcpy_gbps'])} {c['kvxferd_descriptors']:>6} "
+            f"{_f(c['ucx_gbps'])} {_f(c['memcpy_gbps'])} {_f(c.get('tcp_kernel_gbps'))} "
+            f"{c['kvxferd_descriptors']:>6} "
             f"{_f(c['per_layer_descriptors'], '>8')} {_f(c['kvxferd_vs_ceiling'], '7.2f')} "
             f"{_f(c['kvxferd_vs_per_layer'])}"
         )
     out.append(
         "GB/s medians. kvxferd: engine-side pull call to done (sc: sidecar-reported duration); "
         "ceil: 1 desc/region, busy-polling initiator; ceil-pt and perlay: initiator with a "
-        "progress thread (sidecar/vLLM config); pl-busy: per-layer, busy-polling. *-reblock: "
-        "the prefill's block sizes differ (tokens mapped); no per-layer scheme exists for it."
+        "progress thread (sidecar/vLLM config); pl-busy: per-layer, busy-polling; tcp: the "
+        "kernel's loopback TCP, no UCX (--tls sets other than default). *-reblock: the "
+        "prefill's block sizes differ (tokens mapped); no per-layer scheme exists for it."
     )
     reasons = {c["ucx_reason"] for c in result["cases"] if c["ucx_gbps"] is None}
     for r in sorted(reasons):
