@@ -179,7 +179,10 @@ for the other sidecars.
    protocol version, manifest, NIXL agent metadata and region base addresses with it
    (`POST /v1/handshake`). The result is cached per (engine id, epoch); a ticket with a new
    epoch (the peer restarted) drops the cache and handshakes again. Manifests that cannot
-   exchange blocks answer 409 naming every field that disagrees.
+   exchange blocks answer 409 naming every field that disagrees. Each side also states the UCX
+   TCP segment sizes its agent sends and receives (`tcp_tx_seg_bytes`, `tcp_rx_seg_bytes`; 0:
+   not stated). A READ over TCP is answered in the target's segments, so a reader that
+   receives less than its target sends is refused by either side (409, field `tcp_segments`).
 5. **claim**: the decode sidecar presents the ticket (`POST /v1/claims`, as a signed frame where
    the handshake named a framed port); the prefill sidecar
    checks its HMAC and what it binds (below) and pins the hold until the claim's deadline; the

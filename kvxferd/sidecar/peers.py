@@ -41,6 +41,7 @@ from kvxferd.frameconn import FrameConnectError
 from kvxferd.sidecar.peer_clients import PeerClients
 from kvxferd.sidecar.peer_http import Reply
 from kvxferd.sidecar.signing import PeerKeys, sign_request
+from kvxferd.transport import ucxenv
 from kvxferd.wire import (
     PROTOCOL_VERSION,
     ClaimRequest,
@@ -281,7 +282,8 @@ class PeerTable:
         return self._clients
 
     async def _handshake(self, address: str) -> Peer:
-        body = msgspec.json.encode(self._local_handshake())
+        mine = self._local_handshake()
+        body = msgspec.json.encode(mine)
         try:
             resp = await self._post(address, "/v1/handshake", body)
         except (OSError, TimeoutError) as exc:
@@ -300,7 +302,8 @@ class PeerTable:
             raise IncompatiblePeerError(
                 {"protocol_version": (PROTOCOL_VERSION, theirs.protocol_version)}
             )
-        diff = self._check_compatible(theirs.manifest)
+        diff = {**self._check_compatible(theirs.manifest), **ucxenv.segment_diff(
+            theirs.tcp_tx_seg_bytes, mine.tcp_rx_seg_bytes, local="reader")}  # fmt: skip
         if diff:
             self._count("incompatible")
             raise IncompatiblePeerError(diff)

@@ -42,7 +42,7 @@ from kvxferd.sidecar.peers import PeerTable
 from kvxferd.sidecar.pulls import Pull, PullRunner
 from kvxferd.sidecar.signing import PeerKeys
 from kvxferd.sidecar.tickets import sign_ticket, verify_ticket, verify_tickets
-from kvxferd.transport import Agent
+from kvxferd.transport import Agent, ucxenv
 from kvxferd.wire import (
     PROTOCOL_VERSION,
     AbortHoldRequest,
@@ -112,7 +112,7 @@ class Sidecar:
         )
         self.pulls = PullRunner(
             local=self._local_layout, transport=self.agent, peers=self.peers, metrics=self.metrics,
-            prepped_reads=config.prepped_reads,
+            prepped_reads=config.prepped_reads, reads_need_progress=self._reads_need_progress,
         )  # fmt: skip
         self._tasks: list[asyncio.Task[None]] = []
         self._secret = config.peer_token.encode()
@@ -332,7 +332,8 @@ class Sidecar:
             raise IncompatiblePeerError(
                 {"protocol_version": (PROTOCOL_VERSION, theirs.protocol_version)}
             )
-        diff = self._compare(theirs.manifest)
+        diff = {**self._compare(theirs.manifest), **ucxenv.segment_diff(
+            self.agent.tcp_segments[0], theirs.tcp_rx_seg_bytes, local="target")}  # fmt: skip
         if diff:
             self.metrics.handshakes.labels("incompatible").inc()
             from kvxferd.errors import IncompatiblePeerError
@@ -505,11 +506,18 @@ class Sidecar:
             manifest=manifest,
             region_bases=self._bases,
             frames_port=self.frames_port,
+            tcp_tx_seg_bytes=self.agent.tcp_segments[0],
+            tcp_rx_seg_bytes=self.agent.tcp_segments[1],
         )
 
     def _compare(self, remote: Manifest) -> dict[str, tuple[object, object]]:
         _, manifest = self._require_engine()
         return descriptors.compare_manifests(manifest, remote)
+
+    def _reads_need_progress(self) -> bool:
+        """Whether READs move only as this process progresses UCX (over TCP, no progress
+        thread): then the completion poller of our own READs does not back off."""
+        return self.notifs.reads_need_us(time.monotonic())
 
     def _after_release(self) -> None:
         """Bring the hold gauges and release counters up to date with the HoldTable."""

@@ -20,6 +20,7 @@ from kvxferd.errors import (
     TransportError,
 )
 from kvxferd.memory import RegionSource
+from kvxferd.transport import ucxenv
 from kvxferd.transport.descs import TableLike, as_indices, as_xfer_table, check_pairs
 from kvxferd.transport.nixl_errors import nixl_errors
 from kvxferd.transport.prepped import PreppedList
@@ -77,6 +78,9 @@ class Agent:
             backends=[],
             sync_mode=modes[sync_mode],
         )
+        ucxenv.apply()  # before the UCX backend exists: UCX reads its variables then
+        self.tcp_segments = ucxenv.tcp_segments()
+        """Bytes per UCX TCP segment this agent sends and receives (0: not known)."""
         with nixl_errors("create agent", name):
             try:
                 nx = nixl_agent(name, config)

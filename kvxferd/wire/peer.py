@@ -30,6 +30,11 @@ class Handshake(msgspec.Struct, frozen=True, kw_only=True):
     frames_port: int = 0
     """TCP port of the sender's framed peer API on its peer host (claims, heartbeats, declines);
     0: none, call it over HTTP."""
+    tcp_tx_seg_bytes: int = 0
+    """Bytes per UCX TCP segment the sender's agent sends (UCX_TCP_TX_SEG_SIZE); 0: not stated."""
+    tcp_rx_seg_bytes: int = 0
+    """Bytes per UCX TCP segment the sender's agent receives (UCX_TCP_RX_SEG_SIZE); 0: not
+    stated. A reader must receive at least what its target sends, or READs over TCP fail."""
 
 
 class ClaimRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -210,6 +210,25 @@ def test_a_different_protocol_version_is_a_409_naming_it(real):
     assert err.field == "protocol_version"
 
 
+def test_a_reader_receiving_smaller_tcp_segments_than_we_send_is_a_409_naming_them(real):
+    """Our READ answers over TCP would come in segments its UCX cannot take (the READ would
+    fail with a disconnect), so the handshake says so instead."""
+    sent = real.sidecar.agent.tcp_segments[0]
+    assert sent > 0
+    ours = msgspec.json.decode(post(real.peer, "/v1/handshake", _handshake(real)).content,
+                               type=Handshake)  # fmt: skip
+    assert (ours.tcp_tx_seg_bytes, ours.tcp_rx_seg_bytes) == real.sidecar.agent.tcp_segments
+    err = _error(post(real.peer, "/v1/handshake", _handshake(real, tcp_rx_seg_bytes=sent - 1)), 409)
+    assert err.field == "tcp_segments"
+    assert f"sends {sent} B" in err.detail and f"receives {sent - 1} B" in err.detail
+    # Equal sizes, or a peer that does not state its own, are accepted.
+    for rx in (sent, 0):
+        assert (
+            post(real.peer, "/v1/handshake", _handshake(real, tcp_rx_seg_bytes=rx)).status_code
+            == 200
+        )
+
+
 def test_a_claim_pins_a_live_hold_for_its_readers(real):
     ticket = _hold(real)
     resp = _claim(real, ticket)

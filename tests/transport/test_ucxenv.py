@@ -1,0 +1,47 @@
+"""UCX settings kvxferd chooses: TCP segments of 1 MiB unless the operator set either size, and
+the check that keeps a reader from READing a target whose segments it cannot receive."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxferd.transport import ucxenv
+
+
+def test_both_segment_sizes_are_set_together_when_neither_is():
+    env: dict[str, str] = {}
+    assert ucxenv.apply(env) == {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
+    assert ucxenv.tcp_segments(env) == (1 << 20, 1 << 20)
+
+
+@pytest.mark.parametrize("var", ucxenv.TCP_SEGMENT_VARS)
+def test_an_operator_setting_either_size_keeps_both_as_they_are(var):
+    env = {var: "256k"}
+    assert ucxenv.apply(env) == {}
+    assert env == {var: "256k"}  # the other stays UCX's own default
+
+
+def test_unset_sizes_are_ucx_defaults_and_unreadable_ones_unknown():
+    assert ucxenv.tcp_segments({}) == ucxenv.UCX_DEFAULT_SEGMENTS
+    assert ucxenv.tcp_segments({"UCX_TCP_TX_SEG_SIZE": "auto"}) == (0, 64 << 10)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("1m", 1 << 20), ("64K", 64 << 10), ("8kb", 8 << 10), ("8192", 8192), ("2G", 2 << 30),
+     (" 4 m ", 4 << 20), ("auto", 0), ("inf", 0), ("1.5m", 0), ("", 0), ("-1k", 0)],
+)  # fmt: skip
+def test_sizes_read_as_ucx_writes_them(text, size):
+    assert ucxenv.parse_size(text) == size
+
+
+def test_a_target_sending_more_than_its_reader_receives_is_named_from_either_side():
+    assert ucxenv.segment_diff(1 << 20, 64 << 10, local="reader") == {
+        "tcp_segments": (f"receives {64 << 10} B", f"sends {1 << 20} B")}  # fmt: skip
+    assert ucxenv.segment_diff(1 << 20, 64 << 10, local="target") == {
+        "tcp_segments": (f"sends {1 << 20} B", f"receives {64 << 10} B")}  # fmt: skip
+
+
+@pytest.mark.parametrize(("tx", "rx"), [(8 << 10, 64 << 10), (1 << 20, 1 << 20), (0, 1), (1, 0)])
+def test_segments_a_reader_can_take_or_sizes_not_known_pass(tx, rx):
+    assert ucxenv.segment_diff(tx, rx, local="reader") == {}
