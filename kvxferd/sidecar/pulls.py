@@ -135,7 +135,6 @@ class PullRunner:
         peers: PeerTable,
         metrics: Metrics,
         prepped_reads: bool = False,
-        reads_need_progress: Callable[[], bool] | None = None,
     ) -> None:
         self._local = local
         self._transport = transport
@@ -152,7 +151,7 @@ class PullRunner:
         # Children bound once: a labels() lookup per observation is ~10 per READ (hot path).
         self._phase = {p: metrics.phase_duration.labels(p) for p in PHASES}
         self._bytes = {k: metrics.transfer_bytes.labels(k) for k in BYTE_KINDS}
-        self.reads = Reads(transport, on_stuck=peers.forget, spin=reads_need_progress)
+        self.reads = Reads(transport, on_stuck=peers.forget)
         self.rank_plans = RankPlans()
         self.views = PeerViews(transport, enabled=prepped_reads)
         self.feed = FinishedFeed()

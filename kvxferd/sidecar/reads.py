@@ -101,12 +101,11 @@ class Reads:
         *,
         on_stuck: Callable[[str], Awaitable[None]],
         per_peer: int = PER_PEER,
-        spin: Callable[[], bool] | None = None,
     ) -> None:
         self._agent = agent
         self._on_stuck = on_stuck
         self._per_peer = per_peer
-        self.poller = CompletionPoller(spin)
+        self.poller = CompletionPoller()
         self._executor: ThreadPoolExecutor | None = None
         self._slots: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
         self._quarantine: set[asyncio.Task[None]] = set()

@@ -112,7 +112,7 @@ class Sidecar:
         )
         self.pulls = PullRunner(
             local=self._local_layout, transport=self.agent, peers=self.peers, metrics=self.metrics,
-            prepped_reads=config.prepped_reads, reads_need_progress=self._reads_need_progress,
+            prepped_reads=config.prepped_reads,
         )  # fmt: skip
         self._tasks: list[asyncio.Task[None]] = []
         self._secret = config.peer_token.encode()
@@ -513,11 +513,6 @@ class Sidecar:
     def _compare(self, remote: Manifest) -> dict[str, tuple[object, object]]:
         _, manifest = self._require_engine()
         return descriptors.compare_manifests(manifest, remote)
-
-    def _reads_need_progress(self) -> bool:
-        """Whether READs move only as this process progresses UCX (over TCP, no progress
-        thread): then the completion poller of our own READs does not back off."""
-        return self.notifs.reads_need_us(time.monotonic())
 
     def _after_release(self) -> None:
         """Bring the hold gauges and release counters up to date with the HoldTable."""

@@ -58,6 +58,12 @@ class Agent:
         num_threads: int = 0,
         backend_params: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
+        tx, rx = ucxenv.tcp_segments()
+        if tx and rx and tx > rx:  # UCX would refuse to open its TCP transport, less clearly
+            raise TransportError(
+                f"create agent ({name}): UCX_TCP_TX_SEG_SIZE ({tx} B) exceeds "
+                f"UCX_TCP_RX_SEG_SIZE ({rx} B); set the received size at least as large"
+            )
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         modes = {
@@ -78,8 +84,7 @@ class Agent:
             backends=[],
             sync_mode=modes[sync_mode],
         )
-        ucxenv.apply()  # before the UCX backend exists: UCX reads its variables then
-        self.tcp_segments = ucxenv.tcp_segments()
+        self.tcp_segments = (tx, rx)
         """Bytes per UCX TCP segment this agent sends and receives (0: not known)."""
         with nixl_errors("create agent", name):
             try:

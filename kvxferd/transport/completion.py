@@ -4,12 +4,6 @@ One task per poller asks NIXL about every awaited transfer (``check_xfer_state``
 GIL and costs microseconds), yielding between rounds and backing off to a short cap while
 nothing completes. Waiters await futures, so a stalled peer costs a poll per round, never a
 thread, and never delays a transfer from another peer.
-
-Where READs move only as this process progresses UCX (over TCP, without a progress thread: the
-reader receives the emulated READ's data in its progress calls), the poller does not back off
-while anything is awaited: it yields to the loop between rounds and polls again. That costs up
-to a core while such a READ is in flight, and made a 96 MB READ over loopback TCP (1 MiB
-segments) about 1.4x faster than 2 ms rounds (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -17,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 
 from kvxferd.aio import Wake
 from kvxferd.errors import TransferTimeoutError
@@ -35,9 +28,7 @@ MAX_SLEEP_S = 0.002
 class CompletionPoller:
     """Waits for transfers on the running loop; one polling task while anything is awaited."""
 
-    def __init__(self, spin: Callable[[], bool] | None = None) -> None:
-        self._spin = spin or (lambda: False)
-        """Whether awaited transfers move only as we progress UCX: no backoff then."""
+    def __init__(self) -> None:
         self._waiting: dict[PostedRead, list[asyncio.Future[TransferState]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._fresh = False  # a transfer was added since the last round: restart the backoff
@@ -111,7 +102,7 @@ class CompletionPoller:
                         fut.set_result(state)
                 self._waiting.pop(transfer, None)
             rounds += 1
-            if progressed or rounds <= SPIN_ROUNDS or self._spin():
+            if progressed or rounds <= SPIN_ROUNDS:
                 await asyncio.sleep(0)
             else:
                 await self._kicked.sleep(sleep)

@@ -115,35 +115,6 @@ def test_a_kick_ends_the_backoff_sleep_at_once(monkeypatch):
     assert asyncio.run(main()) is TransferState.DONE
 
 
-def test_while_reads_need_our_progress_the_poller_never_backs_off(monkeypatch):
-    """Over TCP a READ moves only as the reader progresses UCX: the poller keeps polling (it
-    yields to the loop each round) instead of sleeping, for as long as the READ is awaited."""
-    from kvxferd.transport import completion
-
-    monkeypatch.setattr(completion, "FIRST_SLEEP_S", 60.0)
-    monkeypatch.setattr(completion, "MAX_SLEEP_S", 60.0)
-    nixl = _Nixl()
-    xfer = _transfer(nixl)
-    spinning = [True]
-
-    async def main() -> None:
-        poller = CompletionPoller(spin=lambda: spinning[0])
-        loop = asyncio.get_running_loop()
-        waiter = asyncio.create_task(poller.wait(xfer, loop.time() + 120))
-        for _ in range(20 * completion.SPIN_ROUNDS):  # well past the rounds it spins anyway
-            await asyncio.sleep(0)
-            assert not poller.backing_off
-        spinning[0] = False  # READs no longer need us: it backs off again
-        while not poller.backing_off:
-            await asyncio.sleep(0)
-        nixl.finish = True
-        poller.kick()
-        assert await asyncio.wait_for(waiter, 30) is TransferState.DONE
-        await poller.close()
-
-    asyncio.run(main())
-
-
 def test_a_stalled_transfer_does_not_delay_another():
     stalled, healthy = _Nixl(), _Nixl()
     xs, xh = _transfer(stalled), _transfer(healthy)
@@ -189,9 +160,10 @@ def test_a_real_read_completes_through_the_poller(agent, peer, dst):
 
 
 @pytest.mark.nixl
-def test_a_real_read_over_tcp_completes_with_the_poller_spinning(monkeypatch, dst):
+def test_a_real_read_over_tcp_completes_through_the_poller(monkeypatch, dst):
     """UCX over TCP (what pods without RDMA get), the reader without a progress thread: the
-    READ completes through a poller that polls without backing off; every byte is checked."""
+    READ moves only in the reader's progress calls, which the poller's rounds are; every byte
+    is checked."""
     from tests.transport.conftest import start_peer, unique
 
     monkeypatch.setenv("UCX_TLS", "tcp")
@@ -205,7 +177,7 @@ def test_a_real_read_over_tcp_completes_with_the_poller_spinning(monkeypatch, ds
                           np.array([[peer.remote_base, n]]))  # fmt: skip
 
         async def main() -> TransferState:
-            poller = CompletionPoller(spin=lambda: True)
+            poller = CompletionPoller()
             try:
                 return await poller.wait(xfer, asyncio.get_running_loop().time() + 60)
             finally:

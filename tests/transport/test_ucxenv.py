@@ -1,24 +1,11 @@
-"""UCX settings kvxferd chooses: TCP segments of 1 MiB unless the operator set either size, and
-the check that keeps a reader from READing a target whose segments it cannot receive."""
+"""UCX TCP segment sizes: read as UCX reads them, and the check that keeps a reader from READing
+a target whose segments it cannot receive (or an agent from starting with sizes UCX refuses)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvxferd.transport import ucxenv
-
-
-def test_both_segment_sizes_are_set_together_when_neither_is():
-    env: dict[str, str] = {}
-    assert ucxenv.apply(env) == {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
-    assert ucxenv.tcp_segments(env) == (1 << 20, 1 << 20)
-
-
-@pytest.mark.parametrize("var", ucxenv.TCP_SEGMENT_VARS)
-def test_an_operator_setting_either_size_keeps_both_as_they_are(var):
-    env = {var: "256k"}
-    assert ucxenv.apply(env) == {}
-    assert env == {var: "256k"}  # the other stays UCX's own default
 
 
 def test_unset_sizes_are_ucx_defaults_and_unreadable_ones_unknown():
@@ -45,3 +32,13 @@ def test_a_target_sending_more_than_its_reader_receives_is_named_from_either_sid
 @pytest.mark.parametrize(("tx", "rx"), [(8 << 10, 64 << 10), (1 << 20, 1 << 20), (0, 1), (1, 0)])
 def test_segments_a_reader_can_take_or_sizes_not_known_pass(tx, rx):
     assert ucxenv.segment_diff(tx, rx, local="reader") == {}
+
+
+def test_an_agent_sending_larger_segments_than_it_receives_is_refused_by_name(monkeypatch):
+    from kvxferd.errors import TransportError
+    from kvxferd.transport import Agent
+
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "1m")
+    monkeypatch.delenv("UCX_TCP_RX_SEG_SIZE", raising=False)
+    with pytest.raises(TransportError, match="UCX_TCP_TX_SEG_SIZE .* exceeds UCX_TCP_RX_SEG_SIZE"):
+        Agent("never-created")
