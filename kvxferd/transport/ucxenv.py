@@ -6,8 +6,9 @@ receives them into ``UCX_TCP_RX_SEG_SIZE`` segments (64 KiB). A target whose seg
 its reader's breaks the connection: the READ fails with NIXL_ERR_REMOTE_DISCONNECT (measured
 with bare agents). Operators may raise both (``1m`` moved 1.2-1.4x more per second over
 loopback TCP), so sidecars state theirs in the handshake and :func:`segment_diff` refuses a pair
-whose READs over TCP would break. kvxferd leaves both at UCX's defaults: with larger segments
-the fault campaign saw the prefill's UCX crash when a reader died mid-READ (docs/benchmarks.md).
+whose READs over TCP would break. kvxferd leaves both at UCX's defaults: over TCP the fault
+campaign sees the prefill's UCX crash now and then when a reader dies mid-READ, more often with
+larger segments (docs/benchmarks.md).
 """
 
 from __future__ import annotations
