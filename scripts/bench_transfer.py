@@ -202,8 +202,11 @@ def pull_once(s: Setup, pids, dids, tokens: int, seed: int, p: ReadPlan) -> tupl
     return client_s, status
 
 
-def run_case(s: Setup, tokens: int, pattern: str, args: argparse.Namespace) -> dict:
-    """Every measurement of one (layout, request size, allocation pattern)."""
+def run_case(
+    s: Setup, tokens: int, pattern: str, args: argparse.Namespace, tcp_ceiling: bool = False
+) -> dict:
+    """Every measurement of one (layout, request size, allocation pattern); ``tcp_ceiling``:
+    also the kernel's loopback TCP (runs under a ``--tls`` set other than ``default``)."""
     counts = blocks_per_group(s.dm, tokens)
     seed = (tokens * 7 + PATTERNS.index(pattern)) & 0xFFFF
     pids = allocate(blocks_per_group(s.pm, tokens), s.pm.num_blocks, pattern, seed)
@@ -284,7 +287,7 @@ def run_case(s: Setup, tokens: int, pattern: str, args: argparse.Namespace) -> d
         prog.close()
     memcpy = raw.median_gbps(nbytes, lambda: raw.memcpy_s(s.ppool.views, s.dpool.views, ceil), w, n)
     u = ucx.ucp_get(nbytes // max(1, ours.num_descriptors), nbytes)
-    tcp_kernel = tcp.ceiling(nbytes, w, n) if args.tcp_ceiling else {"gbps": None, "streams": None}
+    tcp_kernel = tcp.ceiling(nbytes, w, n) if tcp_ceiling else {"gbps": None, "streams": None}
 
     kx = statistics.median(nbytes / c / 1e9 for c in client)
     kx_sc = statistics.median(nbytes / c / 1e9 for c in sidecar)
@@ -344,7 +347,12 @@ def run_case(s: Setup, tokens: int, pattern: str, args: argparse.Namespace) -> d
 
 
 def run_layout(
-    name: str, tokens: list[int], args: argparse.Namespace, tmp: str, idle: dict
+    name: str,
+    tokens: list[int],
+    args: argparse.Namespace,
+    tmp: str,
+    idle: dict,
+    tcp_ceiling: bool = False,
 ) -> list[dict]:
     """Start a sidecar pair with pools sized for the largest request, run every case."""
     config, options = LAYOUTS[name]
@@ -386,7 +394,7 @@ def run_layout(
         cases = []
         for t in tokens:
             for pattern in PATTERNS:
-                c = run_case(s, t, pattern, args)
+                c = run_case(s, t, pattern, args, tcp_ceiling)
                 print(
                     f"  {t:>6} {pattern:10} {c['bytes'] / 1e6:8.1f} MB  kvxferd "
                     f"{c['kvxferd_gbps']:.2f}  ceiling {c['ceiling_gbps']:.2f}  per-layer "
@@ -498,8 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         for tls in tls_sets:
             with ucx_tls(tls):
                 for name in layouts:
-                    args.tcp_ceiling = tls != "default"
-                    for case in run_layout(name, tokens, args, tmp, idle):
+                    for case in run_layout(name, tokens, args, tmp, idle, tls != "default"):
                         case["tls"] = tls
                         result["cases"].append(case)
     result["machine"].update(idle)
