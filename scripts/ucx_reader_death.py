@@ -33,12 +33,15 @@ from pathlib import Path
 import numpy as np
 
 from kvxferd.memory import SharedMemoryRegion
+from kvxferd.memory.shm import SHM_DIR
 from kvxferd.transport import Agent
 
 PATTERN = 0x5A
 """Every byte of the target's region."""
 DESCS = 64
 """Descriptors per READ (the region in equal pieces)."""
+READER_LIFE_S = 120
+"""A reader process ends (SIGALRM) after this long, killed or not."""
 
 
 def _wait_for(path: Path, timeout_s: float) -> None:
@@ -52,7 +55,7 @@ def _wait_for(path: Path, timeout_s: float) -> None:
 def _unlink(shm: str) -> None:
     """Remove a killed process's segment (a SIGKILLed owner cannot)."""
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join("/dev/shm", shm))
+        os.unlink(os.path.join(SHM_DIR, shm))
 
 
 def serve(work: Path, size: int, shm: str) -> None:
@@ -75,6 +78,7 @@ def serve(work: Path, size: int, shm: str) -> None:
 
 def read(work: Path, size: int, index: int, shm: str, verify: bool) -> None:
     """A reader: READ the whole region in DESCS pieces, forever (or once, checking bytes)."""
+    signal.alarm(READER_LIFE_S)  # a reader that hangs ends by itself, so the campaign ends too
     with (
         Agent(f"reader{index}", progress_thread=False) as agent,
         SharedMemoryRegion.create(shm, size) as region,
