@@ -40,7 +40,7 @@ def _ticket(ident: Identity) -> Ticket:
 @pytest.mark.parametrize("prefill", ["no_engine", "stopped"])
 def test_a_pull_ends_failed_by_its_deadline(tmp_path, prefill):
     p_side, d_side = start_sidecars(str(tmp_path), ["p", "d"])
-    stopped = False
+    stopped, pool = False, None
     try:
         manifest = plan("llama-3.1-8b", num_blocks=9)
         pool = EnginePool(manifest)
@@ -69,3 +69,5 @@ def test_a_pull_ends_failed_by_its_deadline(tmp_path, prefill):
             os.kill(p_side.child.pid, signal.SIGCONT)
         p_side.stop()
         d_side.stop()
+        if pool is not None:
+            pool.close()  # unlinks its shared memory
