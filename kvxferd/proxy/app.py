@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import logging
 import uuid
@@ -33,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
 from kvxferd.lanes import ssl_context
-from kvxferd.proxy.clients import ClientSlots
+from kvxferd.proxy.clients import SLOTS, ClientSlots
 from kvxferd.proxy.failures import (
     BackendTimeout,
     bad_backend_reply,
@@ -109,7 +108,7 @@ class ProxySettings:
 
 def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     """The prefill's copy of a request: one token, no streaming, the transfer stub."""
-    out = copy.deepcopy(body)
+    out = dict(body)  # only top-level keys change; nested values are shared, never mutated
     out["kv_transfer_params"] = dict(KV_TRANSFER_STUB)
     out["stream"] = False
     out["max_tokens"] = 1
@@ -123,29 +122,46 @@ def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
 def proxy_app(
     settings: ProxySettings, transport: httpx.AsyncBaseTransport | None = None
 ) -> FastAPI:
-    """Build the app; ``transport`` replaces the network in unit tests (httpx.MockTransport)."""
+    """Build the app; ``transport`` replaces the network (e.g. an httpx.MockTransport)."""
     prefills = RoundRobin("prefill", settings.prefill)
     decodes = RoundRobin("decode", settings.decode)
     first_byte, idle, generation = settings.first_byte, settings.idle, settings.generation
     releases: set[asyncio.Task[None]] = set()
 
+    # Reads are bounded per phase below (first byte, idle); the transport bounds connect and
+    # writes. Backend calls go straight to the transport: an httpx client would add a cookie
+    # jar (one user's backend session sent with the next user's request), redirects and a
+    # third of the proxy's CPU per request (issue 11).
+    timeouts = {"connect": settings.connect, "read": None, "write": idle, "pool": idle}
+    urls: dict[str, httpx.URL] = {}  # bounded: backends x the five paths the proxy calls
+
+    def backend_request(
+        method: str, url: str, body: Any = None, headers: dict[str, str] | None = None
+    ) -> httpx.Request:
+        """A request to a backend; ``body`` (if any) sent as JSON."""
+        target = urls.get(url)
+        if target is None:
+            target = urls[url] = httpx.URL(url)
+        out = dict(headers or {})
+        content = None
+        if body is not None:
+            content = json.dumps(body, ensure_ascii=False, separators=(",", ":"),
+                                 allow_nan=False).encode()  # fmt: skip
+            out["Content-Type"] = "application/json"
+        return httpx.Request(
+            method, target, content=content, headers=out, extensions={"timeout": timeouts}
+        )
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(
-            max_connections=None,
-            max_keepalive_connections=KEEPALIVE_PER_CLIENT,
-            keepalive_expiry=HTTP_CLIENT_KEEPALIVE_S,
-        )
-        # Reads are bounded per phase below (first byte, idle); httpx bounds connect and writes.
-        timeout = httpx.Timeout(connect=settings.connect, read=None, write=idle, pool=idle)
-
-        def make() -> httpx.AsyncClient:
-            kept = transport or KeptTransport(
+        def make() -> httpx.AsyncBaseTransport:
+            return transport or KeptTransport(
                 ssl_context(), KEEPALIVE_PER_CLIENT, HTTP_CLIENT_KEEPALIVE_S
             )
-            return httpx.AsyncClient(timeout=timeout, limits=limits, transport=kept)
 
-        slots = ClientSlots(make)
+        slots: ClientSlots[httpx.AsyncBaseTransport] = ClientSlots(
+            make, limit=1 if transport else SLOTS
+        )
         app.state.clients = slots
         try:
             yield
@@ -158,7 +174,7 @@ def proxy_app(
     app = FastAPI(title="kvxferd proxy", lifespan=lifespan)
 
     async def relay(request: Request, path: str, chat: bool) -> Response:
-        slots: ClientSlots = request.app.state.clients
+        slots: ClientSlots[httpx.AsyncBaseTransport] = request.app.state.clients
         client = slots.take()
         try:  # a stream still being relayed shares the client with the next request
             return await forward(request, path, chat, client)
@@ -166,10 +182,10 @@ def proxy_app(
             slots.give(client)
 
     async def forward(
-        request: Request, path: str, chat: bool, client: httpx.AsyncClient
+        request: Request, path: str, chat: bool, client: httpx.AsyncBaseTransport
     ) -> Response:
         try:
-            body = await request.json()
+            body = json.loads(await request.body(), parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
             return error_response(400, f"request body is not JSON: {exc}", "invalid_request_error")
         if not isinstance(body, dict):
@@ -183,8 +199,8 @@ def proxy_app(
 
         prefill = prefills.next()
         try:
-            p_resp, p_content = await _call(client, client.build_request(
-                "POST", prefill.url + path, json=prefill_body(body, chat), headers=headers
+            p_resp, p_content = await _call(client, backend_request(
+                "POST", prefill.url + path, prefill_body(body, chat), headers
             ), first_byte, idle)  # fmt: skip
         except _BACKEND_ERRORS as exc:
             log.warning("request %s: prefill %s failed: %s", request_id, prefill.url,
@@ -205,16 +221,16 @@ def proxy_app(
             """The decode will not read what the prefill holds: tell the prefill, in the
             background (the client's answer does not wait for it)."""
             if settings.release_on_failure:
-                task = asyncio.create_task(
-                    _release(client, prefill, params, headers, first_byte, idle)
-                )
+                body = {"kv_transfer_params": params}
+                ask = backend_request("POST", prefill.url + RELEASE_PATH, body, headers)
+                task = asyncio.create_task(_release(client, ask, prefill, first_byte, idle))
                 releases.add(task)
                 task.add_done_callback(releases.discard)
 
         decode = decodes.next()
         d_body = dict(body)
         d_body["kv_transfer_params"] = params
-        d_req = client.build_request("POST", decode.url + path, json=d_body, headers=headers)
+        d_req = backend_request("POST", decode.url + path, d_body, headers)
         wait = first_byte if body.get("stream") is True else generation
         try:
             d_resp = await _send(client, d_req, wait)
@@ -253,11 +269,11 @@ def proxy_app(
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         decode = decodes.backends[0]
-        slots: ClientSlots = request.app.state.clients
+        slots: ClientSlots[httpx.AsyncBaseTransport] = request.app.state.clients
         client = slots.take()
         try:
             resp, content = await _call(
-                client, client.build_request("GET", decode.url + "/v1/models"), first_byte, idle
+                client, backend_request("GET", decode.url + "/v1/models"), first_byte, idle
             )
         except _BACKEND_ERRORS as exc:
             return unreachable(decode, exc, first_byte)
@@ -267,13 +283,12 @@ def proxy_app(
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        slots: ClientSlots = request.app.state.clients
+        slots: ClientSlots[httpx.AsyncBaseTransport] = request.app.state.clients
         client = slots.take()
         everyone = [*prefills.backends, *decodes.backends]
         try:
-            verdicts = await asyncio.gather(
-                *(_probe(client, b, first_byte, idle) for b in everyone)
-            )
+            probes = [backend_request("GET", b.url + "/health") for b in everyone]
+            verdicts = await asyncio.gather(*(_probe(client, p, first_byte, idle) for p in probes))
         finally:
             slots.give(client)
         report: dict[str, Any] = {"prefill": {}, "decode": {}}
@@ -288,8 +303,13 @@ def proxy_app(
     return app
 
 
+def _no_constant(name: str) -> Any:
+    """JSON has no NaN or Infinity; Python's parser would accept them and the forward fail."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 async def _call(
-    client: httpx.AsyncClient, request: httpx.Request, first_byte: float, idle: float
+    client: httpx.AsyncBaseTransport, request: httpx.Request, first_byte: float, idle: float
 ) -> tuple[httpx.Response, bytes]:
     """Send ``request``: its answer's head within ``first_byte``, then its body with at most
     ``idle`` seconds between chunks. The (closed) response and its decoded body."""
@@ -301,14 +321,16 @@ async def _call(
 
 
 async def _send(
-    client: httpx.AsyncClient, request: httpx.Request, first_byte: float
+    client: httpx.AsyncBaseTransport, request: httpx.Request, first_byte: float
 ) -> httpx.Response:
     """Send ``request`` and wait (at most ``first_byte`` s) for its answer's head; streamed."""
     try:
         async with asyncio.timeout(first_byte):
-            return await client.send(request, stream=True)
+            resp = await client.handle_async_request(request)
     except TimeoutError:
         raise BackendTimeout("first byte", first_byte) from None
+    resp.request = request
+    return resp
 
 
 async def _read(resp: httpx.Response, idle: float) -> bytes:
@@ -331,17 +353,13 @@ async def _chunks(resp: httpx.Response, idle: float) -> AsyncIterator[bytes]:
 
 
 async def _release(
-    client: httpx.AsyncClient,
+    client: httpx.AsyncBaseTransport,
+    request: httpx.Request,
     prefill: Backend,
-    params: dict[str, Any],
-    headers: dict[str, str],
     first_byte: float,
     idle: float,
 ) -> None:
     """Ask the prefill to free what it holds for a decode that will not read it (best effort)."""
-    request = client.build_request(
-        "POST", prefill.url + RELEASE_PATH, json={"kv_transfer_params": params}, headers=headers
-    )
     try:
         resp, _ = await _call(client, request, first_byte, idle)
     except _BACKEND_ERRORS as exc:
@@ -352,13 +370,12 @@ async def _release(
 
 
 async def _probe(
-    client: httpx.AsyncClient, backend: Backend, first_byte: float, idle: float
+    client: httpx.AsyncBaseTransport, request: httpx.Request, first_byte: float, idle: float
 ) -> str:
-    """``"ok"`` when the backend's /health answers 2xx within the bounds, else the reason."""
+    """``"ok"`` when a backend's /health (``request``) answers 2xx within the bounds, else the
+    reason."""
     try:
-        resp, _ = await _call(
-            client, client.build_request("GET", backend.url + "/health"), first_byte, idle
-        )
+        resp, _ = await _call(client, request, first_byte, idle)
     except _BACKEND_ERRORS as exc:
         return describe_failure(exc)
     return "ok" if resp.status_code < 300 else f"HTTP {resp.status_code}"

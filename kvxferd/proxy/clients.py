@@ -1,36 +1,36 @@
-"""The proxy's backend clients: each request borrows one httpx client for its whole life.
+"""The proxy's backend clients: each request borrows one for its whole life.
 
-httpcore's pool rescans every connection for every waiting request whenever a request starts or
-ends (and polls each idle socket to see whether it is still open), so its cost per request grows
-with the requests sharing a pool. Round-robin lanes still put 8 requests and 16 connections in
-each pool at 64 in flight; there that scan was the proxy's largest cost and the proxy
-saturated a core before the backends did (issue 11). Here a request takes an idle client (the
-most recently used: its connections are warm), or a new one up to ``limit``, or past that the
-least busy; so each pool mostly holds one request and one connection per backend it talks to.
+A client here is a transport with its own kept connections (``KeptTransport``). Sharing one pool
+between all requests made every request scan every connection (httpcore did so whenever a
+request started or ended), so its cost grew with the requests in flight; at 64 in flight that
+scan was the proxy's largest cost (issue 11). Here a request takes an idle client (the most
+recently used: its connections are warm), or a new one up to ``limit``, or past that the least
+busy; so each client mostly serves one request, with one connection per backend it talks to.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import httpx
+from typing import Generic, TypeVar
 
 SLOTS = 32
 """Most clients the proxy makes: past this many requests in flight, clients are shared."""
 
+C = TypeVar("C")
 
-class ClientSlots:
-    """httpx clients made by ``make`` when needed (at most ``limit``), lent one per request."""
 
-    def __init__(self, make: Callable[[], httpx.AsyncClient], limit: int = SLOTS) -> None:
+class ClientSlots(Generic[C]):
+    """Clients made by ``make`` when needed (at most ``limit``), lent one per request."""
+
+    def __init__(self, make: Callable[[], C], limit: int = SLOTS) -> None:
         if limit < 1:
             raise ValueError(f"client slots: at least 1, got {limit}")
         self._make = make
         self._limit = limit
-        self._idle: list[httpx.AsyncClient] = []
-        self._load: dict[httpx.AsyncClient, int] = {}
+        self._idle: list[C] = []
+        self._load: dict[C, int] = {}
 
-    def take(self) -> httpx.AsyncClient:
+    def take(self) -> C:
         """A client for one request; hand it back with ``give`` when the request is over."""
         if self._idle:
             client = self._idle.pop()
@@ -42,7 +42,7 @@ class ClientSlots:
         self._load[client] += 1
         return client
 
-    def give(self, client: httpx.AsyncClient) -> None:
+    def give(self, client: C) -> None:
         """``client``'s request is over (every response it opened is closed)."""
         left = self._load[client] = self._load[client] - 1
         if left == 0:
@@ -52,6 +52,6 @@ class ClientSlots:
         """Requests holding a client now."""
         return sum(self._load.values())
 
-    def made(self) -> list[httpx.AsyncClient]:
+    def made(self) -> list[C]:
         """Every client made so far (to close them)."""
         return list(self._load)

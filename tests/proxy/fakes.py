@@ -53,6 +53,9 @@ class FakeBackend:
     """Slow but alive: wait this long before a JSON answer, and between two SSE events."""
     stall: threading.Event | None = None
     """A stream stops after its first event until this event is set (a silent decode)."""
+    set_cookie: str = ""
+    """Every completion answer carries ``Set-Cookie: <this>`` (a backend behind a session-keeping
+    gateway)."""
 
     def completion_text(self, body: dict[str, Any]) -> str:
         params = body.get("kv_transfer_params") or {}
@@ -89,7 +92,10 @@ def fake_app(fake: FakeBackend) -> FastAPI:
                 "remote_request_id": request.headers.get("x-request-id"),
                 "tp_size": 1,
             }
-        return JSONResponse(reply)
+        answer = JSONResponse(reply)
+        if fake.set_cookie:
+            answer.headers["set-cookie"] = fake.set_cookie
+        return answer
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -142,6 +142,19 @@ def test_authorization_header_reaches_both(make_rig: Callable[..., Rig]) -> None
     assert rig.decodes[0].seen[0].headers["authorization"] == "Bearer k"
 
 
+def test_a_backends_cookie_never_rides_on_a_later_request(make_rig: Callable[..., Rig]) -> None:
+    """The proxy keeps no cookie jar: one user's backend session must not reach the next user."""
+    rig = make_rig()
+    rig.prefills[0].set_cookie = "session=alice-secret; Path=/"
+    rig.decodes[0].set_cookie = "route=d0-alice; Path=/"
+    with rig.client() as c:
+        for _ in range(3):
+            assert c.post("/v1/completions", json=completion()).status_code == 200
+    seen = rig.prefills[0].seen + rig.decodes[0].seen
+    assert len(seen) == 6
+    assert [s.headers.get("cookie") for s in seen] == [None] * 6
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_streaming_is_relayed_byte_for_byte(make_rig: Callable[..., Rig], chat: bool) -> None:
     rig = make_rig()
@@ -232,6 +245,18 @@ def test_bad_json_is_a_400(make_rig: Callable[..., Rig]) -> None:
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
     assert listed.status_code == 400
     assert rig.prefills[0].seen == []
+
+
+def test_nan_or_infinity_in_the_body_is_a_400_not_a_crash(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    with rig.client() as c:
+        for const in (b"NaN", b"Infinity", b"-Infinity"):
+            resp = c.post("/v1/completions", content=b'{"model": "m", "temperature": ' + const
+                          + b"}", headers={"content-type": "application/json"})  # fmt: skip
+            assert resp.status_code == 400, const
+            assert const.lstrip(b"-").decode() in resp.json()["error"]["message"]
+        assert c.post("/v1/completions", json=completion()).status_code == 200
+    assert len(rig.prefills[0].seen) == 1
 
 
 def test_health_needs_one_prefill_and_one_decode(make_rig: Callable[..., Rig]) -> None:

@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from kvxferd.proxy.transport import KeptTransport
+from kvxferd.proxy.transport import MAX_HEAD, KeptTransport
 from tests.proxy.fakes import free_port, serve_app
 
 
@@ -133,4 +133,85 @@ def test_an_answer_that_is_not_http_is_an_httpx_protocol_error():
             srv.close()
 
     with pytest.raises(httpx.RemoteProtocolError):
+        asyncio.run(main())
+
+
+def _raw_server_run(answer: bytes, requests: int = 1, close: bool = True):
+    """Run ``requests`` GETs against a raw server that writes ``answer`` to each request; the
+    (status, body) of each, the connections the server saw and the heads it received."""
+    seen: dict[str, object] = {"conns": 0, "heads": []}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen["conns"] = int(seen["conns"]) + 1  # type: ignore[call-overload]
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                seen["heads"].append(head)  # type: ignore[attr-defined]
+                writer.write(answer)
+                await writer.drain()
+                if close:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main() -> list[tuple[int, bytes]]:
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        try:
+            async with _client() as c:
+                out = []
+                for _ in range(requests):
+                    resp = await c.get(f"http://127.0.0.1:{port}/")
+                    out.append((resp.status_code, resp.content))
+                return out
+        finally:
+            srv.close()
+
+    return asyncio.run(main()), seen
+
+
+def test_an_informational_answer_is_skipped_for_the_real_one():
+    answers, _ = _raw_server_run(
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 3\r\n\r\nabc"
+    )
+    assert answers == [(201, b"abc")]
+
+
+def test_a_body_without_length_ends_at_close_and_its_connection_is_not_kept():
+    answers, seen = _raw_server_run(b"HTTP/1.1 200 OK\r\n\r\n" + b"z" * 100_000, requests=2)
+    assert answers == [(200, b"z" * 100_000)] * 2
+    assert seen["conns"] == 2
+
+
+def test_a_chunked_answer_arrives_whole_and_its_connection_is_reused():
+    chunked = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+    )
+    answers, seen = _raw_server_run(chunked, requests=3, close=False)
+    assert answers == [(200, b"abcde")] * 3
+    assert seen["conns"] == 1
+
+
+def test_bytes_after_an_answer_mean_its_connection_is_not_reused():
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\nContent-Len"
+    answers, seen = _raw_server_run(answer, requests=2, close=False)
+    assert answers == [(200, b"ok")] * 2
+    assert seen["conns"] == 2
+
+
+def test_an_answer_head_past_the_bound_is_a_protocol_error():
+    huge = b"HTTP/1.1 200 OK\r\n" + b"x-pad: " + b"p" * (MAX_HEAD + 10) + b"\r\n\r\n"
+    with pytest.raises(httpx.RemoteProtocolError, match="head over"):
+        _raw_server_run(huge)
+
+
+@pytest.mark.parametrize("value", ["a\r\nx-evil: 1", "a\nb", "a\x00b"])
+def test_a_header_value_that_would_add_a_line_is_refused_before_anything_is_sent(value):
+    async def main() -> None:
+        async with _client() as c:
+            await c.get(f"http://127.0.0.1:{free_port()}/", headers={"x-request-id": value})
+
+    with pytest.raises(httpx.LocalProtocolError, match="x-request-id"):
         asyncio.run(main())
