@@ -12,6 +12,10 @@ import numpy as np
 
 from kvxferd.descriptors.plan import ReadPlan
 
+SMALL_RUNS = 32
+"""Up to this many pairs, runs are merged over Python ints: a one-block pull's planning was
+mostly numpy's fixed cost per call (issue 11)."""
+
 
 def merge_runs(
     keys: tuple[np.ndarray, ...],
@@ -24,8 +28,10 @@ def merge_runs(
     ``keys`` are arrays that must be equal within a run (regions, and strides when merging the
     parts of one block unit). Returns the merged ``(keys, local_offset, remote_offset, length)``.
     """
-    if length.size == 0:
+    if length.size <= 1:
         return keys, local_offset, remote_offset, length
+    if length.size <= SMALL_RUNS:
+        return _merge_small(keys, local_offset, remote_offset, length)
     order = _sort_order((*keys, local_offset))
     keys = tuple(k[order] for k in keys)
     loff, roff, ln = local_offset[order], remote_offset[order], length[order]
@@ -40,6 +46,35 @@ def merge_runs(
         loff[starts],
         roff[starts],
         np.add.reduceat(ln, starts),
+    )
+
+
+def _merge_small(
+    keys: tuple[np.ndarray, ...],
+    local_offset: np.ndarray,
+    remote_offset: np.ndarray,
+    length: np.ndarray,
+) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`merge_runs` over Python ints: the same result, without numpy's cost per call."""
+    cols = [k.tolist() for k in keys]
+    loff, roff, ln = local_offset.tolist(), remote_offset.tolist(), length.tolist()
+    order = sorted(range(len(ln)), key=lambda i: (*(c[i] for c in cols), loff[i]))  # stable
+    out: list[list[int]] = []
+    for i in order:
+        row = [*(c[i] for c in cols), loff[i], roff[i], ln[i]]
+        last = out[-1] if out else None
+        if (last is not None and last[:-3] == row[:-3] and row[-3] == last[-3] + last[-1]
+                and row[-2] == last[-2] + last[-1]):  # fmt: skip
+            last[-1] += row[-1]
+        else:
+            out.append(row)
+    merged = list(zip(*out, strict=True))
+    n = len(keys)
+    return (
+        tuple(np.asarray(merged[j], dtype=keys[j].dtype) for j in range(n)),
+        np.asarray(merged[n], dtype=local_offset.dtype),
+        np.asarray(merged[n + 1], dtype=remote_offset.dtype),
+        np.asarray(merged[n + 2], dtype=length.dtype),
     )
 
 

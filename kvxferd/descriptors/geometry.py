@@ -137,6 +137,11 @@ def check_request_ids(
     return [check_block_ids(num_blocks, ids, f"{field}[{g}]") for g, ids in enumerate(seq)]
 
 
+SMALL_IDS = 32
+"""Up to this many ids in all, a request's ids are checked as Python ints: a one-block pull's
+planning was mostly numpy's fixed cost per call (issue 11)."""
+
+
 def _valid_ids(num_blocks: int, seq: list) -> list[np.ndarray] | None:
     """All groups' ids checked at once (a pull's planning runs per request), or None when any
     check fails or an input is unusual: the per-group checks then name the bad entry."""
@@ -144,6 +149,12 @@ def _valid_ids(num_blocks: int, seq: list) -> list[np.ndarray] | None:
     if not parts or any(a.ndim != 1 or (a.size and a.dtype.kind not in "iu") for a in parts):
         return None
     sizes = [a.size for a in parts]
+    if sum(sizes) <= SMALL_IDS:
+        for a in parts:
+            ids = a.tolist()
+            if ids and (min(ids) < 0 or max(ids) >= num_blocks or len(set(ids)) != len(ids)):
+                return None
+        return [a.astype(np.int64, copy=False) for a in parts]
     flat = np.concatenate([a.astype(np.int64, copy=False) for a in parts])
     if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= num_blocks):
         return None

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kvxferd.descriptors import ReadPlan, coalesce, plan_read
+from kvxferd.descriptors import ReadPlan, coalesce, merge_runs, plan_read
 
 from . import oracle
 from .test_mapping import pairs
+
+coalesce_module = importlib.import_module("kvxferd.descriptors.coalesce")  # the package's
+# ``coalesce`` is the function
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -73,3 +79,27 @@ def test_coalesced_plan_has_no_mergeable_neighbours(case):
             & (p.remote_offset == end_r[a])
         )
         assert not follows.any()
+
+
+_ROW = st.tuples(
+    st.integers(0, 2), st.integers(0, 2), st.integers(0, 6), st.integers(0, 6), st.integers(1, 3)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_ROW, min_size=0, max_size=coalesce_module.SMALL_RUNS))
+def test_small_runs_merge_exactly_as_the_vectorised_path(rows_):
+    """Up to SMALL_RUNS pairs are merged over Python ints; numpy gives the same, dtypes too."""
+    cols = [np.asarray(c, dtype=np.int64) for c in zip(*rows_, strict=True)] or [
+        np.zeros(0, np.int64) for _ in range(5)
+    ]
+    keys = (cols[0], cols[1].astype(np.int32))
+    small = merge_runs(keys, cols[2] * 4, cols[3] * 4, cols[4] * 4)
+    saved, coalesce_module.SMALL_RUNS = coalesce_module.SMALL_RUNS, 0
+    try:
+        vectorised = merge_runs(keys, cols[2] * 4, cols[3] * 4, cols[4] * 4)
+    finally:
+        coalesce_module.SMALL_RUNS = saved
+    for a, b in zip((*small[0], *small[1:]), (*vectorised[0], *vectorised[1:]), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)

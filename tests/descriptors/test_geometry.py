@@ -45,3 +45,30 @@ def test_a_repeat_across_groups_is_allowed_and_within_one_is_named():
     with pytest.raises(BlockIdError) as exc:
         check_request_ids(8, 2, [[1, 2], [3, 3]], "ids")
     assert exc.value.field == "ids[1][1]"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.lists(st.integers(0, 199), max_size=30, unique=True),
+            st.lists(st.integers(-1, 200), max_size=30),
+        ),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_few_or_many_ids_get_the_per_group_checks_verdicts(seq):
+    """Up to SMALL_IDS ids in all are checked as Python ints, more with numpy: both agree with
+    the per-group checks."""
+    try:
+        want = [check_block_ids(200, ids, f"ids[{g}]") for g, ids in enumerate(seq)]
+    except BlockIdError as exc:
+        with pytest.raises(BlockIdError) as got:
+            check_request_ids(200, len(seq), seq, "ids")
+        assert (got.value.field, got.value.reason) == (exc.field, exc.reason)
+        return
+    got = check_request_ids(200, len(seq), seq, "ids")
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == np.int64
+        np.testing.assert_array_equal(a, b)
