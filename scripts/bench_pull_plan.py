@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Per-pull request-independent costs: rank ownership and planning of a 1k-token pull (ms).
+"""Per-pull request-independent costs: rank ownership and planning of a 1k-token pull and of a
+one-block pull (one block per group, what a short prompt reads) (ms).
 
 Run: ``PYTHONPATH=. .venv/bin/python scripts/bench_pull_plan.py`` (medians of 20 calls after one
 warm-up); planner manifests with 2000 blocks, contiguous and fragmented (shuffled) block ids.
@@ -43,12 +44,12 @@ def manifest(cfg: str, tp: int, **opts: object):
     return planner.plan_manifest(presets.load_hf_config(cfg), o)
 
 
-def ids_for(m, pattern: str, rng: np.random.Generator) -> list[list[int]]:
-    """Block ids of a TOKENS-token request, one list per group, disjoint."""
+def ids_for(m, pattern: str, rng: np.random.Generator, tokens: int = TOKENS) -> list[list[int]]:
+    """Block ids of a ``tokens``-token request, one list per group, disjoint."""
     perm = rng.permutation(np.arange(1, BLOCKS))
     out, nxt = [], 0
     for g in m.groups:
-        n = 1 if g.kind == "mamba" else -(-TOKENS // g.block_size)
+        n = 1 if g.kind == "mamba" else -(-tokens // g.block_size)
         run = range(nxt + 1, nxt + 1 + n) if pattern == "contiguous" else perm[nxt : nxt + n]
         out.append([int(x) for x in run])
         nxt += n
@@ -84,6 +85,11 @@ def main() -> None:
                 line += (f", index plan {t_idx:.3f} ms ({idx.num_descriptors}, runs {idx.runs});"
                          f" tables {pg.num_rows} rows built in {build:.1f} ms")  # fmt: skip
             print(line)
+        one = ids_for(m, "fragmented", rng, tokens=1)
+        plan = descriptors.plan_pull(geo, one, one)
+        t_one = median_ms(lambda geo=geo, ids=one: descriptors.plan_pull(geo, ids, ids))
+        print(f"{cfg} TP {tp} one-block pull: plan_pull {t_one:.3f} ms "
+              f"({plan.num_descriptors})")  # fmt: skip
     for cfg in ("granite-4.0-h-tiny", "qwen3-next-80b-a3b", "jamba-mini-1.5"):
         local = manifest(cfg, 1)
         ids = ids_for(local, "fragmented", rng)

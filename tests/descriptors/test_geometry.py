@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvxferd.descriptors import geometry
 from kvxferd.descriptors.geometry import check_block_ids, check_request_ids
 from kvxferd.errors import BlockIdError
 
@@ -58,17 +59,25 @@ def test_a_repeat_across_groups_is_allowed_and_within_one_is_named():
         max_size=3,
     )
 )
-def test_few_or_many_ids_get_the_per_group_checks_verdicts(seq):
-    """Up to SMALL_IDS ids in all are checked as Python ints, more with numpy: both agree with
-    the per-group checks."""
+def test_python_and_numpy_checks_give_the_per_group_checks_verdicts(seq):
+    """Up to SMALL_IDS ids in all are checked as Python ints, more with numpy: both paths agree
+    with the per-group checks."""
     try:
         want = [check_block_ids(200, ids, f"ids[{g}]") for g, ids in enumerate(seq)]
     except BlockIdError as exc:
-        with pytest.raises(BlockIdError) as got:
-            check_request_ids(200, len(seq), seq, "ids")
-        assert (got.value.field, got.value.reason) == (exc.field, exc.reason)
-        return
-    got = check_request_ids(200, len(seq), seq, "ids")
-    for a, b in zip(got, want, strict=True):
-        assert a.dtype == np.int64
-        np.testing.assert_array_equal(a, b)
+        want = exc
+    saved = geometry.SMALL_IDS
+    for threshold in (saved, 0):
+        geometry.SMALL_IDS = threshold
+        try:
+            if isinstance(want, BlockIdError):
+                with pytest.raises(BlockIdError) as got:
+                    check_request_ids(200, len(seq), seq, "ids")
+                assert (got.value.field, got.value.reason) == (want.field, want.reason)
+                continue
+            got_ = check_request_ids(200, len(seq), seq, "ids")
+        finally:
+            geometry.SMALL_IDS = saved
+        for a, b in zip(got_, want, strict=True):
+            assert a.dtype == np.int64
+            np.testing.assert_array_equal(a, b)
