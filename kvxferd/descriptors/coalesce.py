@@ -64,9 +64,9 @@ def _merge_small(
     for i in order:
         row = [*(c[i] for c in cols), loff[i], roff[i], ln[i]]
         last = out[-1] if out else None
-        if (last is not None and last[:-3] == row[:-3] and row[-3] == last[-3] + last[-1]
+        if (last and last[:-3] == row[:-3] and row[-3] == last[-3] + last[-1]
                 and row[-2] == last[-2] + last[-1]):  # fmt: skip
-            last[-1] += row[-1]
+            last[-1] += row[-1]  # same keys, and it continues ``last`` on both sides
         else:
             out.append(row)
     merged = list(zip(*out, strict=True))

@@ -132,7 +132,7 @@ def proxy_app(
     # writes. Backend calls go straight to the transport: an httpx client would add a cookie
     # jar (one user's backend session sent with the next user's request), redirects and a
     # third of the proxy's CPU per request (issue 11).
-    timeouts = {"connect": settings.connect, "read": None, "write": idle, "pool": idle}
+    timeouts = {"connect": settings.connect, "write": idle}
     urls: dict[str, httpx.URL] = {}  # bounded: backends x the five paths the proxy calls
 
     def backend_request(

@@ -18,7 +18,7 @@ import re
 import ssl
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httptools
 import httpx
@@ -122,8 +122,6 @@ class _Conn:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     idle_since: float = 0.0
-    answer: _Answer = field(default_factory=_Answer)
-    """The answer being read (a fresh one for every request)."""
 
     def usable(self, now: float, keepalive_s: float) -> bool:
         return (now - self.idle_since < keepalive_s and not self.reader.at_eof()
@@ -201,7 +199,7 @@ class KeptTransport(httpx.AsyncBaseTransport):
         timeouts: dict[str, float | None],
     ) -> httpx.Response:  # fmt: skip
         done = False
-        answer = conn.answer = _Answer()
+        answer = _Answer()
         try:
             try:
                 conn.writer.write(head + body)
@@ -228,7 +226,7 @@ class KeptTransport(httpx.AsyncBaseTransport):
         return httpx.Response(
             answer.status,
             headers=answer.headers,
-            stream=_Body(self, origin, conn, request),
+            stream=_Body(self, origin, conn, answer, request),
             extensions={"http_version": b"HTTP/1.1", "reason_phrase": answer.reason},
         )
 
@@ -248,14 +246,15 @@ class _Body(httpx.AsyncByteStream):
     """An answer's body as it arrives; its connection is kept once the body ended cleanly."""
 
     def __init__(
-        self, transport: KeptTransport, origin: Origin, conn: _Conn, request: httpx.Request
-    ) -> None:
+        self, transport: KeptTransport, origin: Origin, conn: _Conn, answer: _Answer,
+        request: httpx.Request,
+    ) -> None:  # fmt: skip
         self._transport, self._origin, self._conn = transport, origin, conn
-        self._request = request
+        self._answer, self._request = answer, request
         self._finished = self._closed = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        answer, reader = self._conn.answer, self._conn.reader
+        answer, reader = self._answer, self._conn.reader
         try:
             while True:
                 if chunk := answer.take():
@@ -278,7 +277,7 @@ class _Body(httpx.AsyncByteStream):
         if self._closed:
             return
         self._closed = True
-        conn, answer = self._conn, self._conn.answer
+        conn, answer = self._conn, self._answer
         if self._finished and not answer.extra and answer.keep_alive:
             self._transport._give(self._origin, conn)
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from unittest import mock
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -95,11 +96,8 @@ def test_small_runs_merge_exactly_as_the_vectorised_path(rows_):
     ]
     keys = (cols[0], cols[1].astype(np.int32))
     small = merge_runs(keys, cols[2] * 4, cols[3] * 4, cols[4] * 4)
-    saved, coalesce_module.SMALL_RUNS = coalesce_module.SMALL_RUNS, 0
-    try:
+    with mock.patch.object(coalesce_module, "SMALL_RUNS", 0):
         vectorised = merge_runs(keys, cols[2] * 4, cols[3] * 4, cols[4] * 4)
-    finally:
-        coalesce_module.SMALL_RUNS = saved
     for a, b in zip((*small[0], *small[1:]), (*vectorised[0], *vectorised[1:]), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)

@@ -3,6 +3,8 @@ the same arrays when valid, the same offending field and reason when not."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -15,27 +17,32 @@ from kvxferd.errors import BlockIdError
 NUM_BLOCKS = 8
 
 
-def _per_group(seq: list) -> list[np.ndarray] | BlockIdError:
+def _per_group(seq: list, num_blocks: int = NUM_BLOCKS, field: str = "block_ids"):
     try:
-        return [check_block_ids(NUM_BLOCKS, ids, f"block_ids[{g}]") for g, ids in enumerate(seq)]
+        return [check_block_ids(num_blocks, ids, f"{field}[{g}]") for g, ids in enumerate(seq)]
     except BlockIdError as exc:
         return exc
+
+
+def _assert_agrees(seq: list, num_blocks: int = NUM_BLOCKS, field: str = "block_ids") -> None:
+    """check_request_ids gives the per-group checks' arrays, or their field and reason."""
+    want = _per_group(seq, num_blocks, field)
+    if isinstance(want, BlockIdError):
+        with pytest.raises(BlockIdError) as got:
+            check_request_ids(num_blocks, len(seq), seq, field)
+        assert (got.value.field, got.value.reason) == (want.field, want.reason)
+        return
+    got = check_request_ids(num_blocks, len(seq), seq, field)
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == np.int64
+        np.testing.assert_array_equal(a, b)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.lists(st.integers(-2, NUM_BLOCKS + 1), max_size=6), min_size=1, max_size=4))
 def test_all_groups_at_once_agree_with_the_per_group_checks(seq):
-    want = _per_group(seq)
-    if isinstance(want, BlockIdError):
-        with pytest.raises(BlockIdError) as got:
-            check_request_ids(NUM_BLOCKS, len(seq), seq, "block_ids")
-        assert (got.value.field, got.value.reason) == (want.field, want.reason)
-        return
-    got = check_request_ids(NUM_BLOCKS, len(seq), seq, "block_ids")
-    assert len(got) == len(want)
-    for a, b in zip(got, want, strict=True):
-        assert a.dtype == np.int64
-        np.testing.assert_array_equal(a, b)
+    _assert_agrees(seq)
 
 
 def test_a_repeat_across_groups_is_allowed_and_within_one_is_named():
@@ -62,22 +69,6 @@ def test_a_repeat_across_groups_is_allowed_and_within_one_is_named():
 def test_python_and_numpy_checks_give_the_per_group_checks_verdicts(seq):
     """Up to SMALL_IDS ids in all are checked as Python ints, more with numpy: both paths agree
     with the per-group checks."""
-    try:
-        want = [check_block_ids(200, ids, f"ids[{g}]") for g, ids in enumerate(seq)]
-    except BlockIdError as exc:
-        want = exc
-    saved = geometry.SMALL_IDS
-    for threshold in (saved, 0):
-        geometry.SMALL_IDS = threshold
-        try:
-            if isinstance(want, BlockIdError):
-                with pytest.raises(BlockIdError) as got:
-                    check_request_ids(200, len(seq), seq, "ids")
-                assert (got.value.field, got.value.reason) == (want.field, want.reason)
-                continue
-            got_ = check_request_ids(200, len(seq), seq, "ids")
-        finally:
-            geometry.SMALL_IDS = saved
-        for a, b in zip(got_, want, strict=True):
-            assert a.dtype == np.int64
-            np.testing.assert_array_equal(a, b)
+    _assert_agrees(seq, 200, "ids")
+    with mock.patch.object(geometry, "SMALL_IDS", 0):
+        _assert_agrees(seq, 200, "ids")
