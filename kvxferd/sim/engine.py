@@ -41,13 +41,13 @@ from kvxferd.pattern import (
     write_token_pattern,
 )
 from kvxferd.sim import storecache
-from kvxferd.sim import transfer_params as tp
 from kvxferd.sim.blocks import BlockAllocator, PrefixCache, PrefixKey
 from kvxferd.sim.kvpool import RankPool
 from kvxferd.sim.pulls import pull_all
 from kvxferd.sim.stats import SimStats
 from kvxferd.sim.tokens import generate, prompt_seed
 from kvxferd.wire import HoldRequest, PullRequest, ReleasedHold, Ticket
+from kvxferd.wire import transfer_params as tp
 
 log = logging.getLogger(__name__)
 

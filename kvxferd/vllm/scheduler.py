@@ -4,10 +4,15 @@
 rank's ticket itself (the shared secret read locally, each rank's Identity read once) and the
 workers place the holds with the minted ids in the same step. On the decode side a request with
 tickets loads asynchronously (WAITING_FOR_REMOTE_KVS) and pulls only the blocks it lacks.
+
+A decode's ``kv_transfer_params`` come from whoever sent the request, and an exception raised in
+vLLM's scheduler stops the engine for every request: they are checked first (:class:`Remote`),
+and params that do not check out are dropped, so that request is computed locally.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -16,12 +21,44 @@ from typing import Any
 
 import msgspec
 
+from kvxferd.errors import InvalidRequestError
 from kvxferd.sidecar.tickets import sign_ticket
 from kvxferd.vllm.storeplan import LoadOrder, SaveOrder, StorePlanner
 from kvxferd.wire import Identity, Ticket
+from kvxferd.wire import transfer_params as tp
+
+log = logging.getLogger(__name__)
 
 NULL_BLOCK = 0
 """vLLM's reserved null block: never held, never pulled."""
+
+MAX_BLOCK_SIZE = 1 << 20
+"""Largest ``remote_block_size`` taken (tokens; vLLM's hybrid block sizes are far below)."""
+
+
+@dataclass(frozen=True)
+class Remote:
+    """A decode request's checked remote prefill: its tickets (as the workers send them), the
+    prefill's block ids per group, the tokens it computed and its block size."""
+
+    tickets: list[dict[str, Any]]
+    block_ids: list[list[int]]
+    num_tokens: int
+    block_size: int
+
+
+def read_remote(params: dict[str, Any], prompt_len: int, block_size: int) -> Remote:
+    """The remote prefill a decode's params name; InvalidRequestError naming the first field
+    that does not check out (tickets, token count beyond the prompt, block size)."""
+    tickets = tp.parse_tickets(params)
+    return Remote(
+        tickets=msgspec.to_builtins(tickets),
+        block_ids=tickets[0].block_ids,
+        num_tokens=tp.int_field(params, "remote_num_tokens", prompt_len, low=0, high=prompt_len),
+        block_size=tp.int_field(
+            params, "remote_block_size", block_size, low=1, high=MAX_BLOCK_SIZE
+        ),  # fmt: skip
+    )
 
 
 @dataclass
@@ -65,6 +102,9 @@ class StepOrders:
     saves: list[SaveOrder] = field(default_factory=list)
     """Store saves, run first (the blocks may be reused later in the step)."""
     loads: list[LoadOrder] = field(default_factory=list)
+    failed: list[PullOrder] = field(default_factory=list)
+    """Loads promised to vLLM that cannot be made (params found bad after allocation): the
+    workers report them ended with every block a load error, so vLLM recomputes them."""
 
 
 def live_ids(ids: list[int]) -> list[int]:
@@ -151,16 +191,47 @@ class SchedulerSide:
         """Tokens the prefill holds beyond what is local: load them asynchronously. With the
         store on, a prompt nothing is cached of locally is looked up (storeplan.py has the
         rules; ``store_order`` decides between a remote prefill and the store)."""
-        params = request.kv_transfer_params or {}
-        remote = bool(params.get("do_remote_prefill") and params.get("kvxferd_tickets"))
-        hit = self._store_hit(request, remote, num_computed)
+        remote = self._remote(request)
+        hit = self._store_hit(request, remote is not None, num_computed)
         if hit:
             return hit, True
-        if not remote:
+        if remote is None:
             return 0, False
-        remote = int(params.get("remote_num_tokens", len(request.prompt_token_ids)))
-        count = max(0, remote - num_computed)
+        count = max(0, remote.num_tokens - num_computed)
         return count, count > 0
+
+    def _remote(self, request: Any) -> Remote | None:
+        """The request's remote prefill, checked (None: it has none). Params that do not check
+        out are dropped with a warning, their tickets declined if they parse: the request is
+        computed locally and the engine keeps serving."""
+        params = request.kv_transfer_params
+        if not tp.has_remote_prefill(params):
+            return None
+        try:
+            remote = read_remote(params, len(request.prompt_token_ids), self.block_size)
+            groups = len(self.group_kinds) if self.group_kinds is not None else None
+            if groups is not None and len(remote.block_ids) != groups:
+                raise InvalidRequestError(
+                    f"{tp.FIELD}.kvxferd_tickets[0].block_ids",
+                    f"{len(remote.block_ids)} groups, this engine has {groups}",
+                )
+        except InvalidRequestError as exc:
+            self._drop(request, exc)
+            return None
+        return remote
+
+    def _drop(self, request: Any, exc: InvalidRequestError) -> None:
+        """Compute ``request`` locally: its params do not check out (declining its tickets,
+        when they parse, frees the prefill's blocks at once)."""
+        params = request.kv_transfer_params
+        log.warning("request %s: kv_transfer_params ignored, computing it locally: %s",
+                    request.request_id, exc)  # fmt: skip
+        params["do_remote_prefill"] = False
+        try:
+            tickets = tp.parse_tickets(params)
+        except InvalidRequestError:
+            return
+        self.orders.declines.append(Decline(msgspec.to_builtins(tickets), "malformed"))
 
     def _store_hit(self, request: Any, remote: bool, num_computed: int) -> int:
         """Tokens to load from the store: only with nothing cached locally; with remote params
@@ -179,50 +250,55 @@ class SchedulerSide:
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         """Blocks are allocated: queue the pull of the blocks the decode lacks (or the store
         load of a matched prompt, declining the remote tickets it makes unnecessary)."""
-        params = request.kv_transfer_params or {}
+        remote = self._remote(request)
         load = (
             self.store.load(request, blocks.get_block_ids(), num_external) if self.store else None
         )
         if load is not None:
             self.orders.loads.append(load)
-            if params.get("do_remote_prefill") and params.get("kvxferd_tickets"):
-                self.orders.declines.append(Decline(params["kvxferd_tickets"], "store_hit"))
-                params["do_remote_prefill"] = False
+            if remote is not None:
+                self.orders.declines.append(Decline(remote.tickets, "store_hit"))
+                request.kv_transfer_params["do_remote_prefill"] = False
             return
-        if not params.get("do_remote_prefill"):
+        if remote is None:
             return
-        params["do_remote_prefill"] = False  # load once
-        tickets = params.get("kvxferd_tickets") or []
-        if num_external <= 0 or not tickets:
+        request.kv_transfer_params["do_remote_prefill"] = False  # load once
+        if num_external <= 0:
             return
-        remote_num = int(params.get("remote_num_tokens", len(request.prompt_token_ids)))
-        local_done = max(0, remote_num - num_external)
-        remote_ids = tickets[0]["block_ids"]
         local = [list(g) for g in blocks.get_block_ids()]
-        theirs = int(params.get("remote_block_size", self.block_size))
-        if theirs != self.block_size:  # re-blocking: the sidecar maps token ranges
-            kinds = self.group_kinds or ["attention" if len(r) > 1 else "mamba" for r in remote_ids]
-            targets = reblock_targets(kinds, local, remote_num, self.block_size, local_done)
+        if len(local) != len(remote.block_ids):  # only without group kinds to check earlier
+            self._drop(request, InvalidRequestError(
+                f"{tp.FIELD}.kvxferd_tickets[0].block_ids",
+                f"{len(remote.block_ids)} groups, this engine has {len(local)}",
+            ))  # fmt: skip
+            live = [live_ids(g) for g in local]
+            self.orders.failed.append(PullOrder(request.request_id, [], live, remote.num_tokens))
+            return
+        local_done = max(0, remote.num_tokens - num_external)
+        if remote.block_size != self.block_size:  # re-blocking: the sidecar maps token ranges
+            kinds = self.group_kinds or [
+                "attention" if len(r) > 1 else "mamba" for r in remote.block_ids
+            ]
+            targets = reblock_targets(kinds, local, remote.num_tokens, self.block_size, local_done)
         else:
-            targets = local_targets(remote_ids, local, local_done // self.block_size)
+            targets = local_targets(remote.block_ids, local, local_done // self.block_size)
         self.orders.pulls.append(
             PullOrder(
                 request_id=request.request_id,
-                tickets=tickets,
+                tickets=remote.tickets,
                 block_ids=targets,
-                num_tokens=remote_num,
+                num_tokens=remote.num_tokens,
             )
         )
 
     def decline(self, request: Any) -> None:
         """A decode that will not read (aborted, rejected) releases the prefill's holds at once:
         a worker sends the decline in the next step."""
-        params = request.kv_transfer_params or {}
-        tickets = params.get("kvxferd_tickets")
-        if tickets and params.get("do_remote_prefill", True):
+        remote = self._remote(request)
+        if remote is not None:
             status = getattr(request.status, "name", str(request.status))
             reason = "aborted" if status == "FINISHED_ABORTED" else "rejected"
-            self.orders.declines.append(Decline(tickets, reason))
+            self.orders.declines.append(Decline(remote.tickets, reason))
 
     # ---------------------------------------------------------------- prefill side
 

@@ -189,6 +189,8 @@ class WorkerSide:
                 self._unheld.add(h.request_id)
                 continue
             self._holds[h.request_id] = h.hold_id
+        for p in orders.failed:
+            self._fail(p.request_id, p.block_ids)
         for p in orders.pulls:
             tickets = [Ticket(**t) for t in p.tickets]
             req = PullRequest(
@@ -201,8 +203,7 @@ class WorkerSide:
                 accepted = self.client.pull(req)
             except KvxferdError as exc:  # refused: vLLM recomputes these blocks
                 log.warning("pull for %s refused: %s", p.request_id, exc)
-                self._load_errors.update(b for g in p.block_ids for b in g if b >= 0)
-                self._refused.add(p.request_id)
+                self._fail(p.request_id, p.block_ids)
                 if isinstance(exc, NotRegisteredError):
                     self._recover()
                 continue
@@ -273,8 +274,12 @@ class WorkerSide:
         """A pull the sidecar no longer knows: finished, every block a load error."""
         pull = self._pulls.pop(pull_id)
         log.warning("pull %s for %s was lost (sidecar restarted?)", pull_id, pull.request_id)
-        self._load_errors.update(b for g in pull.block_ids for b in g if b >= 0)
-        self._refused.add(pull.request_id)
+        self._fail(pull.request_id, pull.block_ids)
+
+    def _fail(self, request_id: str, block_ids: list[list[int]]) -> None:
+        """A load that ended without its bytes: reported ended, every block a load error."""
+        self._load_errors.update(b for g in block_ids for b in g if b >= 0)
+        self._refused.add(request_id)
 
     def _recover(self) -> None:
         """The sidecar answers that no engine is registered (it restarted beside this running

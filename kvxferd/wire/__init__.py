@@ -18,6 +18,8 @@ repeated ``p.rows`` times ``p.row_stride`` apart (rows > 1 only for vLLM's packe
 Modules: :mod:`~kvxferd.wire.manifest` (the manifest), :mod:`~kvxferd.wire.engine` (the engine
 API), :mod:`~kvxferd.wire.store` (the engine API's store calls), :mod:`~kvxferd.wire.peer` (the
 peer API). Import from ``kvxferd.wire``: every type is re-exported here.
+:mod:`~kvxferd.wire.transfer_params` reads vLLM's ``kv_transfer_params`` (which carry our tickets)
+with every field checked.
 """
 
 from __future__ import annotations

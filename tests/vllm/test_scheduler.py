@@ -114,6 +114,64 @@ def test_a_failed_load_frees_the_blocks_and_vllm_recomputes(engines, monkeypatch
     assert out.kv_connector_metadata.orders.pulls == []
 
 
+def _ticket_with(params: dict, **fields) -> list[dict]:
+    return [{**params["kvxferd_tickets"][0], **fields}]
+
+
+# Params a client can send a decode's OpenAI port: (what changes, whether the tickets still
+# parse, so the prefill's hold is declined at once).
+BAD_PARAMS = {
+    "remote_num_tokens a string": (lambda p: {"remote_num_tokens": "x"}, True),
+    "remote_num_tokens beyond the prompt": (lambda p: {"remote_num_tokens": 10**9}, True),
+    "remote_num_tokens negative": (lambda p: {"remote_num_tokens": -5}, True),
+    "remote_num_tokens a bool": (lambda p: {"remote_num_tokens": True}, True),
+    "remote_block_size zero": (lambda p: {"remote_block_size": 0}, True),
+    "tickets with another group count": (
+        lambda p: {"kvxferd_tickets": _ticket_with(p, block_ids=[[1, 2, 3], [4]])},
+        True,
+    ),
+    "tickets not objects": (lambda p: {"kvxferd_tickets": [1]}, False),
+    "tickets a string": (lambda p: {"kvxferd_tickets": "abc"}, False),
+    "a ticket missing fields": (lambda p: {"kvxferd_tickets": [{"block_ids": [[1]]}]}, False),
+    "a ticket with block ids of strings": (
+        lambda p: {"kvxferd_tickets": _ticket_with(p, block_ids=[["1"]])},
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PARAMS))
+def test_bad_params_from_a_client_are_computed_locally_not_raised_in_the_scheduler(
+    engines, monkeypatch, case
+):
+    """An exception in vLLM's scheduler stops the engine for every request: params that do not
+    check out are dropped, the request is computed locally, parsed tickets are declined."""
+    change, parses = BAD_PARAMS[case]
+    engine = engines("dense", num_blocks=32)
+    params = _prefill_params(engine, monkeypatch, 300)
+    params.update(change(params))
+    decode = _scheduler(engine, monkeypatch)
+    decode.add_request(request("d", 300, params))
+    out, _ = step(decode)
+    orders = out.kv_connector_metadata.orders
+    assert out.num_scheduled_tokens.get("d") == 300
+    assert orders.pulls == [] and orders.failed == []
+    declined = [(d.tickets, d.reason) for d in orders.declines]
+    assert declined == ([(params["kvxferd_tickets"], "malformed")] if parses else [])
+
+
+def test_an_aborted_request_with_malformed_tickets_declines_nothing(engines, monkeypatch):
+    from vllm.v1.request import RequestStatus
+
+    engine = engines("dense", num_blocks=32)
+    params = {**_prefill_params(engine, monkeypatch, 300), "kvxferd_tickets": "abc"}
+    decode = _scheduler(engine, monkeypatch)
+    decode.add_request(request("d", 300, params))
+    decode.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    out, _ = step(decode)
+    assert out.kv_connector_metadata.orders.declines == []
+
+
 @pytest.mark.parametrize("model", ["dense", "nemotron-h"])
 def test_a_decode_prefix_cache_hit_pulls_only_the_blocks_it_lacks(engines, model, monkeypatch):
     from vllm.v1.request import RequestStatus

@@ -91,6 +91,35 @@ def test_a_pull_that_cannot_complete_reports_its_blocks_as_load_errors(engines, 
         assert decode.connector.get_block_ids_with_load_errors() == set()  # reported once
 
 
+def test_a_load_promised_on_tickets_for_other_groups_ends_with_its_blocks_as_load_errors(
+    engines, tmp_path
+):
+    """Without group kinds to check tickets against early, tokens are promised before the
+    decode's blocks show the mismatch: the load still ends (no request waits forever), every
+    block a load error, and the tickets are declined."""
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    with worker_pair(tmp_path, "LBHNC", engine) as (_prefill, decode, p_side):
+        with p_side.client() as c:
+            ident = c.identity()
+        sched = prefill_side(
+            lambda: [ident], engine.config.cache_config.block_size, partial_prefill=False
+        )
+        assert sched.group_kinds is None
+        _delay, params = finish(sched, "r1", ([3, 4, 5],), 300)
+        sched.take_orders()
+        dreq = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(300)),
+                               kv_transfer_params=dict(params))  # fmt: skip
+        count, is_async = sched.matched_tokens(dreq, 0)
+        assert is_async and count == 300
+        local = [[9, 10, 11], [0, 12]]  # two groups here, one in the tickets
+        sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: local), count)
+        orders = sched.take_orders()
+        assert orders.pulls == [] and [d.reason for d in orders.declines] == ["malformed"]
+        got = step_until(decode, orders, 1, 60, "the failed load to be reported")
+        assert got == {"d1"}
+        assert decode.connector.get_block_ids_with_load_errors() == {9, 10, 11, 12}
+
+
 @pytest.mark.parametrize(
     "model,p_tp,d_tp,conv",
     [

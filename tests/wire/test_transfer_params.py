@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from kvxferd.errors import InvalidRequestError
-from kvxferd.sim import transfer_params as tp
 from kvxferd.wire import Ticket
+from kvxferd.wire import transfer_params as tp
 
 
 def _ticket(rank: int, size: int) -> Ticket:
@@ -52,3 +52,16 @@ def test_bad_tickets_name_the_field(tickets, field):
     with pytest.raises(InvalidRequestError) as info:
         tp.parse_tickets({"do_remote_prefill": True, "kvxferd_tickets": tickets})
     assert info.value.field == field
+
+
+@pytest.mark.parametrize("value", ["7", 7.0, True, None, -1, 301, [7]])
+def test_an_integer_field_outside_its_range_or_of_another_type_is_named(value):
+    with pytest.raises(InvalidRequestError) as info:
+        tp.int_field({"remote_num_tokens": value}, "remote_num_tokens", 0, low=0, high=300)
+    assert info.value.field == "kv_transfer_params.remote_num_tokens"
+
+
+def test_an_absent_integer_field_takes_its_default_and_bounds_are_inclusive():
+    assert tp.int_field({}, "remote_block_size", 16, low=1, high=64) == 16
+    assert tp.int_field({"n": 0}, "n", 5, low=0, high=3) == 0
+    assert tp.int_field({"n": 3}, "n", 5, low=0, high=3) == 3

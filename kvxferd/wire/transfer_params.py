@@ -3,7 +3,9 @@
 A proxy sends a prefill ``{"do_remote_decode": true, ...}``; the prefill answers with
 ``do_remote_prefill: true``, the remote block ids per group, where its rank-0 sidecar is, its
 TP size and ``kvxferd_tickets`` (one signed Ticket per prefill rank, in rank order), which the
-proxy hands to a decode unchanged.
+proxy hands to a decode unchanged. Anyone who can reach a decode's OpenAI port can send these
+params, so every field is checked before it is acted on (the simulator and the vLLM connector
+read them with the functions here).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import msgspec
 
 from kvxferd.errors import InvalidRequestError
-from kvxferd.wire import Ticket
+from kvxferd.wire.engine import Ticket
 
 FIELD = "kv_transfer_params"
 _AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
@@ -51,6 +53,17 @@ def parse_tickets(params: dict[str, Any]) -> list[Ticket]:
                 f"{len(tickets)} (one ticket per prefill rank, rank order)",
             )  # fmt: skip
     return tickets
+
+
+def int_field(params: dict[str, Any], name: str, default: int, *, low: int, high: int) -> int:
+    """Integer field ``name`` of the params, in ``[low, high]`` (``default`` when absent);
+    InvalidRequestError naming it otherwise (a bool is not an integer here)."""
+    value = params.get(name, default)
+    if type(value) is not int or not low <= value <= high:
+        raise InvalidRequestError(
+            f"{FIELD}.{name}", f"expected an integer in [{low}, {high}], got {value!r:.40}"
+        )
+    return value
 
 
 def prefill_answer(
