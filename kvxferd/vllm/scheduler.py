@@ -170,7 +170,6 @@ class SchedulerSide:
         self.group_kinds = group_kinds  # "mamba" or "attention" per KV-cache group
         self.partial_prefill = partial_prefill  # Mamba: the decode recomputes the last token
         self.orders = StepOrders()
-        self._loads: dict[str, int] = {}  # request id -> external tokens to load
         self.store = store  # the store as a prefix-cache tier (None: off)
 
     def identities(self) -> list[Identity]:
