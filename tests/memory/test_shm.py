@@ -88,6 +88,12 @@ def test_invalid_names_are_rejected(bad):
         SharedMemoryRegion.create(bad, 4096)
 
 
+@pytest.mark.parametrize("bad", ["seg\n", "..\n"])
+def test_names_with_a_trailing_newline_are_rejected(bad):
+    with pytest.raises(MemoryRegionError, match="region name"):
+        SharedMemoryRegion.attach(bad)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_invalid_sizes_are_rejected(bad):
     with pytest.raises(MemoryRegionError, match="positive int"):
