@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import secrets
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -237,8 +238,13 @@ class FileTier:
         path = self.path(eid)
         buf = None
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
+            # Never through a link, never blocking on a FIFO: only a plain file is an entry.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with open(fd, "rb", buffering=0) as f:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise OSError(f"not a plain file (mode {st.st_mode:o})")
+                size = st.st_size
                 buf = alloc(size)
                 view, got = memoryview(buf.array)[:size], 0
                 while got < size:

@@ -4,6 +4,8 @@ and the load fails with a reason while the lookup stops offering it."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import msgspec
 import pytest
@@ -148,3 +150,30 @@ def test_entry_whose_units_have_another_size_is_refused_not_a_crash(tmp_path, sa
     with pytest.raises(PullError) as err:
         s.load(m, pool(m), block_ids(m, TOKENS), keys(TOKENS, CHUNK), TOKENS)
     assert err.value.reason == "store_corrupt"
+
+
+def test_a_fifo_under_an_entry_name_is_a_miss_not_a_hang(tmp_path, saved):
+    """Reading it would block an I/O thread for good (past any deadline)."""
+    m, files = saved
+    files[1].unlink()
+    os.mkfifo(files[1])
+    s = store(tmp_path, CHUNK)
+    outcome: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            s.load(m, pool(m), block_ids(m, TOKENS), keys(TOKENS, CHUNK), TOKENS,
+                   stop_at=time.monotonic() + 5)  # fmt: skip
+        except PullError as exc:
+            outcome.append(exc)
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    loader.join(timeout=30)
+    try:
+        assert not loader.is_alive(), "the load blocked on the FIFO"
+    finally:
+        if loader.is_alive():  # let the blocked read end so the test run can finish
+            os.close(os.open(files[1], os.O_WRONLY | os.O_NONBLOCK))
+            loader.join(timeout=30)
+    assert [e.reason for e in outcome] == ["store_miss"]
