@@ -275,7 +275,8 @@ class Store:
     ) -> LoadOutcome:
         """Write the first ``num_tokens`` tokens (all groups) into the blocks; PullError
         ``store_miss`` or ``store_corrupt`` when an entry is absent or fails its checks, and
-        ``deadline`` when ``time.monotonic()`` passes ``stop_at`` (checked before each chunk)."""
+        ``deadline`` when ``time.monotonic()`` passes ``stop_at`` (checked before each chunk and
+        after each entry's read: nothing is written once it has passed)."""
         t0 = time.perf_counter()
         ids = self._check(manifest, block_ids, keys, num_tokens)
         spans = chunk_spans(num_tokens, self.chunk_tokens)
@@ -309,6 +310,9 @@ class Store:
             while len(ahead) < _AHEAD and (nxt := next(order, None)) is not None:
                 ahead.append(self._io.submit(self._fetch, nxt))
             cached, tier = ahead.popleft().result()
+            if stop_at is not None and time.monotonic() > stop_at:  # the read outlasted it
+                cached.buffer.release()
+                raise PullError("deadline", f"the load passed its deadline reading {eid.filename}")
             if tier == "dram":
                 out.dram_bytes += cached.size
             else:
