@@ -71,7 +71,7 @@ def check_region_name(name: str) -> str:
         raise MemoryRegionError(
             f"region name {name[:32]!r}... is {len(name)} chars, more than {MAX_NAME_LEN}"
         )
-    if name in (".", "..") or not _NAME_RE.match(name):
+    if name in (".", "..") or not _NAME_RE.fullmatch(name):
         raise MemoryRegionError(
             f"region name {name!r} may only contain letters, digits, '_', '.', '-' "
             "(no slashes) and must not be '.' or '..'"

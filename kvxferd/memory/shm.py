@@ -12,6 +12,7 @@ import contextlib
 import logging
 import mmap
 import os
+import stat
 
 import numpy as np
 
@@ -73,13 +74,15 @@ class SharedMemoryRegion:
     def attach(cls, name: str, expected_size: int | None = None) -> SharedMemoryRegion:
         """Map existing segment ``name``; map ``expected_size`` bytes (all of it when None).
 
-        Raises MemoryRegionError when the segment is missing or smaller than expected.
+        Raises MemoryRegionError when the segment is missing, smaller than expected, or not a
+        plain file (a link planted under the name in the world-writable ``/dev/shm`` is refused,
+        never followed to a file of ours).
         """
         check_region_name(name)
         if expected_size is not None:
             check_region_size(expected_size, "expected_size")
         try:
-            fd = os.open(_path(name), os.O_RDWR)
+            fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError as exc:
             raise MemoryRegionError(
                 f"shared memory segment {name!r} does not exist ({_path(name)})"
@@ -87,7 +90,10 @@ class SharedMemoryRegion:
         except OSError as exc:
             raise MemoryRegionError(f"cannot open shared memory segment {name!r}: {exc}") from exc
         try:
-            actual = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise MemoryRegionError(f"shared memory segment {name!r} is not a plain file")
+            actual = st.st_size
             size = actual if expected_size is None else expected_size
             if actual < size or actual == 0:
                 raise MemoryRegionError(

@@ -89,6 +89,11 @@ class Offload:
             num_tokens = held_tokens if num_tokens < 0 else num_tokens
             if not 0 <= num_tokens <= held_tokens:
                 raise StoreError("num_tokens", f"{num_tokens} outside the hold's {held_tokens}")
+            if num_tokens != held_tokens and any(g.kind == "mamba" for g in manifest.groups):
+                # A Mamba state block holds the state after the hold's last token, never after
+                # an earlier one: saved under a shorter prefix's key it would load wrong state.
+                raise StoreError("num_tokens", f"{num_tokens}: a hybrid hold saves all its "
+                                 f"{held_tokens} tokens")  # fmt: skip
         out = await asyncio.to_thread(
             store.save, manifest, regions, block_ids, req.keys, num_tokens
         )

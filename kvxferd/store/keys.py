@@ -60,5 +60,5 @@ def check_keys(keys: Sequence[str], num_tokens: int, chunk_tokens: int) -> None:
             "keys", f"{len(keys)} keys, {num_tokens} tokens in chunks of {chunk_tokens} need {want}"
         )
     for i, key in enumerate(keys):
-        if not isinstance(key, str) or not _KEY_RE.match(key):
+        if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
             raise StoreError(f"keys[{i}]", f"not {KEY_HEX} lowercase hex digits")

@@ -275,7 +275,8 @@ class Store:
     ) -> LoadOutcome:
         """Write the first ``num_tokens`` tokens (all groups) into the blocks; PullError
         ``store_miss`` or ``store_corrupt`` when an entry is absent or fails its checks, and
-        ``deadline`` when ``time.monotonic()`` passes ``stop_at`` (checked before each chunk)."""
+        ``deadline`` when ``time.monotonic()`` passes ``stop_at`` (checked before each chunk and
+        after each entry's read: nothing is written once it has passed)."""
         t0 = time.perf_counter()
         ids = self._check(manifest, block_ids, keys, num_tokens)
         spans = chunk_spans(num_tokens, self.chunk_tokens)
@@ -309,6 +310,9 @@ class Store:
             while len(ahead) < _AHEAD and (nxt := next(order, None)) is not None:
                 ahead.append(self._io.submit(self._fetch, nxt))
             cached, tier = ahead.popleft().result()
+            if stop_at is not None and time.monotonic() > stop_at:  # the read outlasted it
+                cached.buffer.release()
+                raise PullError("deadline", f"the load passed its deadline reading {eid.filename}")
             if tier == "dram":
                 out.dram_bytes += cached.size
             else:
@@ -352,11 +356,9 @@ class Store:
         header = cached.header
         if header.tokens != e - s or header.chunk != c or header.kind != group.kind:
             self._corrupt(eid, "header does not match the request's chunk")
-        for sec, data in zip(header.sections, cached.sections, strict=True):
-            spec = by_spec.get((sec.layer, sec.part))
-            if spec is None:
-                continue
-            for lo, hi in unit_runs(plan, eid, spec, sec):
+        runs = self._runs(plan, eid, cached, by_spec, None if tm is None else e - s)
+        for sec, data, spec, units in runs:
+            for lo, hi in units:
                 local = slice(lo - spec.owned.start, hi - spec.owned.start)
                 rows = data[(lo - sec.unit_start) * sec.unit_bytes :
                             (hi - sec.unit_start) * sec.unit_bytes]  # fmt: skip
@@ -371,6 +373,28 @@ class Store:
                     scatter_attention(regions[spec.region], spec, group, manifest.num_blocks, tm,
                                       local, arr)  # fmt: skip
                     out.kv_bytes += arr.nbytes
+
+    def _runs(self, plan, eid, cached, by_spec, tokens):  # noqa: ANN001, ANN202
+        """(section, bytes, spec, unit runs) of what the entry supplies under the plan; corrupt
+        unless that is every unit the plan takes from it, once, in units of the right size
+        (fail closed: a load never leaves a unit it planned unwritten)."""
+        runs, got, want = [], 0, 0
+        for sec, data in zip(cached.header.sections, cached.sections, strict=True):
+            spec = by_spec.get((sec.layer, sec.part))
+            if spec is None:
+                continue
+            size = spec.row_bytes * (1 if tokens is None else tokens)
+            units = unit_runs(plan, eid, spec, sec)
+            if units and sec.unit_bytes != size:
+                self._corrupt(eid, f"section layer {sec.layer} {sec.part}: units of "
+                              f"{sec.unit_bytes} bytes, not {size}")  # fmt: skip
+            got += sum(hi - lo for lo, hi in units)
+            runs.append((sec, data, spec, units))
+        for p in by_spec.values():
+            want += sum(plan.source.get((p.units_total, u)) == eid for u in p.owned)
+        if got != want:
+            self._corrupt(eid, f"holds {got} of the {want} units its name promises")
+        return runs
 
     def _fetch(self, eid: EntryId) -> tuple[Cached, str]:
         """An entry (holding a buffer reference for the caller) and its tier: from DRAM, else

@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import secrets
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -31,6 +33,13 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".kvx"
 _TMP = ".tmp"
+_NAME_RE = re.compile(
+    r"([0-9a-f]{32})-([0-9a-f]{16})-t([1-9][0-9]*)r(0|[1-9][0-9]*)" + re.escape(SUFFIX)
+)
+"""A store file name (what :attr:`EntryId.filename` writes, nothing else)."""
+_TMP_RE = re.compile(_NAME_RE.pattern + r"\.[0-9]+\.[0-9a-f]+" + re.escape(_TMP))
+"""A temporary written by :meth:`FileTier.write`."""
+_SUBDIR_RE = re.compile(r"[0-9a-f]{2}")
 
 
 class EntryId(NamedTuple):
@@ -49,16 +58,10 @@ class EntryId(NamedTuple):
 
 def parse_filename(name: str) -> EntryId | None:
     """The EntryId of a store file name, None for anything else."""
-    if not name.endswith(SUFFIX):
+    m = _NAME_RE.fullmatch(name)
+    if m is None:
         return None
-    try:
-        key, fp, tag = name[: -len(SUFFIX)].split("-")
-        tp, rank = tag[1:].split("r")
-        if tag[0] != "t":
-            return None
-        return EntryId(key, fp, int(tp), int(rank))
-    except ValueError:
-        return None
+    return EntryId(m[1], m[2], int(m[3]), int(m[4]))
 
 
 @dataclass
@@ -235,8 +238,13 @@ class FileTier:
         path = self.path(eid)
         buf = None
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
+            # Never through a link, never blocking on a FIFO: only a plain file is an entry.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with open(fd, "rb", buffering=0) as f:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise OSError(f"not a plain file (mode {st.st_mode:o})")
+                size = st.st_size
                 buf = alloc(size)
                 view, got = memoryview(buf.array)[:size], 0
                 while got < size:
@@ -273,17 +281,19 @@ class FileTier:
     # -- internals --------------------------------------------------------------------------
 
     def _scan(self) -> None:
+        """Index the entries on disk and remove leftover temporaries: only in the store's own
+        ``<key[:2]>`` subdirectories (never through a link), only names the store writes."""
         found = []
-        for sub in self.root.iterdir():
-            if not sub.is_dir():
+        for sub in os.scandir(self.root):
+            if not (_SUBDIR_RE.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
                 continue
-            for entry in os.scandir(sub):
-                if entry.name.endswith(_TMP):
+            for entry in os.scandir(sub.path):
+                if _TMP_RE.fullmatch(entry.name):
                     Path(entry.path).unlink(missing_ok=True)
                     self.stats.partial_removed += 1
                     continue
                 eid = parse_filename(entry.name)
-                if eid is not None:
+                if eid is not None and eid.key[:2] == sub.name:
                     st = entry.stat()
                     found.append((st.st_mtime_ns, eid, st.st_size))
         with self._lock:

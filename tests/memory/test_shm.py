@@ -88,6 +88,12 @@ def test_invalid_names_are_rejected(bad):
         SharedMemoryRegion.create(bad, 4096)
 
 
+@pytest.mark.parametrize("bad", ["seg\n", "..\n"])
+def test_names_with_a_trailing_newline_are_rejected(bad):
+    with pytest.raises(MemoryRegionError, match="region name"):
+        SharedMemoryRegion.attach(bad)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_invalid_sizes_are_rejected(bad):
     with pytest.raises(MemoryRegionError, match="positive int"):
@@ -126,3 +132,16 @@ def test_a_process_that_attached_and_exited_does_not_unlink_the_segment(owner):
     assert child.exitcode == 0
     assert os.path.exists(os.path.join(SHM_DIR, owner.name))
     assert owner.host_view()[-1] == 0x5A
+
+
+def test_attach_refuses_a_link_planted_under_the_name(tmp_path):
+    """/dev/shm is world-writable: a link there must not map some other file of ours."""
+    mine = tmp_path / "private"
+    mine.write_bytes(b"secret" * 1000)
+    link = os.path.join(SHM_DIR, _name())
+    os.symlink(mine, link)
+    try:
+        with pytest.raises(MemoryRegionError, match="cannot open"):
+            SharedMemoryRegion.attach(os.path.basename(link), 4096)
+    finally:
+        os.unlink(link)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -29,3 +30,28 @@ def test_a_load_past_its_deadline_fails_with_deadline_and_writes_nothing(tmp_pat
     out = store(tmp_path, CHUNK).load(m, dest, fresh, keys(tokens, CHUNK), tokens,
                                       stop_at=time.monotonic() + 600)  # fmt: skip
     assert out.tokens == tokens
+
+
+def test_a_read_that_outlasts_the_deadline_writes_nothing(tmp_path, monkeypatch):
+    """The deadline passes while an entry is read (a slow disk, a queue of other loads' reads):
+    its bytes are not scattered, since the caller may already have given the blocks back."""
+    m = plan(MAMBA2, blocks=12)
+    tokens = m.groups[0].block_size
+    regions, ids = filled(m, tokens, SEED)
+    store(tmp_path, CHUNK).save(m, regions, ids, keys(tokens, CHUNK), tokens)
+    clock = [0.0]
+    fake = SimpleNamespace(monotonic=lambda: clock[0], perf_counter=time.perf_counter)
+    monkeypatch.setattr("kvxferd.store.store.time", fake)
+    s = store(tmp_path, CHUNK)
+    read = s.files.read
+
+    def slow_read(eid, alloc):  # noqa: ANN001, ANN202
+        clock[0] += 10.0  # this read takes longer than the whole load may
+        return read(eid, alloc)
+
+    s.files.read = slow_read
+    dest = pool(m)
+    with pytest.raises(PullError) as err:
+        s.load(m, dest, block_ids(m, tokens), keys(tokens, CHUNK), tokens, stop_at=5.0)
+    assert err.value.reason == "deadline"
+    assert all(not np.any(r) for r in dest)

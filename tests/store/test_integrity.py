@@ -4,11 +4,15 @@ and the load fails with a reason while the lookup stops offering it."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
+import msgspec
 import pytest
 
 from kvxferd.errors import PullError
 from kvxferd.pattern import verify_pattern
+from kvxferd.store import format as fmt
 from kvxferd.store.tiers import SUFFIX
 from tests.store.helpers import DENSE, block_ids, filled, keys, plan, pool, store
 
@@ -114,3 +118,62 @@ def test_unwritable_directory_keeps_the_entry_in_dram(tmp_path):
     assert s.load(m, target, tids, k, TOKENS).dram_bytes > 0
     assert verify_pattern(m, target, tids, SEED) is None
     s.close()
+
+
+def test_entry_whose_sections_miss_the_units_its_name_promises_is_refused(tmp_path):
+    """Rank 0's entries copied under rank 1's names (same key and group) hold heads 0-3, not
+    4-7: a TP-1 load that takes heads 4-7 from them fails instead of leaving them unwritten."""
+    m0 = plan(DENSE, 2, 0, blocks=6)
+    regions, ids = filled(m0, TOKENS, SEED)
+    store(tmp_path, CHUNK).save(m0, regions, ids, keys(TOKENS, CHUNK), TOKENS)
+    for f in list(tmp_path.rglob(f"*{SUFFIX}")):
+        f.with_name(f.name.replace("t2r0", "t2r1")).write_bytes(f.read_bytes())
+    m = plan(DENSE, blocks=6)
+    s = store(tmp_path, CHUNK)
+    assert s.lookup(m, keys(TOKENS, CHUNK), TOKENS).matched == TOKENS
+    with pytest.raises(PullError) as err:
+        s.load(m, pool(m), block_ids(m, TOKENS), keys(TOKENS, CHUNK), TOKENS)
+    assert err.value.reason == "store_corrupt" and s.files.stats.corrupt == 1
+
+
+def test_entry_whose_units_have_another_size_is_refused_not_a_crash(tmp_path, saved):
+    """Twice the units of half the bytes: sizes and checksums still agree, the units do not."""
+    m, files = saved
+    for f in files:
+        data = f.read_bytes()
+        header, start = fmt.read_header(data, len(data))
+        halves = [msgspec.structs.replace(s, units=2 * s.units, unit_bytes=s.unit_bytes // 2)
+                  for s in header.sections]  # fmt: skip
+        head = fmt.encode_head(msgspec.structs.replace(header, sections=halves))
+        f.write_bytes(head + data[start:])
+    s = store(tmp_path, CHUNK)
+    with pytest.raises(PullError) as err:
+        s.load(m, pool(m), block_ids(m, TOKENS), keys(TOKENS, CHUNK), TOKENS)
+    assert err.value.reason == "store_corrupt"
+
+
+def test_a_fifo_under_an_entry_name_is_a_miss_not_a_hang(tmp_path, saved):
+    """Reading it would block an I/O thread for good (past any deadline)."""
+    m, files = saved
+    files[1].unlink()
+    os.mkfifo(files[1])
+    s = store(tmp_path, CHUNK)
+    outcome: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            s.load(m, pool(m), block_ids(m, TOKENS), keys(TOKENS, CHUNK), TOKENS,
+                   stop_at=time.monotonic() + 5)  # fmt: skip
+        except PullError as exc:
+            outcome.append(exc)
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    loader.join(timeout=30)
+    try:
+        assert not loader.is_alive(), "the load blocked on the FIFO"
+    finally:
+        if loader.is_alive():  # let the blocked read end so the test run can finish
+            os.close(os.open(files[1], os.O_WRONLY | os.O_NONBLOCK))
+            loader.join(timeout=30)
+    assert [e.reason for e in outcome] == ["store_miss"]

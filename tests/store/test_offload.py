@@ -78,3 +78,21 @@ def test_unusable_store_dir_is_a_config_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="store_dir"):
         Offload(Config(store_dir=str(blocker / "sub")), Metrics(CollectorRegistry()), lambda: None)
+
+
+def test_a_hybrid_hold_saves_all_its_tokens_or_nothing(tmp_path):
+    """The hold's Mamba state is the state after its last token: a save of a shorter prefix
+    would store it under that prefix's key, and a later hit would load the wrong state."""
+    m = plan(MAMBA2, blocks=24)
+    held, prefix = 400, 128
+    regions, ids = filled(m, held, SEED)
+    cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK)
+    off = Offload(cfg, Metrics(CollectorRegistry()), lambda: (m, regions), lambda _h: (ids, held))
+    keys = chunk_keys(list(range(prefix)), CHUNK)
+    with pytest.raises(StoreError) as err:
+        asyncio.run(off.save(StoreSaveRequest(request_id="r", keys=keys, hold_id="h",
+                                              num_tokens=prefix)))  # fmt: skip
+    assert err.value.field == "num_tokens"
+    lookup = asyncio.run(off.lookup(StoreLookupRequest(keys=keys, num_tokens=prefix)))
+    assert lookup.matched == 0
+    off.close()

@@ -91,6 +91,9 @@ def test_keys_must_match_the_token_count(tmp_path):
     with pytest.raises(StoreError) as err:
         store(tmp_path, 16).lookup(m, ["XYZ"], 10)
     assert err.value.field == "keys[0]"
+    with pytest.raises(StoreError) as err:  # a key names a file: nothing after its digits
+        store(tmp_path, 16).lookup(m, ["a" * 32 + "\n"], 10)
+    assert err.value.field == "keys[0]"
 
 
 def test_chunk_keys_chain_the_whole_prefix():

@@ -110,3 +110,26 @@ def test_store_stays_within_both_budgets(tmp_path, dram):
     assert s.files.stats.evictions >= 5
     # the leading chunks were evicted first, so nothing matches from the start
     assert s.lookup(m, keys(tokens, chunk), tokens).matched == 0
+
+
+def test_start_removes_only_the_stores_own_temporaries(tmp_path):
+    """A store directory set to a shared place (or holding a link) never costs anyone else's
+    files: only ``<key[:2]>/<entry>.<pid>.<hex>.tmp`` names are leftovers of a crash."""
+    root, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    (root / "projects").mkdir(parents=True)
+    elsewhere.mkdir()
+    foreign = [root / "projects" / "build.tmp", elsewhere / "notes.tmp"]
+    (root / "ab").symlink_to(elsewhere)
+    ours = root / "00" / f"{_eid(0).filename}.123.abcd.tmp"
+    ours.parent.mkdir()
+    for f in [*foreign, ours, root / "00" / "other.tmp"]:
+        f.write_bytes(b"x")
+    tier = FileTier(root, capacity=1 << 20)
+    assert not ours.exists() and tier.stats.partial_removed == 1
+    assert all(f.exists() for f in foreign) and (root / "00" / "other.tmp").exists()
+
+
+def test_only_names_the_store_writes_are_entries():
+    assert parse_filename(f"..-{'0' * 16}-t1r0.kvx") is None  # would name a path outside root
+    assert parse_filename(f"{'a' * 32}-{'0' * 16}-t0r0.kvx") is None
+    assert parse_filename(f"{'A' * 32}-{'0' * 16}-t1r0.kvx") is None
