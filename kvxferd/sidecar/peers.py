@@ -58,6 +58,7 @@ from kvxferd.wire import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _KEEP_EPOCHS = 4096  # (engine id, epoch) pairs remembered for the epochs-seen counter
+_MAX_ADDRESS = (1 << 63) - 1  # READ descriptor addresses are int64
 
 
 @dataclass(frozen=True)
@@ -294,7 +295,8 @@ class PeerTable:
             raise _remote_error(address, resp.status_code, resp.content, msgspec.json)
         try:
             theirs = msgspec.json.decode(resp.content, type=Handshake)
-        except msgspec.ValidationError as exc:
+            _check_bases(theirs)
+        except (msgspec.MsgspecError, HandshakeError) as exc:  # not JSON, or not a handshake
             self._count("bad_answer")
             raise HandshakeError(f"peer {address} answered an invalid handshake: {exc}") from exc
         if theirs.protocol_version != PROTOCOL_VERSION:
@@ -321,6 +323,20 @@ class PeerTable:
 
     def _count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+
+def _check_bases(theirs: Handshake) -> None:
+    """HandshakeError unless the answer gives one base per manifest region, each region within
+    the 64-bit address space (the READ descriptors' remote addresses are int64)."""
+    regions = theirs.manifest.regions
+    if len(theirs.region_bases) != len(regions):
+        raise HandshakeError(
+            f"region_bases: {len(theirs.region_bases)} bases for {len(regions)} regions"
+        )
+    for i, (base, region) in enumerate(zip(theirs.region_bases, regions, strict=True)):
+        if not 0 <= base <= _MAX_ADDRESS - max(region.size_bytes, 0):
+            raise HandshakeError(f"region_bases[{i}]: {base} is no base of a {region.size_bytes}"
+                                 " B region")  # fmt: skip
 
 
 def _remote_error(address: str, status: int, content: bytes, codec: Any) -> Exception:

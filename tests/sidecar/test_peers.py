@@ -111,3 +111,81 @@ def test_a_cached_peer_is_served_while_a_handshake_with_its_address_is_in_progre
             await table.close()
 
     asyncio.run(scenario())
+
+
+def _answering(body: bytes) -> tuple[PeerTable, list[bytes]]:
+    """A table whose peer answers every handshake with ``body`` (200); the metadata it loads."""
+    import msgspec
+
+    from kvxferd.sidecar.peer_http import Reply
+    from kvxferd.wire import Handshake
+
+    loaded: list[bytes] = []
+
+    async def add(metadata: bytes) -> str:
+        loaded.append(metadata)
+        return "their-agent"
+
+    table = _table()
+    table._add_agent = add
+    mine = msgspec.json.decode(_their_handshake(), type=Handshake)
+    table._local_handshake = lambda: mine
+
+    async def post(address: str, path: str, _body: bytes) -> Reply:
+        return Reply(200, body)
+
+    table._post = post  # type: ignore[method-assign]
+    return table, loaded
+
+
+def _their_handshake(bases=lambda n: [1 << 30] * n) -> bytes:  # noqa: ANN001
+    """A prefill's handshake answer whose ``region_bases`` are ``bases(number of regions)``."""
+    import msgspec
+
+    from kvxferd.wire import PROTOCOL_VERSION, Handshake
+    from tests.sidecar.harness import plan
+
+    manifest = plan("qwen3-8b")
+    answer = Handshake(
+        protocol_version=PROTOCOL_VERSION, engine_id="e", epoch=1, agent_name="their-agent",
+        agent_metadata=b"md", manifest=manifest,
+        region_bases=bases(len(manifest.regions)),
+    )  # fmt: skip
+    return msgspec.json.encode(answer)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b"<html>not a handshake</html>", "handshake"),
+        (_their_handshake(lambda n: [1 << 30] * (n - 1)), "region_bases"),
+        (_their_handshake(lambda n: [-1] * n), "region_bases[0]"),
+        (_their_handshake(lambda n: [1 << 30] * (n - 1) + [(1 << 63) - 1]), "region_bases["),
+    ],
+    ids=["not-json", "too-few-bases", "negative-base", "region-past-the-address-space"],
+)
+def test_an_unusable_handshake_answer_is_a_handshake_error_and_loads_no_agent(body, field):
+    async def scenario() -> None:
+        table, loaded = _answering(body)
+        try:
+            with pytest.raises(HandshakeError, match=field.replace("[", r"\[")):
+                await table.get("127.0.0.1:1", "e", 1)
+            assert loaded == [] and len(table) == 0
+            assert table.outcomes == {"bad_answer": 1}
+        finally:
+            await table.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_handshake_answer_with_a_base_per_region_is_adopted():
+    async def scenario() -> None:
+        table, loaded = _answering(_their_handshake())
+        try:
+            peer = await table.get("127.0.0.1:1", "e", 1)
+            assert loaded == [b"md"] and peer.agent_name == "their-agent"
+            assert len(peer.region_bases) == len(peer.manifest.regions)
+        finally:
+            await table.close()
+
+    asyncio.run(scenario())
