@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -194,8 +195,16 @@ class PeerTable:
             return peer
 
     async def claim(self, address: str, request: ClaimRequest) -> ClaimResponse:
-        """Claim a hold at a prefill sidecar; 404/410 become UnknownHoldError/HoldExpiredError."""
-        return await self._call(address, "/v1/claims", request, ClaimResponse, "claim")
+        """Claim a hold at a prefill sidecar; 404/410 become UnknownHoldError/HoldExpiredError,
+        an answer that gives the claim no finite end a HandshakeError (the READ must end in it)."""
+        answer = await self._call(address, "/v1/claims", request, ClaimResponse, "claim")
+        if not (math.isfinite(answer.claim_s) and answer.claim_s >= 0
+                and math.isfinite(answer.expires_at)):  # fmt: skip
+            raise HandshakeError(
+                f"peer {address} answered an invalid claim: claim_s {answer.claim_s!r}, "
+                f"expires_at {answer.expires_at!r}"
+            )
+        return answer
 
     async def heartbeat(self, address: str, request: Heartbeat) -> HeartbeatResponse:
         """Extend holds at a prefill sidecar; the whole call is bounded by the timeout."""

@@ -189,3 +189,41 @@ def test_a_handshake_answer_with_a_base_per_region_is_adopted():
             await table.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("claim_s", "expires_at"),
+    [(float("nan"), 1e9), (float("inf"), 1e9), (-1.0, 1e9), (0.0, float("nan"))],
+    ids=["nan-claim", "endless-claim", "negative-claim", "nan-expiry"],
+)
+def test_a_claim_answer_without_a_finite_end_fails_the_claim(claim_s, expires_at):
+    # The READ must end within the claim: an answer that gives it no finite end would let a
+    # READ that outlived the hold pass as done.
+    import msgspec
+
+    from kvxferd.sidecar.peers import Peer
+    from kvxferd.wire import ClaimRequest, ClaimResponse, Ticket
+
+    answer = ClaimResponse(hold_id="h", expires_at=expires_at, expected_readers=1,
+                           claim_s=claim_s)  # fmt: skip
+    ticket = Ticket(
+        engine_id="e", epoch=1, hold_id="h", request_id="r", block_ids=[[1]], num_tokens=1,
+        expires_at=0.0, tp_rank=0, tp_size=1, peer="127.0.0.1:1",
+    )  # fmt: skip
+
+    async def framed(address: str, port: int, path: str, request: object) -> tuple[int, bytes]:
+        return 200, msgspec.msgpack.encode(answer)
+
+    async def scenario() -> None:
+        table = _table()
+        table._peers["127.0.0.1:1"] = Peer("127.0.0.1:1", "e", 1, "a", None, (), frames_port=2)  # type: ignore[arg-type]
+        table._framed = framed  # type: ignore[method-assign]
+        request = ClaimRequest(ticket=ticket, reader="me", reader_tp_size=1, claim_s=1.0)
+        try:
+            with pytest.raises(HandshakeError, match="invalid claim"):
+                await table.claim("127.0.0.1:1", request)
+        finally:
+            table._peers.clear()
+            await table.close()
+
+    asyncio.run(scenario())
