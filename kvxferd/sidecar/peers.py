@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _KEEP_EPOCHS = 4096  # (engine id, epoch) pairs remembered for the epochs-seen counter
 _MAX_ADDRESS = (1 << 63) - 1  # READ descriptor addresses are int64
+_MAX_TEXT = 1000  # characters kept of a peer's error detail and field
 
 
 @dataclass(frozen=True)
@@ -354,7 +355,9 @@ def _remote_error(address: str, status: int, content: bytes, codec: Any) -> Exce
     error = body_field = ""
     try:
         body = codec.decode(content, type=ErrorBody)
-        detail, error, body_field = body.detail, body.error, body.field
+        # cut: a failed pull keeps (and logs) its detail, however much text the peer sent
+        detail, error = body.detail[:_MAX_TEXT], body.error
+        body_field = body.field[:_MAX_TEXT]
     except msgspec.MsgspecError:
         detail = content[:200].decode(errors="replace")
     if status == UnknownHoldError.status:

@@ -227,3 +227,19 @@ def test_a_claim_answer_without_a_finite_end_fails_the_claim(claim_s, expires_at
             await table.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("status", [404, 401, 409, 502])
+@pytest.mark.parametrize("error", ["ClaimMismatchError", "IncompatiblePeerError", "Other"])
+def test_a_peers_error_answer_is_cut_to_a_bounded_message(status, error):
+    # A failed pull keeps its detail (and logs it): a peer's text must not make it huge.
+    import msgspec
+
+    from kvxferd.sidecar.peers import _remote_error
+    from kvxferd.wire import ErrorBody
+
+    body = ErrorBody(error=error, detail="d" * (1 << 20), field=",".join(["f"] * (1 << 18)))
+    exc = _remote_error("127.0.0.1:1", status, msgspec.json.encode(body), msgspec.json)
+    assert len(str(exc)) < 2048
+    assert len(getattr(exc, "field", "") or "") < 2048
+    assert len(getattr(exc, "fields", {})) < 1024
