@@ -161,9 +161,17 @@ class IncompatiblePeerError(HandshakeError):
     code = "incompatible"
 
     def __init__(self, fields: dict[str, tuple[object, object]]) -> None:
-        detail = "; ".join(f"{k}: local={a!r} remote={b!r}" for k, b, a in _triples(fields))
+        detail = "; ".join(
+            f"{k}: local={_short(a)} remote={_short(b)}" for k, b, a in _triples(fields)
+        )
         super().__init__(f"incompatible peer: {detail}")
         self.fields = fields
+
+
+def _short(value: object, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a peer's manifest strings are input)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def _triples(fields: dict[str, tuple[object, object]]) -> list[tuple[str, object, object]]:

@@ -97,3 +97,11 @@ def test_a_peer_answer_becomes_the_class_whose_status_it_carries(cls, codec):
 def test_an_error_body_names_the_class():
     body = problem_for(errors.UnknownPullError("no pull")).body
     assert body == ErrorBody(error="UnknownPullError", detail="no pull")
+
+
+def test_an_incompatible_peer_message_cuts_each_value_it_quotes():
+    # The values come from a peer's manifest (a part name is any string) and the message
+    # becomes a failed pull's detail, kept and logged.
+    exc = errors.IncompatiblePeerError({"groups[0].layers[0].k.name": ("k", "x" * (1 << 20))})
+    assert len(str(exc)) < 512
+    assert "local='k'" in str(exc) and "remote='xxx" in str(exc)

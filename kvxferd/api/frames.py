@@ -11,8 +11,8 @@ missing or wrong one answers 401 like HTTP's.
 
 Limits, like the HTTP edge's: a connection cap (more are closed at once), a frame-size cap, a
 bound on requests in flight per connection (past it the connection is not read until one
-answers), an idle timeout, and a timeout for the rest of a frame once its header came. A
-malformed or oversized frame closes its connection only.
+answers), an idle timeout, and a timeout for the rest of a frame once its header came and for
+the client to take an answer. A malformed or oversized frame closes its connection only.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class FrameLimits:
     idle_timeout_s: float = 30.0
     """A connection with nothing in flight and no new frame for this long is closed."""
     frame_timeout_s: float = 30.0
-    """The rest of a frame must arrive this long after its header; else the connection closes."""
+    """The rest of a frame must arrive this long after its header, and the client must take an
+    answer this long after it was written; else the connection closes."""
     backlog: int = 64
     """The listen queue (counted in the open-file budget like the HTTP listeners')."""
 
@@ -222,8 +223,14 @@ class _Connection:
         if self.writer.is_closing():
             return
         self.writer.write(frame(_encoder.encode(FrameAnswer(id=req.id, status=status, body=body))))
-        with contextlib.suppress(ConnectionError):
-            await self.writer.drain()
+        try:
+            async with asyncio.timeout(server.limits.frame_timeout_s):
+                await self.writer.drain()
+        except TimeoutError:  # a client that does not read its answers would pin us forever
+            log.debug("frames: closing a connection that does not read its answers")
+            self.writer.transport.abort()
+        except ConnectionError:
+            pass
 
 
 async def answer(

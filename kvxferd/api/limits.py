@@ -5,6 +5,9 @@ uvicorn offers part of this and we use it: ``h11_max_incomplete_event_size`` bou
 buffered for a request head still arriving (400 past it) and ``timeout_keep_alive`` closes idle
 connections between requests. What it lacks we add:
 
+- Nothing bounds how long an answer waits for a client that stopped reading it: both limited
+  protocols drop a connection whose writes stay paused for ``body_timeout_s``.
+
 - ``limit_concurrency`` only answers 503 to *requests* over the limit; a connection that never
   sends a request is accepted and kept forever (its keep-alive timer starts after a response).
   :func:`limited_protocol` makes uvicorn's h11 protocol close connections beyond a per-listener
@@ -79,7 +82,8 @@ class EdgeLimits:
     """A connection's request head must be complete this long after its first byte (or after
     the connection opened); else the connection is closed."""
     body_timeout_s: float
-    """A request body must be complete this long after its head; else 408 and close."""
+    """A request body must be complete this long after its head; else 408 and close. Also how
+    long our writes may stall on a client that does not read its answer; then we drop it."""
     backlog: int = 64
     """The listen queue, and the most connections accepted in one go: it bounds how far past
     ``max_connections`` the descriptors of a flood can reach before they are closed."""
@@ -115,7 +119,38 @@ class _HeadTimer:
             self.transport.close()
 
 
-class LimitedH11Protocol(_HeadTimer, H11Protocol):
+class _WriteTimer:
+    """The write-stall timeout both limited protocols share: armed when the transport pauses
+    our writes (the client stopped taking its answer), cancelled when it resumes them; if it
+    fires, the connection is dropped (uvicorn would wait for the client forever)."""
+
+    write_timeout_s = 30.0
+    _write_timer: asyncio.TimerHandle | None = None
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_timer()
+        super().resume_writing()  # type: ignore[misc]
+
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_timed_out(self) -> None:
+        self._write_timer = None
+        if not self.transport.is_closing():
+            log.debug("dropping a connection whose client stopped reading its answer")
+        self.transport.abort()
+
+
+class LimitedH11Protocol(_WriteTimer, _HeadTimer, H11Protocol):
     """uvicorn's h11 protocol with a per-listener connection cap and a request-head timeout.
 
     Configured through class attributes by :func:`limited_protocol` (uvicorn builds the protocol
@@ -142,6 +177,7 @@ class LimitedH11Protocol(_HeadTimer, H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._cancel_write_timer()
         super().connection_lost(exc)
 
     def _awaiting_head(self) -> bool:
@@ -150,7 +186,7 @@ class LimitedH11Protocol(_HeadTimer, H11Protocol):
 
 if HttpToolsProtocol is not None:
 
-    class LimitedHttpToolsProtocol(_HeadTimer, HttpToolsProtocol):
+    class LimitedHttpToolsProtocol(_WriteTimer, _HeadTimer, HttpToolsProtocol):
         """uvicorn's httptools protocol with the connection cap and head timeout of
         :class:`LimitedH11Protocol`, and a bound on a head still arriving: past
         ``max_header_bytes`` buffered for one head, 400 and close (httptools would keep them)."""
@@ -201,6 +237,7 @@ if HttpToolsProtocol is not None:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_head_timer()
+            self._cancel_write_timer()
             if self.flow is None:  # refused at accept: uvicorn never set it up
                 return
             super().connection_lost(exc)
@@ -215,6 +252,7 @@ def limited_protocol(limits: EdgeLimits, name: str) -> type[asyncio.Protocol]:
         "max_connections": limits.max_connections,
         "header_timeout_s": limits.header_timeout_s,
         "max_header_bytes": limits.max_header_bytes,
+        "write_timeout_s": limits.body_timeout_s,
     }
     if http_parser(limits.http) == "httptools":
         return type(f"LimitedHttpToolsProtocol_{name}", (LimitedHttpToolsProtocol,), attrs)

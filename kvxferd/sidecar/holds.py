@@ -363,7 +363,7 @@ class HoldTable:
         hold = self._holds.get(hold_id)
         if hold is None or reader not in hold.readers:
             self.counters.notifications_unknown += 1
-            logger.info("notification from %s for unknown hold %s ignored", reader, hold_id)
+            logger.info("notification from %.200r for unknown hold %.200r ignored", reader, hold_id)
             return NotifyOutcome.UNKNOWN
         if self._expire_if_due(hold, now):
             return NotifyOutcome.EXPIRED
@@ -384,7 +384,9 @@ class HoldTable:
         hold_id = self._by_request.get(request_id)
         if hold_id is None:
             self.counters.notifications_unknown += 1
-            logger.info("notification from %s for unknown request %s ignored", reader, request_id)
+            logger.info(
+                "notification from %.200r for unknown request %.200r ignored", reader, request_id
+            )
             return NotifyOutcome.UNKNOWN
         return self.notify(hold_id, reader, now)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -58,6 +59,8 @@ from kvxferd.wire import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _KEEP_EPOCHS = 4096  # (engine id, epoch) pairs remembered for the epochs-seen counter
+_MAX_ADDRESS = (1 << 63) - 1  # READ descriptor addresses are int64
+_MAX_TEXT = 1000  # characters kept of a peer's error detail and field
 
 
 @dataclass(frozen=True)
@@ -193,8 +196,16 @@ class PeerTable:
             return peer
 
     async def claim(self, address: str, request: ClaimRequest) -> ClaimResponse:
-        """Claim a hold at a prefill sidecar; 404/410 become UnknownHoldError/HoldExpiredError."""
-        return await self._call(address, "/v1/claims", request, ClaimResponse, "claim")
+        """Claim a hold at a prefill sidecar; 404/410 become UnknownHoldError/HoldExpiredError,
+        an answer that gives the claim no finite end a HandshakeError (the READ must end in it)."""
+        answer = await self._call(address, "/v1/claims", request, ClaimResponse, "claim")
+        if not (math.isfinite(answer.claim_s) and answer.claim_s >= 0
+                and math.isfinite(answer.expires_at)):  # fmt: skip
+            raise HandshakeError(
+                f"peer {address} answered an invalid claim: claim_s {answer.claim_s!r}, "
+                f"expires_at {answer.expires_at!r}"
+            )
+        return answer
 
     async def heartbeat(self, address: str, request: Heartbeat) -> HeartbeatResponse:
         """Extend holds at a prefill sidecar; the whole call is bounded by the timeout."""
@@ -294,7 +305,8 @@ class PeerTable:
             raise _remote_error(address, resp.status_code, resp.content, msgspec.json)
         try:
             theirs = msgspec.json.decode(resp.content, type=Handshake)
-        except msgspec.ValidationError as exc:
+            _check_bases(theirs)
+        except (msgspec.MsgspecError, HandshakeError) as exc:  # not JSON, or not a handshake
             self._count("bad_answer")
             raise HandshakeError(f"peer {address} answered an invalid handshake: {exc}") from exc
         if theirs.protocol_version != PROTOCOL_VERSION:
@@ -323,13 +335,29 @@ class PeerTable:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
 
+def _check_bases(theirs: Handshake) -> None:
+    """HandshakeError unless the answer gives one base per manifest region, each region within
+    the 64-bit address space (the READ descriptors' remote addresses are int64)."""
+    regions = theirs.manifest.regions
+    if len(theirs.region_bases) != len(regions):
+        raise HandshakeError(
+            f"region_bases: {len(theirs.region_bases)} bases for {len(regions)} regions"
+        )
+    for i, (base, region) in enumerate(zip(theirs.region_bases, regions, strict=True)):
+        if not 0 <= base <= _MAX_ADDRESS - max(region.size_bytes, 0):
+            raise HandshakeError(f"region_bases[{i}]: {base} is no base of a {region.size_bytes}"
+                                 " B region")  # fmt: skip
+
+
 def _remote_error(address: str, status: int, content: bytes, codec: Any) -> Exception:
     """Translate a peer's error answer (an ErrorBody in ``codec``: JSON over HTTP, MessagePack
     over frames) into our exception type."""
     error = body_field = ""
     try:
         body = codec.decode(content, type=ErrorBody)
-        detail, error, body_field = body.detail, body.error, body.field
+        # cut: a failed pull keeps (and logs) its detail, however much text the peer sent
+        detail, error = body.detail[:_MAX_TEXT], body.error
+        body_field = body.field[:_MAX_TEXT]
     except msgspec.MsgspecError:
         detail = content[:200].decode(errors="replace")
     if status == UnknownHoldError.status:

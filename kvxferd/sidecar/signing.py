@@ -20,7 +20,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvxferd.errors import AuthError, ConfigError
 
@@ -44,8 +44,8 @@ class PeerKeys:
     """The secrets this sidecar holds: ``current`` signs (requests and tickets), every one of
     ``accepted`` verifies (the current one first, then a rollover's other key)."""
 
-    current: bytes
-    accepted: tuple[bytes, ...]
+    current: bytes = field(repr=False)
+    accepted: tuple[bytes, ...] = field(repr=False)
 
     @classmethod
     def of(cls, current: str | bytes, other: str | bytes = b"") -> PeerKeys:

@@ -6,6 +6,7 @@ for the handlers' results."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -102,6 +103,18 @@ def test_an_idle_connection_is_closed(path):
         with connect(path) as sock:
             assert closed_by_server(sock)
         wait_until(lambda: server.connections == 0, BOUND_S, "connection released")
+
+
+def test_a_client_that_never_reads_its_answers_is_disconnected(path):
+    # Answers pile up until the server cannot write them; without a bound on that wait the
+    # connection (and its slot under the cap) would be held forever by anyone who can connect.
+    limits = _limits(max_connections=1, idle_timeout_s=0.2, frame_timeout_s=0.2)
+    with served(path, FakeSidecar(), limits) as server:
+        with connect(path) as sock:
+            with contextlib.suppress(OSError):  # reset once the server gives up on us
+                sock.sendall(request_bytes(1, "GET /healthz") * 200_000)
+            wait_until(lambda: server.connections == 0, BOUND_S, "the connection to close")
+        assert call(path, "GET /healthz")[0] == 200
 
 
 def test_a_connection_waiting_on_a_call_is_not_idle(path):

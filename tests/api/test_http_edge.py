@@ -135,3 +135,41 @@ def test_connections_over_the_cap_are_closed_at_once(port) -> None:
     finally:
         for sock in socks:
             sock.close()
+
+
+async def _large(scope, receive, send) -> None:  # noqa: ANN001
+    """Answers 200 with 32 MiB: more than the socket buffers hold for a client that never
+    reads."""
+    if scope["type"] != "http":
+        return
+    await receive()
+    body = b"k" * (32 << 20)
+    headers = [(b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+def test_a_client_that_stops_reading_its_answer_is_disconnected(http) -> None:
+    # Our writes stall once the socket buffers are full; without a bound on the stall the
+    # connection (and its slot under the cap) would be held forever by anyone who can connect.
+    from tests.sidecar.harness import wait_until
+
+    limits = dataclasses.replace(LIMITS, body_timeout_s=0.3, http=http)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(BodyLimit.of(_large, limits), log_level="warning", access_log=False,
+                            lifespan="off", **uvicorn_limits(limits, "test"))  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, BOUND_S, "the server to start")
+        with _connect(sock.getsockname()[1]) as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            wait_until(lambda: len(server.server_state.connections) == 1, BOUND_S, "accepted")
+            wait_until(lambda: not server.server_state.connections, BOUND_S, "the close")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=BOUND_S)

@@ -211,6 +211,16 @@ def test_only_a_reader_that_claimed_releases_by_notification():
     assert t.notify_request("req-9", "d0") is NotifyOutcome.UNKNOWN
 
 
+def test_an_ignored_notification_is_logged_on_one_bounded_line(caplog):
+    """Its hold id and reader are whatever a peer sent: quoted and cut, never a forged line."""
+    t = table()
+    with caplog.at_level("INFO", logger="kvxferd.sidecar.holds"):
+        forged = "h\n2026-01-01 ERROR kvxferd: forged line" + "x" * 100_000
+        assert t.notify(forged, "agent\nname" * 10_000) is NotifyOutcome.UNKNOWN
+    (record,) = caplog.records
+    assert "\n" not in record.getMessage() and len(record.getMessage()) < 1024
+
+
 def test_notification_after_the_deadline_releases_as_expired():
     clock = FakeClock(0.0)
     t = table(clock)

@@ -111,3 +111,135 @@ def test_a_cached_peer_is_served_while_a_handshake_with_its_address_is_in_progre
             await table.close()
 
     asyncio.run(scenario())
+
+
+def _answering(body: bytes) -> tuple[PeerTable, list[bytes]]:
+    """A table whose peer answers every handshake with ``body`` (200); the metadata it loads."""
+    import msgspec
+
+    from kvxferd.sidecar.peer_http import Reply
+    from kvxferd.wire import Handshake
+
+    loaded: list[bytes] = []
+
+    async def add(metadata: bytes) -> str:
+        loaded.append(metadata)
+        return "their-agent"
+
+    table = _table()
+    table._add_agent = add
+    mine = msgspec.json.decode(_their_handshake(), type=Handshake)
+    table._local_handshake = lambda: mine
+
+    async def post(address: str, path: str, _body: bytes) -> Reply:
+        return Reply(200, body)
+
+    table._post = post  # type: ignore[method-assign]
+    return table, loaded
+
+
+def _their_handshake(bases=lambda n: [1 << 30] * n) -> bytes:  # noqa: ANN001
+    """A prefill's handshake answer whose ``region_bases`` are ``bases(number of regions)``."""
+    import msgspec
+
+    from kvxferd.wire import PROTOCOL_VERSION, Handshake
+    from tests.sidecar.harness import plan
+
+    manifest = plan("qwen3-8b")
+    answer = Handshake(
+        protocol_version=PROTOCOL_VERSION, engine_id="e", epoch=1, agent_name="their-agent",
+        agent_metadata=b"md", manifest=manifest,
+        region_bases=bases(len(manifest.regions)),
+    )  # fmt: skip
+    return msgspec.json.encode(answer)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b"<html>not a handshake</html>", "handshake"),
+        (_their_handshake(lambda n: [1 << 30] * (n - 1)), "region_bases"),
+        (_their_handshake(lambda n: [-1] * n), "region_bases[0]"),
+        (_their_handshake(lambda n: [1 << 30] * (n - 1) + [(1 << 63) - 1]), "region_bases["),
+    ],
+    ids=["not-json", "too-few-bases", "negative-base", "region-past-the-address-space"],
+)
+def test_an_unusable_handshake_answer_is_a_handshake_error_and_loads_no_agent(body, field):
+    async def scenario() -> None:
+        table, loaded = _answering(body)
+        try:
+            with pytest.raises(HandshakeError, match=field.replace("[", r"\[")):
+                await table.get("127.0.0.1:1", "e", 1)
+            assert loaded == [] and len(table) == 0
+            assert table.outcomes == {"bad_answer": 1}
+        finally:
+            await table.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_handshake_answer_with_a_base_per_region_is_adopted():
+    async def scenario() -> None:
+        table, loaded = _answering(_their_handshake())
+        try:
+            peer = await table.get("127.0.0.1:1", "e", 1)
+            assert loaded == [b"md"] and peer.agent_name == "their-agent"
+            assert len(peer.region_bases) == len(peer.manifest.regions)
+        finally:
+            await table.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("claim_s", "expires_at"),
+    [(float("nan"), 1e9), (float("inf"), 1e9), (-1.0, 1e9), (0.0, float("nan"))],
+    ids=["nan-claim", "endless-claim", "negative-claim", "nan-expiry"],
+)
+def test_a_claim_answer_without_a_finite_end_fails_the_claim(claim_s, expires_at):
+    # The READ must end within the claim: an answer that gives it no finite end would let a
+    # READ that outlived the hold pass as done.
+    import msgspec
+
+    from kvxferd.sidecar.peers import Peer
+    from kvxferd.wire import ClaimRequest, ClaimResponse, Ticket
+
+    answer = ClaimResponse(hold_id="h", expires_at=expires_at, expected_readers=1,
+                           claim_s=claim_s)  # fmt: skip
+    ticket = Ticket(
+        engine_id="e", epoch=1, hold_id="h", request_id="r", block_ids=[[1]], num_tokens=1,
+        expires_at=0.0, tp_rank=0, tp_size=1, peer="127.0.0.1:1",
+    )  # fmt: skip
+
+    async def framed(address: str, port: int, path: str, request: object) -> tuple[int, bytes]:
+        return 200, msgspec.msgpack.encode(answer)
+
+    async def scenario() -> None:
+        table = _table()
+        table._peers["127.0.0.1:1"] = Peer("127.0.0.1:1", "e", 1, "a", None, (), frames_port=2)  # type: ignore[arg-type]
+        table._framed = framed  # type: ignore[method-assign]
+        request = ClaimRequest(ticket=ticket, reader="me", reader_tp_size=1, claim_s=1.0)
+        try:
+            with pytest.raises(HandshakeError, match="invalid claim"):
+                await table.claim("127.0.0.1:1", request)
+        finally:
+            table._peers.clear()
+            await table.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("status", [404, 401, 409, 502])
+@pytest.mark.parametrize("error", ["ClaimMismatchError", "IncompatiblePeerError", "Other"])
+def test_a_peers_error_answer_is_cut_to_a_bounded_message(status, error):
+    # A failed pull keeps its detail (and logs it): a peer's text must not make it huge.
+    import msgspec
+
+    from kvxferd.sidecar.peers import _remote_error
+    from kvxferd.wire import ErrorBody
+
+    body = ErrorBody(error=error, detail="d" * (1 << 20), field=",".join(["f"] * (1 << 18)))
+    exc = _remote_error("127.0.0.1:1", status, msgspec.json.encode(body), msgspec.json)
+    assert len(str(exc)) < 2048
+    assert len(getattr(exc, "field", "") or "") < 2048
+    assert len(getattr(exc, "fields", {})) < 1024

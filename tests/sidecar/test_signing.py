@@ -54,6 +54,12 @@ def test_the_header_and_the_key_id_never_carry_the_secret():
     assert len(key_id(raw)) == 16 and key_id(raw) != key_id(b"another")
 
 
+def test_the_keys_never_show_the_secret_when_printed():
+    keys = PeerKeys.of(SECRET, "the previous secret")
+    for text in (repr(keys), str(keys), f"{keys!r}"):
+        assert SECRET not in text and "the previous secret" not in text
+
+
 @pytest.mark.parametrize(
     ("method", "target", "body"),
     [("GET", "/v1/heartbeat", BODY), ("POST", "/v1/claims", BODY),
