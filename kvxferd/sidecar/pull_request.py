@@ -6,6 +6,8 @@ field); ``unread_ranks`` gives the prefill ranks no decode rank reads from.
 
 from __future__ import annotations
 
+import math
+
 from kvxferd import descriptors
 from kvxferd.errors import BlockIdError
 from kvxferd.wire import Manifest, PullRequest
@@ -73,5 +75,5 @@ def validate_pull(req: PullRequest, local: Manifest) -> None:
                 raise BlockIdError(
                     f"block_ids[{g}][{k}]", f"id {b} repeats block_ids[{g}][{seen[b]}]"
                 )
-    if req.deadline_s <= 0:
-        raise BlockIdError("deadline_s", "must be > 0")
+    if not (math.isfinite(req.deadline_s) and req.deadline_s > 0):  # NaN/inf come in msgpack
+        raise BlockIdError("deadline_s", f"must be a finite number > 0, got {req.deadline_s!r}")

@@ -70,3 +70,14 @@ def test_before_registration_run_and_feed_answer_503(fake_engine, fake):
     assert _error(fake_engine.get("/v1/pulls/finished"), 503).error == "NotRegisteredError"
     body = msgspec.to_builtins({"tickets": [TICKET], "block_ids": [[3]]})
     assert _error(fake_engine.post("/v1/pulls/run", json=body), 503).error == "NotRegisteredError"
+
+
+def test_a_run_pull_with_a_nan_deadline_is_a_422_not_an_unfinished_answer(real):
+    from kvxferd.sidecar.tickets import sign_ticket
+    from tests.sidecar.harness import TOKEN
+
+    ticket = msgspec.to_builtins(sign_ticket(TICKET, TOKEN.encode()))
+    body = {"tickets": [ticket], "block_ids": [[1]], "deadline_s": float("nan")}
+    resp = real.engine.post("/v1/pulls/run", content=msgspec.msgpack.encode(body),
+                            headers={"Content-Type": "application/msgpack"})  # fmt: skip
+    assert _error(resp, 422).field == "deadline_s"

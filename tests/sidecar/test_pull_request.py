@@ -3,6 +3,7 @@ and no id twice in a group, a 422 naming the entry (each rank's plan then skips 
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvxferd.errors import BlockIdError
@@ -46,3 +47,13 @@ def test_an_id_outside_the_pool_is_refused():
     with pytest.raises(BlockIdError) as exc:
         validate_pull(_request([[1], [m.num_blocks], [3]]), m)
     assert exc.value.field == "block_ids[1][0]"
+
+
+@pytest.mark.parametrize("deadline_s", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_deadline_that_is_not_a_finite_positive_number_is_refused(deadline_s):
+    # NaN and inf cannot come as JSON but can as msgpack; a NaN timer breaks the loop's heap.
+    m = render(hybrid_spec())
+    req = msgspec.structs.replace(_request([[1], [2], [3]]), deadline_s=deadline_s)
+    with pytest.raises(BlockIdError) as exc:
+        validate_pull(req, m)
+    assert exc.value.field == "deadline_s"
