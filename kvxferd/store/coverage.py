@@ -9,6 +9,7 @@ of a TP-1 writer's entry. Writers whose TP size cannot split a part's units serv
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,11 @@ class Plan:
     def entries(self) -> list[EntryId]:
         """The entries the plan reads, each once, in a stable order."""
         return list(dict.fromkeys(self.source.values()))
+
+    def units_from(self, specs: Iterable[PartSpec]) -> Counter[EntryId]:
+        """Per entry, how many units of ``specs`` the plan takes from it (what a load checks
+        each entry supplies in full)."""
+        return Counter(self.source.get((p.units_total, u)) for p in specs for u in p.owned)
 
 
 def plan_sources(found: Iterable[EntryId], specs: list[PartSpec]) -> Plan | None:

@@ -340,23 +340,25 @@ class Store:
         s, e = span
         tm = None if group.kind == "mamba" else token_map(group, ids, s, e, f"block_ids[{g}]")
         by_spec = {(p.layer, p.name): p for p in specs}
+        wanted = plan.units_from(by_spec.values())
         for eid in plan.entries:
             cached = fetch(eid)
             try:
                 self._scatter(manifest, regions, ids, g, c, span, plan, eid, cached, tm, by_spec,
-                              out)  # fmt: skip
+                              wanted[eid], out)  # fmt: skip
             finally:
                 cached.buffer.release()
         out.chunks += 1
 
-    def _scatter(self, manifest, regions, ids, g, c, span, plan, eid, cached, tm, by_spec, out):  # noqa: ANN001, ANN202, PLR0913
+    def _scatter(self, manifest, regions, ids, g, c, span, plan, eid, cached, tm, by_spec, want,  # noqa: ANN001, ANN202, PLR0913
+                 out):  # fmt: skip
         """Write one entry's sections (the units the plan takes from it) into the blocks."""
         group = manifest.groups[g]
         s, e = span
         header = cached.header
         if header.tokens != e - s or header.chunk != c or header.kind != group.kind:
             self._corrupt(eid, "header does not match the request's chunk")
-        runs = self._runs(plan, eid, cached, by_spec, None if tm is None else e - s)
+        runs = self._runs(plan, eid, cached, by_spec, None if tm is None else e - s, want)
         for sec, data, spec, units in runs:
             for lo, hi in units:
                 local = slice(lo - spec.owned.start, hi - spec.owned.start)
@@ -374,11 +376,11 @@ class Store:
                                       local, arr)  # fmt: skip
                     out.kv_bytes += arr.nbytes
 
-    def _runs(self, plan, eid, cached, by_spec, tokens):  # noqa: ANN001, ANN202
+    def _runs(self, plan, eid, cached, by_spec, tokens, want):  # noqa: ANN001, ANN202
         """(section, bytes, spec, unit runs) of what the entry supplies under the plan; corrupt
-        unless that is every unit the plan takes from it, once, in units of the right size
-        (fail closed: a load never leaves a unit it planned unwritten)."""
-        runs, got, want = [], 0, 0
+        unless that is every unit (``want``) the plan takes from it, once, in units of the right
+        size (fail closed: a load never leaves a unit it planned unwritten)."""
+        runs, got = [], 0
         for sec, data in zip(cached.header.sections, cached.sections, strict=True):
             spec = by_spec.get((sec.layer, sec.part))
             if spec is None:
@@ -390,8 +392,6 @@ class Store:
                               f"{sec.unit_bytes} bytes, not {size}")  # fmt: skip
             got += sum(hi - lo for lo, hi in units)
             runs.append((sec, data, spec, units))
-        for p in by_spec.values():
-            want += sum(plan.source.get((p.units_total, u)) == eid for u in p.owned)
         if got != want:
             self._corrupt(eid, f"holds {got} of the {want} units its name promises")
         return runs

@@ -47,10 +47,18 @@ class Remote:
     block_size: int
 
 
-def read_remote(params: dict[str, Any], prompt_len: int, block_size: int) -> Remote:
+def read_remote(
+    params: dict[str, Any], prompt_len: int, block_size: int, groups: int | None
+) -> Remote:
     """The remote prefill a decode's params name; InvalidRequestError naming the first field
-    that does not check out (tickets, token count beyond the prompt, block size)."""
+    that does not check out (tickets, their group count unless ``groups`` is None, token count
+    beyond the prompt, block size)."""
     tickets = tp.parse_tickets(params)
+    theirs = len(tickets[0].block_ids)
+    if groups is not None and theirs != groups:
+        raise InvalidRequestError(
+            f"{tp.FIELD}.kvxferd_tickets[0].block_ids", f"{theirs} groups, this engine has {groups}"
+        )
     return Remote(
         tickets=msgspec.to_builtins(tickets),
         block_ids=tickets[0].block_ids,
@@ -199,25 +207,21 @@ class SchedulerSide:
         count = max(0, remote.num_tokens - num_computed)
         return count, count > 0
 
-    def _remote(self, request: Any) -> Remote | None:
-        """The request's remote prefill, checked (None: it has none). Params that do not check
-        out are dropped with a warning, their tickets declined if they parse: the request is
-        computed locally and the engine keeps serving."""
+    def _remote(self, request: Any, groups: int | None = None) -> Remote | None:
+        """The request's remote prefill, checked (None: it has none) against ``groups`` (else
+        the engine's group kinds, when known). Params that do not check out are dropped with a
+        warning, their tickets declined if they parse: the request is computed locally and the
+        engine keeps serving."""
         params = request.kv_transfer_params
         if not tp.has_remote_prefill(params):
             return None
+        if groups is None and self.group_kinds is not None:
+            groups = len(self.group_kinds)
         try:
-            remote = read_remote(params, len(request.prompt_token_ids), self.block_size)
-            groups = len(self.group_kinds) if self.group_kinds is not None else None
-            if groups is not None and len(remote.block_ids) != groups:
-                raise InvalidRequestError(
-                    f"{tp.FIELD}.kvxferd_tickets[0].block_ids",
-                    f"{len(remote.block_ids)} groups, this engine has {groups}",
-                )
+            return read_remote(params, len(request.prompt_token_ids), self.block_size, groups)
         except InvalidRequestError as exc:
             self._drop(request, exc)
             return None
-        return remote
 
     def _drop(self, request: Any, exc: InvalidRequestError) -> None:
         """Compute ``request`` locally: its params do not check out (declining its tickets,
@@ -249,7 +253,9 @@ class SchedulerSide:
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         """Blocks are allocated: queue the pull of the blocks the decode lacks (or the store
         load of a matched prompt, declining the remote tickets it makes unnecessary)."""
-        remote = self._remote(request)
+        local = [list(g) for g in blocks.get_block_ids()]
+        promised = num_external > 0 and tp.has_remote_prefill(request.kv_transfer_params)
+        remote = self._remote(request, len(local))
         load = (
             self.store.load(request, blocks.get_block_ids(), num_external) if self.store else None
         )
@@ -260,18 +266,12 @@ class SchedulerSide:
                 request.kv_transfer_params["do_remote_prefill"] = False
             return
         if remote is None:
+            if promised:  # dropped only now (no group kinds to check earlier): tokens promised
+                live = [live_ids(g) for g in local]
+                self.orders.failed.append(PullOrder(request.request_id, [], live, num_external))
             return
         request.kv_transfer_params["do_remote_prefill"] = False  # load once
         if num_external <= 0:
-            return
-        local = [list(g) for g in blocks.get_block_ids()]
-        if len(local) != len(remote.block_ids):  # only without group kinds to check earlier
-            self._drop(request, InvalidRequestError(
-                f"{tp.FIELD}.kvxferd_tickets[0].block_ids",
-                f"{len(remote.block_ids)} groups, this engine has {len(local)}",
-            ))  # fmt: skip
-            live = [live_ids(g) for g in local]
-            self.orders.failed.append(PullOrder(request.request_id, [], live, remote.num_tokens))
             return
         local_done = max(0, remote.num_tokens - num_external)
         if remote.block_size != self.block_size:  # re-blocking: the sidecar maps token ranges

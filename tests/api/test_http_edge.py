@@ -33,14 +33,13 @@ async def _echo(scope, receive, send) -> None:  # noqa: ANN001
     await send({"type": "http.response.body", "body": body})
 
 
-@pytest.fixture(scope="module", params=["h11", "httptools"])
-def port(request) -> Iterator[int]:
+@contextlib.contextmanager
+def _served(app, limits: EdgeLimits) -> Iterator[tuple[int, uvicorn.Server]]:  # noqa: ANN001
+    """``app`` behind the limited edge, served by uvicorn in a thread: (port, server)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    app = BodyLimit.of(_echo, LIMITS)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            **uvicorn_limits(dataclasses.replace(LIMITS, http=request.param),
-                                             "test"))  # fmt: skip
+    config = uvicorn.Config(BodyLimit.of(app, limits), log_level="warning", access_log=False,
+                            lifespan="off", **uvicorn_limits(limits, "test"))  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -49,10 +48,16 @@ def port(request) -> Iterator[int]:
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.01)
     try:
-        yield sock.getsockname()[1]
+        yield sock.getsockname()[1], server
     finally:
         server.should_exit = True
         thread.join(timeout=BOUND_S)
+
+
+@pytest.fixture(scope="module", params=["h11", "httptools"])
+def port(request) -> Iterator[int]:
+    with _served(_echo, dataclasses.replace(LIMITS, http=request.param)) as (port, _server):
+        yield port
 
 
 def _connect(port: int) -> socket.socket:
@@ -156,20 +161,8 @@ def test_a_client_that_stops_reading_its_answer_is_disconnected(http) -> None:
     from tests.sidecar.harness import wait_until
 
     limits = dataclasses.replace(LIMITS, body_timeout_s=0.3, http=http)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(BodyLimit.of(_large, limits), log_level="warning", access_log=False,
-                            lifespan="off", **uvicorn_limits(limits, "test"))  # fmt: skip
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_until(lambda: server.started, BOUND_S, "the server to start")
-        with _connect(sock.getsockname()[1]) as client:
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            wait_until(lambda: len(server.server_state.connections) == 1, BOUND_S, "accepted")
-            wait_until(lambda: not server.server_state.connections, BOUND_S, "the close")
-    finally:
-        server.should_exit = True
-        thread.join(timeout=BOUND_S)
+    with _served(_large, limits) as (port, server), _connect(port) as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        wait_until(lambda: len(server.server_state.connections) == 1, BOUND_S, "accepted")
+        wait_until(lambda: not server.server_state.connections, BOUND_S, "the close")

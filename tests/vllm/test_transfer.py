@@ -71,18 +71,25 @@ def test_a_request_moves_byte_exact_between_two_vllm_workers(engines, model, lay
         assert sending == {"r1"}
 
 
+def _unheld_request(engine, p_side) -> tuple[SchedulerSide, SimpleNamespace]:
+    """A scheduler side (no group kinds) and decode request "d1" (300 tokens) carrying the
+    ticket of prefill "r1" on blocks 3-5, whose hold the prefill worker never places."""
+    with p_side.client() as c:
+        ident = c.identity()
+    sched = prefill_side(
+        lambda: [ident], engine.config.cache_config.block_size, partial_prefill=False
+    )
+    _delay, params = finish(sched, "r1", ([3, 4, 5],), 300)
+    sched.take_orders()  # the prefill worker never places the hold: a claim finds none
+    dreq = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(300)),
+                           kv_transfer_params=dict(params))  # fmt: skip
+    return sched, dreq
+
+
 def test_a_pull_that_cannot_complete_reports_its_blocks_as_load_errors(engines, tmp_path):
     engine = engines("dense", "LBHNC", num_blocks=24)
     with worker_pair(tmp_path, "LBHNC", engine) as (prefill, decode, p_side):
-        with p_side.client() as c:
-            ident = c.identity()
-        sched = prefill_side(
-            lambda: [ident], engine.config.cache_config.block_size, partial_prefill=False
-        )
-        _delay, params = finish(sched, "r1", ([3, 4, 5],), 300)
-        sched.take_orders()  # the prefill worker never places the hold: the claim finds none
-        dreq = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(300)),
-                               kv_transfer_params=dict(params))  # fmt: skip
+        sched, dreq = _unheld_request(engine, p_side)
         count, _ = sched.matched_tokens(dreq, 0)
         sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: [[9, 10, 11]]), count)
         got = step_until(decode, sched.take_orders(), 1, 60, "the pull to end")
@@ -99,16 +106,8 @@ def test_a_load_promised_on_tickets_for_other_groups_ends_with_its_blocks_as_loa
     block a load error, and the tickets are declined."""
     engine = engines("dense", "LBHNC", num_blocks=24)
     with worker_pair(tmp_path, "LBHNC", engine) as (_prefill, decode, p_side):
-        with p_side.client() as c:
-            ident = c.identity()
-        sched = prefill_side(
-            lambda: [ident], engine.config.cache_config.block_size, partial_prefill=False
-        )
+        sched, dreq = _unheld_request(engine, p_side)
         assert sched.group_kinds is None
-        _delay, params = finish(sched, "r1", ([3, 4, 5],), 300)
-        sched.take_orders()
-        dreq = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(300)),
-                               kv_transfer_params=dict(params))  # fmt: skip
         count, is_async = sched.matched_tokens(dreq, 0)
         assert is_async and count == 300
         local = [[9, 10, 11], [0, 12]]  # two groups here, one in the tickets
