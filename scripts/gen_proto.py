@@ -331,6 +331,13 @@ outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
   a reader notifies only after its claim answered),
   and a decode side that declines with a valid ticket whose block ids are the hold's, as long as
   no reader has claimed it (a claimed hold is reported `busy` and left to its readers).
+- **What the data plane trusts.** NIXL/UCX itself authenticates nothing: an agent that holds a
+  sidecar's agent metadata (its address and memory keys, which the handshake answer carries in
+  clear) can READ and WRITE that sidecar's registered memory and send it notifications under any
+  agent name. The peer secret keeps the metadata from anyone who cannot sign a handshake; an
+  on-path attacker on the peer network sees it. Keep UCX traffic on the private peer network
+  (the `kvxferd-peers` NetworkPolicy, `UCX_TCP_PORT_RANGE`, RDMA partitions); a MAC in the
+  notification would not help against an attacker who can write the memory anyway.
 - **Block 0** is vLLM's null block: a hold may name it (placeholders keep their position), any
   number of times, but it is never data.
 

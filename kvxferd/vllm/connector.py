@@ -8,6 +8,7 @@ store's ``store``, ``store_order``, ``store_chunk_tokens``, ``store_lookup_timeo
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -66,6 +67,25 @@ def _conv_geometry(vllm_config: Any, tp_size: int) -> ConvGeometry:
     return conv_geometry(hf.to_dict(), tp_size, get_conv_state_layout())
 
 
+def store_root(vllm_config: Any) -> bytes:
+    """What besides the tokens decides the KV bytes of an engine, as the store keys' root: the
+    model (path, revision, weights dtype, quantization, its config with any overrides) and the
+    cache dtypes (fp8_e4m3 and fp8_e5m2 share one manifest dtype, not one meaning)."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    parts = {
+        "model": str(mc.model),
+        "revision": str(mc.revision),
+        "dtype": str(mc.dtype),
+        "quantization": str(mc.quantization),
+        "hf_config": mc.hf_config.to_json_string(),
+        "cache_dtype": str(cc.cache_dtype),
+        "mamba_cache_dtype": str(getattr(cc, "mamba_cache_dtype", "")),
+        "mamba_ssm_cache_dtype": str(getattr(cc, "mamba_ssm_cache_dtype", "")),
+        "kv_cache_dtype_skip_layers": sorted(getattr(cc, "kv_cache_dtype_skip_layers", []) or []),
+    }
+    return b"kvxferd-store/1\0" + json.dumps(parts, sort_keys=True).encode()
+
+
 def _secret(extra: dict[str, Any]) -> bytes:
     path = extra.get("peer_token_file") or os.environ.get("KVXFERD_PEER_TOKEN_FILE")
     if path:
@@ -93,7 +113,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
                 store = StorePlanner(
                     self._store_options,
                     self._store_lookup,
-                    root=str(vllm_config.model_config.model).encode(),
+                    root=store_root(vllm_config),
                     kinds=_group_kinds(kv_cache_config),
                     block_size=vllm_config.cache_config.block_size,
                 )

@@ -7,6 +7,11 @@ the workers at the start of the next step, before anything can reuse the freed b
 models are looked up over ``prompt - 1`` tokens: vLLM recomputes a full hit's last token, which
 a Mamba state cannot rewind, so the state must sit exactly where the hit ends (the store's
 minimum-prefix rule finds that point).
+
+A key stands for bytes, so everything besides the token ids that decides them is in it: the
+engine's model and cache settings (the connector's ``root``) and the request's ``cache_salt``.
+Requests whose bytes depend on inputs the tokens do not show (a LoRA adapter, images behind
+placeholder tokens, prompt embeddings) are neither looked up nor saved.
 """
 
 from __future__ import annotations
@@ -124,7 +129,7 @@ class StorePlanner:
         self.options = options
         self.block_size = block_size
         self._lookup = lookup
-        self._root = root  # salts the keys: one model's entries never match another's
+        self._root = root  # salts the keys: one engine setup's entries never match another's
         self.kinds = kinds or []
         self.hybrid = "mamba" in self.kinds
         self._hits: dict[str, tuple[list[str], int]] = {}  # request id -> (keys, matched)
@@ -134,13 +139,28 @@ class StorePlanner:
         n = len(request.prompt_token_ids)
         return max(0, n - 1) if self.hybrid else n
 
+    def _request_root(self, request: Any) -> bytes | None:
+        """The key root of ``request``: the engine's, salted by its ``cache_salt``; None when
+        its KV bytes depend on more than its token ids (LoRA, multimodal, prompt embeddings)."""
+        if (
+            getattr(request, "lora_request", None) is not None
+            or getattr(request, "mm_features", None)
+            or getattr(request, "prompt_embeds", None) is not None
+        ):
+            return None
+        salt = getattr(request, "cache_salt", None)
+        if salt is None:
+            return self._root
+        return self._root + b"\0cache_salt\0" + str(salt).encode()
+
     def match(self, request: Any) -> int:
         """Tokens of the prompt the store serves from its start (0 on a miss or any error)."""
         self._hits.pop(request.request_id, None)
         n = self.wanted(request)
-        if not self.options.load or n < 1:
+        root = self._request_root(request)
+        if not self.options.load or n < 1 or root is None:
             return 0
-        keys = chunk_keys(request.prompt_token_ids[:n], self.options.chunk_tokens, self._root)
+        keys = chunk_keys(request.prompt_token_ids[:n], self.options.chunk_tokens, root)
         try:
             hit = self._lookup(StoreLookupRequest(keys=keys, num_tokens=n)).matched
         except KvxferdError as exc:  # fail open: the engine computes
@@ -172,13 +192,14 @@ class StorePlanner:
         """The save of a request that ended normally: its computed tokens, all groups."""
         status = getattr(request.status, "name", str(request.status))
         n = int(getattr(request, "num_computed_tokens", 0))
-        if not self.options.save or status not in _SAVED_STATUSES or n < 1:
+        root = self._request_root(request)
+        if not self.options.save or status not in _SAVED_STATUSES or n < 1 or root is None:
             return None
         tokens = list(request.all_token_ids)[:n]
         ids = self._ids(block_ids, n)
         if not any(ids):
             return None
-        keys = chunk_keys(tokens, self.options.chunk_tokens, self._root)
+        keys = chunk_keys(tokens, self.options.chunk_tokens, root)
         return SaveOrder(request.request_id, keys, ids, n)
 
     def _ids(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:

@@ -13,6 +13,7 @@ import pytest
 
 from kvxferd import pattern
 from kvxferd.store import chunk_keys
+from kvxferd.vllm.connector import store_root
 from kvxferd.vllm.scheduler import StepOrders
 from tests.sidecar.harness import changed_outside, metric, start_sidecars
 from tests.vllm.ranks import Rank, request, step
@@ -196,8 +197,8 @@ def test_a_corrupt_store_file_is_a_load_error_and_vllm_recomputes(engines, tmp_p
     assert files
     # The first chunk's entry: after its load fails nothing of the prompt is left in the store,
     # so vLLM computes it all (a later chunk's corruption leaves the chunks before it, which a
-    # second lookup finds and loads). Keys are salted with the model path, so name it.
-    first_key = chunk_keys(prompt, CHUNK, str(engine.config.model_config.model).encode())[0]
+    # second lookup finds and loads). Keys are salted with the engine's setup (the same root).
+    first_key = chunk_keys(prompt, CHUNK, store_root(engine.config))[0]
     victim = next(p for p in files if p.name.startswith(first_key))
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0xFF  # a payload byte: its section checksum no longer matches

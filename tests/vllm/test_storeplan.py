@@ -46,6 +46,86 @@ def test_a_sliding_windows_null_blocks_are_never_saved_as_data():
     assert order.block_ids == [[-1, -1, 7, 8], [1, 2, 3, 4], [11]]
 
 
+def _request(rid: str, **kw):
+    """A real vLLM Request of 200 tokens, finished normally with all of them computed."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    req = Request(rid, list(range(1, 201)), SamplingParams(max_tokens=1), None, **kw)
+    req.status, req.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 200
+    return req
+
+
+class Keys:
+    """Stands in for rank 0's lookup: records the keys asked for, answers a whole hit."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[str]] = []
+
+    def __call__(self, req):  # noqa: ANN001, ANN204
+        self.asked.append(req.keys)
+        return StoreLookup(matched_tokens=[req.num_tokens], matched=req.num_tokens)
+
+
+def test_a_cache_salt_keys_its_own_entries():
+    """The same prompt under two salts, and under none, is three sets of keys on lookup and on
+    save: a salted tenant never loads another's entries (vLLM's own prefix cache isolates
+    them the same way)."""
+    keys = Keys()
+    planner = StorePlanner(StoreOptions(mode="both"), keys, root=b"m", kinds=None, block_size=16)
+    reqs = [_request("a", cache_salt="tenant-a"), _request("b", cache_salt="tenant-b"),
+            _request("n")]  # fmt: skip
+    assert [planner.match(r) for r in reqs] == [200, 200, 200]
+    assert len({tuple(k) for k in keys.asked}) == 3
+    saved = [planner.save(r, [[1] * 13]) for r in reqs]
+    assert [s.keys for s in saved if s is not None] == keys.asked
+
+
+def test_requests_whose_bytes_the_tokens_do_not_show_skip_the_store():
+    """A LoRA adapter, images behind placeholder tokens and prompt embeddings change the KV
+    bytes of the same token ids: such a request is neither looked up nor saved."""
+    import torch
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    image = MultiModalFeatureSpec(data=None, modality="image", identifier="img-1",
+                                  mm_position=PlaceholderRange(offset=0, length=4))  # fmt: skip
+    keys = Keys()
+    planner = StorePlanner(StoreOptions(mode="both"), keys, root=b"m", kinds=None, block_size=16)
+    for req in [
+        _request("lora", lora_request=LoRARequest("adapter", 1, "/adapters/a")),
+        _request("mm", mm_features=[image]),
+        _request("embeds", prompt_embeds=torch.zeros(200, 8)),
+    ]:
+        assert planner.match(req) == 0, req.request_id
+        assert planner.save(req, [[1] * 13]) is None, req.request_id
+    assert keys.asked == []
+    assert planner.match(_request("plain")) == 200  # the stand-in would have served them
+
+
+def test_engines_that_compute_different_bytes_key_different_entries(engines, monkeypatch):
+    """The keys' root names the model's revision, weights and cache dtypes: fp8_e4m3 and
+    fp8_e5m2 caches (one manifest dtype, uint8) or another revision never share entries; the
+    same setup always gives the same root (another process finds its entries)."""
+    from kvxferd.vllm.connector import store_root
+
+    config = engines("dense", num_blocks=32).config
+    base = store_root(config)
+    assert store_root(config) == base
+    roots = {base}
+    for obj, name, value in [
+        (config.cache_config, "cache_dtype", "fp8_e4m3"),
+        (config.cache_config, "cache_dtype", "fp8_e5m2"),
+        (config.model_config, "revision", "v2"),
+        (config.model_config, "quantization", "fp8"),
+    ]:
+        with monkeypatch.context() as m:
+            m.setattr(obj, name, value)
+            roots.add(store_root(config))
+    assert len(roots) == 5
+    assert store_root(config) == base
+
+
 class Lookups:
     """Stands in for rank 0's lookup: the store holds ``hit`` tokens of every prompt."""
 
