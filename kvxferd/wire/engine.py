@@ -171,8 +171,8 @@ class DeclineRequest(_Strict, kw_only=True):
 
     tickets: list[Ticket]
     """Tickets of the holds to release: any requests, any prefill ranks (MACs are checked)."""
-    reason: str = ""
-    """Why, for logs (e.g. ``rejected``, ``aborted``)."""
+    reason: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    """Why, for logs (e.g. ``rejected``, ``aborted``; at most 256 characters)."""
 
 
 class KeepaliveRequest(_Strict, kw_only=True):

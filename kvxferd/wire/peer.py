@@ -42,8 +42,8 @@ class ClaimRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     ticket: Ticket
     """The ticket (its HMAC is checked)."""
-    reader: str
-    """The reader's agent name (the notification will come from it)."""
+    reader: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    """The reader's agent name (the notification will come from it; 1-256 characters)."""
     reader_tp_size: int
     """Decode TP size: how many decode ranks may read this prefill rank follows from it."""
     claim_s: float

@@ -10,7 +10,7 @@ import pytest
 
 from kvxferd import errors
 from kvxferd.api.codec import HTTPProblem, problem_for, problem_response, validation_body
-from kvxferd.wire import ErrorBody, HoldRequest, RegisterRequest
+from kvxferd.wire import ClaimRequest, DeclineRequest, ErrorBody, HoldRequest, RegisterRequest
 
 
 def _message(kind: type, data: bytes) -> str:
@@ -33,8 +33,13 @@ def _message(kind: type, data: bytes) -> str:
         (RegisterRequest, b'{"manifest": {"model": "m"}, "regions": []}',
          "manifest.num_blocks", "manifest.num_blocks: missing required field"),
         (HoldRequest, b"[]", "", "Expected `object`, got `array`"),
+        (ClaimRequest, b'{"reader": "' + b"r" * 257 + b'"}',
+         "reader", "reader: Expected `str` of length <= 256"),
+        (DeclineRequest, b'{"reason": "' + b"x" * 257 + b'", "tickets": []}',
+         "reason", "reason: Expected `str` of length <= 256"),
     ],
-    ids=["wrong-type", "unknown-field", "missing-field", "bad-tag", "nested-missing", "root"],
+    ids=["wrong-type", "unknown-field", "missing-field", "bad-tag", "nested-missing", "root",
+         "long-reader", "long-reason"],
 )  # fmt: skip
 def test_a_validation_message_becomes_the_field_path_and_a_detail_naming_it_once(
     kind, data, field, detail
