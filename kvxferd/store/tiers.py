@@ -2,7 +2,8 @@
 
 Both hold encoded entries (:mod:`kvxferd.store.format`) under an :class:`EntryId`. Files are
 written to a temporary name and renamed into place, so a reader never sees a half-written entry
-under its final name; leftover temporaries (a crash mid-write) are removed at start. fsync
+under its final name; leftover temporaries (a crash mid-write) are removed at start once they are
+older than any write takes (``STALE_TMP_S``). fsync
 policy: none by default. The store is a cache: after a power loss a renamed file may be empty or
 torn, and its checksums then fail, so it is deleted and counted instead of loaded. ``fsync=True``
 syncs each file before its rename, for directories shared with something that needs durability.
@@ -20,6 +21,7 @@ import re
 import secrets
 import stat
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +42,9 @@ _NAME_RE = re.compile(
 _TMP_RE = re.compile(_NAME_RE.pattern + r"\.[0-9]+\.[0-9a-f]+" + re.escape(_TMP))
 """A temporary written by :meth:`FileTier.write`."""
 _SUBDIR_RE = re.compile(r"[0-9a-f]{2}")
+STALE_TMP_S = 600.0
+"""Age past which a temporary is a crash's leftover (a sidecar sharing the directory may be
+writing a younger one right now)."""
 
 
 class EntryId(NamedTuple):
@@ -282,15 +287,18 @@ class FileTier:
 
     def _scan(self) -> None:
         """Index the entries on disk and remove leftover temporaries: only in the store's own
-        ``<key[:2]>`` subdirectories (never through a link), only names the store writes."""
-        found = []
+        ``<key[:2]>`` subdirectories (never through a link), only names the store writes, only
+        ones older than STALE_TMP_S."""
+        found, now = [], time.time()
         for sub in os.scandir(self.root):
             if not (_SUBDIR_RE.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
                 continue
             for entry in os.scandir(sub.path):
                 if _TMP_RE.fullmatch(entry.name):
-                    Path(entry.path).unlink(missing_ok=True)
-                    self.stats.partial_removed += 1
+                    with contextlib.suppress(FileNotFoundError):  # renamed meanwhile
+                        if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S:
+                            Path(entry.path).unlink(missing_ok=True)
+                            self.stats.partial_removed += 1
                     continue
                 eid = parse_filename(entry.name)
                 if eid is not None and eid.key[:2] == sub.name:

@@ -13,7 +13,7 @@ import pytest
 from kvxferd.errors import PullError
 from kvxferd.pattern import verify_pattern
 from kvxferd.store import format as fmt
-from kvxferd.store.tiers import SUFFIX
+from kvxferd.store.tiers import STALE_TMP_S, SUFFIX
 from tests.store.helpers import DENSE, block_ids, filled, keys, plan, pool, store
 
 SEED, TOKENS, CHUNK = 9, 32, 16
@@ -73,9 +73,12 @@ def test_undamaged_neighbour_still_loads(tmp_path, saved):
 
 
 def test_leftover_temporary_files_are_removed_at_start(tmp_path, saved):
+    """A crash's leftover: older than any write takes (a younger one may be a sibling's)."""
     _m, files = saved
     tmp = files[0].with_name(files[0].name + ".123.abcd.tmp")
     tmp.write_bytes(b"half an entry")
+    past = time.time() - STALE_TMP_S - 60
+    os.utime(tmp, (past, past))
     s = store(tmp_path, CHUNK)
     assert not tmp.exists()
     assert s.files.stats.partial_removed == 1

@@ -3,11 +3,21 @@ least recently used first, and the file tier rebuilds its view from disk after a
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from kvxferd.store.format import Header
 from kvxferd.store.pool import BufferPool, size_class
-from kvxferd.store.tiers import Cached, DramTier, EntryId, FileTier, parse_filename
+from kvxferd.store.tiers import (
+    STALE_TMP_S,
+    Cached,
+    DramTier,
+    EntryId,
+    FileTier,
+    parse_filename,
+)
 from tests.store.helpers import DENSE, filled, keys, plan, store
 
 
@@ -124,9 +134,29 @@ def test_start_removes_only_the_stores_own_temporaries(tmp_path):
     ours.parent.mkdir()
     for f in [*foreign, ours, root / "00" / "other.tmp"]:
         f.write_bytes(b"x")
+        _age(f, STALE_TMP_S + 60)
     tier = FileTier(root, capacity=1 << 20)
     assert not ours.exists() and tier.stats.partial_removed == 1
     assert all(f.exists() for f in foreign) and (root / "00" / "other.tmp").exists()
+
+
+def _age(path, seconds: float) -> None:
+    past = time.time() - seconds
+    os.utime(path, (past, past))
+
+
+def test_start_keeps_a_temporary_a_sibling_may_still_be_writing(tmp_path):
+    """Sidecars may share a directory: a young temporary is another one's write in progress
+    (removing it would fail that save); only one older than any write takes is a leftover."""
+    live = tmp_path / "00" / f"{_eid(0).filename}.77.beef.tmp"
+    stale = tmp_path / "00" / f"{_eid(1).filename}.78.cafe.tmp"
+    live.parent.mkdir()
+    live.write_bytes(b"x")
+    stale.write_bytes(b"x")
+    _age(live, STALE_TMP_S - 60)
+    _age(stale, STALE_TMP_S + 60)
+    tier = FileTier(tmp_path, capacity=1 << 20)
+    assert live.exists() and not stale.exists() and tier.stats.partial_removed == 1
 
 
 def test_only_names_the_store_writes_are_entries():
