@@ -206,8 +206,17 @@ class PullRunner:
         self._metrics.pulls_in_flight.inc()
         task = asyncio.create_task(self._run(pull), name=f"pull-{pull.pull_id}")
         self._running[pull.pull_id] = task
-        task.add_done_callback(lambda _: self._running.pop(pull.pull_id, None))
+        task.add_done_callback(lambda _: self._ended(pull))
         return pull
+
+    def _ended(self, pull: Pull) -> None:
+        """Its task is over: a task cancelled before its coroutine ran a line (an unregister or
+        shutdown in the loop turn of its start) never reached ``_run``'s ``finally``; it posted
+        nothing, so it ends FAILED here."""
+        self._running.pop(pull.pull_id, None)
+        if not pull.done.is_set():
+            self._fail(pull, "cancelled", "pull cancelled before it started")
+            self._finish(pull)
 
     async def status(self, pull_id: str, wait_s: float) -> PullStatus:
         """Status of a pull, long-polling up to ``wait_s`` for it to finish."""
@@ -290,13 +299,17 @@ class PullRunner:
             else:
                 log.exception("pull %s failed unexpectedly", pull.pull_id)
         finally:
-            pull.duration_s = time.monotonic() - pull.started
-            self._phase["total"].observe(pull.duration_s)
-            m.pulls_in_flight.dec()
-            self._in_flight -= 1
-            self._remember(pull)
-            self.feed.add(pull.finished())
-            pull.done.set()
+            self._finish(pull)
+
+    def _finish(self, pull: Pull) -> None:
+        """Account for an ended pull (once): metrics, in-flight count, outcome, feed, waiters."""
+        pull.duration_s = time.monotonic() - pull.started
+        self._phase["total"].observe(pull.duration_s)
+        self._metrics.pulls_in_flight.dec()
+        self._in_flight -= 1
+        self._remember(pull)
+        self.feed.add(pull.finished())
+        pull.done.set()
 
     def _remember(self, pull: Pull) -> None:
         """Keep ``pull``'s outcome for status queries, forgetting the oldest finished ones past

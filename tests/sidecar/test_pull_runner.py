@@ -136,3 +136,21 @@ def test_finished_pulls_past_the_keep_count_are_forgotten_while_an_older_one_run
         await runner.close()
 
     asyncio.run(main())
+
+
+def test_a_pull_cancelled_before_its_task_ran_still_ends_failed_and_frees_its_place():
+    # An unregister (or shutdown) in the same loop turn as the pull's start cancels its task
+    # before the coroutine runs a line: it must still end FAILED, reach the feed and leave the
+    # in-flight count, or the cap fills with pulls that never end.
+    async def main() -> None:
+        runner, metrics = _runner(Peers(), max_in_flight=1)
+        pull = runner.start(_request("stuck:1"))
+        await runner.close()
+        await asyncio.wait_for(pull.done.wait(), BOUND_S)
+        assert (pull.state.wire_name, pull.reason) == ("failed", "cancelled")
+        assert _in_flight(metrics) == 0
+        assert [p.pull_id for p in runner.finished_since(0, 10).pulls] == [pull.pull_id]
+        again = runner.start(_request("refused:1"))
+        await asyncio.wait_for(again.done.wait(), BOUND_S)
+
+    asyncio.run(main())
