@@ -48,6 +48,7 @@ An empty cell (st. = status) is inherited from the parent class.
     ├── InvalidRequestError        400                    an OpenAI-style request is invalid
     │   └── UnknownModelError      404                    a model this server does not serve
     ├── PoolExhaustedError         503                    too few free KV blocks right now
+    ├── CapacityError              503                    a sidecar table is full (names limit)
     ├── FabricNotReadyError        503                    the required READ transport is missing
     ├── StoreError                 422                    a store request or setting is invalid
     └── StartupError               500                    a child process did not become ready
@@ -316,6 +317,18 @@ class PoolExhaustedError(KvxferdError):
     """Too few free KV blocks for a request right now (HTTP 503; a retry may succeed)."""
 
     status = 503
+
+
+class CapacityError(KvxferdError):
+    """A sidecar table is full (pulls in flight, live holds): the new entry is refused and a
+    retry may succeed; ``field`` names the limit's setting (HTTP 503)."""
+
+    status = 503
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
 
 
 class StoreError(KvxferdError):

@@ -63,7 +63,7 @@ _EDGE = {
          "closed.",
     500: "An unexpected error (InternalError); the sidecar keeps serving.",
     502: "NIXL or a peer failed.",
-    503: "The sidecar cannot serve this yet.",
+    503: "The sidecar cannot serve this now (not registered yet, or a table is full: retry).",
 }  # fmt: skip
 """What the HTTP edge itself means by each status; the error classes come from the tree."""
 _NOT_SIDECAR = (errors.InvalidRequestError, errors.PoolExhaustedError)

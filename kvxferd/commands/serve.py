@@ -61,6 +61,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="longest lease or extension in seconds")  # fmt: skip
     p.add_argument("--pull-deadline", type=float, dest="pull_deadline_s", metavar="S",
                    help="default pull deadline in seconds")  # fmt: skip
+    p.add_argument("--max-pull-deadline", type=float, dest="max_pull_deadline_s", metavar="S",
+                   help="longest deadline a pull may ask for in seconds")  # fmt: skip
+    p.add_argument("--max-pulls-in-flight", type=int, dest="max_pulls_in_flight", metavar="N",
+                   help="most pulls running at once (more: 503)")  # fmt: skip
+    p.add_argument("--max-holds", type=int, dest="max_holds", metavar="N",
+                   help="most live holds (more: 503)")  # fmt: skip
     p.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning, error")
     p.add_argument("--store-dir", metavar="PATH", help="store file-tier directory (enables it)")
     p.add_argument("--store-dram-bytes", type=int, metavar="N", help="store DRAM pool bytes")
@@ -142,6 +148,9 @@ def _load(args: argparse.Namespace) -> Config:
             "default_lease_s": args.default_lease_s,
             "max_lease_s": args.max_lease_s,
             "pull_deadline_s": args.pull_deadline_s,
+            "max_pull_deadline_s": args.max_pull_deadline_s,
+            "max_pulls_in_flight": args.max_pulls_in_flight,
+            "max_holds": args.max_holds,
             "log_level": args.log_level,
             "store_dir": args.store_dir,
             "store_dram_bytes": args.store_dram_bytes,

@@ -44,6 +44,7 @@ import numpy as np
 from kvxferd.descriptors.geometry import check_block_ids
 from kvxferd.errors import (
     BlockIdError,
+    CapacityError,
     ClaimMismatchError,
     ConfigError,
     DuplicateHoldError,
@@ -171,6 +172,7 @@ class HoldTable:
         default_lease_s: float = 30.0,
         max_lease_s: float = 600.0,
         max_claim_s: float = 120.0,
+        max_holds: int = 65536,
         released_log_size: int = 65536,
         released_log_bytes: int = 64 << 20,
         reap_resolution_s: float = 0.05,
@@ -179,6 +181,7 @@ class HoldTable:
             ("default_lease_s", default_lease_s),
             ("max_lease_s", max_lease_s),
             ("max_claim_s", max_claim_s),
+            ("max_holds", max_holds),
             ("released_log_size", released_log_size),
         ):
             if not (math.isfinite(value) and value > 0):
@@ -190,6 +193,7 @@ class HoldTable:
         self.default_lease_s = float(default_lease_s)
         self.max_lease_s = float(max_lease_s)
         self.max_claim_s = float(max_claim_s)
+        self.max_holds = int(max_holds)
         self.counters = HoldCounters()
         self._clock = clock
         self._holds: dict[str, Hold] = {}
@@ -253,7 +257,8 @@ class HoldTable:
     # -- operations ------------------------------------------------------------------------------
 
     def hold(self, request: HoldRequest, now: float | None = None) -> Hold:
-        """Pin a request's blocks for ``request.lease_s`` (default if None, capped by the max)."""
+        """Pin a request's blocks for ``request.lease_s`` (default if None, capped by the max);
+        CapacityError (503) while ``max_holds`` unexpired holds are live."""
         now = self._now(now)
         _check_hold_ids(self.num_blocks, self.num_groups, request.block_ids)
         if request.hold_id and not _HOLD_ID.match(request.hold_id):
@@ -271,6 +276,12 @@ class HoldTable:
         hold_id = request.hold_id
         if hold_id and (hold_id in self._holds or self._released.get(hold_id) is not None):
             raise DuplicateHoldError("hold_id", f"{hold_id!r} is already (or was) a hold here")
+        if len(self._holds) >= self.max_holds:
+            self.reap(now, REAP_SLICE)  # expired ones the reaper has not reached yet go first
+            if len(self._holds) >= self.max_holds:
+                raise CapacityError(
+                    "max_holds", f"{len(self._holds)} holds are live; retry when one is released"
+                )
         while not hold_id or hold_id in self._holds or self._released.get(hold_id) is not None:
             hold_id = secrets.token_hex(16)
         hold = Hold(

@@ -29,8 +29,9 @@ def unread_ranks(local: Manifest, remote_tp: int) -> list[int]:
     return [r for r in range(remote_tp) if r not in read]
 
 
-def validate_pull(req: PullRequest, local: Manifest) -> None:
-    """Shape checks an engine gets back as a 422 naming the field."""
+def validate_pull(req: PullRequest, local: Manifest, max_deadline_s: float = math.inf) -> None:
+    """Shape checks an engine gets back as a 422 naming the field; ``deadline_s`` must be at
+    most ``max_deadline_s``."""
     if not req.tickets:
         raise BlockIdError("tickets", "at least one ticket is needed")
     tp = req.tickets[0].tp_size
@@ -77,3 +78,7 @@ def validate_pull(req: PullRequest, local: Manifest) -> None:
                 )
     if not (math.isfinite(req.deadline_s) and req.deadline_s > 0):  # NaN/inf come in msgpack
         raise BlockIdError("deadline_s", f"must be a finite number > 0, got {req.deadline_s!r}")
+    if req.deadline_s > max_deadline_s:
+        raise BlockIdError(
+            "deadline_s", f"{req.deadline_s:g} s is longer than the {max_deadline_s:g} s allowed"
+        )

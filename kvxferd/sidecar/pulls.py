@@ -18,7 +18,7 @@ import functools
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,6 +28,7 @@ import httpx
 from kvxferd import descriptors
 from kvxferd.descriptors.fanin import FanInGeometry, fan_in_geometry
 from kvxferd.errors import (
+    CapacityError,
     ClaimTimeoutError,
     HandshakeError,
     HoldExpiredError,
@@ -125,7 +126,8 @@ class Pull:
 
 
 class PullRunner:
-    """Starts pulls as tasks and remembers their outcome (bounded)."""
+    """Starts pulls as tasks (at most ``max_in_flight`` running, each deadline at most
+    ``max_deadline_s``) and remembers the latest ``_KEEP_FINISHED`` outcomes."""
 
     def __init__(
         self,
@@ -135,12 +137,18 @@ class PullRunner:
         peers: PeerTable,
         metrics: Metrics,
         prepped_reads: bool = False,
+        max_in_flight: int = 1024,
+        max_deadline_s: float = 600.0,
     ) -> None:
         self._local = local
         self._transport = transport
         self._peers = peers
         self._metrics = metrics
-        self._pulls: OrderedDict[str, Pull] = OrderedDict()
+        self._max_in_flight = max_in_flight
+        self._max_deadline_s = max_deadline_s
+        self._pulls: dict[str, Pull] = {}  # running ones and the latest finished ones
+        self._finished: deque[str] = deque()  # ids of the finished ones in _pulls, oldest first
+        self._in_flight = 0  # pulls started and not yet finished
         self._running: dict[str, asyncio.Task[None]] = {}
         self._geometries: OrderedDict[
             tuple[str, str, int, int], tuple[Manifest, descriptors.ReadGeometry]
@@ -184,21 +192,31 @@ class PullRunner:
         return fan
 
     def start(self, req: PullRequest) -> Pull:
-        """Validate ``req`` synchronously (4xx to the engine), then run it in the background."""
+        """Validate ``req`` synchronously (4xx to the engine), then run it in the background;
+        CapacityError (503) while ``max_in_flight`` pulls are running."""
         local = self._local()[0]
-        validate_pull(req, local)
+        validate_pull(req, local, self._max_deadline_s)
+        if self._in_flight >= self._max_in_flight:
+            raise CapacityError(
+                "max_pulls_in_flight", f"{self._in_flight} pulls are running; retry when one ends"
+            )
         pull = Pull(pull_id=secrets.token_hex(8), request=req, validated=local)
         self._pulls[pull.pull_id] = pull
-        while len(self._pulls) > _KEEP_FINISHED:
-            oldest = next(iter(self._pulls.values()))
-            if not oldest.done.is_set():
-                break
-            self._pulls.popitem(last=False)
+        self._in_flight += 1
         self._metrics.pulls_in_flight.inc()
         task = asyncio.create_task(self._run(pull), name=f"pull-{pull.pull_id}")
         self._running[pull.pull_id] = task
-        task.add_done_callback(lambda _: self._running.pop(pull.pull_id, None))
+        task.add_done_callback(lambda _: self._ended(pull))
         return pull
+
+    def _ended(self, pull: Pull) -> None:
+        """Its task is over: a task cancelled before its coroutine ran a line (an unregister or
+        shutdown in the loop turn of its start) never reached ``_run``'s ``finally``; it posted
+        nothing, so it ends FAILED here."""
+        self._running.pop(pull.pull_id, None)
+        if not pull.done.is_set():
+            self._fail(pull, "cancelled", "pull cancelled before it started")
+            self._finish(pull)
 
     async def status(self, pull_id: str, wait_s: float) -> PullStatus:
         """Status of a pull, long-polling up to ``wait_s`` for it to finish."""
@@ -281,11 +299,24 @@ class PullRunner:
             else:
                 log.exception("pull %s failed unexpectedly", pull.pull_id)
         finally:
-            pull.duration_s = time.monotonic() - pull.started
-            self._phase["total"].observe(pull.duration_s)
-            m.pulls_in_flight.dec()
-            self.feed.add(pull.finished())
-            pull.done.set()
+            self._finish(pull)
+
+    def _finish(self, pull: Pull) -> None:
+        """Account for an ended pull (once): metrics, in-flight count, outcome, feed, waiters."""
+        pull.duration_s = time.monotonic() - pull.started
+        self._phase["total"].observe(pull.duration_s)
+        self._metrics.pulls_in_flight.dec()
+        self._in_flight -= 1
+        self._remember(pull)
+        self.feed.add(pull.finished())
+        pull.done.set()
+
+    def _remember(self, pull: Pull) -> None:
+        """Keep ``pull``'s outcome for status queries, forgetting the oldest finished ones past
+        ``_KEEP_FINISHED`` (running pulls are never forgotten)."""
+        self._finished.append(pull.pull_id)
+        while len(self._finished) > _KEEP_FINISHED:
+            self._pulls.pop(self._finished.popleft(), None)
 
     def _fail(self, pull: Pull, reason: str, detail: str) -> None:
         if pull.unsettled:

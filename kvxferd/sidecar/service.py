@@ -112,7 +112,8 @@ class Sidecar:
         )
         self.pulls = PullRunner(
             local=self._local_layout, transport=self.agent, peers=self.peers, metrics=self.metrics,
-            prepped_reads=config.prepped_reads,
+            prepped_reads=config.prepped_reads, max_in_flight=config.max_pulls_in_flight,
+            max_deadline_s=config.max_pull_deadline_s,
         )  # fmt: skip
         self._tasks: list[asyncio.Task[None]] = []
         self._secret = config.peer_token.encode()
@@ -199,6 +200,7 @@ class Sidecar:
             default_lease_s=self.config.default_lease_s,
             max_lease_s=self.config.max_lease_s,
             max_claim_s=self.config.max_claim_s,
+            max_holds=self.config.max_holds,
             released_log_bytes=self.config.released_feed_bytes,
             clock=time.monotonic,  # a wall-clock step must not expire a hold mid-READ
         )

@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvxferd.errors import (
     BlockIdError,
+    CapacityError,
     ClaimMismatchError,
     ConfigError,
     DuplicateHoldError,
@@ -103,6 +104,31 @@ def test_table_configuration_is_checked():
         table(default_lease_s=200.0)
     with pytest.raises(ConfigError, match="max_claim_s"):
         table(max_claim_s=0)
+    with pytest.raises(ConfigError, match="max_holds"):
+        table(max_holds=0)
+
+
+def test_a_hold_past_max_holds_is_refused_naming_the_limit_and_leaves_nothing():
+    # Distinct request ids may hold the same blocks again and again: the table is what bounds.
+    t = table(max_holds=2)
+    first = t.hold(req("a"))
+    t.hold(req("b"))
+    with pytest.raises(CapacityError) as err:
+        t.hold(req("c", block_ids=[[1, 2], [3]]))
+    assert err.value.field == "max_holds" and err.value.status == 503
+    assert len(t) == 2 and t.counters.held == 2 and t.find_request("c") is None
+    t.abort(first.hold_id)
+    assert t.hold(req("c")).request_id == "c"  # a released hold makes room
+
+
+def test_a_full_table_makes_room_from_holds_past_their_deadline_before_refusing():
+    clock = FakeClock()
+    t = table(clock, max_holds=2)
+    old = t.hold(req("a", lease_s=5))
+    t.hold(req("b", lease_s=50))
+    clock.t += 5  # "a" is past its deadline; the reaper has not run
+    assert t.hold(req("c")).request_id == "c"
+    assert old.reason == "expired" and len(t) == 2
 
 
 # -- claim ---------------------------------------------------------------------------------------

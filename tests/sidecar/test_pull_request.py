@@ -57,3 +57,12 @@ def test_a_deadline_that_is_not_a_finite_positive_number_is_refused(deadline_s):
     with pytest.raises(BlockIdError) as exc:
         validate_pull(req, m)
     assert exc.value.field == "deadline_s"
+
+
+def test_a_deadline_past_the_allowed_maximum_is_refused_naming_deadline_s():
+    m = render(hybrid_spec())
+    req = msgspec.structs.replace(_request([[1], [2], [3]]), deadline_s=600.5)
+    validate_pull(msgspec.structs.replace(req, deadline_s=600.0), m, max_deadline_s=600.0)
+    with pytest.raises(BlockIdError) as exc:
+        validate_pull(req, m, max_deadline_s=600.0)
+    assert exc.value.field == "deadline_s"
