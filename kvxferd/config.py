@@ -78,8 +78,6 @@ class Config:
     """Upper bound of any lease or heartbeat extension."""
     claim_s: float = 30.0
     """How long a claim pins a hold while the decode side reads."""
-    pull_deadline_s: float = 30.0
-    """Default deadline of a pull."""
     max_pull_deadline_s: float = 600.0
     """Longest deadline a pull may ask for; a larger ``deadline_s`` is a 422 naming it."""
     max_pulls_in_flight: int = 1024
@@ -140,17 +138,15 @@ class Config:
             raise ConfigError(
                 f"peer_frames_port: {self.peer_frames_port} is not a TCP port (or -1: off)"
             )
-        for name in ("default_lease_s", "max_lease_s", "claim_s", "pull_deadline_s",
-                     "max_pull_deadline_s", "max_pulls_in_flight", "max_holds",
-                     "auth_skew_s", "max_claim_s", "released_feed_bytes", *_LIMITS):  # fmt: skip
+        for name in ("default_lease_s", "max_lease_s", "claim_s", "max_pull_deadline_s",
+                     "max_pulls_in_flight", "max_holds", "auth_skew_s", "max_claim_s",
+                     "released_feed_bytes", *_LIMITS):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.hold_grace_s < 0:
             raise ConfigError(f"hold_grace_s: must be >= 0, got {self.hold_grace_s}")
         if self.default_lease_s > self.max_lease_s:
             raise ConfigError("default_lease_s: larger than max_lease_s")
-        if self.pull_deadline_s > self.max_pull_deadline_s:
-            raise ConfigError("pull_deadline_s: larger than max_pull_deadline_s")
         for name in ("store_dram_bytes", "store_file_bytes", "store_chunk_tokens"):
             if getattr(self, name) < (1 if name == "store_chunk_tokens" else 0):
                 raise ConfigError(f"{name}: out of range, got {getattr(self, name)}")

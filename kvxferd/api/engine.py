@@ -193,13 +193,6 @@ LIMIT = Query(
     "limit",
     Annotated[int, msgspec.Meta(ge=1, le=4096)],
     1024,
-    "Most records in one page (a page is also cut at about 1 MiB).",
-)
-
-LIMIT = Query(
-    "limit",
-    Annotated[int, msgspec.Meta(ge=1, le=4096)],
-    1024,
     "Most entries in one page (a page is also cut at 1 MiB).",
 )
 

@@ -59,8 +59,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="default hold lease in seconds")  # fmt: skip
     p.add_argument("--max-lease", type=float, dest="max_lease_s", metavar="S",
                    help="longest lease or extension in seconds")  # fmt: skip
-    p.add_argument("--pull-deadline", type=float, dest="pull_deadline_s", metavar="S",
-                   help="default pull deadline in seconds")  # fmt: skip
     p.add_argument("--max-pull-deadline", type=float, dest="max_pull_deadline_s", metavar="S",
                    help="longest deadline a pull may ask for in seconds")  # fmt: skip
     p.add_argument("--max-pulls-in-flight", type=int, dest="max_pulls_in_flight", metavar="N",
@@ -147,7 +145,6 @@ def _load(args: argparse.Namespace) -> Config:
             "backends": tuple(args.backends) if args.backends else None,
             "default_lease_s": args.default_lease_s,
             "max_lease_s": args.max_lease_s,
-            "pull_deadline_s": args.pull_deadline_s,
             "max_pull_deadline_s": args.max_pull_deadline_s,
             "max_pulls_in_flight": args.max_pulls_in_flight,
             "max_holds": args.max_holds,

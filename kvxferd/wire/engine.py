@@ -156,8 +156,8 @@ class PullRequest(_Strict, kw_only=True):
     block_ids: list[list[int]]
     """Local logical block ids per group, aligned with the tickets' block_ids; -1 skips a block."""
     deadline_s: float = 30.0
-    """Seconds the whole pull may take (handshake, claim, transfer); at most the sidecar's
-    ``max_pull_deadline_s`` (600 by default), else a 422 naming it."""
+    """Seconds the whole pull may take (handshake, claim, transfer; the engine chooses); at most
+    the sidecar's ``max_pull_deadline_s`` (600 by default), else a 422 naming it."""
     request_id: str = ""
     """The decode engine's request id, echoed in the finished-pulls feed."""
     num_tokens: int = -1
