@@ -42,6 +42,7 @@ An empty cell (st. = status) is inherited from the parent class.
     ├── NotRegisteredError         503                    no engine has registered yet
     ├── AlreadyRegisteredError     409                    this sidecar already has an engine
     ├── StaleGenerationError       409                    not the current registration generation
+    ├── MemoryInUseError           503                    an unsettled READ may still write it
     ├── UnknownPullError           404                    no pull with that id here
     ├── PullError                  502  pull              a pull did not move every byte
     ├── StateError                 409                    a state moved backward (a bug)
@@ -257,6 +258,13 @@ class StaleGenerationError(KvxferdError):
     """The call names a registration generation that is not the current one."""
 
     status = 409
+
+
+class MemoryInUseError(KvxferdError):
+    """Unregister refused: a quarantined (unsettled) READ may still write the registered memory,
+    so it stays mapped and registered; a retry succeeds once those READs ended (HTTP 503)."""
+
+    status = 503
 
 
 class UnknownPullError(KvxferdError):

@@ -253,13 +253,20 @@ class PullRunner:
         """The finished-pulls feed from ``cursor`` (one page)."""
         return self.feed.since(cursor, limit)
 
+    async def stop(self) -> None:
+        """Cancel running pulls, and any started meanwhile, until none runs (each ends FAILED
+        once its READs settled or were quarantined)."""
+        while running := [t for t in self._running.values() if not t.done()]:
+            for task in running:
+                task.cancel()
+            for task in running:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
     async def close(self) -> None:
-        """Cancel running pulls (they end FAILED once their READs settled)."""
-        for task in list(self._running.values()):
-            task.cancel()
-        for task in list(self._running.values()):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        """Cancel running pulls (they end FAILED once their READs settled), then stop the READs
+        (quarantined ones are released)."""
+        await self.stop()
         await self.reads.close()
         self.views.close()
 

@@ -112,6 +112,11 @@ class Reads:
         self.unsettled = 0
         """READs that did not settle within SETTLE_S (quarantined)."""
 
+    @property
+    def quarantined(self) -> int:
+        """READs quarantined now: each may still write its destination (which must stay mapped)."""
+        return len(self._quarantine)
+
     @contextlib.asynccontextmanager
     async def _slot(self, address: str) -> AsyncIterator[None]:
         """One of ``per_peer`` places for ``address``; the table only holds peers in use."""
@@ -229,7 +234,9 @@ class Reads:
             _release(transfer)
 
     async def close(self) -> None:
-        """Stop polling, quarantine and the post threads (pulls were cancelled before)."""
+        """Stop polling, quarantine and the post threads (pulls were cancelled before). Ending
+        the quarantine releases READs that may still write: only once their memory is no longer
+        needed (the sidecar's unregister refuses while ``quarantined``)."""
         for task in list(self._quarantine):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

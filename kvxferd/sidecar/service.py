@@ -26,6 +26,7 @@ from kvxferd.errors import (
     ClaimMismatchError,
     HoldExpiredError,
     HoldRequestError,
+    MemoryInUseError,
     NotRegisteredError,
     StaleGenerationError,
     UnknownHoldError,
@@ -40,6 +41,7 @@ from kvxferd.sidecar.notifs import NotificationPoller
 from kvxferd.sidecar.offload import Offload
 from kvxferd.sidecar.peers import PeerTable
 from kvxferd.sidecar.pulls import Pull, PullRunner
+from kvxferd.sidecar.reads import QUARANTINE_S
 from kvxferd.sidecar.signing import PeerKeys
 from kvxferd.sidecar.tickets import sign_ticket, verify_ticket, verify_tickets
 from kvxferd.transport import Agent, ucxenv
@@ -221,13 +223,21 @@ class Sidecar:
 
     async def unregister(self, req: UnregisterRequest) -> None:
         """Forget the engine's memory: pulls end FAILED (no READ left running), holds are
-        released ``unregistered``, NIXL registrations dropped, sources unmapped."""
+        released ``unregistered``, NIXL registrations dropped, sources unmapped. Refused
+        (MemoryInUseError, all kept) while a quarantined READ may still write the memory."""
         holds, _ = self._require_engine()
         if req.generation != self.generation:
             raise StaleGenerationError(
                 f"unregister: generation {req.generation} is not the registered {self.generation}"
             )
-        await self.pulls.close()  # cancelled pulls end FAILED once their READs stopped
+        await self.pulls.stop()  # cancelled pulls end FAILED once their READs stopped
+        unsettled = self.pulls.reads.quarantined
+        if unsettled:
+            raise MemoryInUseError(
+                f"unregister: {unsettled} READs still unsettled may write this memory, so it "
+                f"stays registered; retry after they end (at most {QUARANTINE_S:g} s)"
+            )
+        await self.pulls.close()
         for hold in list(holds.live()):
             holds.release(hold.hold_id, "unregistered")
         self._after_release()

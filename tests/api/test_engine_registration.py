@@ -1,13 +1,22 @@
 """Registration over the engine API: regions inside one allocation, unregister with a
-generation, register again, and the identity a scheduler reads to mint tickets."""
+generation (refused while an unsettled READ may still write the memory), register again, and
+the identity a scheduler reads to mint tickets."""
 
 from __future__ import annotations
 
-import msgspec
+import time
+from types import SimpleNamespace
 
+import msgspec
+import pytest
+
+from kvxferd.errors import UnsettledReadError
 from kvxferd.memory import SharedMemoryRegion
+from kvxferd.sidecar import reads as reads_mod
+from kvxferd.transport import Transfer
 from kvxferd.wire import ErrorBody, Identity, RegionSpec, RegisterRequest, RegisterResponse
 from tests.api.conftest import JSON
+from tests.sidecar.harness import wait_until
 
 
 def _one_allocation(manifest, name: str):
@@ -92,3 +101,56 @@ def test_unregister_then_register_again_starts_the_next_generation(fresh):
         "/v1/holds", json={"request_id": "r3", "block_ids": [[1]], "num_tokens": 3}
     ).json()
     assert ticket["generation"] == 1
+
+
+class _Frozen:
+    """The NIXL side of a READ whose peer is frozen: in flight until ``ended`` is set."""
+
+    def __init__(self) -> None:
+        self.ended = False
+
+    def transfer(self, handle: object) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, handle: object) -> str:
+        return "DONE" if self.ended else "PROC"
+
+
+def test_unregister_is_refused_while_an_unsettled_read_may_still_write_the_memory(
+    fresh, monkeypatch
+):
+    monkeypatch.setattr(reads_mod, "SETTLE_S", 0.01)
+    monkeypatch.setattr(reads_mod, "QUARANTINE_POLL_S", 0.001)
+    req = RegisterRequest(manifest=fresh.manifest, regions=fresh.pool.specs())
+    assert _post(fresh.engine, "/v1/register", req).status_code == 200
+    sidecar = fresh.sidecar
+    nixl = _Frozen()
+    handle = SimpleNamespace(release=lambda: None)
+    read = Transfer(nixl, handle, remote="frozen", nbytes=1, descriptors=1,
+                    capture_telemetry=False, on_release=lambda _: None)  # fmt: skip
+    read._post()
+
+    async def unsettled() -> None:  # on the app's loop, as a pull's READ would be
+        with pytest.raises(UnsettledReadError):
+            await sidecar.pulls.reads.read("frozen:1", "frozen", None, None, b"n", nbytes=1,
+                                           descs=1, deadline=time.monotonic() + 0.01,
+                                           post=lambda: read)  # fmt: skip
+
+    fresh.engine.portal.call(unsettled)
+    assert sidecar.pulls.reads.unsettled == 1 and not read.released  # quarantined
+    regions, registrations = list(sidecar._regions), list(sidecar._registrations)
+
+    refused = fresh.engine.post("/v1/unregister", json={"generation": 0})
+    assert refused.status_code == 503, refused.text
+    body = msgspec.json.decode(refused.content, type=ErrorBody)
+    assert body.error == "MemoryInUseError" and "1 READs still unsettled" in body.detail
+    # Kept: the memory the READ may still write stays mapped and registered.
+    assert sidecar.generation == 0 and sidecar.manifest is not None
+    assert sidecar._regions == regions and sidecar._registrations == registrations
+    assert not read.released
+
+    nixl.ended = True  # the peer resumed: the READ ends on its own and leaves quarantine
+    wait_until(lambda: sidecar.pulls.reads.quarantined == 0, what="the quarantine to drain")
+    assert read.released
+    assert fresh.engine.post("/v1/unregister", json={"generation": 0}).status_code == 204
+    assert sidecar.manifest is None and sidecar._regions == []
