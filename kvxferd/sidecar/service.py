@@ -124,6 +124,7 @@ class Sidecar:
         self._released_reported: dict[str, int] = {}  # release counts already in metrics
         self._readers: dict[tuple[int, int], tuple[Manifest, int]] = {}  # _expected_readers
         self.generation = -1  # registration generation; -1 while no engine is registered
+        self._leaving = False  # an unregister is letting the memory go: refuse new work on it
         self._next_generation = 0
         self._registrations: list[Any] = []  # NIXL registrations of the memory sources
         self.offload = Offload(config, self.metrics, self._store_target, self._hold_blocks)
@@ -223,31 +224,36 @@ class Sidecar:
 
     async def unregister(self, req: UnregisterRequest) -> None:
         """Forget the engine's memory: pulls end FAILED (no READ left running), holds are
-        released ``unregistered``, NIXL registrations dropped, sources unmapped. Refused
-        (MemoryInUseError, all kept) while a quarantined READ may still write the memory."""
+        released ``unregistered``, NIXL registrations dropped, sources unmapped; calls that need
+        the engine meanwhile are refused (503). Refused itself (MemoryInUseError, all kept) while
+        a quarantined READ may still write the memory."""
         holds, _ = self._require_engine()
         if req.generation != self.generation:
             raise StaleGenerationError(
                 f"unregister: generation {req.generation} is not the registered {self.generation}"
             )
-        await self.pulls.stop()  # cancelled pulls end FAILED once their READs stopped
-        unsettled = self.pulls.reads.quarantined
-        if unsettled:
-            raise MemoryInUseError(
-                f"unregister: {unsettled} READs still unsettled may write this memory, so it "
-                f"stays registered; retry after they end (at most {QUARANTINE_S:g} s)"
-            )
-        await self.pulls.close()
-        for hold in list(holds.live()):
-            holds.release(hold.hold_id, "unregistered")
-        self._after_release()
-        for reg in self._registrations:
-            await asyncio.to_thread(self.agent.deregister, reg)
-        for region in self._regions:
-            region.close()
-        self._regions, self._registrations, self._bases = [], [], []
-        self.manifest = None
-        self.generation = -1
+        self._leaving = True  # from here on no new pull (nor claim, hold) uses this memory
+        try:
+            await self.pulls.stop()  # cancelled pulls end FAILED once their READs stopped
+            unsettled = self.pulls.reads.quarantined
+            if unsettled:
+                raise MemoryInUseError(
+                    f"unregister: {unsettled} READs still unsettled may write this memory, so "
+                    f"it stays registered; retry after they end (at most {QUARANTINE_S:g} s)"
+                )
+            await self.pulls.close()
+            for hold in list(holds.live()):
+                holds.release(hold.hold_id, "unregistered")
+            self._after_release()
+            for reg in self._registrations:
+                await asyncio.to_thread(self.agent.deregister, reg)
+            for region in self._regions:
+                region.close()
+            self._regions, self._registrations, self._bases = [], [], []
+            self.manifest = None
+            self.generation = -1
+        finally:
+            self._leaving = False
         log.info("unregistered generation %d", req.generation)
 
     def identity(self) -> Identity:
@@ -478,6 +484,8 @@ class Sidecar:
     def _require_engine(self) -> tuple[HoldTable, Manifest]:
         if self.manifest is None or self.holds is None:
             raise NotRegisteredError("no engine has registered with this sidecar yet")
+        if self._leaving:
+            raise NotRegisteredError("the engine is unregistering: its memory is being let go")
         return self.holds, self.manifest
 
     def _hold_blocks(self, hold_id: str) -> tuple[list[list[int]], int]:

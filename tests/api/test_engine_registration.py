@@ -1,9 +1,10 @@
 """Registration over the engine API: regions inside one allocation, unregister with a
-generation (refused while an unsettled READ may still write the memory), register again, and
-the identity a scheduler reads to mint tickets."""
+generation (refused while an unsettled READ may still write the memory; no pull starts while it
+runs), register again, and the identity a scheduler reads to mint tickets."""
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -154,3 +155,40 @@ def test_unregister_is_refused_while_an_unsettled_read_may_still_write_the_memor
     assert read.released
     assert fresh.engine.post("/v1/unregister", json={"generation": 0}).status_code == 204
     assert sidecar.manifest is None and sidecar._regions == []
+
+
+def test_a_pull_started_while_unregister_lets_the_memory_go_is_refused(fresh, monkeypatch):
+    sidecar = fresh.sidecar
+    sidecar.peer_address = "127.0.0.1:9"
+    req = RegisterRequest(manifest=fresh.manifest, regions=fresh.pool.specs())
+    assert _post(fresh.engine, "/v1/register", req).status_code == 200
+    ticket = fresh.engine.post(
+        "/v1/holds", json={"request_id": "r1", "block_ids": [[1]], "num_tokens": 3}
+    ).json()
+    inside, go_on = threading.Event(), threading.Event()
+    deregister = sidecar.agent.deregister
+
+    def held_deregister(reg):  # noqa: ANN001, ANN202 - unregister paused mid-way, on a thread
+        inside.set()
+        assert go_on.wait(30)
+        return deregister(reg)
+
+    monkeypatch.setattr(sidecar.agent, "deregister", held_deregister)
+    answers: list[int] = []
+    leaving = threading.Thread(
+        target=lambda: answers.append(
+            fresh.engine.post("/v1/unregister", json={"generation": 0}).status_code
+        )
+    )
+    leaving.start()
+    try:
+        assert inside.wait(30)
+        pull = {"tickets": [ticket], "block_ids": [[2]], "request_id": "q"}
+        started = fresh.engine.post("/v1/pulls", json=pull)
+        # Refused: a pull started now would READ into memory that is being unmapped.
+        assert started.status_code == 503, started.text
+        assert "unregistering" in msgspec.json.decode(started.content, type=ErrorBody).detail
+    finally:
+        go_on.set()
+        leaving.join(30)
+    assert answers == [204] and sidecar.manifest is None
