@@ -4,6 +4,7 @@ runs), register again, and the identity a scheduler reads to mint tickets."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ import pytest
 from kvxferd.errors import UnsettledReadError
 from kvxferd.memory import SharedMemoryRegion
 from kvxferd.sidecar import reads as reads_mod
+from kvxferd.sidecar.states import PullState
 from kvxferd.transport import Transfer
 from kvxferd.wire import ErrorBody, Identity, RegionSpec, RegisterRequest, RegisterResponse
 from tests.api.conftest import JSON
@@ -192,3 +194,27 @@ def test_a_pull_started_while_unregister_lets_the_memory_go_is_refused(fresh, mo
         go_on.set()
         leaving.join(30)
     assert answers == [204] and sidecar.manifest is None
+
+
+def test_unregister_cancels_a_running_pull_which_ends_failed_cancelled(fresh):
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers: a handshake hangs
+    try:
+        sidecar = fresh.sidecar
+        sidecar.peer_address = f"127.0.0.1:{silent.getsockname()[1]}"
+        req = RegisterRequest(manifest=fresh.manifest, regions=fresh.pool.specs())
+        assert _post(fresh.engine, "/v1/register", req).status_code == 200
+        ticket = fresh.engine.post(
+            "/v1/holds", json={"request_id": "r1", "block_ids": [[1]], "num_tokens": 3}
+        ).json()
+        pull = {"tickets": [ticket], "block_ids": [[2]], "request_id": "q", "deadline_s": 60}
+        started = fresh.engine.post("/v1/pulls", json=pull)
+        assert started.status_code == 202, started.text
+        pull_id = started.json()["pull_id"]
+        running = sidecar.pulls._pulls[pull_id]
+        wait_until(lambda: running.state is PullState.HANDSHAKING, what="the handshake to hang")
+        assert fresh.engine.post("/v1/unregister", json={"generation": 0}).status_code == 204
+        status = running.status()
+        assert (status.state, status.reason) == ("failed", "cancelled"), status
+        assert sidecar.manifest is None and sidecar._regions == []
+    finally:
+        silent.close()
