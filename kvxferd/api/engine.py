@@ -68,8 +68,9 @@ async def unregister(sidecar: Sidecar, req: UnregisterRequest) -> None:
     In-flight pulls end FAILED once none of their READs can still write, live holds are released
     ``unregistered``, NIXL registrations are dropped and the sources unmapped. A stale
     ``generation`` is a 409. While a READ that could not be confirmed stopped (quarantined) may
-    still write the memory, a 503 MemoryInUseError says how many and everything stays
-    registered: retry once they ended. Registering again starts generation + 1.
+    still write the memory, pulls and holds end all the same but the memory stays registered and
+    mapped: a 503 MemoryInUseError says how many READs; retry once they ended. Registering again
+    starts generation + 1.
     """
     await sidecar.unregister(req)
 

@@ -225,8 +225,9 @@ class Sidecar:
     async def unregister(self, req: UnregisterRequest) -> None:
         """Forget the engine's memory: pulls end FAILED (no READ left running), holds are
         released ``unregistered``, NIXL registrations dropped, sources unmapped; calls that need
-        the engine meanwhile are refused (503). Refused itself (MemoryInUseError, all kept) while
-        a quarantined READ may still write the memory."""
+        the engine meanwhile are refused (503). While a quarantined READ may still write the
+        memory, pulls and holds end all the same but the memory stays registered and mapped
+        (MemoryInUseError, 503: retry once those READs ended)."""
         holds, _ = self._require_engine()
         if req.generation != self.generation:
             raise StaleGenerationError(
@@ -235,16 +236,17 @@ class Sidecar:
         self._leaving = True  # from here on no new pull (nor claim, hold) uses this memory
         try:
             await self.pulls.stop()  # cancelled pulls end FAILED once their READs stopped
+            for hold in list(holds.live()):  # the engine lets its blocks go: no more claims
+                holds.release(hold.hold_id, "unregistered")
+            self._after_release()
             unsettled = self.pulls.reads.quarantined
             if unsettled:
                 raise MemoryInUseError(
                     f"unregister: {unsettled} READs still unsettled may write this memory, so "
-                    f"it stays registered; retry after they end (at most {QUARANTINE_S:g} s)"
+                    f"it stays registered (pulls and holds ended); retry after they end (at "
+                    f"most {QUARANTINE_S:g} s)"
                 )
             await self.pulls.close()
-            for hold in list(holds.live()):
-                holds.release(hold.hold_id, "unregistered")
-            self._after_release()
             for reg in self._registrations:
                 await asyncio.to_thread(self.agent.deregister, reg)
             for region in self._regions:

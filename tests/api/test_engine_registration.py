@@ -119,13 +119,15 @@ class _Frozen:
         return "DONE" if self.ended else "PROC"
 
 
-def test_unregister_is_refused_while_an_unsettled_read_may_still_write_the_memory(
-    fresh, monkeypatch
-):
+def test_unregister_keeps_the_memory_while_an_unsettled_read_may_still_write_it(fresh, monkeypatch):
     monkeypatch.setattr(reads_mod, "SETTLE_S", 0.01)
     monkeypatch.setattr(reads_mod, "QUARANTINE_POLL_S", 0.001)
     req = RegisterRequest(manifest=fresh.manifest, regions=fresh.pool.specs())
     assert _post(fresh.engine, "/v1/register", req).status_code == 200
+    held = fresh.engine.post(
+        "/v1/holds", json={"request_id": "r1", "block_ids": [[1]], "num_tokens": 3}
+    )
+    assert held.status_code == 200, held.text
     sidecar = fresh.sidecar
     nixl = _Frozen()
     handle = SimpleNamespace(release=lambda: None)
@@ -151,6 +153,8 @@ def test_unregister_is_refused_while_an_unsettled_read_may_still_write_the_memor
     assert sidecar.generation == 0 and sidecar.manifest is not None
     assert sidecar._regions == regions and sidecar._registrations == registrations
     assert not read.released
+    # The engine lets its blocks go all the same: no hold outlives the refused unregister.
+    assert [h.reason for h in sidecar.holds.released_since(0).holds] == ["unregistered"]
 
     nixl.ended = True  # the peer resumed: the READ ends on its own and leaves quarantine
     wait_until(lambda: sidecar.pulls.reads.quarantined == 0, what="the quarantine to drain")
