@@ -56,6 +56,11 @@ class FakeBackend:
     set_cookie: str = ""
     """Every completion answer carries ``Set-Cookie: <this>`` (a backend behind a session-keeping
     gateway)."""
+    raw_params: bytes = b""
+    """Prefill answers these raw bytes as its ``kv_transfer_params`` value (JSON a Python
+    encoder would never write: NaN, a lone surrogate, deep nesting)."""
+    pad_bytes: int = 0
+    """A JSON completion answer carries a ``pad`` field this many bytes long."""
 
     def completion_text(self, body: dict[str, Any]) -> str:
         params = body.get("kv_transfer_params") or {}
@@ -92,7 +97,13 @@ def fake_app(fake: FakeBackend) -> FastAPI:
                 "remote_request_id": request.headers.get("x-request-id"),
                 "tp_size": 1,
             }
-        answer = JSONResponse(reply)
+        if fake.pad_bytes:
+            reply["pad"] = "x" * fake.pad_bytes
+        answer: Response = JSONResponse(reply)
+        if fake.raw_params:
+            reply.pop("kv_transfer_params", None)
+            raw = json.dumps(reply).encode()[:-1] + b', "kv_transfer_params": ' + fake.raw_params
+            answer = Response(raw + b"}", media_type="application/json")
         if fake.set_cookie:
             answer.headers["set-cookie"] = fake.set_cookie
         return answer

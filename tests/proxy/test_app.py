@@ -259,6 +259,79 @@ def test_nan_or_infinity_in_the_body_is_a_400_not_a_crash(make_rig: Callable[...
     assert len(rig.prefills[0].seen) == 1
 
 
+def test_a_lone_surrogate_in_the_body_is_relayed_escaped_not_a_500(make_rig) -> None:
+    """``"\\ud800"`` is legal JSON that UTF-8 cannot carry: the backends get it escaped."""
+    rig = make_rig()
+    with rig.client() as c:
+        resp = c.post("/v1/completions", content=b'{"model": "m", "prompt": "a\\ud800b"}',
+                      headers={"content-type": "application/json"})  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    assert rig.prefills[0].seen[0].body["prompt"] == "a\ud800b"
+    assert rig.decodes[0].seen[0].body["prompt"] == "a\ud800b"
+
+
+def test_header_bytes_outside_ascii_reach_both_backends_as_sent(make_rig) -> None:
+    rig = make_rig()
+    sent = {"X-Request-Id": b"caf\xe9", "Authorization": b"Bearer \xff\x80"}
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion(), headers=sent)
+    assert resp.status_code == 200, resp.text
+    for seen in (rig.prefills[0].seen[0], rig.decodes[0].seen[0]):
+        assert seen.headers["x-request-id"].encode("latin-1") == b"caf\xe9"
+        assert seen.headers["authorization"].encode("latin-1") == b"Bearer \xff\x80"
+
+
+@pytest.mark.parametrize(
+    "raw", [b'{"x": NaN}', b'{"x": Infinity}', b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}"],
+    ids=["nan", "infinity", "nested"],
+)  # fmt: skip
+def test_prefill_params_that_are_not_json_are_a_502_naming_it(make_rig, raw: bytes) -> None:
+    rig = make_rig()
+    rig.prefills[0].raw_params = raw
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion())
+    assert resp.status_code == 502, resp.text
+    assert rig.backends[0].url in resp.json()["error"]["message"]
+    assert rig.decodes[0].seen == []
+
+
+def test_prefill_params_with_a_lone_surrogate_reach_the_decode_escaped(make_rig) -> None:
+    rig = make_rig()
+    rig.prefills[0].raw_params = b'{"remote_engine_id": "P0", "note": "\\udc00"}'
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion())
+    assert resp.status_code == 200, resp.text
+    params = rig.decodes[0].seen[0].body["kv_transfer_params"]
+    assert params == {"remote_engine_id": "P0", "note": "\udc00"}
+
+
+LIMIT = 4096  # bytes of a backend answer the proxy reads whole, in these tests
+
+
+def test_a_prefill_answer_past_the_limit_is_a_502_and_no_decode(make_rig) -> None:
+    rig = make_rig(max_answer_bytes=LIMIT)
+    rig.prefills[0].pad_bytes = 10 * LIMIT
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion())
+    assert resp.status_code == 502, resp.text
+    message = resp.json()["error"]["message"]
+    assert rig.backends[0].url in message and f"answer over {LIMIT} bytes" in message
+    assert rig.decodes[0].seen == []
+
+
+def test_a_decode_answer_past_the_limit_is_a_502_and_frees_the_prefill(make_rig) -> None:
+    rig = make_rig(max_answer_bytes=LIMIT)
+    rig.decodes[0].pad_bytes = 10 * LIMIT
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion())
+        assert resp.status_code == 502, resp.text
+        message = resp.json()["error"]["message"]
+        assert rig.backends[1].url in message and f"answer over {LIMIT} bytes" in message
+        rig.decodes[0].pad_bytes = 0
+        assert c.post("/v1/completions", json=completion()).status_code == 200
+    _wait_release(rig)
+
+
 def test_health_needs_one_prefill_and_one_decode(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(n_prefill=2)
     with rig.client() as c:
