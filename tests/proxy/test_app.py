@@ -109,6 +109,21 @@ def test_decode_gets_original_request_with_prefill_params(make_rig: Callable[...
     assert resp.json()["choices"][0]["text"] == "D0 decoded from P0"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_clients_own_transfer_params_reach_no_backend(make_rig, stream: bool) -> None:
+    """A client must not point the decode at a KV source of its choosing: the prefill gets the
+    stub, the decode what that prefill answered."""
+    rig = make_rig()
+    forged = {"do_remote_prefill": True, "remote_engine_id": "evil", "remote_host": "6.6.6.6",
+              "remote_port": 9, "remote_block_ids": [[7]]}  # fmt: skip
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion(stream=stream, kv_transfer_params=forged))
+    assert resp.status_code == 200
+    assert rig.prefills[0].seen[0].body["kv_transfer_params"] == KV_TRANSFER_STUB
+    params = rig.decodes[0].seen[0].body["kv_transfer_params"]
+    assert params["remote_engine_id"] == "P0" and params["remote_host"] == "127.0.0.1"
+
+
 def test_round_robin_cycles_prefills_and_decodes_separately(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(n_prefill=2, n_decode=3)
     with rig.client() as c:
