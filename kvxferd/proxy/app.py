@@ -22,13 +22,14 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive
 
 from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
 from kvxferd.lanes import ssl_context
@@ -178,10 +179,11 @@ def proxy_app(
     app = FastAPI(title="kvxferd proxy", lifespan=lifespan)
 
     async def relay(request: Request, path: str, chat: bool) -> Response:
+        await request.body()  # read (and kept) first: from here on _unless_gone owns receive
         slots: ClientSlots[httpx.AsyncBaseTransport] = request.app.state.clients
         client = slots.take()
         try:  # a stream still being relayed shares the client with the next request
-            return await forward(request, path, chat, client)
+            return await _unless_gone(request, forward(request, path, chat, client))
         finally:
             slots.give(client)
 
@@ -309,6 +311,29 @@ def proxy_app(
         return JSONResponse(report, status_code=200 if healthy else 503)
 
     return app
+
+
+async def _unless_gone(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """``work``'s response; cancelled (its backend connections closed, so a decode stops
+    generating for nobody) once the client has gone. Call it after the whole body was read."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()  # a streamed answer's own disconnect watch reads receive from here on
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))
+    if task.cancelled():
+        return Response(status_code=499)  # nobody reads it: the client has gone
+    return task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return once the client has gone (its body already read: nothing else can arrive)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _json_bytes(body: Any) -> bytes:

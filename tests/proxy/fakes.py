@@ -45,7 +45,10 @@ class FakeBackend:
     fail_status: int | None = None
     """Answer every completion with this HTTP status and an OpenAI error body."""
     hang: threading.Event | None = None
-    """Completions wait for this event (set it to release them)."""
+    """Completions wait for this event (set it to release them), or until their caller hangs
+    up (recorded in ``left``)."""
+    left: list[str] = field(default_factory=list)
+    """Paths of hanging completions whose caller closed the connection."""
     omit_params: bool = False
     """Prefill answers without kv_transfer_params (like an engine without a KV connector)."""
     healthy: bool = True
@@ -76,6 +79,9 @@ def fake_app(fake: FakeBackend) -> FastAPI:
         fake.seen.append(Seen(request.url.path, body, dict(request.headers)))
         if fake.hang is not None:
             while not fake.hang.is_set():
+                if await request.is_disconnected():
+                    fake.left.append(request.url.path)
+                    return Response(status_code=499)
                 await asyncio.sleep(0.01)
         if fake.fail_status is not None:
             error = {"message": f"{fake.name} refuses", "type": "BadRequestError", "code": 7}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -469,6 +470,27 @@ def test_a_refused_decode_connection_is_still_a_502_naming_it(make_rig) -> None:
     message = resp.json()["error"]["message"]
     assert rig.backends[1].url in message and "ConnectError" in message
     _wait_release(rig)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_client_that_hangs_up_is_not_served_by_a_backend_any_longer(make_rig, role) -> None:
+    """Without this a non-streaming decode went on generating for nobody, up to the generation
+    bound, and a client could leave any number of them running."""
+    rig = make_rig(timeout_s=120.0, generation_s=120.0)  # far past the waits below
+    fake = rig.prefills[0] if role == "prefill" else rig.decodes[0]
+    fake.hang = threading.Event()
+    body = json.dumps(completion()).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    try:
+        with socket.create_connection(("127.0.0.1", rig.proxy.port), timeout=30) as sock:
+            sock.sendall(head + body)
+            wait_until(lambda: fake.seen, 30.0, f"the {role} has the request")
+        wait_until(lambda: fake.left, 30.0, f"the proxy hangs up on the {role}")
+    finally:
+        fake.hang.set()
+    assert fake.left == ["/v1/completions"]
+    if role == "prefill":
+        assert rig.decodes[0].seen == []
 
 
 # ------------------------------------------------------------------------------ release
