@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from kvxferd import __version__
-from kvxferd.errors import KvxferdError
+from kvxferd.errors import ConfigError, KvxferdError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,8 +50,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+"""The levels both Python's logging and uvicorn know (uvicorn has no warn, fatal or notset)."""
+
+
+def check_log_level(level: str, field: str = "--log-level") -> None:
+    """ConfigError naming ``field`` unless ``level`` is one of LOG_LEVELS (any case)."""
+    if level.lower() not in LOG_LEVELS:
+        raise ConfigError(f"{field}: unknown level {level!r} ({', '.join(LOG_LEVELS)})")
+
+
 def setup_logging(level: str) -> None:
-    """Plain %-style logging to stderr for the daemon commands."""
+    """Plain %-style logging to stderr for the daemon commands (ConfigError for an unknown
+    level)."""
+    check_log_level(level)
     logging.basicConfig(
         level=level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -7,6 +7,7 @@ below the CLI reads ``os.environ``; the object is passed down.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -141,10 +142,10 @@ class Config:
         for name in ("default_lease_s", "max_lease_s", "claim_s", "max_pull_deadline_s",
                      "max_pulls_in_flight", "max_holds", "auth_skew_s", "max_claim_s",
                      "released_feed_bytes", *_LIMITS):  # fmt: skip
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
-        if self.hold_grace_s < 0:
-            raise ConfigError(f"hold_grace_s: must be >= 0, got {self.hold_grace_s}")
+            if not 0 < getattr(self, name) < math.inf:  # nan and inf too: every wait ends
+                raise ConfigError(f"{name}: must be > 0 and finite, got {getattr(self, name)}")
+        if not 0 <= self.hold_grace_s < math.inf:
+            raise ConfigError(f"hold_grace_s: must be >= 0 and finite, got {self.hold_grace_s}")
         if self.default_lease_s > self.max_lease_s:
             raise ConfigError("default_lease_s: larger than max_lease_s")
         for name in ("store_dram_bytes", "store_file_bytes", "store_chunk_tokens"):

@@ -94,6 +94,12 @@ def test_layout_with_an_unknown_config_fails_in_one_line():
     assert "no-such-model" in line
 
 
+@pytest.mark.parametrize("tokens", ["0", "-5"])
+def test_layout_with_a_request_of_no_tokens_fails_in_one_line(tokens):
+    line = _one_error_line(kvxferd("layout", "--config", "llama-3.1-8b", "--tokens", tokens))
+    assert f"--tokens: must be >= 1, got {tokens}" in line
+
+
 _NO_SERVER_IMPORT = """
 import sys
 from kvxferd.cli import main
@@ -109,6 +115,7 @@ raise SystemExit(status)
     [
         ([], {}, "KVXFERD_PEER_TOKEN"),
         (["--log-level", "loud"], {"KVXFERD_PEER_TOKEN": "t"}, "log_level"),
+        (["--log-level", "warn"], {"KVXFERD_PEER_TOKEN": "t"}, "log_level"),  # not uvicorn's
         (["--engine-socket", "/no/such/dir/s.sock"], {"KVXFERD_PEER_TOKEN": "t"}, "/no/such/dir"),
         (["--engine-socket", "/tmp/" + "s" * 120], {"KVXFERD_PEER_TOKEN": "t"}, "AF_UNIX"),
         (["--peer-port", "70000"], {"KVXFERD_PEER_TOKEN": "t"}, "peer_port"),
@@ -122,6 +129,7 @@ raise SystemExit(status)
     ids=[
         "no-token",
         "log-level",
+        "log-level-python-only",
         "socket-dir",
         "socket-length",
         "port",

@@ -63,6 +63,9 @@ def test_advertise_host_wins_over_the_bind_host_when_set():
         ({"KVXFERD_PEER_FRAMES_PORT": "-2"}, "peer_frames_port"),
         ({"KVXFERD_PEER_FRAMES_PORT": "65536"}, "peer_frames_port"),
         ({"KVXFERD_CLAIM_S": "0"}, "claim_s"),
+        ({"KVXFERD_DEFAULT_LEASE_S": "nan"}, "default_lease_s"),  # a hold that never expires
+        ({"KVXFERD_MAX_CLAIM_S": "inf"}, "max_claim_s"),
+        ({"KVXFERD_HOLD_GRACE_S": "nan"}, "hold_grace_s"),
         ({"KVXFERD_DEFAULT_LEASE_S": "900"}, "default_lease_s"),
         ({"KVXFERD_BACKENDS": " , "}, "backends"),
         ({"KVXFERD_EVENT_LOOP": "tokio"}, "event_loop"),

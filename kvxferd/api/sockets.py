@@ -44,5 +44,8 @@ def bind_tcp(host: str, port: int, field: str = "peer_port") -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ConfigError(f"{field}: cannot bind {host}:{port}: {exc.strerror}") from exc
+    except OverflowError:  # a port outside 0-65535
+        sock.close()
+        raise ConfigError(f"{field}: {port} is not a TCP port (0-65535)") from None
     sock.listen(1024)
     return sock

@@ -9,6 +9,7 @@ door's own (chat bodies are larger than the sidecar's, its fan-in differs).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -78,8 +79,8 @@ def limits_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
                 raise ConfigError(f"{var}: not a number: {env[var]!r}") from None
         if value is None:
             value = defaults[name]
-        if value <= 0:
-            raise ConfigError(f"{source}: must be > 0, got {value}")
+        if not 0 < value < math.inf:  # nan and inf too: every wait ends
+            raise ConfigError(f"{source}: must be > 0 and finite, got {value}")
         values[name] = value
     return EdgeLimits(**values)  # type: ignore[arg-type]
 

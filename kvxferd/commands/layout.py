@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvxferd import descriptors
+from kvxferd.errors import ConfigError
 from kvxferd.layout import (
     LayoutSummary,
     PlanOptions,
@@ -63,6 +64,8 @@ class RequestCost:
 
 def run(args: argparse.Namespace) -> int:
     """Print the layout (table or JSON)."""
+    if args.tokens < 1:
+        raise ConfigError(f"--tokens: must be >= 1, got {args.tokens}")
     hf = load_hf_config(args.config)
     options = PlanOptions(
         tp_size=args.tp,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from kvxferd.aio import run as run_main
 from kvxferd.commands.edge import (
@@ -76,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("timeout", "connect_timeout", "first_byte_timeout", "idle_timeout",
                  "generation_timeout"):  # fmt: skip
         value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')}: must be > 0, got {value}")
+        if value is not None and not 0 < value < math.inf:  # nan and inf too: every wait ends
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be > 0 and finite, got {value}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: {args.port} is not a TCP port")
     limits = limits_from_args(args)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import tempfile
 
@@ -170,10 +169,9 @@ def check_startable(config: Config) -> None:
         raise ConfigError(
             "no peer token: set KVXFERD_PEER_TOKEN or --peer-token-file (peers must authenticate)"
         )
-    if config.log_level.upper() not in logging.getLevelNamesMapping():
-        raise ConfigError(
-            f"log_level: unknown level {config.log_level!r} (debug, info, warning, error)"
-        )
+    from kvxferd.cli import check_log_level
+
+    check_log_level(config.log_level, "log_level")
     loop_factory(config.event_loop)  # uvloop asked for by name must be installed
     path = config.engine_socket
     folder = os.path.dirname(os.path.abspath(path))

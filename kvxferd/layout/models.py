@@ -10,7 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvxferd.errors import ManifestError, UnsupportedModelError
+from kvxferd.errors import KvxferdError, ManifestError, UnsupportedModelError
+from kvxferd.wire import DTYPE_BYTES
 
 LayerKind = Literal["full_attention", "sliding_window", "mamba"]
 
@@ -107,7 +108,12 @@ def _need(cfg: dict[str, Any], key: str, *alts: str) -> Any:
 def _dtype(cfg: dict[str, Any]) -> str:
     # vLLM's dtype="auto" serves float32 checkpoints in bfloat16.
     raw = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    return {"float32": "bfloat16", "float": "bfloat16", "half": "float16"}.get(raw, raw)
+    if not isinstance(raw, str):
+        raise ManifestError("hf_config.torch_dtype", f"{raw!r} is not a dtype name")
+    out = {"float32": "bfloat16", "float": "bfloat16", "half": "float16"}.get(raw, raw)
+    if out not in DTYPE_BYTES:
+        raise ManifestError("hf_config.torch_dtype", f"unknown dtype {raw!r}")
+    return out
 
 
 def _attention(cfg: dict[str, Any]) -> AttentionGeometry:
@@ -349,7 +355,12 @@ def read_geometry(hf_config: dict[str, Any]) -> ModelGeometry:
             f"model_type {mt!r} is not supported (supported: {', '.join(sorted(READERS))}); "
             f"the planner needs: {NEEDED_FIELDS}",
         )
-    geometry = reader(hf_config, mt)
+    try:
+        geometry = reader(hf_config, mt)
+    except KvxferdError:
+        raise
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as exc:  # a config is input
+        raise ManifestError("hf_config", f"a field has a wrong type or value: {exc}") from None
     if not geometry.layers:
         raise ManifestError("hf_config.num_hidden_layers", "the model has no KV-holding layer")
     return geometry

@@ -22,18 +22,20 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive
 
 from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
 from kvxferd.lanes import ssl_context
 from kvxferd.proxy.clients import SLOTS, ClientSlots
 from kvxferd.proxy.failures import (
+    AnswerTooLarge,
     BackendTimeout,
     bad_backend_reply,
     describe_failure,
@@ -57,7 +59,7 @@ KV_TRANSFER_STUB: dict[str, Any] = {
 
 RELEASE_PATH = "/v1/kv/release"
 """Prefill route freeing the KV it holds for a decode that will not read it (kvxferd sim)."""
-_BACKEND_ERRORS = (httpx.HTTPError, TimeoutError)
+_BACKEND_ERRORS = (httpx.HTTPError, TimeoutError, AnswerTooLarge)
 KEEPALIVE_PER_CLIENT = 16
 """Idle connections one backend client keeps (to prefills and decodes together; a client
 serves one request at a time until the proxy has more in flight than clients)."""
@@ -84,6 +86,9 @@ class ProxySettings:
     is its whole answer: this bound (at least ``first_byte``) replaces the first-byte one."""
     release_on_failure: bool = True
     """Tell the prefill (``POST /v1/kv/release``) when its decode call fails or is refused."""
+    max_answer_bytes: int = 256 << 20
+    """Largest backend answer the proxy reads whole (a prefill's, a non-streaming decode's,
+    /health, /v1/models); a larger one is a 502. Streamed (SSE) answers are relayed, not held."""
 
     @property
     def connect(self) -> float:
@@ -126,6 +131,7 @@ def proxy_app(
     prefills = RoundRobin("prefill", settings.prefill)
     decodes = RoundRobin("decode", settings.decode)
     first_byte, idle, generation = settings.first_byte, settings.idle, settings.generation
+    limit = settings.max_answer_bytes
     releases: set[asyncio.Task[None]] = set()
 
     # Reads are bounded per phase below (first byte, idle); the transport bounds connect and
@@ -136,17 +142,16 @@ def proxy_app(
     urls: dict[str, httpx.URL] = {}  # bounded: backends x the five paths the proxy calls
 
     def backend_request(
-        method: str, url: str, body: Any = None, headers: dict[str, str] | None = None
+        method: str, url: str, body: Any = None, headers: dict[str, bytes] | None = None
     ) -> httpx.Request:
         """A request to a backend; ``body`` (if any) sent as JSON."""
         target = urls.get(url)
         if target is None:
             target = urls[url] = httpx.URL(url)
-        out = dict(headers or {})
+        out: dict[str, str | bytes] = dict(headers or {})
         content = None
         if body is not None:
-            content = json.dumps(body, ensure_ascii=False, separators=(",", ":"),
-                                 allow_nan=False).encode()  # fmt: skip
+            content = _json_bytes(body)
             out["Content-Type"] = "application/json"
         return httpx.Request(
             method, target, content=content, headers=out, extensions={"timeout": timeouts}
@@ -174,10 +179,11 @@ def proxy_app(
     app = FastAPI(title="kvxferd proxy", lifespan=lifespan)
 
     async def relay(request: Request, path: str, chat: bool) -> Response:
+        await request.body()  # read (and kept) first: from here on _unless_gone owns receive
         slots: ClientSlots[httpx.AsyncBaseTransport] = request.app.state.clients
         client = slots.take()
         try:  # a stream still being relayed shares the client with the next request
-            return await forward(request, path, chat, client)
+            return await _unless_gone(request, forward(request, path, chat, client))
         finally:
             slots.give(client)
 
@@ -193,15 +199,17 @@ def proxy_app(
                 400, "request body must be a JSON object", "invalid_request_error"
             )
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        headers = {"X-Request-Id": request_id}
+        # Header values go on as the client's bytes (starlette decoded them as latin-1; httpx
+        # would encode a str as ASCII and fail on any other byte).
+        headers = {"X-Request-Id": request_id.encode("latin-1")}
         if auth := request.headers.get("authorization"):
-            headers["Authorization"] = auth
+            headers["Authorization"] = auth.encode("latin-1")
 
         prefill = prefills.next()
         try:
             p_resp, p_content = await _call(client, backend_request(
                 "POST", prefill.url + path, prefill_body(body, chat), headers
-            ), first_byte, idle)  # fmt: skip
+            ), first_byte, idle, limit)  # fmt: skip
         except _BACKEND_ERRORS as exc:
             log.warning("request %s: prefill %s failed: %s", request_id, prefill.url,
                         describe_failure(exc))  # fmt: skip
@@ -209,8 +217,8 @@ def proxy_app(
         if p_resp.status_code >= 400:
             return _passthrough(p_resp.status_code, p_content, p_resp.headers, request_id)
         try:
-            params = json.loads(p_content).get("kv_transfer_params")
-        except (ValueError, AttributeError):
+            params = json.loads(p_content, parse_constant=_no_constant).get("kv_transfer_params")
+        except (ValueError, AttributeError, RecursionError):
             return bad_backend_reply(prefill, "answered a body that is not a JSON object")
         if not isinstance(params, dict):
             return bad_backend_reply(
@@ -223,7 +231,7 @@ def proxy_app(
             if settings.release_on_failure:
                 body = {"kv_transfer_params": params}
                 ask = backend_request("POST", prefill.url + RELEASE_PATH, body, headers)
-                task = asyncio.create_task(_release(client, ask, prefill, first_byte, idle))
+                task = asyncio.create_task(_release(client, ask, prefill, first_byte, idle, limit))
                 releases.add(task)
                 task.add_done_callback(releases.discard)
 
@@ -242,7 +250,7 @@ def proxy_app(
         media = d_resp.headers.get("content-type", "application/json")
         if d_resp.status_code >= 400 or not media.startswith(_SSE):
             try:
-                content = await _read(d_resp, idle)
+                content = await _read(d_resp, idle, limit)
             except _BACKEND_ERRORS as exc:
                 release()
                 return unreachable(decode, exc, idle)
@@ -273,7 +281,7 @@ def proxy_app(
         client = slots.take()
         try:
             resp, content = await _call(
-                client, backend_request("GET", decode.url + "/v1/models"), first_byte, idle
+                client, backend_request("GET", decode.url + "/v1/models"), first_byte, idle, limit
             )
         except _BACKEND_ERRORS as exc:
             return unreachable(decode, exc, first_byte)
@@ -288,7 +296,9 @@ def proxy_app(
         everyone = [*prefills.backends, *decodes.backends]
         try:
             probes = [backend_request("GET", b.url + "/health") for b in everyone]
-            verdicts = await asyncio.gather(*(_probe(client, p, first_byte, idle) for p in probes))
+            verdicts = await asyncio.gather(
+                *(_probe(client, p, first_byte, idle, limit) for p in probes)
+            )
         finally:
             slots.give(client)
         report: dict[str, Any] = {"prefill": {}, "decode": {}}
@@ -303,19 +313,54 @@ def proxy_app(
     return app
 
 
+async def _unless_gone(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """``work``'s response; cancelled (its backend connections closed, so a decode stops
+    generating for nobody) once the client has gone. Call it after the whole body was read."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()  # a streamed answer's own disconnect watch reads receive from here on
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))
+    if task.cancelled():
+        return Response(status_code=499)  # nobody reads it: the client has gone
+    return task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return once the client has gone (its body already read: nothing else can arrive)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _json_bytes(body: Any) -> bytes:
+    """``body`` as compact UTF-8 JSON; a string with a lone surrogate (``"\\ud800"``, legal JSON
+    only escaped) sends the whole body ASCII-escaped."""
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"),
+                          allow_nan=False).encode()  # fmt: skip
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+
+
 def _no_constant(name: str) -> Any:
     """JSON has no NaN or Infinity; Python's parser would accept them and the forward fail."""
     raise ValueError(f"{name} is not a JSON value")
 
 
 async def _call(
-    client: httpx.AsyncBaseTransport, request: httpx.Request, first_byte: float, idle: float
-) -> tuple[httpx.Response, bytes]:
-    """Send ``request``: its answer's head within ``first_byte``, then its body with at most
-    ``idle`` seconds between chunks. The (closed) response and its decoded body."""
+    client: httpx.AsyncBaseTransport, request: httpx.Request, first_byte: float, idle: float,
+    limit: int,
+) -> tuple[httpx.Response, bytes]:  # fmt: skip
+    """Send ``request``: its answer's head within ``first_byte``, then its body (at most
+    ``limit`` bytes) with at most ``idle`` seconds between chunks. The (closed) response and its
+    decoded body."""
     resp = await _send(client, request, first_byte)
     try:
-        return resp, await _read(resp, idle)
+        return resp, await _read(resp, idle, limit)
     finally:
         await resp.aclose()
 
@@ -333,9 +378,16 @@ async def _send(
     return resp
 
 
-async def _read(resp: httpx.Response, idle: float) -> bytes:
-    """The whole (decoded) body of a streamed response, at most ``idle`` s between chunks."""
-    return b"".join([chunk async for chunk in _chunks(resp, idle)])
+async def _read(resp: httpx.Response, idle: float, limit: int) -> bytes:
+    """The whole (decoded) body of a streamed response, at most ``idle`` s between chunks;
+    AnswerTooLarge past ``limit`` bytes."""
+    chunks, size = [], 0
+    async for chunk in _chunks(resp, idle):
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _chunks(resp: httpx.Response, idle: float) -> AsyncIterator[bytes]:
@@ -358,10 +410,11 @@ async def _release(
     prefill: Backend,
     first_byte: float,
     idle: float,
+    limit: int,
 ) -> None:
     """Ask the prefill to free what it holds for a decode that will not read it (best effort)."""
     try:
-        resp, _ = await _call(client, request, first_byte, idle)
+        resp, _ = await _call(client, request, first_byte, idle, limit)
     except _BACKEND_ERRORS as exc:
         log.warning("prefill %s: release failed: %s", prefill.url, describe_failure(exc))
         return
@@ -370,12 +423,13 @@ async def _release(
 
 
 async def _probe(
-    client: httpx.AsyncBaseTransport, request: httpx.Request, first_byte: float, idle: float
-) -> str:
+    client: httpx.AsyncBaseTransport, request: httpx.Request, first_byte: float, idle: float,
+    limit: int,
+) -> str:  # fmt: skip
     """``"ok"`` when a backend's /health (``request``) answers 2xx within the bounds, else the
     reason."""
     try:
-        resp, _ = await _call(client, request, first_byte, idle)
+        resp, _ = await _call(client, request, first_byte, idle, limit)
     except _BACKEND_ERRORS as exc:
         return describe_failure(exc)
     return "ok" if resp.status_code < 300 else f"HTTP {resp.status_code}"

@@ -1,8 +1,9 @@
 """OpenAI-style error replies for what can go wrong between the proxy and its backends.
 
 A client of the proxy always gets ``{"error": {"message", "type", "param", "code"}}`` with an
-HTTP status, never a hang: unreachable or slow backends become 502/504 naming the URL and the
-reason; a backend that answered an error has its status and body passed through unchanged.
+HTTP status, never a hang: unreachable or slow backends, and answers too large to hold, become
+502/504 naming the URL and the reason; a backend that answered an error has its status and body
+passed through unchanged.
 """
 
 from __future__ import annotations
@@ -28,12 +29,22 @@ class BackendTimeout(TimeoutError):
         self.seconds = seconds
 
 
+class AnswerTooLarge(Exception):
+    """A backend answer the proxy reads whole ran past ``limit`` bytes."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"answer over {limit} bytes")
+        self.limit = limit
+
+
 def describe_failure(exc: BaseException) -> str:
     """A short reason for a failed backend call (the exception type says timeout vs refused)."""
     if isinstance(exc, BackendTimeout):
         return f"timed out: {exc}"
     if isinstance(exc, TimeoutError | httpx.TimeoutException):
         return f"timed out ({type(exc).__name__})"
+    if isinstance(exc, AnswerTooLarge):
+        return str(exc)
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"
 
@@ -47,8 +58,9 @@ def unreachable(backend: Backend, exc: BaseException, timeout_s: float) -> JSONR
         exc, BackendTimeout
     ):
         reason += f" after {timeout_s:g} s"
+    what = "failed" if isinstance(exc, AnswerTooLarge) else "unreachable"
     return error_response(
-        502, f"{backend.role} backend {backend.url} unreachable: {reason}", "bad_gateway"
+        502, f"{backend.role} backend {backend.url} {what}: {reason}", "bad_gateway"
     )
 
 

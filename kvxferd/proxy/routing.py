@@ -19,10 +19,21 @@ class Backend:
 
 
 def normalize_url(url: str, field: str) -> str:
-    """``http://h:p``, ``http://h:p/`` and ``http://h:p/v1`` all name the same server base."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    """``http://h:p``, ``http://h:p/`` and ``http://h:p/v1`` all name the same server base.
+
+    Refused: a port that is not one, a query or fragment (paths are appended to the base), and
+    credentials (never sent, and the URL shows in every error a client gets)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is not 0-65535)
+    except ValueError as exc:
+        raise ConfigError(f"{field}: {url!r} is not a valid URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{field}: {url!r} is not an http(s) URL like http://127.0.0.1:8100")
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(f"{field}: a backend URL must not carry credentials (user:password@)")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{field}: {url!r}: a backend URL has no query or fragment")
     base = url.rstrip("/")
     if base.endswith("/v1"):
         base = base[: -len("/v1")]

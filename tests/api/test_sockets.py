@@ -43,6 +43,13 @@ def test_a_failed_tcp_bind_names_the_setting():
         taken.close()
 
 
+@pytest.mark.parametrize("port", [70000, -1])
+def test_a_port_outside_the_tcp_range_names_the_setting(port):
+    """``kvxferd sim --port 70000`` ended in an OverflowError traceback."""
+    with pytest.raises(ConfigError, match=f"^--port: {port} is not a TCP port"):
+        bind_tcp("127.0.0.1", port, "--port")
+
+
 def test_tcp_listener_says_tcp_so_asyncio_sets_nodelay_on_accepted_connections():
     """Without proto=IPPROTO_TCP asyncio skips TCP_NODELAY and small answers stall ~40 ms."""
     import asyncio

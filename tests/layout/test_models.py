@@ -105,6 +105,25 @@ def test_layer_types_length_must_match_num_hidden_layers():
     assert err.value.field == "hf_config.layer_types"
 
 
+@pytest.mark.parametrize(
+    ("preset", "change", "field"),
+    [("llama-3.1-8b", {"num_hidden_layers": "x"}, "hf_config"),
+     ("llama-3.1-8b", {"num_key_value_heads": 1e400}, "hf_config"),
+     ("llama-3.1-8b", {"layer_types": 5}, "hf_config"),
+     ("llama-3.1-8b", {"torch_dtype": 5}, "hf_config.torch_dtype"),
+     ("llama-3.1-8b", {"torch_dtype": "bogus"}, "hf_config.torch_dtype"),
+     ("jamba-mini-1.5", {"attn_layer_period": 0}, "hf_config"),
+     ("qwen3-next-80b-a3b", {"text_config": 5}, "hf_config")],
+    ids=["str", "inf", "not-a-list", "dtype-type", "dtype-name", "zero-period", "text-config"],
+)  # fmt: skip
+def test_a_field_of_the_wrong_type_is_a_manifest_error_not_a_crash(preset, change, field):
+    """``kvxferd layout --config`` and ``kvxferd sim --config`` read user files: a bad value is
+    one error line, never a traceback."""
+    with pytest.raises(ManifestError) as err:
+        read_geometry({**load_hf_config(preset), **change})
+    assert err.value.field == field
+
+
 class TestMambaStateShapes:
     """vLLM's MambaStateShapeCalculator, per rank (SD orientation is (state_len, dim))."""
 

@@ -45,7 +45,10 @@ class FakeBackend:
     fail_status: int | None = None
     """Answer every completion with this HTTP status and an OpenAI error body."""
     hang: threading.Event | None = None
-    """Completions wait for this event (set it to release them)."""
+    """Completions wait for this event (set it to release them), or until their caller hangs
+    up (recorded in ``left``)."""
+    left: list[str] = field(default_factory=list)
+    """Paths of hanging completions whose caller closed the connection."""
     omit_params: bool = False
     """Prefill answers without kv_transfer_params (like an engine without a KV connector)."""
     healthy: bool = True
@@ -56,6 +59,11 @@ class FakeBackend:
     set_cookie: str = ""
     """Every completion answer carries ``Set-Cookie: <this>`` (a backend behind a session-keeping
     gateway)."""
+    raw_params: bytes = b""
+    """Prefill answers these raw bytes as its ``kv_transfer_params`` value (JSON a Python
+    encoder would never write: NaN, a lone surrogate, deep nesting)."""
+    pad_bytes: int = 0
+    """A JSON completion answer carries a ``pad`` field this many bytes long."""
 
     def completion_text(self, body: dict[str, Any]) -> str:
         params = body.get("kv_transfer_params") or {}
@@ -71,6 +79,9 @@ def fake_app(fake: FakeBackend) -> FastAPI:
         fake.seen.append(Seen(request.url.path, body, dict(request.headers)))
         if fake.hang is not None:
             while not fake.hang.is_set():
+                if await request.is_disconnected():
+                    fake.left.append(request.url.path)
+                    return Response(status_code=499)
                 await asyncio.sleep(0.01)
         if fake.fail_status is not None:
             error = {"message": f"{fake.name} refuses", "type": "BadRequestError", "code": 7}
@@ -92,7 +103,13 @@ def fake_app(fake: FakeBackend) -> FastAPI:
                 "remote_request_id": request.headers.get("x-request-id"),
                 "tp_size": 1,
             }
-        answer = JSONResponse(reply)
+        if fake.pad_bytes:
+            reply["pad"] = "x" * fake.pad_bytes
+        answer: Response = JSONResponse(reply)
+        if fake.raw_params:
+            reply.pop("kv_transfer_params", None)
+            raw = json.dumps(reply).encode()[:-1] + b', "kv_transfer_params": ' + fake.raw_params
+            answer = Response(raw + b"}", media_type="application/json")
         if fake.set_cookie:
             answer.headers["set-cookie"] = fake.set_cookie
         return answer

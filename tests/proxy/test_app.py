@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -107,6 +108,21 @@ def test_decode_gets_original_request_with_prefill_params(make_rig: Callable[...
     assert params["remote_engine_id"] == "P0"
     assert params["remote_block_ids"] == [[1, 2, 3]]
     assert resp.json()["choices"][0]["text"] == "D0 decoded from P0"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_clients_own_transfer_params_reach_no_backend(make_rig, stream: bool) -> None:
+    """A client must not point the decode at a KV source of its choosing: the prefill gets the
+    stub, the decode what that prefill answered."""
+    rig = make_rig()
+    forged = {"do_remote_prefill": True, "remote_engine_id": "evil", "remote_host": "6.6.6.6",
+              "remote_port": 9, "remote_block_ids": [[7]]}  # fmt: skip
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion(stream=stream, kv_transfer_params=forged))
+    assert resp.status_code == 200
+    assert rig.prefills[0].seen[0].body["kv_transfer_params"] == KV_TRANSFER_STUB
+    params = rig.decodes[0].seen[0].body["kv_transfer_params"]
+    assert params["remote_engine_id"] == "P0" and params["remote_host"] == "127.0.0.1"
 
 
 def test_round_robin_cycles_prefills_and_decodes_separately(make_rig: Callable[..., Rig]) -> None:
@@ -259,6 +275,79 @@ def test_nan_or_infinity_in_the_body_is_a_400_not_a_crash(make_rig: Callable[...
     assert len(rig.prefills[0].seen) == 1
 
 
+def test_a_lone_surrogate_in_the_body_is_relayed_escaped_not_a_500(make_rig) -> None:
+    """``"\\ud800"`` is legal JSON that UTF-8 cannot carry: the backends get it escaped."""
+    rig = make_rig()
+    with rig.client() as c:
+        resp = c.post("/v1/completions", content=b'{"model": "m", "prompt": "a\\ud800b"}',
+                      headers={"content-type": "application/json"})  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    assert rig.prefills[0].seen[0].body["prompt"] == "a\ud800b"
+    assert rig.decodes[0].seen[0].body["prompt"] == "a\ud800b"
+
+
+def test_header_bytes_outside_ascii_reach_both_backends_as_sent(make_rig) -> None:
+    rig = make_rig()
+    sent = {"X-Request-Id": b"caf\xe9", "Authorization": b"Bearer \xff\x80"}
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion(), headers=sent)
+    assert resp.status_code == 200, resp.text
+    for seen in (rig.prefills[0].seen[0], rig.decodes[0].seen[0]):
+        assert seen.headers["x-request-id"].encode("latin-1") == b"caf\xe9"
+        assert seen.headers["authorization"].encode("latin-1") == b"Bearer \xff\x80"
+
+
+@pytest.mark.parametrize(
+    "raw", [b'{"x": NaN}', b'{"x": Infinity}', b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}"],
+    ids=["nan", "infinity", "nested"],
+)  # fmt: skip
+def test_prefill_params_that_are_not_json_are_a_502_naming_it(make_rig, raw: bytes) -> None:
+    rig = make_rig()
+    rig.prefills[0].raw_params = raw
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion())
+    assert resp.status_code == 502, resp.text
+    assert rig.backends[0].url in resp.json()["error"]["message"]
+    assert rig.decodes[0].seen == []
+
+
+def test_prefill_params_with_a_lone_surrogate_reach_the_decode_escaped(make_rig) -> None:
+    rig = make_rig()
+    rig.prefills[0].raw_params = b'{"remote_engine_id": "P0", "note": "\\udc00"}'
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion())
+    assert resp.status_code == 200, resp.text
+    params = rig.decodes[0].seen[0].body["kv_transfer_params"]
+    assert params == {"remote_engine_id": "P0", "note": "\udc00"}
+
+
+LIMIT = 4096  # bytes of a backend answer the proxy reads whole, in these tests
+
+
+def test_a_prefill_answer_past_the_limit_is_a_502_and_no_decode(make_rig) -> None:
+    rig = make_rig(max_answer_bytes=LIMIT)
+    rig.prefills[0].pad_bytes = 10 * LIMIT
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion())
+    assert resp.status_code == 502, resp.text
+    message = resp.json()["error"]["message"]
+    assert rig.backends[0].url in message and f"answer over {LIMIT} bytes" in message
+    assert rig.decodes[0].seen == []
+
+
+def test_a_decode_answer_past_the_limit_is_a_502_and_frees_the_prefill(make_rig) -> None:
+    rig = make_rig(max_answer_bytes=LIMIT)
+    rig.decodes[0].pad_bytes = 10 * LIMIT
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion())
+        assert resp.status_code == 502, resp.text
+        message = resp.json()["error"]["message"]
+        assert rig.backends[1].url in message and f"answer over {LIMIT} bytes" in message
+        rig.decodes[0].pad_bytes = 0
+        assert c.post("/v1/completions", json=completion()).status_code == 200
+    _wait_release(rig)
+
+
 def test_health_needs_one_prefill_and_one_decode(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(n_prefill=2)
     with rig.client() as c:
@@ -381,6 +470,27 @@ def test_a_refused_decode_connection_is_still_a_502_naming_it(make_rig) -> None:
     message = resp.json()["error"]["message"]
     assert rig.backends[1].url in message and "ConnectError" in message
     _wait_release(rig)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_client_that_hangs_up_is_not_served_by_a_backend_any_longer(make_rig, role) -> None:
+    """Without this a non-streaming decode went on generating for nobody, up to the generation
+    bound, and a client could leave any number of them running."""
+    rig = make_rig(timeout_s=120.0, generation_s=120.0)  # far past the waits below
+    fake = rig.prefills[0] if role == "prefill" else rig.decodes[0]
+    fake.hang = threading.Event()
+    body = json.dumps(completion()).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    try:
+        with socket.create_connection(("127.0.0.1", rig.proxy.port), timeout=30) as sock:
+            sock.sendall(head + body)
+            wait_until(lambda: fake.seen, 30.0, f"the {role} has the request")
+        wait_until(lambda: fake.left, 30.0, f"the proxy hangs up on the {role}")
+    finally:
+        fake.hang.set()
+    assert fake.left == ["/v1/completions"]
+    if role == "prefill":
+        assert rig.decodes[0].seen == []
 
 
 # ------------------------------------------------------------------------------ release

@@ -69,6 +69,28 @@ def test_a_limit_that_is_not_positive_is_a_config_error_naming_its_source(argv, 
         _limits(argv, env)
 
 
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [(["--log-level", "warn"], "--log-level: unknown level 'warn'"),
+     (["--timeout", "nan"], "--timeout: must be > 0 and finite, got nan"),
+     (["--generation-timeout", "inf"], "--generation-timeout: must be > 0 and finite, got inf"),
+     (["--body-timeout", "nan"], "--body-timeout: must be > 0 and finite, got nan"),
+     (["--prefill", "http://[::1"], "--prefill: 'http://[::1' is not a valid URL")],
+    ids=["log-level", "timeout-nan", "timeout-inf", "limit-nan", "url"],
+)  # fmt: skip
+def test_a_bad_value_is_one_error_line_before_anything_binds(flags, line) -> None:
+    """Each of these was a traceback, or a proxy serving with a wait that never ends."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvxferd", "proxy", "--prefill", "http://127.0.0.1:1",
+         "--decode", "http://127.0.0.1:1", "--port", "0", *flags],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    [error] = done.stderr.splitlines()
+    assert error.startswith(f"kvxferd: error: {line}"), error
+    assert done.stdout == ""
+
+
 def test_a_bad_limit_flag_is_a_clear_error() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvxferd", "proxy", "--prefill", "http://127.0.0.1:1",
@@ -76,4 +98,4 @@ def test_a_bad_limit_flag_is_a_clear_error() -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2
-    assert "--max-connections: must be > 0, got 0" in done.stderr
+    assert "--max-connections: must be > 0 and finite, got 0" in done.stderr

@@ -19,6 +19,24 @@ def test_non_http_urls_are_refused_naming_the_flag(url: str) -> None:
         normalize_url(url, "--prefill")
 
 
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [("http://h:99999", "not a valid URL"), ("http://h:port", "not a valid URL"),
+     ("http://[::1", "not a valid URL"), ("http://h:1/?model=x", "no query or fragment"),
+     ("http://h:1#v1", "no query or fragment")],
+)  # fmt: skip
+def test_urls_a_request_could_not_be_sent_to_are_refused(url: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=f"--decode: .*{why}"):
+        normalize_url(url, "--decode")
+
+
+def test_credentials_in_a_url_are_refused_without_echoing_them() -> None:
+    """They would not be sent, and every 502 a client gets names the backend's URL."""
+    with pytest.raises(ConfigError, match="--prefill: .*credentials") as info:
+        normalize_url("http://admin:hunter2@h:1", "--prefill")
+    assert "hunter2" not in str(info.value)
+
+
 def test_round_robin_cycles_in_the_given_order() -> None:
     rr = RoundRobin("decode", ["http://a:1", "http://b:2/v1"])
     assert [rr.next().url for _ in range(5)] == [
