@@ -17,6 +17,7 @@ as no load). Writes go to the DRAM pool and through to files; reads prefer DRAM 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -272,11 +273,13 @@ class Store:
         keys: Sequence[str],
         num_tokens: int,
         stop_at: float | None = None,
+        stop: threading.Event | None = None,
     ) -> LoadOutcome:
         """Write the first ``num_tokens`` tokens (all groups) into the blocks; PullError
-        ``store_miss`` or ``store_corrupt`` when an entry is absent or fails its checks, and
-        ``deadline`` when ``time.monotonic()`` passes ``stop_at`` (checked before each chunk and
-        after each entry's read: nothing is written once it has passed)."""
+        ``store_miss`` or ``store_corrupt`` when an entry is absent or fails its checks,
+        ``deadline`` when ``time.monotonic()`` passes ``stop_at`` and ``cancelled`` once ``stop``
+        is set (both checked before each chunk and after each entry's read: nothing is written
+        once either happened; an entry being copied finishes)."""
         t0 = time.perf_counter()
         ids = self._check(manifest, block_ids, keys, num_tokens)
         spans = chunk_spans(num_tokens, self.chunk_tokens)
@@ -313,6 +316,9 @@ class Store:
             if stop_at is not None and time.monotonic() > stop_at:  # the read outlasted it
                 cached.buffer.release()
                 raise PullError("deadline", f"the load passed its deadline reading {eid.filename}")
+            if stop is not None and stop.is_set():
+                cached.buffer.release()
+                raise PullError("cancelled", f"the load was stopped reading {eid.filename}")
             if tier == "dram":
                 out.dram_bytes += cached.size
             else:
@@ -323,6 +329,8 @@ class Store:
             for g, c, specs, plan in work:
                 if stop_at is not None and time.monotonic() > stop_at:
                     raise PullError("deadline", f"the load passed its deadline at chunk {c}")
+                if stop is not None and stop.is_set():
+                    raise PullError("cancelled", f"the load was stopped at chunk {c}")
                 self._load_chunk(manifest, regions, ids[g], g, c, spans[c], specs, plan, out,
                                  fetch)  # fmt: skip
         finally:

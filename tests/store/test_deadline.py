@@ -1,8 +1,10 @@
 """A store load is bounded: past its deadline it stops before the next chunk and fails with
-``deadline``, so whoever waits for its answer knows nothing more is written after it."""
+``deadline`` (``cancelled`` once it is told to stop), so whoever waits for its answer knows
+nothing more is written after it."""
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -54,4 +56,20 @@ def test_a_read_that_outlasts_the_deadline_writes_nothing(tmp_path, monkeypatch)
     with pytest.raises(PullError) as err:
         s.load(m, dest, block_ids(m, tokens), keys(tokens, CHUNK), tokens, stop_at=5.0)
     assert err.value.reason == "deadline"
+    assert all(not np.any(r) for r in dest)
+
+
+def test_a_stopped_load_fails_cancelled_and_writes_nothing(tmp_path):
+    """Its ``stop`` event is set (the engine unregisters): no entry is written from then on."""
+    m = plan(MAMBA2, blocks=12)
+    tokens = m.groups[0].block_size
+    regions, ids = filled(m, tokens, SEED)
+    store(tmp_path, CHUNK).save(m, regions, ids, keys(tokens, CHUNK), tokens)
+    stop = threading.Event()
+    stop.set()
+    dest = pool(m)
+    with pytest.raises(PullError) as err:
+        store(tmp_path, CHUNK).load(m, dest, block_ids(m, tokens), keys(tokens, CHUNK), tokens,
+                                    stop=stop)  # fmt: skip
+    assert err.value.reason == "cancelled"
     assert all(not np.any(r) for r in dest)
