@@ -42,7 +42,7 @@ An empty cell (st. = status) is inherited from the parent class.
     ├── NotRegisteredError         503                    no engine has registered yet
     ├── AlreadyRegisteredError     409                    this sidecar already has an engine
     ├── StaleGenerationError       409                    not the current registration generation
-    ├── MemoryInUseError           503                    an unsettled READ may still write it
+    ├── MemoryInUseError           503                    a READ or store copy may still use it
     ├── UnknownPullError           404                    no pull with that id here
     ├── PullError                  502  pull              a pull did not move every byte
     ├── StateError                 409                    a state moved backward (a bug)
@@ -261,8 +261,9 @@ class StaleGenerationError(KvxferdError):
 
 
 class MemoryInUseError(KvxferdError):
-    """Unregister refused: a quarantined (unsettled) READ may still write the registered memory,
-    so it stays mapped and registered; a retry succeeds once those READs ended (HTTP 503)."""
+    """Unregister refused: a quarantined (unsettled) READ or a store load or save may still use
+    the registered memory, so it stays mapped and registered; a retry succeeds once those ended
+    (HTTP 503)."""
 
     status = 503
 

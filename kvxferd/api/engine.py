@@ -69,8 +69,10 @@ async def unregister(sidecar: Sidecar, req: UnregisterRequest) -> None:
     ``unregistered``, NIXL registrations are dropped and the sources unmapped. A stale
     ``generation`` is a 409. While a READ that could not be confirmed stopped (quarantined) may
     still write the memory, pulls and holds end all the same but the memory stays registered and
-    mapped: a 503 MemoryInUseError says how many READs; retry once they ended. Registering again
-    starts generation + 1.
+    mapped: a 503 MemoryInUseError says how many READs; retry once they ended. Store loads stop
+    before their next entry and the answer waits for them and store saves to end (a 503
+    MemoryInUseError if they still run after a few seconds). Registering again starts
+    generation + 1.
     """
     await sidecar.unregister(req)
 

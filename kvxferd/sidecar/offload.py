@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,6 +38,9 @@ log = logging.getLogger(__name__)
 
 MAX_STORE_DEADLINE_S = 600.0
 """Longest ``StoreLoadRequest.deadline_s`` accepted."""
+STOP_S = 5.0
+"""Seconds :meth:`Offload.stop` waits for the loads and saves on the engine's memory to end."""
+T = TypeVar("T")
 
 Target = Callable[[], tuple[Manifest, list[np.ndarray]]]
 """Returns the registered manifest and a host view of each region (raises if none)."""
@@ -76,6 +81,7 @@ class Offload:
             except OSError as exc:
                 raise ConfigError(f"store_dir: {config.store_dir}: {exc.strerror}") from exc
         self._reported = {tier: _Reported() for tier in STORE_TIERS}
+        self._running: dict[asyncio.Future[Any], threading.Event] = {}  # work on engine memory
 
     async def save(self, req: StoreSaveRequest) -> StoreSaved:
         """Copy a request's blocks (or a live hold's) into the store; entries already there are
@@ -94,9 +100,9 @@ class Offload:
                 # an earlier one: saved under a shorter prefix's key it would load wrong state.
                 raise StoreError("num_tokens", f"{num_tokens}: a hybrid hold saves all its "
                                  f"{held_tokens} tokens")  # fmt: skip
-        out = await asyncio.to_thread(
-            store.save, manifest, regions, block_ids, req.keys, num_tokens
-        )
+        out = await asyncio.shield(self._track(
+            threading.Event(), store.save, manifest, regions, block_ids, req.keys, num_tokens
+        ))  # fmt: skip
         self.metrics.store_bytes.labels("dram", "save").inc(out.dram_bytes)
         self.metrics.store_bytes.labels("file", "save").inc(out.file_bytes)
         self._sync_tiers()
@@ -122,12 +128,13 @@ class Offload:
         if not (math.isfinite(req.deadline_s) and 0 < req.deadline_s <= MAX_STORE_DEADLINE_S):
             raise StoreError("deadline_s", f"must be in (0, {MAX_STORE_DEADLINE_S:g}]")
         store, (manifest, regions) = self._require(), self._target()
-        stop_at = time.monotonic() + req.deadline_s
+        stop_at, stop = time.monotonic() + req.deadline_s, threading.Event()
         try:
             # Awaited to its end even if our caller gives up: the answer says nothing is written
-            # any more (the thread checks ``stop_at`` between chunks).
-            out = await asyncio.shield(asyncio.to_thread(
-                store.load, manifest, regions, req.block_ids, req.keys, req.num_tokens, stop_at
+            # any more (the thread checks ``stop_at`` and ``stop`` between entries).
+            out = await asyncio.shield(self._track(
+                stop, store.load, manifest, regions, req.block_ids, req.keys, req.num_tokens,
+                stop_at, stop,
             ))  # fmt: skip
         except PullError as exc:
             log.warning("store load %s failed: %s", req.request_id or "-", exc)
@@ -145,10 +152,28 @@ class Offload:
             dram_hit_rate=out.dram_bytes / served if served else 0.0, duration_s=out.duration_s,
         )  # fmt: skip
 
+    async def stop(self, timeout_s: float = STOP_S) -> int:
+        """Stop the loads in progress from writing further entries (one being copied finishes)
+        and wait up to ``timeout_s`` for them and the saves to end: how many still run."""
+        running = list(self._running)
+        for stop in self._running.values():
+            stop.set()
+        if running:
+            await asyncio.wait(running, timeout=timeout_s)
+        return sum(not work.done() for work in running)
+
     def close(self) -> None:
         """Stop the store's I/O threads (calls in progress finish first)."""
         if self.store is not None:
             self.store.close()
+
+    def _track(self, stop: threading.Event, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """``fn(*args)`` on a worker thread, known to :meth:`stop` (which sets ``stop``) until
+        it ends; await it shielded, so it is never marked done while the thread still runs."""
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._running[work] = stop
+        work.add_done_callback(lambda done: self._running.pop(done, None))
+        return work
 
     def _require(self) -> Store:
         if self.store is None:

@@ -38,7 +38,7 @@ from kvxferd.sidecar.fabric import Fabric
 from kvxferd.sidecar.holds import REAP_SLICE, DeclineOutcome, HoldTable
 from kvxferd.sidecar.keepalive import decline_at_peers, keep_alive
 from kvxferd.sidecar.notifs import NotificationPoller
-from kvxferd.sidecar.offload import Offload
+from kvxferd.sidecar.offload import STOP_S, Offload
 from kvxferd.sidecar.peers import PeerTable
 from kvxferd.sidecar.pulls import Pull, PullRunner
 from kvxferd.sidecar.reads import QUARANTINE_S
@@ -162,6 +162,7 @@ class Sidecar:
                 await task
         await self.pulls.close()
         await self.peers.close()
+        await self.offload.stop()  # no store load writes the regions once they are unmapped
         await asyncio.to_thread(self.offload.close)
         await asyncio.to_thread(self.agent.close)
         self.fabric.close()
@@ -225,9 +226,11 @@ class Sidecar:
     async def unregister(self, req: UnregisterRequest) -> None:
         """Forget the engine's memory: pulls end FAILED (no READ left running), holds are
         released ``unregistered``, NIXL registrations dropped, sources unmapped; calls that need
-        the engine meanwhile are refused (503). While a quarantined READ may still write the
-        memory, pulls and holds end all the same but the memory stays registered and mapped
-        (MemoryInUseError, 503: retry once those READs ended)."""
+        the engine meanwhile are refused (503). Store loads stop before their next entry (the
+        one being copied finishes) and it waits up to ``STOP_S`` for them and the store saves
+        to end. While a quarantined READ may still write the memory, or a store load or save
+        still runs, pulls and holds end all the same but the memory stays registered and mapped
+        (MemoryInUseError, 503: retry once those ended)."""
         holds, _ = self._require_engine()
         if req.generation != self.generation:
             raise StaleGenerationError(
@@ -239,12 +242,18 @@ class Sidecar:
             for hold in list(holds.live()):  # the engine lets its blocks go: no more claims
                 holds.release(hold.hold_id, "unregistered")
             self._after_release()
+            copying = await self.offload.stop(STOP_S)  # loads stop, saves end: bounded
             unsettled = self.pulls.reads.quarantined
             if unsettled:
                 raise MemoryInUseError(
                     f"unregister: {unsettled} READs still unsettled may write this memory, so "
                     f"it stays registered (pulls and holds ended); retry after they end (at "
                     f"most {QUARANTINE_S:g} s)"
+                )
+            if copying:
+                raise MemoryInUseError(
+                    f"unregister: {copying} store loads or saves still copy this memory after "
+                    f"{STOP_S:g} s, so it stays registered (pulls and holds ended); retry"
                 )
             await self.pulls.close()
             for reg in self._registrations:

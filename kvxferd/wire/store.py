@@ -89,7 +89,8 @@ class StoreLoadStatus(_Strict, kw_only=True):
     """done: every byte of ``num_tokens`` tokens is in the blocks; failed: treat them as unset."""
     reason: str = ""
     """Failure code: store_miss (an entry is not there, or went away), store_corrupt (an entry
-    failed its checks and was deleted)."""
+    failed its checks and was deleted), deadline (``deadline_s`` passed), cancelled (an
+    unregister stopped it)."""
     detail: str = ""
     """Human-readable failure detail."""
     tokens: int = 0

@@ -1,25 +1,37 @@
 """Registration over the engine API: regions inside one allocation, unregister with a
 generation (refused while an unsettled READ may still write the memory; no pull starts while it
-runs), register again, and the identity a scheduler reads to mint tickets."""
+runs; store loads and saves on the memory end before it answers), register again, and the
+identity a scheduler reads to mint tickets."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import msgspec
+import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 
+from kvxferd.api.engine import engine_app
+from kvxferd.config import Config
 from kvxferd.errors import UnsettledReadError
 from kvxferd.memory import SharedMemoryRegion
+from kvxferd.pattern import write_pattern
 from kvxferd.sidecar import reads as reads_mod
+from kvxferd.sidecar import service as service_mod
+from kvxferd.sidecar.service import Sidecar
 from kvxferd.sidecar.states import PullState
+from kvxferd.store import chunk_keys
+from kvxferd.store import store as store_mod
 from kvxferd.transport import Transfer
 from kvxferd.wire import ErrorBody, Identity, RegionSpec, RegisterRequest, RegisterResponse
 from tests.api.conftest import JSON
-from tests.sidecar.harness import wait_until
+from tests.sidecar.harness import TOKEN, EnginePool, plan, wait_until
 
 
 def _one_allocation(manifest, name: str):
@@ -222,3 +234,157 @@ def test_unregister_cancels_a_running_pull_which_ends_failed_cancelled(fresh):
         assert sidecar.manifest is None and sidecar._regions == []
     finally:
         silent.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Store loads and saves copy into and out of the engine's memory on worker threads: unregister
+# answers only once none of them can touch it any more.
+
+_CHUNKS = 3  # chunks (one block each) of the stored request
+
+
+@pytest.fixture
+def stored(tmp_path) -> Iterator[SimpleNamespace]:
+    """A real Sidecar with a store, registered; blocks 1-3 hold a request saved in the store."""
+    manifest = plan("llama-3.1-8b", num_blocks=8)
+    tokens = _CHUNKS * manifest.groups[0].block_size
+    pool = EnginePool(manifest)
+    config = Config(peer_token=TOKEN, store_dir=str(tmp_path / "store"),
+                    store_chunk_tokens=manifest.groups[0].block_size)  # fmt: skip
+    sidecar = Sidecar(config)
+    try:
+        with TestClient(engine_app(sidecar), raise_server_exceptions=False) as engine:
+            req = RegisterRequest(manifest=manifest, regions=pool.specs())
+            assert _post(engine, "/v1/register", req).status_code == 200
+            saved = [[1, 2, 3]]
+            write_pattern(manifest, pool.views, saved, seed=7)
+            keys = chunk_keys(list(range(tokens)), manifest.groups[0].block_size)
+            save = {"request_id": "r", "block_ids": saved, "keys": keys, "num_tokens": tokens}
+            answer = engine.post("/v1/store/save", json=save)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["chunks_saved"] == _CHUNKS
+            yield SimpleNamespace(sidecar=sidecar, engine=engine, pool=pool, manifest=manifest,
+                                  keys=keys, tokens=tokens, save=save)  # fmt: skip
+    finally:
+        asyncio.run(sidecar.close())
+        pool.close()
+
+
+def _held_on_first_call(module, name: str, monkeypatch) -> tuple[threading.Event, threading.Event]:  # noqa: ANN001
+    """Make ``module.name``'s first call wait for ``go_on`` (set ``inside`` meanwhile): a copy
+    stopped in the middle of one entry."""
+    inside, go_on = threading.Event(), threading.Event()
+    real = getattr(module, name)
+
+    def held(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        if not inside.is_set():
+            inside.set()
+            assert go_on.wait(30)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, held)
+    return inside, go_on
+
+
+def _in_thread(call) -> tuple[threading.Thread, list]:  # noqa: ANN001
+    """Run ``call`` on a thread; its result lands in the list."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(call()))
+    thread.start()
+    return thread, out
+
+
+def _stopping(sidecar: Sidecar) -> bool:
+    """Whether an unregister has asked the store work in progress to stop."""
+    return any(stop.is_set() for stop in list(sidecar.offload._running.values()))
+
+
+def test_unregister_answers_after_a_store_load_stopped_writing_the_memory(stored, monkeypatch):
+    sidecar, pool = stored.sidecar, stored.pool
+    before = pool.snapshot()
+    inside, go_on = _held_on_first_call(store_mod, "scatter_attention", monkeypatch)
+    load = {"block_ids": [[4, 5, 6]], "keys": stored.keys, "num_tokens": stored.tokens}
+    loading, loaded = _in_thread(lambda: stored.engine.post("/v1/store/load", json=load))
+
+    def unregister():  # noqa: ANN202 - the answer, and the engine's memory as it was then
+        answer = stored.engine.post("/v1/unregister", json={"generation": 0})
+        return answer.status_code, pool.snapshot()
+
+    try:
+        assert inside.wait(30)  # the load is in the middle of copying its first entry
+        leaving, left = _in_thread(unregister)
+        wait_until(lambda: left or _stopping(sidecar), what="unregister to stop the load")
+    finally:
+        go_on.set()
+        loading.join(30)
+    leaving.join(30)
+    [(status, at_answer)] = left
+    assert status == 204
+    # Nothing the load did changed the memory after unregister answered.
+    for now, then in zip(pool.views, at_answer, strict=True):
+        assert np.array_equal(now, then)
+    answer = loaded[0].json()
+    assert (answer["state"], answer["reason"]) == ("failed", "cancelled"), answer
+    # The entry being copied finished (block 4 holds chunk 0); the next chunks' were not written.
+    want = before
+    write_pattern(stored.manifest, want, [[4]], seed=7)
+    for now, expected in zip(pool.views, want, strict=True):
+        assert np.array_equal(now, expected)
+    assert sidecar.manifest is None and sidecar._regions == []
+
+
+def test_unregister_answers_after_a_store_save_stopped_reading_the_memory(stored, monkeypatch):
+    sidecar = stored.sidecar
+    inside, go_on = _held_on_first_call(store_mod, "gather_attention", monkeypatch)
+    ended = threading.Event()
+    save = sidecar.offload.store.save
+
+    def saving(*args):  # noqa: ANN002, ANN202 - the save's worker thread
+        try:
+            return save(*args)
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(sidecar.offload.store, "save", saving)
+    chunk = stored.manifest.groups[0].block_size
+    again = {**stored.save, "keys": chunk_keys([9] * stored.tokens, chunk)}  # not stored yet
+    saver, saved = _in_thread(lambda: stored.engine.post("/v1/store/save", json=again))
+
+    def unregister():  # noqa: ANN202 - the answer, and whether the save had ended then
+        answer = stored.engine.post("/v1/unregister", json={"generation": 0})
+        return answer.status_code, ended.is_set()
+
+    try:
+        assert inside.wait(30)  # the save is in the middle of gathering its first entry
+        leaving, left = _in_thread(unregister)
+        wait_until(lambda: left or _stopping(sidecar), what="unregister to wait for the save")
+    finally:
+        go_on.set()
+        saver.join(30)
+    leaving.join(30)
+    assert left == [(204, True)]  # answered only once the save no longer read the memory
+    assert saved[0].status_code == 200 and saved[0].json()["chunks_saved"] == _CHUNKS
+
+
+def test_unregister_keeps_the_memory_while_a_store_load_does_not_stop(stored, monkeypatch):
+    monkeypatch.setattr(service_mod, "STOP_S", 0.01)
+    sidecar = stored.sidecar
+    inside, go_on = _held_on_first_call(store_mod, "scatter_attention", monkeypatch)
+    load = {"block_ids": [[4, 5, 6]], "keys": stored.keys, "num_tokens": stored.tokens}
+    loading, loaded = _in_thread(lambda: stored.engine.post("/v1/store/load", json=load))
+    regions, registrations = list(sidecar._regions), list(sidecar._registrations)
+    try:
+        assert inside.wait(30)  # one entry's copy that does not end
+        refused = stored.engine.post("/v1/unregister", json={"generation": 0})
+        assert refused.status_code == 503, refused.text
+        body = msgspec.json.decode(refused.content, type=ErrorBody)
+        assert body.error == "MemoryInUseError" and "1 store loads or saves" in body.detail
+        # Kept: the memory the load still writes stays mapped and registered.
+        assert sidecar.generation == 0 and sidecar.manifest is not None
+        assert sidecar._regions == regions and sidecar._registrations == registrations
+    finally:
+        go_on.set()
+        loading.join(30)
+    assert loaded[0].json()["reason"] == "cancelled"  # it stopped after that entry
+    assert stored.engine.post("/v1/unregister", json={"generation": 0}).status_code == 204
+    assert sidecar.manifest is None and sidecar._regions == []
