@@ -299,6 +299,21 @@ def _stopping(sidecar: Sidecar) -> bool:
     return any(stop.is_set() for stop in list(sidecar.offload._running.values()))
 
 
+def _unregister_while_held(sidecar, inside, go_on, work, unregister, what: str) -> list:
+    """Once ``work``'s thread is held inside its first copy (``inside``), run ``unregister`` on
+    a thread; let the copy go on (``go_on``) once unregister answered or asked the store work to
+    stop. What ``unregister`` returned (one item)."""
+    try:
+        assert inside.wait(30)
+        leaving, left = _in_thread(unregister)
+        wait_until(lambda: left or _stopping(sidecar), what=f"unregister to {what}")
+    finally:
+        go_on.set()
+        work.join(30)
+    leaving.join(30)
+    return left
+
+
 def test_unregister_answers_after_a_store_load_stopped_writing_the_memory(stored, monkeypatch):
     sidecar, pool = stored.sidecar, stored.pool
     before = pool.snapshot()
@@ -310,14 +325,8 @@ def test_unregister_answers_after_a_store_load_stopped_writing_the_memory(stored
         answer = stored.engine.post("/v1/unregister", json={"generation": 0})
         return answer.status_code, pool.snapshot()
 
-    try:
-        assert inside.wait(30)  # the load is in the middle of copying its first entry
-        leaving, left = _in_thread(unregister)
-        wait_until(lambda: left or _stopping(sidecar), what="unregister to stop the load")
-    finally:
-        go_on.set()
-        loading.join(30)
-    leaving.join(30)
+    # The load is in the middle of copying its first entry.
+    left = _unregister_while_held(sidecar, inside, go_on, loading, unregister, "stop the load")
     [(status, at_answer)] = left
     assert status == 204
     # Nothing the load did changed the memory after unregister answered.
@@ -354,14 +363,8 @@ def test_unregister_answers_after_a_store_save_stopped_reading_the_memory(stored
         answer = stored.engine.post("/v1/unregister", json={"generation": 0})
         return answer.status_code, ended.is_set()
 
-    try:
-        assert inside.wait(30)  # the save is in the middle of gathering its first entry
-        leaving, left = _in_thread(unregister)
-        wait_until(lambda: left or _stopping(sidecar), what="unregister to wait for the save")
-    finally:
-        go_on.set()
-        saver.join(30)
-    leaving.join(30)
+    # The save is in the middle of gathering its first entry.
+    left = _unregister_while_held(sidecar, inside, go_on, saver, unregister, "wait for the save")
     assert left == [(204, True)]  # answered only once the save no longer read the memory
     assert saved[0].status_code == 200 and saved[0].json()["chunks_saved"] == _CHUNKS
 
