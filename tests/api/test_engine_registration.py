@@ -155,15 +155,9 @@ def test_unregister_keeps_the_memory_while_an_unsettled_read_may_still_write_it(
 
     fresh.engine.portal.call(unsettled)
     assert sidecar.pulls.reads.unsettled == 1 and not read.released  # quarantined
-    regions, registrations = list(sidecar._regions), list(sidecar._registrations)
 
-    refused = fresh.engine.post("/v1/unregister", json={"generation": 0})
-    assert refused.status_code == 503, refused.text
-    body = msgspec.json.decode(refused.content, type=ErrorBody)
-    assert body.error == "MemoryInUseError" and "1 READs still unsettled" in body.detail
     # Kept: the memory the READ may still write stays mapped and registered.
-    assert sidecar.generation == 0 and sidecar.manifest is not None
-    assert sidecar._regions == regions and sidecar._registrations == registrations
+    _refused_keeping_memory(fresh.engine, sidecar, "1 READs still unsettled")
     assert not read.released
     # The engine lets its blocks go all the same: no hold outlives the refused unregister.
     assert [h.reason for h in sidecar.holds.released_since(0).holds] == ["unregistered"]
@@ -314,6 +308,18 @@ def _unregister_while_held(sidecar, inside, go_on, work, unregister, what: str) 
     return left
 
 
+def _refused_keeping_memory(engine, sidecar: Sidecar, why: str) -> None:
+    """Unregister answers 503 MemoryInUseError saying ``why``; generation 0's regions and NIXL
+    registrations stay as they were."""
+    regions, registrations = list(sidecar._regions), list(sidecar._registrations)
+    refused = engine.post("/v1/unregister", json={"generation": 0})
+    assert refused.status_code == 503, refused.text
+    body = msgspec.json.decode(refused.content, type=ErrorBody)
+    assert body.error == "MemoryInUseError" and why in body.detail
+    assert sidecar.generation == 0 and sidecar.manifest is not None
+    assert sidecar._regions == regions and sidecar._registrations == registrations
+
+
 def test_unregister_answers_after_a_store_load_stopped_writing_the_memory(stored, monkeypatch):
     sidecar, pool = stored.sidecar, stored.pool
     before = pool.snapshot()
@@ -375,16 +381,10 @@ def test_unregister_keeps_the_memory_while_a_store_load_does_not_stop(stored, mo
     inside, go_on = _held_on_first_call(store_mod, "scatter_attention", monkeypatch)
     load = {"block_ids": [[4, 5, 6]], "keys": stored.keys, "num_tokens": stored.tokens}
     loading, loaded = _in_thread(lambda: stored.engine.post("/v1/store/load", json=load))
-    regions, registrations = list(sidecar._regions), list(sidecar._registrations)
     try:
         assert inside.wait(30)  # one entry's copy that does not end
-        refused = stored.engine.post("/v1/unregister", json={"generation": 0})
-        assert refused.status_code == 503, refused.text
-        body = msgspec.json.decode(refused.content, type=ErrorBody)
-        assert body.error == "MemoryInUseError" and "1 store loads or saves" in body.detail
         # Kept: the memory the load still writes stays mapped and registered.
-        assert sidecar.generation == 0 and sidecar.manifest is not None
-        assert sidecar._regions == regions and sidecar._registrations == registrations
+        _refused_keeping_memory(stored.engine, sidecar, "1 store loads or saves")
     finally:
         go_on.set()
         loading.join(30)
