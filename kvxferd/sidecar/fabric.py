@@ -10,8 +10,11 @@ over TCP, instead of falling back to TCP in silence.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,9 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from kvxferd.errors import FabricNotReadyError, KvxferdError
+from kvxferd.errors import (
+    FabricNotReadyError,
+    KvxferdError,
+    TransferFailedError,
+    TransferTimeoutError,
+)
 from kvxferd.memory import SharedMemoryRegion
-from kvxferd.transport import Agent
+from kvxferd.transport import Agent, Transfer, TransferState
 from kvxferd.transport.fabric import ProtoLog, kind
 
 log = logging.getLogger(__name__)
@@ -34,6 +42,18 @@ SELF_TEST_S = 10.0
 
 TCP_RECHECK_S = 5.0
 """How often :meth:`Fabric.reads_over_tcp` rescans the UCX protocol log."""
+
+
+def _post_probe(stack: contextlib.ExitStack, agent: Agent, region: Any) -> Transfer:
+    """A probe agent posting the self-test READ of ``region`` (its resources on ``stack``)."""
+    name = f"{agent.name}-selftest-{uuid.uuid4().hex[:6]}"
+    probe = stack.enter_context(Agent(name, backends=("UCX",), progress_thread=False))
+    dst = stack.enter_context(SharedMemoryRegion.create(f"kvx-{uuid.uuid4().hex[:12]}", 4096))
+    probe.register(dst)
+    remote = probe.add_remote(agent.get_agent_metadata())
+    local = np.array([[dst.base_addr, SELF_TEST_BYTES]], dtype=np.uint64)
+    src = np.array([[region.base_addr, SELF_TEST_BYTES]], dtype=np.uint64)
+    return stack.enter_context(probe.read(remote, local, src))
 
 
 def rdma_devices(root: str = "/sys/class/infiniband") -> list[str]:
@@ -64,29 +84,37 @@ class Fabric:
         self.self_test = ""
         """``ok`` once the self-test READ completed, the error if it failed, "" before."""
 
-    def run_self_test(self, agent: Agent, regions: Sequence[Any]) -> None:
-        """READ a few bytes of the first DRAM region from a loopback agent (blocking; run it in
-        a thread). Records the outcome in :attr:`self_test`; never raises."""
+    async def run_self_test(
+        self, agent: Agent, regions: Sequence[Any], progress: Callable[[], object]
+    ) -> None:
+        """READ a few bytes of the first DRAM region from a loopback agent. ``progress`` drives
+        this sidecar's UCX worker while the READ is out (without a progress thread the READ's
+        wireup waits on it; the notification poller may not be running yet). Records the
+        outcome in :attr:`self_test`; never raises."""
         region = next((r for r in regions if r.mem == "DRAM" and r.size >= SELF_TEST_BYTES), None)
         if region is None:
             self.self_test = "skipped: no DRAM region"
             return
-        name = f"{agent.name}-selftest-{uuid.uuid4().hex[:6]}"
-        try:
-            with (
-                Agent(name, backends=("UCX",), progress_thread=False) as probe,
-                SharedMemoryRegion.create(f"kvx-{uuid.uuid4().hex[:12]}", 4096) as dst,
-            ):
-                probe.register(dst)
-                remote = probe.add_remote(agent.get_agent_metadata())
-                local = np.array([[dst.base_addr, SELF_TEST_BYTES]], dtype=np.uint64)
-                src = np.array([[region.base_addr, SELF_TEST_BYTES]], dtype=np.uint64)
-                with probe.read(remote, local, src) as xfer:
-                    xfer.wait(SELF_TEST_S)
-            self.self_test = "ok"
-        except KvxferdError as exc:
-            self.self_test = f"failed: {exc}"
-            log.error("self-test READ failed: %s", exc)
+        with contextlib.ExitStack() as stack:
+            try:
+                # Agent creation and registration block for milliseconds: off the event loop.
+                xfer = await asyncio.to_thread(_post_probe, stack, agent, region)
+                deadline = time.monotonic() + SELF_TEST_S
+                pause = 1e-4
+                while (state := xfer.poll()) is TransferState.POSTED:
+                    if time.monotonic() >= deadline:
+                        raise TransferTimeoutError(f"not done after {SELF_TEST_S:g} s")
+                    progress()
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, 0.01)
+                if state is TransferState.FAILED:
+                    raise xfer.error or TransferFailedError("failed")
+                self.self_test = "ok"
+            except KvxferdError as exc:
+                self.self_test = f"failed: {exc}"
+                log.error("self-test READ failed: %s", exc)
+            finally:
+                await asyncio.to_thread(stack.close)
 
     def transports(self) -> dict[str, dict[str, list[str]]]:
         """UCX transports seen so far: ``reads`` and ``messages``, by endpoint kind."""

@@ -208,7 +208,8 @@ class Sidecar:
             released_log_bytes=self.config.released_feed_bytes,
             clock=time.monotonic,  # a wall-clock step must not expire a hold mid-READ
         )
-        await asyncio.to_thread(self.fabric.run_self_test, self.agent, regions)
+        holds = self.holds
+        await self.fabric.run_self_test(self.agent, regions, lambda: self.notifs.poll(holds))
         log.info(
             "registered %s: %d regions, %d groups, %d blocks",
             self.manifest.model,

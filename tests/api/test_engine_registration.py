@@ -52,6 +52,14 @@ def _post(client, path: str, body) -> object:
     return client.post(path, content=msgspec.json.encode(body), headers=JSON)
 
 
+def test_the_self_test_read_passes_without_the_background_poller(fresh):
+    # Nothing started the sidecar's tasks here: the self-test must progress our UCX worker
+    # itself (it once waited out its 10 s bound and failed in every in-process sidecar).
+    req = RegisterRequest(manifest=fresh.manifest, regions=fresh.pool.specs())
+    assert _post(fresh.engine, "/v1/register", req).status_code == 200
+    assert fresh.sidecar.fabric.self_test == "ok"
+
+
 def test_regions_inside_one_allocation_are_based_at_their_offsets(fresh):
     manifest, shm = _one_allocation(fresh.manifest, f"kvx-src-{id(fresh)}")
     try:
