@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from kvxferd.store.format import Header
+from kvxferd.store.format import CorruptEntry, Header
 from kvxferd.store.pool import Buffer
 
 log = logging.getLogger(__name__)
@@ -237,9 +237,13 @@ class FileTier:
             self.stats.write_errors += 1
         return False
 
-    def read(self, eid: EntryId, alloc: Callable[[int], Buffer]) -> tuple[Buffer, int] | None:
+    def read(
+        self, eid: EntryId, alloc: Callable[[int], Buffer], max_size: int
+    ) -> tuple[Buffer, int] | None:
         """The file's bytes in a buffer from ``alloc`` and how many there are (the mtime is
-        refreshed: LRU across restarts), None if the file is gone or unreadable."""
+        refreshed: LRU across restarts), None if the file is gone or unreadable. CorruptEntry,
+        with nothing allocated, for a file over ``max_size`` (more than any entry of its group
+        holds: a foreign or grown file must not size our memory)."""
         path = self.path(eid)
         buf = None
         try:
@@ -250,6 +254,10 @@ class FileTier:
                 if not stat.S_ISREG(st.st_mode):
                     raise OSError(f"not a plain file (mode {st.st_mode:o})")
                 size = st.st_size
+                if size > max_size:
+                    raise CorruptEntry(
+                        f"{size} bytes, an entry of its group has at most {max_size}"
+                    )
                 buf = alloc(size)
                 view, got = memoryview(buf.array)[:size], 0
                 while got < size:

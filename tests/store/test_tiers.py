@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvxferd.store.format import Header
+from kvxferd.store.format import CorruptEntry, Header
 from kvxferd.store.pool import BufferPool, size_class
 from kvxferd.store.tiers import (
     STALE_TMP_S,
@@ -88,7 +88,7 @@ def test_file_tier_is_bounded_and_lru(tmp_path):
     tier = FileTier(tmp_path, capacity=250)
     for i in range(2):
         assert tier.write(_eid(i), [bytes(100)])
-    buf, n = tier.read(_eid(0), POOL.take)  # touch 0
+    buf, n = tier.read(_eid(0), POOL.take, max_size=100)  # touch 0
     assert n == 100 and not buf.array[:n].any()
     buf.release()
     assert tier.write(_eid(2), [bytes(100)])
@@ -102,10 +102,32 @@ def test_file_tier_restart_evicts_oldest_to_a_smaller_budget(tmp_path):
     tier = FileTier(tmp_path, capacity=1000)
     for i in range(5):
         tier.write(_eid(i), [bytes(100)])
-        tier.read(_eid(i), POOL.take)[0].release()  # mtime order = write order
+        tier.read(_eid(i), POOL.take, max_size=100)[0].release()  # mtime order = write order
     smaller = FileTier(tmp_path, capacity=250)
     assert smaller.stats.bytes == 200 and smaller.stats.entries == 2
     assert [e for e in map(_eid, range(5)) if smaller.has(e)] == [_eid(3), _eid(4)]
+
+
+def test_file_over_the_callers_bound_is_corrupt_and_never_allocated(tmp_path):
+    """A file grown or planted under an entry's name (the directory may be shared) must not
+    size the sidecar's memory: refused before any buffer is taken for it."""
+    tier = FileTier(tmp_path, capacity=1 << 20)
+    assert tier.write(_eid(0), [bytes(100)])
+    with open(tier.path(_eid(0)), "r+b") as f:
+        f.truncate(1 << 30)  # sparse: costs no disk
+    taken: list[int] = []
+
+    def alloc(n: int):  # noqa: ANN202
+        taken.append(n)
+        return POOL.take(n)
+
+    with pytest.raises(CorruptEntry):
+        tier.read(_eid(0), alloc, max_size=100)
+    assert taken == []
+    tier.path(_eid(0)).write_bytes(bytes(100))
+    buf, n = tier.read(_eid(0), alloc, max_size=100)  # at the bound: read
+    buf.release()
+    assert n == 100 and taken == [100]
 
 
 @pytest.mark.parametrize("dram", [0, 1 << 20])
