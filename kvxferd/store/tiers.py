@@ -74,6 +74,7 @@ class TierStats:
     """Counters of one tier (monotonic except ``bytes`` and ``entries``)."""
 
     bytes: int = 0
+    """Memory (DRAM: the entries' buffers, each its size class) or disk (file sizes) held."""
     entries: int = 0
     evictions: int = 0
     corrupt: int = 0
@@ -92,9 +93,16 @@ class Cached:
     size: int
     buffer: Buffer
 
+    @property
+    def held(self) -> int:
+        """Bytes of memory the entry keeps: its buffer (a size class, up to a quarter over what
+        it holds), or ``size`` where larger (a saved entry's buffer holds only its sections)."""
+        return max(self.buffer.array.nbytes, self.size)
+
 
 class DramTier:
-    """Entries in host memory, least recently used evicted past ``capacity`` bytes. No copy and
+    """Entries in host memory, least recently used evicted past ``capacity`` bytes of buffers
+    held (:attr:`Cached.held`, not the entries' sizes: the bound is on memory). No copy and
     no checksum pass: an entry is kept in the buffer it was saved or read into. The tier holds
     one reference to each entry's buffer; :meth:`get` hands out another."""
 
@@ -125,21 +133,22 @@ class DramTier:
             return data
 
     def put(self, eid: EntryId, data: Cached) -> bool:
-        """Keep ``data`` (taking a reference), evicting LRU entries; False if it alone exceeds
-        the capacity or the entry is already held."""
-        if data.size > self.capacity:
+        """Keep ``data`` (taking a reference), evicting LRU entries; False if its buffer alone
+        exceeds the capacity or the entry is already held."""
+        held = data.held
+        if held > self.capacity:
             return False
         with self._lock:
             if eid in self._entries:
                 self._entries.move_to_end(eid)
                 return False
-            while self.stats.bytes + data.size > self.capacity and self._entries:
+            while self.stats.bytes + held > self.capacity and self._entries:
                 self._remove(next(iter(self._entries)))
                 self.stats.evictions += 1
             self._entries[eid] = data
             data.buffer.acquire()
             self._by_key.setdefault((eid.key, eid.group_fp), set()).add(eid)
-            self.stats.bytes += data.size
+            self.stats.bytes += held
             self.stats.entries += 1
             return True
 
@@ -163,7 +172,7 @@ class DramTier:
         ids.discard(eid)
         if not ids:
             del self._by_key[(eid.key, eid.group_fp)]
-        self.stats.bytes -= data.size
+        self.stats.bytes -= data.held
         self.stats.entries -= 1
 
 

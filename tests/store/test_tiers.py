@@ -42,15 +42,32 @@ def test_entry_file_names_round_trip():
 
 
 def test_dram_pool_is_bounded_and_lru():
-    tier = DramTier(capacity=300)
+    capacity = 3 * size_class(100)
+    tier = DramTier(capacity)
     for i in range(3):
         assert tier.put(_eid(i), _cached(100))
     assert tier.get(_eid(0)) is not None  # 0 is now the most recently used
     assert tier.put(_eid(3), _cached(100))
-    assert tier.stats.bytes <= 300 and tier.stats.evictions == 1
+    assert tier.stats.bytes <= capacity and tier.stats.evictions == 1
     assert tier.has(_eid(0)) and not tier.has(_eid(1)) and tier.has(_eid(3))
-    assert not tier.put(_eid(4), _cached(301))  # never fits: refused, nothing evicted
+    assert not tier.put(_eid(4), _cached(capacity + 1))  # never fits: refused, none evicted
     assert tier.stats.entries == 3
+
+
+def test_dram_capacity_bounds_the_memory_held_not_the_entry_bytes():
+    """An entry of 64 KiB + 1 byte keeps an 80 KiB buffer: a tier for four such entries'
+    bytes holds three, and reports the buffers' bytes."""
+    entry = (64 << 10) + 1
+    held = size_class(entry)
+    assert held > entry * 1.2
+    tier = DramTier(capacity=4 * entry)
+    entries = [_cached(entry) for _ in range(4)]
+    for i, cached in enumerate(entries):
+        assert tier.put(_eid(i), cached)
+    kept = [c for i, c in enumerate(entries) if tier.has(_eid(i))]
+    assert len(kept) == 3 and tier.stats.evictions == 1
+    assert tier.stats.bytes == sum(c.buffer.array.nbytes for c in kept) == 3 * held
+    assert tier.stats.bytes <= tier.capacity
 
 
 def test_size_classes_waste_at_most_a_quarter():
