@@ -54,8 +54,8 @@ file I/O and CRC32 release the GIL, so they overlap with the numpy copies."""
 _AHEAD = 4
 """Entries in flight per call (bounds the memory a call holds beyond the engine's blocks)."""
 STAGING_BYTES = 256 << 20
-"""Free buffers the pool keeps beyond the DRAM tier's capacity, for staging file reads and
-writes (bounds the memory of a store: DRAM capacity + this + the entries in flight)."""
+"""Free buffers the pool keeps for reuse (staging file reads and writes, evicted entries): a
+store's memory is at most its DRAM capacity + this + the entries its calls have in flight."""
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Store:
             raise StoreError("store_dram_bytes", "capacities must be >= 0")
         self.chunk_tokens = chunk_tokens
         self.dram = DramTier(dram_bytes)
-        self.pool = pool or BufferPool(dram_bytes + STAGING_BYTES)
+        self.pool = pool or BufferPool(STAGING_BYTES)
         """Entry buffers (pass one to share a warm pool between stores, as the benchmark does)."""
         self.files = FileTier(root, file_bytes, fsync=fsync)
         self.disagreements = 0

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from kvxferd.store import store as store_mod
 from kvxferd.store.format import CorruptEntry, Header
 from kvxferd.store.pool import BufferPool, size_class
 from kvxferd.store.tiers import (
@@ -159,6 +160,23 @@ def test_store_stays_within_both_budgets(tmp_path, dram):
     assert s.files.stats.evictions >= 5
     # the leading chunks were evicted first, so nothing matches from the start
     assert s.lookup(m, keys(tokens, chunk), tokens).matched == 0
+
+
+def test_store_memory_is_its_dram_capacity_plus_staging(tmp_path, monkeypatch):
+    """One-token entries (another size class) replace full chunks in the DRAM tier: the evicted
+    buffers the pool keeps free and the tier's together stay within the DRAM capacity plus
+    STAGING_BYTES (the entries in flight come and go with the calls)."""
+    monkeypatch.setattr(store_mod, "STAGING_BYTES", 1 << 20)
+    m = plan(DENSE, blocks=10)
+    dram = 8 << 20
+    s = store(tmp_path, 16, dram=dram)
+    regions, ids = filled(m, 64, seed=3)
+    s.save(m, regions, ids, keys(64, 16), 64)  # 4 chunks of 2 MiB: the tier holds 3
+    for i in range(80):
+        s.save(m, regions, [ids[0][:1]], keys(1, 16, salt=bytes([i])), 1)  # 128 KiB each
+    s.close()
+    assert s.dram.stats.evictions >= 4
+    assert s.dram.stats.bytes + s.pool.free_bytes <= dram + (1 << 20)
 
 
 def test_start_removes_only_the_stores_own_temporaries(tmp_path):
