@@ -319,8 +319,9 @@ class FileTier:
                     continue
                 eid = parse_filename(entry.name)
                 if eid is not None and eid.key[:2] == sub.name:
-                    st = entry.stat()
-                    found.append((st.st_mtime_ns, eid, st.st_size))
+                    with contextlib.suppress(FileNotFoundError):  # a sibling evicted it meanwhile
+                        st = entry.stat()
+                        found.append((st.st_mtime_ns, eid, st.st_size))
         with self._lock:
             for _mtime, eid, size in sorted(found):
                 self._add(eid, size)

@@ -216,6 +216,26 @@ def test_start_keeps_a_temporary_a_sibling_may_still_be_writing(tmp_path):
     assert live.exists() and not stale.exists() and tier.stats.partial_removed == 1
 
 
+def test_start_skips_an_entry_a_sibling_evicts_while_it_scans(tmp_path, monkeypatch):
+    """Sidecars may share a directory: a file listed, then deleted by another one's eviction
+    before it is stat()ed, is not indexed, and the store starts."""
+    first = FileTier(tmp_path, capacity=1 << 20)
+    assert first.write(_eid(0), [bytes(100)]) and first.write(_eid(1), [bytes(100)])
+    listed = os.scandir
+
+    def scandir(path):  # noqa: ANN001, ANN202
+        with listed(path) as entries:
+            for entry in entries:
+                if entry.name == _eid(0).filename:
+                    os.unlink(entry.path)  # the sibling's eviction, between listing and stat
+                yield entry
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    tier = FileTier(tmp_path, capacity=1 << 20)
+    assert tier.stats.entries == 1 and tier.stats.bytes == 100
+    assert not tier.has(_eid(0)) and tier.has(_eid(1))
+
+
 def test_only_names_the_store_writes_are_entries():
     assert parse_filename(f"..-{'0' * 16}-t1r0.kvx") is None  # would name a path outside root
     assert parse_filename(f"{'a' * 32}-{'0' * 16}-t0r0.kvx") is None
