@@ -9,7 +9,8 @@ disagree are logged, never an error.
 
 Every entry read from a file is checked (header digest, section CRCs, sizes) before any of its
 bytes reach engine memory (DRAM entries are buffers this process gathered or already checked);
-a corrupt entry is deleted, counted, and the load fails with
+a file larger than any entry of its group can be is not even read (foreign or grown: it must not
+size our memory); a corrupt entry is deleted, counted, and the load fails with
 ``store_corrupt`` (chunks loaded before it are not valid either: the engine treats a failed load
 as no load). Writes go to the DRAM pool and through to files; reads prefer DRAM and promote.
 """
@@ -40,7 +41,7 @@ from kvxferd.store.canonical import (
     token_map,
 )
 from kvxferd.store.coverage import Plan, plan_sources, unit_runs
-from kvxferd.store.keys import check_keys, chunk_spans, window_first_chunk
+from kvxferd.store.keys import KEY_HEX, check_keys, chunk_spans, window_first_chunk
 from kvxferd.store.pool import BufferPool
 from kvxferd.store.tiers import Cached, DramTier, EntryId, FileTier
 from kvxferd.wire import Manifest
@@ -53,8 +54,8 @@ file I/O and CRC32 release the GIL, so they overlap with the numpy copies."""
 _AHEAD = 4
 """Entries in flight per call (bounds the memory a call holds beyond the engine's blocks)."""
 STAGING_BYTES = 256 << 20
-"""Free buffers the pool keeps beyond the DRAM tier's capacity, for staging file reads and
-writes (bounds the memory of a store: DRAM capacity + this + the entries in flight)."""
+"""Free buffers the pool keeps for reuse (staging file reads and writes, evicted entries): a
+store's memory is at most its DRAM capacity + this + the entries its calls have in flight."""
 
 
 @dataclass
@@ -105,7 +106,7 @@ class Store:
             raise StoreError("store_dram_bytes", "capacities must be >= 0")
         self.chunk_tokens = chunk_tokens
         self.dram = DramTier(dram_bytes)
-        self.pool = pool or BufferPool(dram_bytes + STAGING_BYTES)
+        self.pool = pool or BufferPool(STAGING_BYTES)
         """Entry buffers (pass one to share a warm pool between stores, as the benchmark does)."""
         self.files = FileTier(root, file_bytes, fsync=fsync)
         self.disagreements = 0
@@ -286,10 +287,11 @@ class Store:
         out = LoadOutcome(tokens=num_tokens)
         if not spans:
             return out
-        work = []
+        work, most = [], []  # most: per group, the bytes an entry's file may have
         for g, group in enumerate(manifest.groups):
             fp = group_fingerprint(manifest, g, self.chunk_tokens)
             specs = part_specs(manifest, g)
+            most.append(max_entry_bytes(fp, group.kind, specs, self.chunk_tokens))
             if group.kind == "mamba":
                 if not ids[g].size or ids[g][-1] < 0:
                     raise BlockIdError(f"block_ids[{g}]", "no state block to load into")
@@ -306,12 +308,12 @@ class Store:
                     raise PullError("store_miss", f"group {g} chunk {c} is not in the store")
                 work.append((g, c, specs, plan))
         # Entries are read and checked by the I/O threads, up to _AHEAD ahead of the scatter.
-        order = iter([eid for *_x, plan in work for eid in plan.entries])
+        order = iter([(eid, most[g]) for g, _c, _s, plan in work for eid in plan.entries])
         ahead: deque[Future[tuple[Cached, str]]] = deque()
 
         def fetch(eid: EntryId) -> Cached:
             while len(ahead) < _AHEAD and (nxt := next(order, None)) is not None:
-                ahead.append(self._io.submit(self._fetch, nxt))
+                ahead.append(self._io.submit(self._fetch, *nxt))
             cached, tier = ahead.popleft().result()
             if stop_at is not None and time.monotonic() > stop_at:  # the read outlasted it
                 cached.buffer.release()
@@ -404,13 +406,18 @@ class Store:
             self._corrupt(eid, f"holds {got} of the {want} units its name promises")
         return runs
 
-    def _fetch(self, eid: EntryId) -> tuple[Cached, str]:
+    def _fetch(self, eid: EntryId, most: int) -> tuple[Cached, str]:
         """An entry (holding a buffer reference for the caller) and its tier: from DRAM, else
-        from its file (every checksum checked, then kept in DRAM). Runs in an I/O thread."""
+        from its file of at most ``most`` bytes (every checksum checked, then kept in DRAM).
+        Runs in an I/O thread."""
         cached = self.dram.get(eid)
         if cached is not None:
             return cached, "dram"
-        read = self.files.read(eid, self.pool.take)
+        try:
+            read = self.files.read(eid, self.pool.take, most)
+        except fmt.CorruptEntry as exc:
+            self.files.drop(eid, corrupt=True)
+            raise PullError("store_corrupt", f"{eid.filename}: {exc}") from None
         if read is None:
             raise PullError("store_miss", f"{eid.filename} went away (evicted)")
         buf, size = read
@@ -462,3 +469,20 @@ class Store:
                 arr = np.concatenate([np.full(need - arr.size, -1, dtype=np.int64), arr])
             out.append(arr)
         return out
+
+
+def max_entry_bytes(fp: str, kind: str, specs: list[PartSpec], tokens: int) -> int:
+    """The most bytes an entry of the group with chunks of ``tokens`` can have, whatever TP rank
+    wrote it: a header with every number in msgpack's widest form and every global unit of every
+    part (a writer holds at most those; one whose parts differ from ``specs`` fails the load's
+    checks anyway)."""
+    widest = (1 << 64) - 1
+    header = fmt.Header(
+        key="0" * KEY_HEX, group_fp=fp, kind=kind, chunk=widest, tokens=widest,
+        writer_tp_size=widest, writer_tp_rank=widest, writer_block_size=widest,
+        writer_kernel_block_size=widest,
+        sections=[fmt.Section(widest, p.name, widest, widest, widest, widest) for p in specs],
+    )  # fmt: skip
+    payload = sum(p.units_total * p.row_bytes * (1 if p.attention is None else tokens)
+                  for p in specs)  # fmt: skip
+    return len(fmt.encode_head(header)) + payload

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from kvxferd.store.format import Header
+from kvxferd.store.format import CorruptEntry, Header
 from kvxferd.store.pool import Buffer
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class TierStats:
     """Counters of one tier (monotonic except ``bytes`` and ``entries``)."""
 
     bytes: int = 0
+    """Memory (DRAM: the entries' buffers, each its size class) or disk (file sizes) held."""
     entries: int = 0
     evictions: int = 0
     corrupt: int = 0
@@ -92,9 +93,16 @@ class Cached:
     size: int
     buffer: Buffer
 
+    @property
+    def held(self) -> int:
+        """Bytes of memory the entry keeps: its buffer (a size class, up to a quarter over what
+        it holds), or ``size`` where larger (a saved entry's buffer holds only its sections)."""
+        return max(self.buffer.array.nbytes, self.size)
+
 
 class DramTier:
-    """Entries in host memory, least recently used evicted past ``capacity`` bytes. No copy and
+    """Entries in host memory, least recently used evicted past ``capacity`` bytes of buffers
+    held (:attr:`Cached.held`, not the entries' sizes: the bound is on memory). No copy and
     no checksum pass: an entry is kept in the buffer it was saved or read into. The tier holds
     one reference to each entry's buffer; :meth:`get` hands out another."""
 
@@ -125,21 +133,22 @@ class DramTier:
             return data
 
     def put(self, eid: EntryId, data: Cached) -> bool:
-        """Keep ``data`` (taking a reference), evicting LRU entries; False if it alone exceeds
-        the capacity or the entry is already held."""
-        if data.size > self.capacity:
+        """Keep ``data`` (taking a reference), evicting LRU entries; False if its buffer alone
+        exceeds the capacity or the entry is already held."""
+        held = data.held
+        if held > self.capacity:
             return False
         with self._lock:
             if eid in self._entries:
                 self._entries.move_to_end(eid)
                 return False
-            while self.stats.bytes + data.size > self.capacity and self._entries:
+            while self.stats.bytes + held > self.capacity and self._entries:
                 self._remove(next(iter(self._entries)))
                 self.stats.evictions += 1
             self._entries[eid] = data
             data.buffer.acquire()
             self._by_key.setdefault((eid.key, eid.group_fp), set()).add(eid)
-            self.stats.bytes += data.size
+            self.stats.bytes += held
             self.stats.entries += 1
             return True
 
@@ -163,7 +172,7 @@ class DramTier:
         ids.discard(eid)
         if not ids:
             del self._by_key[(eid.key, eid.group_fp)]
-        self.stats.bytes -= data.size
+        self.stats.bytes -= data.held
         self.stats.entries -= 1
 
 
@@ -237,9 +246,13 @@ class FileTier:
             self.stats.write_errors += 1
         return False
 
-    def read(self, eid: EntryId, alloc: Callable[[int], Buffer]) -> tuple[Buffer, int] | None:
+    def read(
+        self, eid: EntryId, alloc: Callable[[int], Buffer], max_size: int
+    ) -> tuple[Buffer, int] | None:
         """The file's bytes in a buffer from ``alloc`` and how many there are (the mtime is
-        refreshed: LRU across restarts), None if the file is gone or unreadable."""
+        refreshed: LRU across restarts), None if the file is gone or unreadable. CorruptEntry,
+        with nothing allocated, for a file over ``max_size`` (more than any entry of its group
+        holds: a foreign or grown file must not size our memory)."""
         path = self.path(eid)
         buf = None
         try:
@@ -250,6 +263,10 @@ class FileTier:
                 if not stat.S_ISREG(st.st_mode):
                     raise OSError(f"not a plain file (mode {st.st_mode:o})")
                 size = st.st_size
+                if size > max_size:
+                    raise CorruptEntry(
+                        f"{size} bytes, an entry of its group has at most {max_size}"
+                    )
                 buf = alloc(size)
                 view, got = memoryview(buf.array)[:size], 0
                 while got < size:
@@ -302,8 +319,9 @@ class FileTier:
                     continue
                 eid = parse_filename(entry.name)
                 if eid is not None and eid.key[:2] == sub.name:
-                    st = entry.stat()
-                    found.append((st.st_mtime_ns, eid, st.st_size))
+                    with contextlib.suppress(FileNotFoundError):  # a sibling evicted it meanwhile
+                        st = entry.stat()
+                        found.append((st.st_mtime_ns, eid, st.st_size))
         with self._lock:
             for _mtime, eid, size in sorted(found):
                 self._add(eid, size)

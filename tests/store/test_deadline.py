@@ -47,9 +47,9 @@ def test_a_read_that_outlasts_the_deadline_writes_nothing(tmp_path, monkeypatch)
     s = store(tmp_path, CHUNK)
     read = s.files.read
 
-    def slow_read(eid, alloc):  # noqa: ANN001, ANN202
+    def slow_read(eid, alloc, max_size):  # noqa: ANN001, ANN202
         clock[0] += 10.0  # this read takes longer than the whole load may
-        return read(eid, alloc)
+        return read(eid, alloc, max_size)
 
     s.files.read = slow_read
     dest = pool(m)

@@ -11,10 +11,13 @@ import msgspec
 import pytest
 
 from kvxferd.errors import PullError
+from kvxferd.layout import request_blocks
 from kvxferd.pattern import verify_pattern
 from kvxferd.store import format as fmt
-from kvxferd.store.tiers import STALE_TMP_S, SUFFIX
-from tests.store.helpers import DENSE, block_ids, filled, keys, plan, pool, store
+from kvxferd.store.canonical import group_fingerprint, part_specs
+from kvxferd.store.store import max_entry_bytes
+from kvxferd.store.tiers import STALE_TMP_S, SUFFIX, parse_filename
+from tests.store.helpers import DENSE, GDN, MAMBA2, block_ids, filled, keys, plan, pool, store
 
 SEED, TOKENS, CHUNK = 9, 32, 16
 
@@ -180,3 +183,47 @@ def test_a_fifo_under_an_entry_name_is_a_miss_not_a_hang(tmp_path, saved):
             os.close(os.open(files[1], os.O_WRONLY | os.O_NONBLOCK))
             loader.join(timeout=30)
     assert [e.reason for e in outcome] == ["store_miss"]
+
+
+def test_file_grown_past_any_entry_of_its_group_is_refused_unread(tmp_path, saved, monkeypatch):
+    """Another process sharing the directory grew an entry's file to 1 GiB: the load fails
+    ``store_corrupt``, the file is deleted and counted like any corrupt entry, and no buffer of
+    its size is ever taken."""
+    m, files = saved
+    legit = files[1].stat().st_size
+    with open(files[1], "r+b") as f:
+        f.truncate(1 << 30)  # sparse: costs no disk
+    s = store(tmp_path, CHUNK)
+    taken: list[int] = []
+    take = s.pool.take
+    monkeypatch.setattr(s.pool, "take", lambda n: taken.append(n) or take(n))
+    with pytest.raises(PullError) as err:
+        s.load(m, pool(m), block_ids(m, TOKENS), keys(TOKENS, CHUNK), TOKENS)
+    assert err.value.reason == "store_corrupt"
+    assert not files[1].exists() and files[0].exists() and s.files.stats.corrupt == 1
+    assert max(taken, default=0) <= legit
+
+
+@pytest.mark.parametrize("preset", [DENSE, MAMBA2, GDN])
+@pytest.mark.parametrize(("save_tp", "load_tp"), [(1, 2), (2, 1)])
+def test_every_entry_a_writer_saves_is_within_a_readers_bound(tmp_path, preset, save_tp, load_tp):
+    """The bound a load reads files under never refuses an entry a writer at another TP size
+    saved (the last chunk of each group is a partial one)."""
+    probe = plan(preset, blocks=1)
+    tokens = 2 * probe.groups[-1].block_size - 1
+    blocks = sum(request_blocks(probe, tokens)) + 2
+    s = store(tmp_path, CHUNK)
+    for rank in range(save_tp):
+        m = plan(preset, save_tp, rank, blocks)
+        regions, ids = filled(m, tokens, SEED)
+        s.save(m, regions, ids, keys(tokens, CHUNK), tokens)
+    s.close()
+    reader = plan(preset, load_tp, 0, blocks)
+    bound = {}
+    for g, group in enumerate(reader.groups):
+        fp = group_fingerprint(reader, g, CHUNK)
+        bound[fp] = max_entry_bytes(fp, group.kind, part_specs(reader, g), CHUNK)
+    files = list(tmp_path.rglob(f"*{SUFFIX}"))
+    assert files
+    for f in files:
+        assert f.stat().st_size <= bound[parse_filename(f.name).group_fp], f.name

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from kvxferd.store.format import Header
+from kvxferd.store import store as store_mod
+from kvxferd.store.format import CorruptEntry, Header
 from kvxferd.store.pool import BufferPool, size_class
 from kvxferd.store.tiers import (
     STALE_TMP_S,
@@ -42,15 +43,32 @@ def test_entry_file_names_round_trip():
 
 
 def test_dram_pool_is_bounded_and_lru():
-    tier = DramTier(capacity=300)
+    capacity = 3 * size_class(100)
+    tier = DramTier(capacity)
     for i in range(3):
         assert tier.put(_eid(i), _cached(100))
     assert tier.get(_eid(0)) is not None  # 0 is now the most recently used
     assert tier.put(_eid(3), _cached(100))
-    assert tier.stats.bytes <= 300 and tier.stats.evictions == 1
+    assert tier.stats.bytes <= capacity and tier.stats.evictions == 1
     assert tier.has(_eid(0)) and not tier.has(_eid(1)) and tier.has(_eid(3))
-    assert not tier.put(_eid(4), _cached(301))  # never fits: refused, nothing evicted
+    assert not tier.put(_eid(4), _cached(capacity + 1))  # never fits: refused, none evicted
     assert tier.stats.entries == 3
+
+
+def test_dram_capacity_bounds_the_memory_held_not_the_entry_bytes():
+    """An entry of 64 KiB + 1 byte keeps an 80 KiB buffer: a tier for four such entries'
+    bytes holds three, and reports the buffers' bytes."""
+    entry = (64 << 10) + 1
+    held = size_class(entry)
+    assert held > entry * 1.2
+    tier = DramTier(capacity=4 * entry)
+    entries = [_cached(entry) for _ in range(4)]
+    for i, cached in enumerate(entries):
+        assert tier.put(_eid(i), cached)
+    kept = [c for i, c in enumerate(entries) if tier.has(_eid(i))]
+    assert len(kept) == 3 and tier.stats.evictions == 1
+    assert tier.stats.bytes == sum(c.buffer.array.nbytes for c in kept) == 3 * held
+    assert tier.stats.bytes <= tier.capacity
 
 
 def test_size_classes_waste_at_most_a_quarter():
@@ -88,7 +106,7 @@ def test_file_tier_is_bounded_and_lru(tmp_path):
     tier = FileTier(tmp_path, capacity=250)
     for i in range(2):
         assert tier.write(_eid(i), [bytes(100)])
-    buf, n = tier.read(_eid(0), POOL.take)  # touch 0
+    buf, n = tier.read(_eid(0), POOL.take, max_size=100)  # touch 0
     assert n == 100 and not buf.array[:n].any()
     buf.release()
     assert tier.write(_eid(2), [bytes(100)])
@@ -102,10 +120,32 @@ def test_file_tier_restart_evicts_oldest_to_a_smaller_budget(tmp_path):
     tier = FileTier(tmp_path, capacity=1000)
     for i in range(5):
         tier.write(_eid(i), [bytes(100)])
-        tier.read(_eid(i), POOL.take)[0].release()  # mtime order = write order
+        tier.read(_eid(i), POOL.take, max_size=100)[0].release()  # mtime order = write order
     smaller = FileTier(tmp_path, capacity=250)
     assert smaller.stats.bytes == 200 and smaller.stats.entries == 2
     assert [e for e in map(_eid, range(5)) if smaller.has(e)] == [_eid(3), _eid(4)]
+
+
+def test_file_over_the_callers_bound_is_corrupt_and_never_allocated(tmp_path):
+    """A file grown or planted under an entry's name (the directory may be shared) must not
+    size the sidecar's memory: refused before any buffer is taken for it."""
+    tier = FileTier(tmp_path, capacity=1 << 20)
+    assert tier.write(_eid(0), [bytes(100)])
+    with open(tier.path(_eid(0)), "r+b") as f:
+        f.truncate(1 << 30)  # sparse: costs no disk
+    taken: list[int] = []
+
+    def alloc(n: int):  # noqa: ANN202
+        taken.append(n)
+        return POOL.take(n)
+
+    with pytest.raises(CorruptEntry):
+        tier.read(_eid(0), alloc, max_size=100)
+    assert taken == []
+    tier.path(_eid(0)).write_bytes(bytes(100))
+    buf, n = tier.read(_eid(0), alloc, max_size=100)  # at the bound: read
+    buf.release()
+    assert n == 100 and taken == [100]
 
 
 @pytest.mark.parametrize("dram", [0, 1 << 20])
@@ -120,6 +160,23 @@ def test_store_stays_within_both_budgets(tmp_path, dram):
     assert s.files.stats.evictions >= 5
     # the leading chunks were evicted first, so nothing matches from the start
     assert s.lookup(m, keys(tokens, chunk), tokens).matched == 0
+
+
+def test_store_memory_is_its_dram_capacity_plus_staging(tmp_path, monkeypatch):
+    """One-token entries (another size class) replace full chunks in the DRAM tier: the evicted
+    buffers the pool keeps free and the tier's together stay within the DRAM capacity plus
+    STAGING_BYTES (the entries in flight come and go with the calls)."""
+    monkeypatch.setattr(store_mod, "STAGING_BYTES", 1 << 20)
+    m = plan(DENSE, blocks=10)
+    dram = 8 << 20
+    s = store(tmp_path, 16, dram=dram)
+    regions, ids = filled(m, 64, seed=3)
+    s.save(m, regions, ids, keys(64, 16), 64)  # 4 chunks of 2 MiB: the tier holds 3
+    for i in range(80):
+        s.save(m, regions, [ids[0][:1]], keys(1, 16, salt=bytes([i])), 1)  # 128 KiB each
+    s.close()
+    assert s.dram.stats.evictions >= 4
+    assert s.dram.stats.bytes + s.pool.free_bytes <= dram + (1 << 20)
 
 
 def test_start_removes_only_the_stores_own_temporaries(tmp_path):
@@ -157,6 +214,26 @@ def test_start_keeps_a_temporary_a_sibling_may_still_be_writing(tmp_path):
     _age(stale, STALE_TMP_S + 60)
     tier = FileTier(tmp_path, capacity=1 << 20)
     assert live.exists() and not stale.exists() and tier.stats.partial_removed == 1
+
+
+def test_start_skips_an_entry_a_sibling_evicts_while_it_scans(tmp_path, monkeypatch):
+    """Sidecars may share a directory: a file listed, then deleted by another one's eviction
+    before it is stat()ed, is not indexed, and the store starts."""
+    first = FileTier(tmp_path, capacity=1 << 20)
+    assert first.write(_eid(0), [bytes(100)]) and first.write(_eid(1), [bytes(100)])
+    listed = os.scandir
+
+    def scandir(path):  # noqa: ANN001, ANN202
+        with listed(path) as entries:
+            for entry in entries:
+                if entry.name == _eid(0).filename:
+                    os.unlink(entry.path)  # the sibling's eviction, between listing and stat
+                yield entry
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    tier = FileTier(tmp_path, capacity=1 << 20)
+    assert tier.stats.entries == 1 and tier.stats.bytes == 100
+    assert not tier.has(_eid(0)) and tier.has(_eid(1))
 
 
 def test_only_names_the_store_writes_are_entries():
