@@ -21,6 +21,7 @@ An empty cell (st. = status) is inherited from the parent class.
     │   └── UnsupportedModelError                         the planner cannot lay out this config
     ├── BlockIdError               422  block_ids         bad block ids (names the field)
     ├── MemoryRegionError          422                    a region cannot be made, mapped, sized
+    │   └── SegmentTooSmallError        segment_too_small a segment no longer backs its region
     ├── TransportError             502                    a NIXL call failed
     │   ├── RegistrationError                             (de)registering memory failed
     │   ├── PeerDisconnectedError       peer_disconnected remote agent gone mid-transfer
@@ -107,6 +108,19 @@ class MemoryRegionError(KvxferdError):
     """A memory region cannot be created, mapped or has the wrong size."""
 
     status = 422
+
+
+class SegmentTooSmallError(MemoryRegionError):
+    """A shared-memory segment is smaller than the region registered over it: at registration,
+    or since (its owner truncated it), when touching the mapping would kill the sidecar with
+    SIGBUS, so it is not touched; ``field`` names the region (HTTP 422)."""
+
+    code = "segment_too_small"
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
 
 
 class TransportError(KvxferdError):
@@ -317,7 +331,8 @@ class UnknownModelError(InvalidRequestError):
 
 class FabricNotReadyError(KvxferdError):
     """The data plane cannot serve as required (``--require-transport rdma`` but no RDMA, or a
-    READ went over TCP), or the self-test READ failed (HTTP 503 on /readyz, naming why)."""
+    READ went over TCP), the self-test READ failed, or a registered segment shrank (HTTP 503 on
+    /readyz, naming why)."""
 
     status = 503
 

@@ -85,7 +85,7 @@ def test_the_client_rebuilds_the_class_from_its_status_and_name(cls):
 @pytest.mark.parametrize(
     "cls",
     [errors.UnknownHoldError, errors.HoldExpiredError, errors.AuthError,
-     errors.IncompatiblePeerError],
+     errors.IncompatiblePeerError, errors.SegmentTooSmallError],
     ids=lambda c: c.__name__,
 )  # fmt: skip
 @pytest.mark.parametrize("codec", [msgspec.json, msgspec.msgpack], ids=["http", "frames"])

@@ -167,6 +167,10 @@ class CudaIpcRegion:
         """VRAM has no host view: always raises MemoryRegionError."""
         raise MemoryRegionError(f"region {self._name!r} is VRAM; it has no host view")
 
+    def backed_bytes(self) -> int:
+        """Always :attr:`size`: the storage reference keeps the allocation whole."""
+        return self._size
+
     def close(self) -> None:
         """Drop this process's reference to the storage. Idempotent."""
         self._storage = None

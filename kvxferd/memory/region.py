@@ -58,6 +58,11 @@ class RegionSource(Protocol):
         """Writable uint8 numpy view of the bytes (DRAM only; VRAM raises MemoryRegionError)."""
         ...
 
+    def backed_bytes(self) -> int:
+        """Bytes of the region its memory still backs (:attr:`size` unless the owner shrank
+        it): touching a byte past them kills this process with SIGBUS."""
+        ...
+
     def close(self) -> None:
         """Unmap (and, for the owner, free) the region. Idempotent."""
         ...

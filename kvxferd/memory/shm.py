@@ -16,7 +16,7 @@ import stat
 
 import numpy as np
 
-from kvxferd.errors import MemoryRegionError
+from kvxferd.errors import MemoryRegionError, SegmentTooSmallError
 from kvxferd.memory.region import MemKind, check_region_name, check_region_size
 
 logger = logging.getLogger(__name__)
@@ -74,9 +74,9 @@ class SharedMemoryRegion:
     def attach(cls, name: str, expected_size: int | None = None) -> SharedMemoryRegion:
         """Map existing segment ``name``; map ``expected_size`` bytes (all of it when None).
 
-        Raises MemoryRegionError when the segment is missing, smaller than expected, or not a
-        plain file (a link planted under the name in the world-writable ``/dev/shm`` is refused,
-        never followed to a file of ours).
+        Raises MemoryRegionError when the segment is missing or not a plain file (a link
+        planted under the name in the world-writable ``/dev/shm`` is refused, never followed to
+        a file of ours), SegmentTooSmallError (field ``expected_size``) when it is smaller.
         """
         check_region_name(name)
         if expected_size is not None:
@@ -96,8 +96,9 @@ class SharedMemoryRegion:
             actual = st.st_size
             size = actual if expected_size is None else expected_size
             if actual < size or actual == 0:
-                raise MemoryRegionError(
-                    f"shared memory segment {name!r} has {actual} bytes, expected at least {size}"
+                raise SegmentTooSmallError(
+                    "expected_size",
+                    f"shared memory segment {name!r} has {actual} bytes, expected at least {size}",
                 )
             try:
                 mapping = mmap.mmap(fd, size)
@@ -149,6 +150,14 @@ class SharedMemoryRegion:
         if self._array is None:
             raise MemoryRegionError(f"shared memory region {self._name!r} is closed")
         return self._array
+
+    def backed_bytes(self) -> int:
+        """Mapped bytes the segment still holds: fewer than :attr:`size` once its owner
+        truncated it (ftruncate), after which touching the pages past them raises SIGBUS here.
+        One fstat of the mapping's own descriptor (valid after an unlink too)."""
+        if self._mmap is None:
+            raise MemoryRegionError(f"shared memory region {self._name!r} is closed")
+        return min(self._mmap.size(), self._size)
 
     def close(self) -> None:
         """Unmap; the owner also unlinks the segment. Idempotent.

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from kvxferd.errors import ManifestError, MemoryRegionError
+from kvxferd.errors import ManifestError, MemoryRegionError, SegmentTooSmallError
 from kvxferd.memory.cuda_ipc import CudaIpcRegion
 from kvxferd.memory.region import RegionSource
 from kvxferd.memory.shm import SharedMemoryRegion
 from kvxferd.wire import AnyRegionSpec, CudaRegionSpec, RegionSpec, RegisterRequest
 
 
-def open_region(spec: AnyRegionSpec, name: str = "") -> RegionSource:
-    """Map the region ``spec`` describes (attach; never creates). ``name`` labels VRAM regions."""
+def open_region(spec: AnyRegionSpec, name: str = "", field: str = "region") -> RegionSource:
+    """Map the region ``spec`` describes (attach; never creates). ``name`` labels VRAM regions;
+    a segment smaller than ``spec.size_bytes`` is a SegmentTooSmallError naming
+    ``{field}.size_bytes``."""
     if isinstance(spec, RegionSpec):
-        return SharedMemoryRegion.attach(spec.name, spec.size_bytes)
+        try:
+            return SharedMemoryRegion.attach(spec.name, spec.size_bytes)
+        except SegmentTooSmallError as exc:
+            raise SegmentTooSmallError(f"{field}.size_bytes", exc.reason) from None
     if isinstance(spec, CudaRegionSpec):
         label = name or f"cuda{spec.device_id}"
         return CudaIpcRegion.open(label, spec.handle, spec.size_bytes, spec.device_id)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvxferd.config import Config
-from kvxferd.errors import ConfigError, PullError, StoreError
+from kvxferd.errors import ConfigError, PullError, SegmentTooSmallError, StoreError
 from kvxferd.metrics import STORE_TIERS, Metrics
 from kvxferd.store import Store
 from kvxferd.store.tiers import TierStats
@@ -46,10 +46,17 @@ Target = Callable[[], tuple[Manifest, list[np.ndarray]]]
 """Returns the registered manifest and a host view of each region (raises if none)."""
 HoldBlocks = Callable[[str], tuple[list[list[int]], int]]
 """A live hold's (block ids per group, tokens); raises UnknownHoldError/HoldExpiredError."""
+Guard = Callable[[], None]
+"""Raises SegmentTooSmallError once a region's segment no longer backs it (run before each
+entry's copy: touching the truncated pages would kill the sidecar with SIGBUS)."""
 
 
 def _no_holds(hold_id: str) -> tuple[list[list[int]], int]:
     raise StoreError("hold_id", "this sidecar cannot look holds up")
+
+
+def _intact() -> None:
+    """The guard of regions that cannot shrink."""
 
 
 @dataclass
@@ -64,11 +71,13 @@ class Offload:
     """Store calls of one sidecar; without ``config.store_dir`` every call is a StoreError."""
 
     def __init__(
-        self, config: Config, metrics: Metrics, target: Target, holds: HoldBlocks = _no_holds
-    ) -> None:
+        self, config: Config, metrics: Metrics, target: Target, holds: HoldBlocks = _no_holds,
+        guard: Guard = _intact,
+    ) -> None:  # fmt: skip
         self.metrics = metrics
         self._target = target
         self._holds = holds
+        self._guard = guard
         self.store: Store | None = None
         if config.store_dir:
             try:
@@ -101,7 +110,8 @@ class Offload:
                 raise StoreError("num_tokens", f"{num_tokens}: a hybrid hold saves all its "
                                  f"{held_tokens} tokens")  # fmt: skip
         out = await asyncio.shield(self._track(
-            threading.Event(), store.save, manifest, regions, block_ids, req.keys, num_tokens
+            threading.Event(), store.save, manifest, regions, block_ids, req.keys, num_tokens,
+            self._guard,
         ))  # fmt: skip
         self.metrics.store_bytes.labels("dram", "save").inc(out.dram_bytes)
         self.metrics.store_bytes.labels("file", "save").inc(out.file_bytes)
@@ -134,12 +144,14 @@ class Offload:
             # any more (the thread checks ``stop_at`` and ``stop`` between entries).
             out = await asyncio.shield(self._track(
                 stop, store.load, manifest, regions, req.block_ids, req.keys, req.num_tokens,
-                stop_at, stop,
+                stop_at, stop, self._guard,
             ))  # fmt: skip
-        except PullError as exc:
+        except (PullError, SegmentTooSmallError) as exc:
             log.warning("store load %s failed: %s", req.request_id or "-", exc)
             self.metrics.store_loads.labels("failed").inc()
             self._sync_tiers()
+            if isinstance(exc, SegmentTooSmallError):
+                return StoreLoadStatus(state="failed", reason=exc.code, detail=str(exc))
             return StoreLoadStatus(state="failed", reason=exc.reason, detail=exc.detail)
         self.metrics.store_loads.labels("done").inc()
         self.metrics.store_bytes.labels("dram", "load").inc(out.dram_bytes)

@@ -36,6 +36,7 @@ from kvxferd.errors import (
     HandshakeError,
     HoldExpiredError,
     IncompatiblePeerError,
+    SegmentTooSmallError,
     UnknownHoldError,
 )
 from kvxferd.frameconn import FrameConnectError
@@ -368,6 +369,9 @@ def _remote_error(address: str, status: int, content: bytes, codec: Any) -> Exce
         return AuthError(f"peer {address} refused our signature: {detail}")
     if status == ClaimMismatchError.status and error == "ClaimMismatchError":
         return ClaimMismatchError(body_field, f"peer {address}: {detail}")
+    if status == SegmentTooSmallError.status and error == "SegmentTooSmallError":
+        reason = detail.removeprefix(f"{body_field}: ")  # the peer's memory shrank
+        return SegmentTooSmallError(body_field, f"peer {address}: {reason}")
     if status == IncompatiblePeerError.status and error == "IncompatiblePeerError":
         # The peer compared manifests and names the disagreeing fields (comma-separated).
         exc = IncompatiblePeerError({f: (None, None) for f in body_field.split(",") if f})

@@ -139,8 +139,10 @@ class PullRunner:
         prepped_reads: bool = False,
         max_in_flight: int = 1024,
         max_deadline_s: float = 600.0,
+        guard: Callable[[], None] = lambda: None,
     ) -> None:
         self._local = local
+        self._guard = guard  # raises once the local memory may not be touched (shrunk)
         self._transport = transport
         self._peers = peers
         self._metrics = metrics
@@ -285,6 +287,7 @@ class PullRunner:
                     for r in ranks.unread:
                         group.create_task(self._release_unread(req.tickets[r], local.tp_size))
                     peers = await self._handshake(pull, tickets)
+                    self._guard()  # the memory READs write is still whole (the pull FAILS)
                     plans = self._plan(pull, peers, tickets, local, bases)
                     for peer, ticket, plan in zip(peers, tickets, plans, strict=True):
                         group.create_task(

@@ -24,10 +24,12 @@ from kvxferd.descriptors.geometry import iter_parts
 from kvxferd.errors import (
     AlreadyRegisteredError,
     ClaimMismatchError,
+    FabricNotReadyError,
     HoldExpiredError,
     HoldRequestError,
     MemoryInUseError,
     NotRegisteredError,
+    SegmentTooSmallError,
     StaleGenerationError,
     UnknownHoldError,
 )
@@ -115,7 +117,7 @@ class Sidecar:
         self.pulls = PullRunner(
             local=self._local_layout, transport=self.agent, peers=self.peers, metrics=self.metrics,
             prepped_reads=config.prepped_reads, max_in_flight=config.max_pulls_in_flight,
-            max_deadline_s=config.max_pull_deadline_s,
+            max_deadline_s=config.max_pull_deadline_s, guard=self._check_memory,
         )  # fmt: skip
         self._tasks: list[asyncio.Task[None]] = []
         self._secret = config.peer_token.encode()
@@ -127,7 +129,9 @@ class Sidecar:
         self._leaving = False  # an unregister is letting the memory go: refuse new work on it
         self._next_generation = 0
         self._registrations: list[Any] = []  # NIXL registrations of the memory sources
-        self.offload = Offload(config, self.metrics, self._store_target, self._hold_blocks)
+        self._shrunk: tuple[str, str] | None = None  # (field, why) once a segment shrank
+        self.offload = Offload(config, self.metrics, self._store_target, self._hold_blocks,
+                               self._check_memory)  # fmt: skip
         self.fabric = Fabric(config.require_transport, config.ucx_proto_log,
                              metric=self.metrics.fabric_transports)  # fmt: skip
         self.notifs = NotificationPoller(
@@ -143,7 +147,13 @@ class Sidecar:
         return self.manifest is not None
 
     def readiness(self) -> dict[str, Any]:
-        """The /readyz body (FabricNotReadyError when the data plane is not as required)."""
+        """The /readyz body (FabricNotReadyError when the data plane is not as required, or a
+        registered segment shrank)."""
+        if self.manifest is not None:
+            try:
+                self._check_memory()
+            except SegmentTooSmallError as exc:
+                raise FabricNotReadyError(f"registered memory: {exc}") from None
         return self.fabric.readiness()
 
     def start(self) -> None:
@@ -182,14 +192,15 @@ class Sidecar:
         sources = check_sources(req)
         regions = []
         try:
-            for spec in req.regions:
-                regions.append(open_region(spec))
+            for i, spec in enumerate(req.regions):
+                regions.append(open_region(spec, field=f"regions[{i}]"))
             registrations = await asyncio.to_thread(self.agent.register, regions)
         except BaseException:
             for region in regions:
                 region.close()
             raise
         self._regions = regions
+        self._shrunk = None
         self._sources = sources
         self._registrations = registrations
         self._bases = [
@@ -283,7 +294,7 @@ class Sidecar:
 
     def hold(self, req: HoldRequest) -> Ticket:
         """Pin a request's blocks under a lease; the ticket authorises one pull of them."""
-        holds, manifest = self._require_engine()
+        holds, manifest = self._require_memory()
         hold = holds.hold(req)
         waiter = self._hold_waiters.get(hold.hold_id)
         if waiter is not None:
@@ -378,9 +389,10 @@ class Sidecar:
         Checked first: the ticket's MAC (401), that it names this engine epoch and registration
         generation (404), this rank's TP shape (409) and a reader TP size the manifest allows
         (422). The hold must have the ticket's block ids (409). An engine-chosen hold id not
-        placed yet is waited for up to ``hold_grace_s``.
+        placed yet is waited for up to ``hold_grace_s``. No claim while a registered segment
+        is shrunk (422 SegmentTooSmallError).
         """
-        _, manifest = self._require_engine()
+        _, manifest = self._require_memory()
         ticket = req.ticket
         verify_ticket(ticket, self._accepted)
         if (ticket.engine_id, ticket.epoch) != (self.engine_id, self.epoch):
@@ -499,6 +511,31 @@ class Sidecar:
         if self._leaving:
             raise NotRegisteredError("the engine is unregistering: its memory is being let go")
         return self.holds, self.manifest
+
+    def _require_memory(self) -> tuple[HoldTable, Manifest]:
+        """:meth:`_require_engine`, and the engine's memory still all there (for work that
+        touches it or lets a READ touch it)."""
+        out = self._require_engine()
+        self._check_memory()
+        return out
+
+    def _check_memory(self) -> None:
+        """SegmentTooSmallError, from the first time a registered segment is seen shrunk until
+        the engine registers again: its owner truncated it, and a store copy (or a READ over
+        TCP) touching the missing pages would kill this process with SIGBUS. One fstat per
+        source; a truncation during a copy that already passed this check is not caught."""
+        if self._shrunk is None:
+            for i, region in enumerate(self._regions):
+                backed = region.backed_bytes()
+                if backed < region.size:
+                    self._shrunk = (f"regions[{i}].size_bytes", (
+                        f"segment {region.name!r} was truncated to {backed} of its {region.size} "
+                        "registered bytes; this registration's memory is no longer touched: "
+                        "unregister and register again"))  # fmt: skip
+                    log.error("registered memory %s", ": ".join(self._shrunk))
+                    break
+        if self._shrunk is not None:
+            raise SegmentTooSmallError(*self._shrunk)
 
     def _hold_blocks(self, hold_id: str) -> tuple[list[list[int]], int]:
         """A live hold's block ids and tokens, for a store save (the hold keeps them pinned)."""

@@ -125,8 +125,11 @@ class Store:
         block_ids: Sequence[Sequence[int]],
         keys: Sequence[str],
         num_tokens: int,
+        guard: Callable[[], None] | None = None,
     ) -> SaveOutcome:
-        """Store every chunk of every group the request's blocks hold (present ones skipped)."""
+        """Store every chunk of every group the request's blocks hold (present ones skipped).
+        ``guard`` runs before each entry is copied out of ``regions`` and raises to stop the
+        save (the sidecar's: a region's segment was truncated under it)."""
         t0 = time.perf_counter()
         ids = self._check(manifest, block_ids, keys, num_tokens)
         out = SaveOutcome()
@@ -156,6 +159,8 @@ class Store:
                         if group.kind == "sliding_window":
                             continue  # blocks that left the window: save the ones still held
                         break  # a missing block ends what this group can save
+                if guard is not None:
+                    guard()
                 cached = self._gather(manifest, regions, g, specs, eid, c, e - s, tm, ids[g], out)
                 if self.dram.put(eid, cached):
                     out.dram_bytes += cached.size
@@ -275,12 +280,14 @@ class Store:
         num_tokens: int,
         stop_at: float | None = None,
         stop: threading.Event | None = None,
+        guard: Callable[[], None] | None = None,
     ) -> LoadOutcome:
         """Write the first ``num_tokens`` tokens (all groups) into the blocks; PullError
         ``store_miss`` or ``store_corrupt`` when an entry is absent or fails its checks,
         ``deadline`` when ``time.monotonic()`` passes ``stop_at`` and ``cancelled`` once ``stop``
         is set (both checked before each chunk and after each entry's read: nothing is written
-        once either happened; an entry being copied finishes)."""
+        once either happened; an entry being copied finishes). ``guard`` runs before each entry
+        is written into ``regions`` and raises to stop the load, as :meth:`save`'s."""
         t0 = time.perf_counter()
         ids = self._check(manifest, block_ids, keys, num_tokens)
         spans = chunk_spans(num_tokens, self.chunk_tokens)
@@ -321,6 +328,12 @@ class Store:
             if stop is not None and stop.is_set():
                 cached.buffer.release()
                 raise PullError("cancelled", f"the load was stopped reading {eid.filename}")
+            if guard is not None:
+                try:
+                    guard()
+                except BaseException:
+                    cached.buffer.release()
+                    raise
             if tier == "dram":
                 out.dram_bytes += cached.size
             else:

@@ -90,7 +90,7 @@ class StoreLoadStatus(_Strict, kw_only=True):
     reason: str = ""
     """Failure code: store_miss (an entry is not there, or went away), store_corrupt (an entry
     failed its checks and was deleted), deadline (``deadline_s`` passed), cancelled (an
-    unregister stopped it)."""
+    unregister stopped it), segment_too_small (the engine truncated a registered segment)."""
     detail: str = ""
     """Human-readable failure detail."""
     tokens: int = 0

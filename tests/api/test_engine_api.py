@@ -4,6 +4,7 @@ bounded long polls, and a daemon that keeps answering after anything goes wrong.
 from __future__ import annotations
 
 import math
+import os
 import uuid
 
 import msgspec
@@ -11,6 +12,7 @@ import pytest
 
 from kvxferd import errors
 from kvxferd.api.engine import MAX_WAIT_S, engine_document
+from kvxferd.memory import SHM_DIR
 from kvxferd.wire import (
     AbortHoldRequest,
     DeclineRequest,
@@ -294,6 +296,15 @@ def test_register_checks_the_region_sources_against_the_manifest(fresh, mutate, 
     assert resp.status_code == 200, resp.text
     answer = msgspec.json.decode(resp.content, type=RegisterResponse)
     assert (answer.engine_id, answer.epoch) == (fresh.sidecar.engine_id, fresh.sidecar.epoch)
+
+
+def test_register_refuses_a_segment_smaller_than_its_region_naming_the_field(fresh):
+    os.truncate(os.path.join(SHM_DIR, fresh.pool.specs()[0].name), 4096)  # the engine's doing
+    body = RegisterRequest(manifest=fresh.manifest, regions=fresh.pool.specs())
+    err = _error(fresh.engine.post("/v1/register", content=msgspec.json.encode(body)), 422)
+    assert (err.error, err.field) == ("SegmentTooSmallError", "regions[0].size_bytes")
+    assert "has 4096 bytes" in err.detail
+    assert not fresh.sidecar.ready
 
 
 def test_a_hold_returns_a_signed_ticket_for_this_rank(real):

@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 import pytest
 
-from kvxferd.errors import MemoryRegionError
+from kvxferd.errors import MemoryRegionError, SegmentTooSmallError
 from kvxferd.memory import SHM_DIR, RegionSource, SharedMemoryRegion
 
 
@@ -71,8 +71,23 @@ def test_attach_missing_segment_names_it():
 
 
 def test_attach_too_small_segment_gives_both_sizes(owner):
-    with pytest.raises(MemoryRegionError, match=r"has 65536 bytes, expected at least 65537"):
+    with pytest.raises(SegmentTooSmallError, match=r"has 65536 bytes, expected at least 65537"):
         SharedMemoryRegion.attach(owner.name, owner.size + 1)
+
+
+def test_backed_bytes_fall_when_the_owner_truncates_the_segment_even_unlinked(owner):
+    path = os.path.join(SHM_DIR, owner.name)
+    fd = os.open(path, os.O_RDWR)  # the owner's own handle on the segment
+    try:
+        with SharedMemoryRegion.attach(owner.name, owner.size) as peer:
+            assert peer.backed_bytes() == owner.size
+            os.unlink(path)  # as the sim does once every sidecar attached
+            os.ftruncate(fd, 4096)  # from here, touching the mapping past 4096 B is SIGBUS
+            assert peer.backed_bytes() == 4096
+    finally:
+        os.close(fd)
+    with pytest.raises(MemoryRegionError, match="closed"):
+        peer.backed_bytes()
 
 
 def test_create_existing_name_fails_and_leaves_segment_alone(owner):

@@ -1,6 +1,7 @@
 """A store load is bounded: past its deadline it stops before the next chunk and fails with
 ``deadline`` (``cancelled`` once it is told to stop), so whoever waits for its answer knows
-nothing more is written after it."""
+nothing more is written after it. A guard that refuses (the engine's memory was truncated)
+stops a load or a save before the next entry touches the regions."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvxferd.errors import PullError
+from kvxferd.errors import PullError, SegmentTooSmallError
 from tests.store.helpers import MAMBA2, block_ids, filled, keys, plan, pool, store
 
 SEED = 5
@@ -73,3 +74,24 @@ def test_a_stopped_load_fails_cancelled_and_writes_nothing(tmp_path):
                                     stop=stop)  # fmt: skip
     assert err.value.reason == "cancelled"
     assert all(not np.any(r) for r in dest)
+
+
+def test_a_refusing_guard_stops_a_load_before_it_writes_and_a_save_before_it_copies(tmp_path):
+    m = plan(MAMBA2, blocks=12)
+    tokens = m.groups[0].block_size
+    regions, ids = filled(m, tokens, SEED)
+    s = store(tmp_path / "a", CHUNK)
+    s.save(m, regions, ids, keys(tokens, CHUNK), tokens)
+
+    def refuse() -> None:
+        raise SegmentTooSmallError("regions[0].size_bytes", "the engine truncated it")
+
+    dest = pool(m)
+    with pytest.raises(SegmentTooSmallError):
+        s.load(m, dest, block_ids(m, tokens), keys(tokens, CHUNK), tokens, guard=refuse)
+    assert all(not np.any(r) for r in dest)
+    assert s.load(m, dest, block_ids(m, tokens), keys(tokens, CHUNK), tokens).tokens == tokens
+    other = store(tmp_path / "b", CHUNK)
+    with pytest.raises(SegmentTooSmallError):
+        other.save(m, regions, ids, keys(tokens, CHUNK), tokens, guard=refuse)
+    assert other.lookup(m, keys(tokens, CHUNK), tokens).matched == 0  # nothing was copied
