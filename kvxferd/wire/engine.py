@@ -154,7 +154,9 @@ class PullRequest(_Strict, kw_only=True):
     tickets: Annotated[list[Ticket], msgspec.Meta(extra_json_schema={"minItems": 1})]
     """The tickets of every prefill TP rank, rank order (same request, same block ids)."""
     block_ids: list[list[int]]
-    """Local logical block ids per group, aligned with the tickets' block_ids; -1 skips a block."""
+    """Local logical block ids per group, aligned with the tickets' block_ids; -1 skips a block.
+    With ``num_tokens`` given, a group lists at most the blocks those tokens span (at least 1)
+    or as many ids as the ticket's list for it."""
     deadline_s: float = 30.0
     """Seconds the whole pull may take (handshake, claim, transfer; the engine chooses); at most
     the sidecar's ``max_pull_deadline_s`` (600 by default), else a 422 naming it."""
