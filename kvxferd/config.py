@@ -141,7 +141,7 @@ class Config:
             )
         for name in ("default_lease_s", "max_lease_s", "claim_s", "max_pull_deadline_s",
                      "max_pulls_in_flight", "max_holds", "auth_skew_s", "max_claim_s",
-                     "released_feed_bytes", *_LIMITS):  # fmt: skip
+                     "released_feed_bytes", "handshake_timeout_s", *_LIMITS):  # fmt: skip
             if not 0 < getattr(self, name) < math.inf:  # nan and inf too: every wait ends
                 raise ConfigError(f"{name}: must be > 0 and finite, got {getattr(self, name)}")
         if not 0 <= self.hold_grace_s < math.inf:

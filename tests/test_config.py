@@ -70,6 +70,8 @@ def test_advertise_host_wins_over_the_bind_host_when_set():
         ({"KVXFERD_BACKENDS": " , "}, "backends"),
         ({"KVXFERD_EVENT_LOOP": "tokio"}, "event_loop"),
         ({"KVXFERD_HTTP": "h3"}, "http"),
+        ({"KVXFERD_HANDSHAKE_TIMEOUT_S": "nan"}, "handshake_timeout_s"),
+        ({"KVXFERD_HANDSHAKE_TIMEOUT_S": "0"}, "handshake_timeout_s"),
     ],
 )
 def test_invalid_values_are_config_errors_naming_the_variable(env, named):
