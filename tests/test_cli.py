@@ -135,6 +135,7 @@ raise SystemExit(status)
             "engine_frames_socket",
         ),  # fmt: skip
         ([], {"KVXFERD_PEER_TOKEN": "t", "KVXFERD_EVENT_LOOP": "tokio"}, "event_loop"),
+        (["--engine-id", "rank\n0"], {"KVXFERD_PEER_TOKEN": "t"}, "engine_id"),
     ],
     ids=[
         "no-token",
@@ -145,6 +146,7 @@ raise SystemExit(status)
         "port",
         "frames-length",
         "event-loop",
+        "engine-id",
     ],  # fmt: skip
 )
 def test_serve_argument_errors_exit_before_the_server_is_imported(tmp_path, args, env, named):

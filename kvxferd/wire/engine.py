@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kvxferd.wire.manifest import _POSITIVE, Manifest, _Strict
+from kvxferd.wire.manifest import _POSITIVE, EngineId, Manifest, _Strict
 
 PROTOCOL_VERSION = 1
 """Peer protocol version, checked first at handshake. 1: first version."""
@@ -51,7 +51,7 @@ class RegisterRequest(_Strict, kw_only=True):
 class RegisterResponse(_Strict, kw_only=True):
     """Sidecar -> engine: registration accepted."""
 
-    engine_id: str
+    engine_id: EngineId
     """Identity this sidecar gives the engine rank in tickets and handshakes."""
     epoch: int
     """Boot epoch; changes when the sidecar restarts."""
@@ -76,7 +76,7 @@ class UnregisterRequest(_Strict, kw_only=True):
 class Identity(_Strict, kw_only=True):
     """Sidecar -> engine: who this sidecar is, so a scheduler process can mint tickets itself."""
 
-    engine_id: str
+    engine_id: EngineId
     """Engine identity used in tickets and handshakes."""
     epoch: int
     """Boot epoch of the sidecar."""
@@ -115,8 +115,8 @@ class Ticket(_Strict, kw_only=True):
     ticket; a pull carries the tickets of all prefill ranks, in rank order.
     """
 
-    engine_id: str
-    """Prefill engine identity."""
+    engine_id: EngineId
+    """Prefill engine identity (1-128 printable ASCII characters, no space)."""
     epoch: int
     """Prefill sidecar boot epoch at hold time."""
     hold_id: str
