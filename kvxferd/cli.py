@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Sequence
 
@@ -58,6 +59,19 @@ def check_log_level(level: str, field: str = "--log-level") -> None:
     """ConfigError naming ``field`` unless ``level`` is one of LOG_LEVELS (any case)."""
     if level.lower() not in LOG_LEVELS:
         raise ConfigError(f"{field}: unknown level {level!r} ({', '.join(LOG_LEVELS)})")
+
+
+def check_finite_positive(value: float, field: str) -> None:
+    """ConfigError naming ``field`` unless ``value`` is > 0 and finite (a NaN or infinite
+    timeout would never end a wait, 0 or less would end it at once)."""
+    if not 0 < value < math.inf:
+        raise ConfigError(f"{field}: must be > 0 and finite, got {value}")
+
+
+def check_port(port: int, field: str = "--port") -> None:
+    """ConfigError naming ``field`` unless ``port`` is a TCP port (0: any free one)."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{field}: {port} is not a TCP port")
 
 
 def setup_logging(level: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
@@ -16,6 +17,7 @@ from typing import Any, get_type_hints
 from kvxferd._docstrings import attribute_docs
 from kvxferd.aio import check_event_loop, check_http
 from kvxferd.errors import ConfigError
+from kvxferd.wire.manifest import ENGINE_ID_PATTERN
 
 ENV_PREFIX = "KVXFERD_"
 
@@ -66,7 +68,8 @@ class Config:
     released_feed_bytes: int = 64 << 20
     """Bytes (estimated) of released-hold records kept for the engine's feed."""
     engine_id: str = ""
-    """Identity of the engine rank; empty = generated at start."""
+    """Identity of the engine rank: 1-128 printable ASCII characters, no space (it goes into
+    logs, tickets and handshakes); empty = generated at start."""
     backends: tuple[str, ...] = ("UCX",)
     """NIXL backends to create."""
     progress_thread: bool = False
@@ -141,7 +144,7 @@ class Config:
             )
         for name in ("default_lease_s", "max_lease_s", "claim_s", "max_pull_deadline_s",
                      "max_pulls_in_flight", "max_holds", "auth_skew_s", "max_claim_s",
-                     "released_feed_bytes", *_LIMITS):  # fmt: skip
+                     "released_feed_bytes", "handshake_timeout_s", *_LIMITS):  # fmt: skip
             if not 0 < getattr(self, name) < math.inf:  # nan and inf too: every wait ends
                 raise ConfigError(f"{name}: must be > 0 and finite, got {getattr(self, name)}")
         if not 0 <= self.hold_grace_s < math.inf:
@@ -157,6 +160,11 @@ class Config:
             )
         if not self.backends:
             raise ConfigError("backends: at least one NIXL backend is needed")
+        if self.engine_id and not re.search(ENGINE_ID_PATTERN, self.engine_id):
+            raise ConfigError(
+                f"engine_id: {self.engine_id!r} is not 1-128 printable ASCII characters "
+                "without spaces"
+            )
         check_event_loop(self.event_loop)
         check_http(self.http)
 

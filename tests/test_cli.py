@@ -94,10 +94,20 @@ def test_layout_with_an_unknown_config_fails_in_one_line():
     assert "no-such-model" in line
 
 
-@pytest.mark.parametrize("tokens", ["0", "-5"])
-def test_layout_with_a_request_of_no_tokens_fails_in_one_line(tokens):
+@pytest.mark.parametrize("tokens", ["0", "-5", str(10**12)])
+def test_layout_with_a_request_of_no_tokens_or_past_any_context_fails_in_one_line(tokens):
     line = _one_error_line(kvxferd("layout", "--config", "llama-3.1-8b", "--tokens", tokens))
-    assert f"--tokens: must be >= 1, got {tokens}" in line
+    assert f"--tokens: must be 1 to 16777216, got {tokens}" in line
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "line"),
+    [("--tp", "0", "--tp: must be >= 1, got 0"),
+     ("--num-speculative-tokens", "-1", "--num-speculative-tokens: must be 0 to 1024, got -1"),
+     ("--num-speculative-tokens", str(10**17), "--num-speculative-tokens: must be 0 to 1024")],
+)  # fmt: skip
+def test_layout_with_a_size_out_of_range_fails_in_one_line(flag, value, line):
+    assert line in _one_error_line(kvxferd("layout", "--config", "granite-4.0-h-tiny", flag, value))
 
 
 _NO_SERVER_IMPORT = """
@@ -125,6 +135,7 @@ raise SystemExit(status)
             "engine_frames_socket",
         ),  # fmt: skip
         ([], {"KVXFERD_PEER_TOKEN": "t", "KVXFERD_EVENT_LOOP": "tokio"}, "event_loop"),
+        (["--engine-id", "rank\n0"], {"KVXFERD_PEER_TOKEN": "t"}, "engine_id"),
     ],
     ids=[
         "no-token",
@@ -135,6 +146,7 @@ raise SystemExit(status)
         "port",
         "frames-length",
         "event-loop",
+        "engine-id",
     ],  # fmt: skip
 )
 def test_serve_argument_errors_exit_before_the_server_is_imported(tmp_path, args, env, named):
@@ -150,3 +162,45 @@ def test_serve_argument_errors_exit_before_the_server_is_imported(tmp_path, args
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("kvxferd: error: ") and named in proc.stderr, proc.stderr
     assert proc.stdout.strip() == "imported:"  # no NIXL, no torch, no server module
+
+
+_NO_SIM_START = """
+import sys
+import kvxferd.sim.server as server
+def started(opts):
+    print("started")
+    return 0
+server.run_sim = started
+from kvxferd.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def _sim(*args: str) -> subprocess.CompletedProcess[str]:
+    """``kvxferd sim --role decode`` with ``args``, stopped where it would start (prints
+    ``started``)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVXFERD_")}
+    argv = ["sim", "--role", "decode", "--config", "llama-3.1-8b", *args]
+    return subprocess.run([sys.executable, "-c", _NO_SIM_START, *argv], capture_output=True,
+                          text=True, timeout=120, env=base)  # fmt: skip
+
+
+def test_sim_with_sane_numbers_gets_to_start():
+    proc = _sim("--pull-timeout", "5", "--sidecar-timeout", "9", "--lease", "3", "--port", "0")
+    assert (proc.returncode, proc.stdout.strip()) == (0, "started"), proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "line"),
+    [("--pull-timeout", "nan", "--pull-timeout: must be > 0 and finite, got nan"),
+     ("--pull-timeout", "inf", "--pull-timeout: must be > 0 and finite, got inf"),
+     ("--pull-timeout", "0", "--pull-timeout: must be > 0 and finite, got 0.0"),
+     ("--sidecar-timeout", "-1", "--sidecar-timeout: must be > 0 and finite, got -1.0"),
+     ("--sidecar-timeout", "nan", "--sidecar-timeout: must be > 0 and finite, got nan"),
+     ("--lease", "nan", "--lease: must be > 0 and finite, got nan"),
+     ("--port", "70000", "--port: 70000 is not a TCP port"),
+     ("--pool-blocks", "0", "--pool-blocks: must be >= 2, got 0"),
+     ("--store-chunk-tokens", "0", "--store-chunk-tokens: must be >= 1, got 0")],
+)  # fmt: skip
+def test_sim_number_flags_out_of_range_fail_in_one_line_before_anything_starts(flag, value, line):
+    assert line in _one_error_line(_sim(flag, value))

@@ -70,12 +70,24 @@ def test_advertise_host_wins_over_the_bind_host_when_set():
         ({"KVXFERD_BACKENDS": " , "}, "backends"),
         ({"KVXFERD_EVENT_LOOP": "tokio"}, "event_loop"),
         ({"KVXFERD_HTTP": "h3"}, "http"),
+        ({"KVXFERD_HANDSHAKE_TIMEOUT_S": "nan"}, "handshake_timeout_s"),
+        ({"KVXFERD_HANDSHAKE_TIMEOUT_S": "0"}, "handshake_timeout_s"),
+        ({"KVXFERD_ENGINE_ID": "a\nb"}, "engine_id"),  # a forged log or ready line
+        ({"KVXFERD_ENGINE_ID": "kvx-1\n"}, "engine_id"),
+        ({"KVXFERD_ENGINE_ID": "a b"}, "engine_id"),
+        ({"KVXFERD_ENGINE_ID": "\u00e9"}, "engine_id"),
+        ({"KVXFERD_ENGINE_ID": "x" * 129}, "engine_id"),
     ],
 )
 def test_invalid_values_are_config_errors_naming_the_variable(env, named):
     with pytest.raises(ConfigError) as info:
         load_config(env=env)
     assert str(info.value).startswith(named)
+
+
+def test_an_engine_id_of_128_printable_characters_is_taken():
+    engine_id = "pod-7/rank:0_" + "x" * 115
+    assert load_config(env={"KVXFERD_ENGINE_ID": engine_id}).engine_id == engine_id
 
 
 def test_an_unknown_override_is_a_config_error_naming_it():

@@ -9,11 +9,11 @@ door's own (chat bodies are larger than the sidecar's, its fan-in differs).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from kvxferd.cli import check_finite_positive
 from kvxferd.config import FRONT_DOOR_MAX_BODY_BYTES, FRONT_DOOR_MAX_CONNECTIONS, Config
 from kvxferd.errors import ConfigError
 
@@ -79,8 +79,7 @@ def limits_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
                 raise ConfigError(f"{var}: not a number: {env[var]!r}") from None
         if value is None:
             value = defaults[name]
-        if not 0 < value < math.inf:  # nan and inf too: every wait ends
-            raise ConfigError(f"{source}: must be > 0 and finite, got {value}")
+        check_finite_positive(value, source)
         values[name] = value
     return EdgeLimits(**values)  # type: ignore[arg-type]
 

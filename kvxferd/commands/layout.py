@@ -21,6 +21,11 @@ from kvxferd.layout import (
 )
 from kvxferd.wire import Manifest
 
+MAX_TOKENS = 1 << 24
+"""Largest --tokens: past every model's context (the figures' arrays grow with it)."""
+MAX_SPECULATIVE_TOKENS = 1024
+"""Largest --num-speculative-tokens: past any drafter's proposals (conv rows grow with it)."""
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register the subcommand."""
@@ -42,9 +47,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="attention layers sharing one page (hybrids)")  # fmt: skip
     p.add_argument("--cross-layer", action="store_true",
                    help="one tensor per page-size group (blocks, layers, page)")  # fmt: skip
-    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="N")
+    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="N",
+                   help=f"extra conv state rows for speculative decoding (at most "
+                   f"{MAX_SPECULATIVE_TOKENS})")  # fmt: skip
     p.add_argument("--tokens", type=int, default=4096, metavar="T",
-                   help="request size for the bytes/descriptor figures")  # fmt: skip
+                   help=f"request size for the bytes/descriptor figures (1 to "
+                   f"{MAX_TOKENS:,})")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -64,8 +72,15 @@ class RequestCost:
 
 def run(args: argparse.Namespace) -> int:
     """Print the layout (table or JSON)."""
-    if args.tokens < 1:
-        raise ConfigError(f"--tokens: must be >= 1, got {args.tokens}")
+    if args.tp < 1:
+        raise ConfigError(f"--tp: must be >= 1, got {args.tp}")
+    if not 1 <= args.tokens <= MAX_TOKENS:
+        raise ConfigError(f"--tokens: must be 1 to {MAX_TOKENS}, got {args.tokens}")
+    if not 0 <= args.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(
+            f"--num-speculative-tokens: must be 0 to {MAX_SPECULATIVE_TOKENS}, got "
+            f"{args.num_speculative_tokens}"
+        )
     hf = load_hf_config(args.config)
     options = PlanOptions(
         tp_size=args.tp,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 
 from kvxferd.aio import run as run_main
 from kvxferd.commands.edge import (
@@ -12,7 +11,6 @@ from kvxferd.commands.edge import (
     event_loop_from_args,
     limits_from_args,
 )
-from kvxferd.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -71,16 +69,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM."""
-    from kvxferd.cli import setup_logging
+    from kvxferd.cli import check_finite_positive, check_port, setup_logging
     from kvxferd.proxy import ProxySettings, RoundRobin, serve_proxy
 
     for flag in ("timeout", "connect_timeout", "first_byte_timeout", "idle_timeout",
                  "generation_timeout"):  # fmt: skip
         value = getattr(args, flag)
-        if value is not None and not 0 < value < math.inf:  # nan and inf too: every wait ends
-            raise ConfigError(f"--{flag.replace('_', '-')}: must be > 0 and finite, got {value}")
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port: {args.port} is not a TCP port")
+        if value is not None:
+            check_finite_positive(value, f"--{flag.replace('_', '-')}")
+    check_port(args.port)
     limits = limits_from_args(args)
     event_loop = event_loop_from_args(args)
     RoundRobin("prefill", args.prefill)  # validates the URLs before binding anything

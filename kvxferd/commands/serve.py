@@ -51,7 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="seconds a claim waits for an engine-chosen hold")  # fmt: skip
     p.add_argument("--max-claim", type=float, dest="max_claim_s", metavar="S",
                    help="longest a claim pins a hold in seconds")  # fmt: skip
-    p.add_argument("--engine-id", metavar="ID", help="engine rank identity (default: random)")
+    p.add_argument("--engine-id", metavar="ID",
+                   help="engine rank identity: 1-128 printable ASCII characters, no space "
+                   "(default: random)")  # fmt: skip
     p.add_argument("--backend", action="append", dest="backends", metavar="NAME",
                    help="NIXL backend (repeatable; default UCX)")  # fmt: skip
     p.add_argument("--lease", type=float, dest="default_lease_s", metavar="S",

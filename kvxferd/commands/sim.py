@@ -13,6 +13,7 @@ from kvxferd.commands.edge import (
     event_loop_from_args,
     limits_from_args,
 )
+from kvxferd.errors import ConfigError
 from kvxferd.layout import preset_names
 
 
@@ -82,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from kvxferd.cli import setup_logging
     from kvxferd.sim.server import SimOptions, run_sim
 
+    _check(args)
     limits = limits_from_args(args)
     setup_logging(args.log_level)
     if logging.getLogger().level <= logging.INFO:
@@ -109,3 +111,18 @@ def run(args: argparse.Namespace) -> int:
             event_loop=event_loop_from_args(args),
         )
     )
+
+
+def _check(args: argparse.Namespace) -> None:
+    """ConfigError naming the first number flag out of range, before anything starts."""
+    from kvxferd.cli import check_finite_positive, check_port
+
+    check_port(args.port)
+    for flag, value in (("--lease", args.lease), ("--pull-timeout", args.pull_timeout),
+                        ("--sidecar-timeout", args.sidecar_timeout)):  # fmt: skip
+        if value is not None:
+            check_finite_positive(value, flag)
+    if args.pool_blocks is not None and args.pool_blocks < 2:  # 0 is not "the default"
+        raise ConfigError(f"--pool-blocks: must be >= 2, got {args.pool_blocks}")
+    if args.store_chunk_tokens < 1:
+        raise ConfigError(f"--store-chunk-tokens: must be >= 1, got {args.store_chunk_tokens}")

@@ -261,7 +261,7 @@ class HoldTable:
         CapacityError (503) while ``max_holds`` unexpired holds are live."""
         now = self._now(now)
         _check_hold_ids(self.num_blocks, self.num_groups, request.block_ids)
-        if request.hold_id and not _HOLD_ID.match(request.hold_id):
+        if request.hold_id and not _HOLD_ID.fullmatch(request.hold_id):
             raise HoldRequestError("hold_id", "1-128 characters of A-Z a-z 0-9 . _ : -")
         if request.num_tokens < 0:
             raise HoldRequestError("num_tokens", f"must be >= 0, got {request.num_tokens}")

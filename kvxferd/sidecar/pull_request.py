@@ -10,7 +10,7 @@ import math
 
 from kvxferd import descriptors
 from kvxferd.errors import BlockIdError
-from kvxferd.wire import Manifest, PullRequest
+from kvxferd.wire import Group, Manifest, PullRequest
 
 
 def unread_ranks(local: Manifest, remote_tp: int) -> list[int]:
@@ -27,6 +27,16 @@ def unread_ranks(local: Manifest, remote_tp: int) -> list[int]:
     for rank in range(local.tp_size):
         read.update(descriptors.ranks_read(totals, local.tp_size, rank, remote_tp))
     return [r for r in range(remote_tp) if r not in read]
+
+
+def most_ids(group: Group, num_tokens: int, ticket_ids: list[int] | None) -> int:
+    """Most local ids a pull of ``num_tokens`` tokens may list for ``group``: the logical blocks
+    the tokens span (at least one, a Mamba state block), or the ticket's list where the groups
+    pair up (equal block sizes pair ids one to one, and a prefill may hold a block past the
+    tokens asked for: partial prefill, lookahead). More are never read, and a flood of -1
+    would cost memory and a long check."""
+    spanned = -(-num_tokens // group.block_size)  # ids are logical blocks, not kernel blocks
+    return max(1, spanned, len(ticket_ids) if ticket_ids is not None else 0)
 
 
 def validate_pull(req: PullRequest, local: Manifest, max_deadline_s: float = math.inf) -> None:
@@ -61,11 +71,21 @@ def validate_pull(req: PullRequest, local: Manifest, max_deadline_s: float = mat
             "tickets[0].block_ids",
             f"{len(remote)} groups in the ticket, the manifest has {len(local.groups)}",
         )
+    paired = len(remote) == len(local.groups)
     for g, lo in enumerate(req.block_ids):
         if not by_tokens and len(lo) != len(remote[g]):
             raise BlockIdError(
                 f"block_ids[{g}]", f"{len(lo)} local ids for {len(remote[g])} ticket ids"
             )
+        if by_tokens:  # checked before the ids, so a flood of -1 costs nothing
+            group = local.groups[g]
+            most = most_ids(group, req.num_tokens, remote[g] if paired else None)
+            if len(lo) > most:
+                raise BlockIdError(
+                    f"block_ids[{g}]",
+                    f"{len(lo)} local ids; {req.num_tokens} tokens in blocks of "
+                    f"{group.block_size} (or the ticket's list) need at most {most}",
+                )
         seen: dict[int, int] = {}
         for k, b in enumerate(lo):
             if b < -1 or b >= local.num_blocks:

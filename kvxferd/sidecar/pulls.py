@@ -73,7 +73,9 @@ class Pull:
     """One pull's record; ``done`` is set when it reaches DONE or FAILED."""
 
     pull_id: str
-    request: PullRequest
+    request: PullRequest | None
+    """The engine's request while the pull runs; dropped once it ended (its status needs none
+    of it, and up to ``_KEEP_FINISHED`` finished pulls are kept)."""
     started: float = field(default_factory=time.monotonic)
     state: PullState = PullState.PENDING
     reason: str = ""
@@ -100,15 +102,15 @@ class Pull:
 
     def finished(self) -> FinishedPull:
         """The finished-feed entry of an ended pull: its local ids are invalid unless DONE."""
+        req = self.request
+        assert req is not None  # dropped only after this entry was made
         done = self.state is PullState.DONE
         return FinishedPull(
             pull_id=self.pull_id,
-            request_id=self.request.request_id,
+            request_id=req.request_id,
             state="done" if done else "failed",
             reason=self.reason,
-            failed_block_ids=[]
-            if done
-            else [[b for b in g if b >= 0] for g in self.request.block_ids],  # fmt: skip
+            failed_block_ids=[] if done else [[b for b in g if b >= 0] for g in req.block_ids],
         )
 
     def status(self) -> PullStatus:
@@ -275,6 +277,7 @@ class PullRunner:
     async def _run(self, pull: Pull) -> None:
         m = self._metrics
         req = pull.request
+        assert req is not None  # dropped only once the pull ended
         deadline = time.monotonic() + req.deadline_s
         try:
             async with asyncio.timeout(req.deadline_s):
@@ -319,6 +322,7 @@ class PullRunner:
         self._in_flight -= 1
         self._remember(pull)
         self.feed.add(pull.finished())
+        pull.request = pull.validated = None  # only a running pull needs them (status does not)
         pull.done.set()
 
     def _remember(self, pull: Pull) -> None:
@@ -361,6 +365,7 @@ class PullRunner:
         """Every source rank's READ; one stacked plan for all ranks where they read the same
         remote ids and share a geometry (kvxferd.descriptors.fanin), else one plan per rank."""
         req = pull.request
+        assert req is not None  # dropped only once the pull ended
         checked = pull.validated is local  # local ids checked once per pull, not per rank
         geometries = tuple(self._geometry(local, p) for p in peers)
         if len(peers) > 1 and not self.views.enabled:

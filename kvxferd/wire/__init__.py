@@ -51,10 +51,12 @@ from kvxferd.wire.engine import (
 from kvxferd.wire.frames import FrameAnswer, FrameRequest
 from kvxferd.wire.manifest import (
     DTYPE_BYTES,
+    ENGINE_ID_PATTERN,
     MANIFEST_VERSION,
     AttentionLayer,
     ConvLayout,
     Dtype,
+    EngineId,
     Group,
     GroupKind,
     HeadLayout,
@@ -102,6 +104,8 @@ __all__ = [
     "DeclineRequest",
     "DeclineResponse",
     "Dtype",
+    "ENGINE_ID_PATTERN",
+    "EngineId",
     "ErrorBody",
     "FrameAnswer",
     "FrameRequest",

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kvxferd.wire.manifest import _POSITIVE, Manifest, _Strict
+from kvxferd.wire.manifest import _POSITIVE, EngineId, Manifest, _Strict
 
 PROTOCOL_VERSION = 1
 """Peer protocol version, checked first at handshake. 1: first version."""
@@ -51,7 +51,7 @@ class RegisterRequest(_Strict, kw_only=True):
 class RegisterResponse(_Strict, kw_only=True):
     """Sidecar -> engine: registration accepted."""
 
-    engine_id: str
+    engine_id: EngineId
     """Identity this sidecar gives the engine rank in tickets and handshakes."""
     epoch: int
     """Boot epoch; changes when the sidecar restarts."""
@@ -76,7 +76,7 @@ class UnregisterRequest(_Strict, kw_only=True):
 class Identity(_Strict, kw_only=True):
     """Sidecar -> engine: who this sidecar is, so a scheduler process can mint tickets itself."""
 
-    engine_id: str
+    engine_id: EngineId
     """Engine identity used in tickets and handshakes."""
     epoch: int
     """Boot epoch of the sidecar."""
@@ -115,8 +115,8 @@ class Ticket(_Strict, kw_only=True):
     ticket; a pull carries the tickets of all prefill ranks, in rank order.
     """
 
-    engine_id: str
-    """Prefill engine identity."""
+    engine_id: EngineId
+    """Prefill engine identity (1-128 printable ASCII characters, no space)."""
     epoch: int
     """Prefill sidecar boot epoch at hold time."""
     hold_id: str
@@ -154,7 +154,9 @@ class PullRequest(_Strict, kw_only=True):
     tickets: Annotated[list[Ticket], msgspec.Meta(extra_json_schema={"minItems": 1})]
     """The tickets of every prefill TP rank, rank order (same request, same block ids)."""
     block_ids: list[list[int]]
-    """Local logical block ids per group, aligned with the tickets' block_ids; -1 skips a block."""
+    """Local logical block ids per group, aligned with the tickets' block_ids; -1 skips a block.
+    With ``num_tokens`` given, a group lists at most the blocks those tokens span (at least 1)
+    or as many ids as the ticket's list for it."""
     deadline_s: float = 30.0
     """Seconds the whole pull may take (handshake, claim, transfer; the engine chooses); at most
     the sidecar's ``max_pull_deadline_s`` (600 by default), else a 422 naming it."""

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 _POSITIVE = {"exclusiveMinimum": 0}
 """Schema-only constraints (``extra_json_schema``) document what the sidecar checks itself, so
 its answer keeps naming the field with the error class it always used (HoldRequestError, ...)."""
+
+ENGINE_ID_PATTERN = r"^[!-~]{1,128}(?!\n)$"
+"""An engine id: 1-128 printable ASCII characters, no space (it goes into logs, the ready line,
+NIXL agent and region names, and to peers). ``(?!\n)``: Python's ``$`` also matches before a
+final newline."""
+EngineId = Annotated[str, msgspec.Meta(pattern=ENGINE_ID_PATTERN)]
 
 MANIFEST_VERSION = 1
 """Bump when the manifest's meaning changes. 1: first version."""

@@ -7,7 +7,7 @@ from typing import Annotated
 import msgspec
 
 from kvxferd.wire.engine import Ticket
-from kvxferd.wire.manifest import _POSITIVE, Manifest
+from kvxferd.wire.manifest import _POSITIVE, EngineId, Manifest
 
 
 class Handshake(msgspec.Struct, frozen=True, kw_only=True):
@@ -15,8 +15,8 @@ class Handshake(msgspec.Struct, frozen=True, kw_only=True):
 
     protocol_version: int
     """PROTOCOL_VERSION of the sender."""
-    engine_id: str
-    """Sender's engine identity."""
+    engine_id: EngineId
+    """Sender's engine identity (1-128 printable ASCII characters, no space)."""
     epoch: int
     """Sender's boot epoch."""
     agent_name: str

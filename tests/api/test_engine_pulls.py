@@ -81,3 +81,26 @@ def test_a_run_pull_with_a_nan_deadline_is_a_422_not_an_unfinished_answer(real):
     resp = real.engine.post("/v1/pulls/run", content=msgspec.msgpack.encode(body),
                             headers={"Content-Type": "application/msgpack"})  # fmt: skip
     assert _error(resp, 422).field == "deadline_s"
+
+
+def test_a_run_pull_listing_more_ids_than_its_tokens_span_is_a_422_naming_the_group(real):
+    # The ticket's one token spans one block: a million ids (even all -1) are refused.
+    from kvxferd.sidecar.tickets import sign_ticket
+    from tests.sidecar.harness import TOKEN
+
+    ticket = msgspec.to_builtins(sign_ticket(TICKET, TOKEN.encode()))
+    body = {"tickets": [ticket], "block_ids": [[-1] * 1_000_000], "num_tokens": 1}
+    resp = real.engine.post("/v1/pulls/run", content=msgspec.msgpack.encode(body),
+                            headers={"Content-Type": "application/msgpack"})  # fmt: skip
+    err = _error(resp, 422)
+    assert err.field == "block_ids[0]" and "at most 1" in err.detail
+
+
+@pytest.mark.parametrize("engine_id", ["e\n", "e f", "", "e" * 129])
+def test_a_ticket_naming_an_engine_id_no_sidecar_can_have_is_a_422_naming_it(
+    fake_engine, fake, engine_id
+):
+    ticket = {**msgspec.to_builtins(TICKET), "engine_id": engine_id}
+    resp = fake_engine.post("/v1/pulls/run", json={"tickets": [ticket], "block_ids": [[3]]})
+    assert _error(resp, 422).field == "tickets[0].engine_id"
+    assert fake.calls == []

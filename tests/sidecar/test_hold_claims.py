@@ -112,9 +112,10 @@ def test_an_engine_chosen_hold_id_is_used_and_never_reused():
     t.abort("h-1")
     with pytest.raises(DuplicateHoldError):  # a released id is remembered too
         t.hold(HoldRequest(request_id="c", block_ids=[[3], [4]], num_tokens=1, hold_id="h-1"))
-    with pytest.raises(HoldRequestError) as err:
-        t.hold(HoldRequest(request_id="d", block_ids=[[3], [4]], num_tokens=1, hold_id="a b"))
-    assert err.value.field == "hold_id"
+    for bad in ("a b", "h-2\n"):  # a final newline too (a regex "$" lets it through)
+        with pytest.raises(HoldRequestError) as err:
+            t.hold(HoldRequest(request_id="d", block_ids=[[3], [4]], num_tokens=1, hold_id=bad))
+        assert err.value.field == "hold_id"
 
 
 def test_the_null_block_is_a_placeholder_that_may_repeat_but_other_ids_may_not():

@@ -138,7 +138,7 @@ def _answering(body: bytes) -> tuple[PeerTable, list[bytes]]:
     return table, loaded
 
 
-def _their_handshake(bases=lambda n: [1 << 30] * n) -> bytes:  # noqa: ANN001
+def _their_handshake(bases=lambda n: [1 << 30] * n, engine_id: str = "e") -> bytes:  # noqa: ANN001
     """A prefill's handshake answer whose ``region_bases`` are ``bases(number of regions)``."""
     import msgspec
 
@@ -147,7 +147,8 @@ def _their_handshake(bases=lambda n: [1 << 30] * n) -> bytes:  # noqa: ANN001
 
     manifest = plan("qwen3-8b")
     answer = Handshake(
-        protocol_version=PROTOCOL_VERSION, engine_id="e", epoch=1, agent_name="their-agent",
+        protocol_version=PROTOCOL_VERSION, engine_id=engine_id, epoch=1,
+        agent_name="their-agent",
         agent_metadata=b"md", manifest=manifest,
         region_bases=bases(len(manifest.regions)),
     )  # fmt: skip
@@ -161,8 +162,15 @@ def _their_handshake(bases=lambda n: [1 << 30] * n) -> bytes:  # noqa: ANN001
         (_their_handshake(lambda n: [1 << 30] * (n - 1)), "region_bases"),
         (_their_handshake(lambda n: [-1] * n), "region_bases[0]"),
         (_their_handshake(lambda n: [1 << 30] * (n - 1) + [(1 << 63) - 1]), "region_bases["),
+        (_their_handshake(engine_id="e\n"), "engine_id"),
     ],
-    ids=["not-json", "too-few-bases", "negative-base", "region-past-the-address-space"],
+    ids=[
+        "not-json",
+        "too-few-bases",
+        "negative-base",
+        "region-past-the-address-space",
+        "engine-id-with-a-newline",
+    ],  # fmt: skip
 )
 def test_an_unusable_handshake_answer_is_a_handshake_error_and_loads_no_agent(body, field):
     async def scenario() -> None:

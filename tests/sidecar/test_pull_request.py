@@ -1,5 +1,6 @@
 """validate_pull checks a pull's local block ids once for all prefill ranks: in range (or -1)
-and no id twice in a group, a 422 naming the entry (each rank's plan then skips that check)."""
+and no id twice in a group, a 422 naming the entry (each rank's plan then skips that check);
+with a token count, no more ids per group than the tokens' blocks or the ticket's list."""
 
 from __future__ import annotations
 
@@ -66,3 +67,59 @@ def test_a_deadline_past_the_allowed_maximum_is_refused_naming_deadline_s():
     with pytest.raises(BlockIdError) as exc:
         validate_pull(req, m, max_deadline_s=600.0)
     assert exc.value.field == "deadline_s"
+
+
+def _by_tokens(
+    local_ids: list[list[int]], ticket_ids: list[list[int]], num_tokens: int
+) -> PullRequest:
+    ticket = Ticket(engine_id="e", epoch=1, hold_id="h", request_id="r",
+                    block_ids=ticket_ids, num_tokens=16, expires_at=0.0, tp_rank=0, tp_size=1,
+                    peer="127.0.0.1:1")  # fmt: skip
+    return PullRequest(tickets=[ticket], block_ids=local_ids, num_tokens=num_tokens)
+
+
+def test_with_a_token_count_a_group_lists_at_most_the_logical_blocks_its_tokens_span():
+    # hybrid_spec: attention in logical blocks of 4 tokens (kernel blocks of 2), then 2 mamba
+    # groups. 10 tokens span 3 logical blocks (5 kernel blocks: not the bound).
+    m = render(hybrid_spec())
+    ticket = [[10], [11], [12]]
+    validate_pull(_by_tokens([[1, -1, 2], [3], [4]], ticket, 10), m)
+    with pytest.raises(BlockIdError) as exc:
+        validate_pull(_by_tokens([[1, -1, 2, -1], [3], [4]], ticket, 10), m)
+    assert exc.value.field == "block_ids[0]"
+    with pytest.raises(BlockIdError) as exc:
+        validate_pull(_by_tokens([[1], [3], [-1, 4, -1, -1]], ticket, 10), m)
+    assert exc.value.field == "block_ids[2]"
+
+
+def test_a_state_group_may_list_its_one_block_even_for_no_tokens():
+    m = render(hybrid_spec())
+    validate_pull(_by_tokens([[], [3], [4]], [[10], [11], [12]], 0), m)
+
+
+def test_with_a_token_count_a_group_may_list_as_many_ids_as_the_tickets_list():
+    # Equal block sizes pair ids one to one, and the prefill may hold a block past the tokens
+    # asked for (partial prefill: the decode recomputes the last token).
+    m = render(hybrid_spec())
+    ticket = [[10, 11, 12, 13], [14], [15]]
+    validate_pull(_by_tokens([[1, 2, 3, -1], [4], [5]], ticket, 10), m)
+    with pytest.raises(BlockIdError) as exc:
+        validate_pull(_by_tokens([[1, 2, 3, -1, -1], [4], [5]], ticket, 10), m)
+    assert exc.value.field == "block_ids[0]"
+
+
+def test_a_ticket_grouped_otherwise_does_not_widen_the_bound():
+    # Different grouping maps tokens, never ids one to one: only the tokens' blocks count.
+    m = render(hybrid_spec())
+    ticket = [[10, 11, 12, 13, 14, 15], [16]]
+    with pytest.raises(BlockIdError) as exc:
+        validate_pull(_by_tokens([[1, 2, 3, -1], [4], [5]], ticket, 10), m)
+    assert exc.value.field == "block_ids[0]"
+
+
+def test_a_flood_of_skipped_ids_is_refused_before_it_is_walked():
+    m = render(hybrid_spec())
+    flood = [-1] * 1_000_000 + [m.num_blocks]  # an id out of range past the bound
+    with pytest.raises(BlockIdError) as exc:
+        validate_pull(_by_tokens([flood, [3], [4]], [[10], [11], [12]], 16), m)
+    assert exc.value.field == "block_ids[0]"

@@ -1,6 +1,6 @@
 """PullRunner's bounds: at most ``max_in_flight`` pulls run at once (a refused pull leaves no row,
 task or gauge behind), a pull's deadline is capped, and finished pulls are forgotten oldest first
-past the keep count even while an older pull is still running.
+past the keep count even while an older pull is still running, each keeping only its status.
 
 Pure logic: the real runner before any READ, its peers a fake whose handshakes either fail at once
 or wait until the test lets them go.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import types
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -152,5 +153,21 @@ def test_a_pull_cancelled_before_its_task_ran_still_ends_failed_and_frees_its_pl
         assert [p.pull_id for p in runner.finished_since(0, 10).pulls] == [pull.pull_id]
         again = runner.start(_request("refused:1"))
         await asyncio.wait_for(again.done.wait(), BOUND_S)
+
+    asyncio.run(main())
+
+
+def test_a_finished_pull_keeps_its_status_and_feed_entry_but_not_its_request():
+    # Thousands of finished pulls are kept for status queries: their block id lists are not.
+    async def main() -> None:
+        runner, _ = _runner(Peers())
+        req = msgspec.structs.replace(_request("refused:1"), request_id="q")
+        pull = runner.start(req)
+        await asyncio.wait_for(pull.done.wait(), BOUND_S)
+        assert (pull.request, pull.validated) == (None, None)
+        assert (await runner.status(pull.pull_id, 0)).reason == "handshake"
+        [entry] = runner.finished_since(0, 10).pulls
+        assert entry.request_id == "q" and entry.failed_block_ids == req.block_ids
+        await runner.close()
 
     asyncio.run(main())

@@ -46,6 +46,8 @@ def test_stub_from_a_proxy_asks_for_remote_decode():
          "kv_transfer_params.kvxferd_tickets[0].epoch"),
         ([msgspec.to_builtins(_ticket(1, 2)), msgspec.to_builtins(_ticket(0, 2))],
          "kv_transfer_params.kvxferd_tickets[0]"),
+        ([{**msgspec.to_builtins(_ticket(0, 1)), "engine_id": "e0\nkvxferd ready"}],
+         "kv_transfer_params.kvxferd_tickets[0].engine_id"),
     ],
 )  # fmt: skip
 def test_bad_tickets_name_the_field(tickets, field):
