@@ -25,6 +25,7 @@ import uvicorn
 from kvxferd.aio import run as run_main
 from kvxferd.api.limits import EdgeLimits
 from kvxferd.api.sockets import bind_tcp
+from kvxferd.config import Config
 from kvxferd.errors import ConfigError
 from kvxferd.layout import PlanOptions, load_hf_config
 from kvxferd.proxy.server import FRONT_DOOR_LIMITS, front_door_config
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 READY_PREFIX = "kvxferd sim ready"
 _DIR_PREFIX = "kvxferd-sim-"
 MAX_LEASE_S = 600.0
+MAX_PULL_DEADLINE_S = Config().max_pull_deadline_s
+"""The sidecars' default bound on a pull's deadline (``kvxferd serve --max-pull-deadline``)."""
 SIM_STORE_DRAM_BYTES = 256 << 20
 """DRAM pool of each sidecar's store when the sim starts them with --store."""
 
@@ -170,18 +173,27 @@ def _check_sidecar_sockets(opts: SimOptions) -> None:
         raise ConfigError("--sidecar-socket: each rank needs its own sidecar")
 
 
+def sidecar_args(opts: SimOptions) -> list[str]:
+    """The ``kvxferd serve`` flags every rank's sidecar gets from the sim's options (its leases
+    and pull deadline allowed as long as the sim asks for)."""
+    extra = ["--peer-host", opts.host, "--log-level", _child_level(opts.log_level)]
+    extra += ["--event-loop", opts.event_loop]
+    if opts.lease_s is not None:
+        extra += ["--lease", str(opts.lease_s), "--max-lease", str(max(opts.lease_s, MAX_LEASE_S))]
+    if opts.pull_timeout_s > MAX_PULL_DEADLINE_S:  # else the sidecar refuses its pulls (422)
+        extra += ["--max-pull-deadline", str(opts.pull_timeout_s)]
+    if opts.store_dir:
+        extra += ["--store-dir", opts.store_dir, "--store-chunk-tokens"]
+        extra += [str(opts.store_chunk_tokens), "--store-dram-bytes", str(SIM_STORE_DRAM_BYTES)]
+    return extra
+
+
 def _start_sidecars(
     opts: SimOptions, tmp: str, engine_id: str, pools: list[RankPool]
 ) -> list[SidecarProcess]:
     """One ``kvxferd serve`` per rank (killed with us), each registering its rank's pool."""
     token = os.environ.get("KVXFERD_PEER_TOKEN") or secrets.token_hex(32)
-    extra = ["--peer-host", opts.host, "--log-level", _child_level(opts.log_level)]
-    extra += ["--event-loop", opts.event_loop]
-    if opts.lease_s is not None:
-        extra += ["--lease", str(opts.lease_s), "--max-lease", str(max(opts.lease_s, MAX_LEASE_S))]
-    if opts.store_dir:
-        extra += ["--store-dir", opts.store_dir, "--store-chunk-tokens"]
-        extra += [str(opts.store_chunk_tokens), "--store-dram-bytes", str(SIM_STORE_DRAM_BYTES)]
+    extra = sidecar_args(opts)
     names = [f"{engine_id}-tp{r}" for r in range(opts.tp)]
     sidecars = start_sidecars(tmp, names, *extra, token=token,
                               per_rank_args=[["--engine-id", n] for n in names],

@@ -22,3 +22,17 @@ def test_dirs_of_dead_sims_are_swept_and_live_ones_kept():
         assert os.path.isdir(kept)
     finally:
         os.rmdir(kept)
+
+
+def test_a_pull_timeout_past_the_sidecars_default_bound_raises_their_bound(monkeypatch):
+    # The sim's pulls carry deadline_s = --pull-timeout; a sidecar refuses one past its
+    # --max-pull-deadline (422), so the sim must start its sidecars allowing it.
+    from kvxferd.cli import _parser
+    from kvxferd.commands.serve import _load
+    from kvxferd.sim.server import SimOptions, sidecar_args
+
+    monkeypatch.setenv("KVXFERD_PEER_TOKEN", "t" * 32)
+    for timeout in (30.0, 700.0):
+        opts = SimOptions(role="decode", config="llama-3.1-8b", pull_timeout_s=timeout)
+        args = _parser().parse_args(["serve", *sidecar_args(opts)])
+        assert _load(args).max_pull_deadline_s >= timeout
