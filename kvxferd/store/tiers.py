@@ -10,11 +10,14 @@ syncs each file before its rename, for directories shared with something that ne
 
 The file tier's byte bound is per process, over the files it knows: its own writes, what it
 found at start and what lookups discover; sidecars sharing a directory should split the budget.
+Only plain files are entries: a link, FIFO or directory under an entry's name is not counted
+or offered (a read that meets one drops it as corrupt; a link's target is never touched).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -200,23 +203,31 @@ class FileTier:
             names = [n for n in os.listdir(self.root / key[:2]) if n.startswith(prefix)]
         except OSError:  # no such directory (nothing saved under this prefix), or unreadable
             return []
-        out = [e for e in map(parse_filename, names) if e is not None]
-        with self._lock:
-            for eid in out:
-                if eid not in self._sizes:
-                    with contextlib.suppress(FileNotFoundError):
-                        self._add(eid, self.path(eid).stat().st_size)
+        out = []
+        for eid in map(parse_filename, names):
+            if eid is None:
+                continue
+            if eid not in self._sizes:  # a sibling's (or no plain file: not an entry)
+                try:
+                    file_st = os.stat(self.path(eid), follow_symlinks=False)
+                except OSError:  # gone since the listing
+                    continue
+                if not stat.S_ISREG(file_st.st_mode):
+                    continue
+                with self._lock:
+                    self._add(eid, file_st.st_size)  # its bytes count from now on
+            out.append(eid)
         return out
 
     def has(self, eid: EntryId) -> bool:
-        """Whether the entry's file exists."""
-        return self.path(eid).is_file()
+        """Whether the entry's file exists (a plain file: not a link to one)."""
+        return _is_plain(self.path(eid))
 
     def write(self, eid: EntryId, buffers: Sequence[bytes | memoryview]) -> bool:
         """Write the entry (temp + rename) unless present; False if it was not written."""
         size = sum(len(b) for b in buffers)
         final = self.path(eid)
-        if size > self.capacity or final.exists():
+        if size > self.capacity or _is_plain(final):
             return False
         tmp = final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP}")
         try:
@@ -231,7 +242,7 @@ class FileTier:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, final)
+            os.replace(tmp, final)  # over a link or FIFO there: the name, never its target
         except OSError as exc:  # disk full, directory gone: the DRAM tier still has the entry
             tmp.unlink(missing_ok=True)
             return self._write_failed(final, exc)
@@ -252,16 +263,17 @@ class FileTier:
         """The file's bytes in a buffer from ``alloc`` and how many there are (the mtime is
         refreshed: LRU across restarts), None if the file is gone or unreadable. CorruptEntry,
         with nothing allocated, for a file over ``max_size`` (more than any entry of its group
-        holds: a foreign or grown file must not size our memory)."""
+        holds: a foreign or grown file must not size our memory) and for anything but a plain
+        file under the entry's name (a link, a FIFO, a directory: the caller drops it)."""
         path = self.path(eid)
         buf = None
         try:
             # Never through a link, never blocking on a FIFO: only a plain file is an entry.
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            with open(fd, "rb", buffering=0) as f:
+            try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
-                    raise OSError(f"not a plain file (mode {st.st_mode:o})")
+                    raise CorruptEntry(f"not a plain file (mode {st.st_mode:o})")
                 size = st.st_size
                 if size > max_size:
                     raise CorruptEntry(
@@ -270,11 +282,13 @@ class FileTier:
                 buf = alloc(size)
                 view, got = memoryview(buf.array)[:size], 0
                 while got < size:
-                    n = f.readinto(view[got:])
+                    n = os.readv(fd, [view[got:]])
                     if not n:
                         break
                     got += n
-            os.utime(path)
+                os.utime(fd)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             if buf is not None:
                 buf.release()
@@ -282,9 +296,11 @@ class FileTier:
                 self._forget(eid)
             return None
         except OSError as exc:  # unreadable: a miss (the load fails, the engine recomputes)
-            log.warning("store file %s unreadable: %s", path, exc)
             if buf is not None:
                 buf.release()
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+                raise CorruptEntry("a symbolic link, not a plain file") from None
+            log.warning("store file %s unreadable: %s", path, exc)
             return None
         with self._lock:
             if eid in self._sizes:
@@ -295,7 +311,7 @@ class FileTier:
 
     def drop(self, eid: EntryId, corrupt: bool = False) -> None:
         """Delete an entry's file (counted as corrupt when it failed its checks)."""
-        self.path(eid).unlink(missing_ok=True)
+        _unlink(self.path(eid))
         with self._lock:
             self._forget(eid)
             self.stats.corrupt += int(corrupt)
@@ -320,8 +336,9 @@ class FileTier:
                 eid = parse_filename(entry.name)
                 if eid is not None and eid.key[:2] == sub.name:
                     with contextlib.suppress(FileNotFoundError):  # a sibling evicted it meanwhile
-                        st = entry.stat()
-                        found.append((st.st_mtime_ns, eid, st.st_size))
+                        st = entry.stat(follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            found.append((st.st_mtime_ns, eid, st.st_size))
         with self._lock:
             for _mtime, eid, size in sorted(found):
                 self._add(eid, size)
@@ -346,9 +363,26 @@ class FileTier:
                 return
             if eid == keep:
                 continue
-            self.path(eid).unlink(missing_ok=True)
+            _unlink(self.path(eid))
             self._forget(eid)
             self.stats.evictions += 1
+
+
+def _is_plain(path: Path) -> bool:
+    """Whether ``path`` is a plain file (not through a link)."""
+    try:
+        return stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _unlink(path: Path) -> None:
+    """Remove an entry's name (a link: the link, not its target); one that cannot be (a
+    directory) is logged and left: lookups never offer it."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("store file %s not removed: %s", path, exc)
 
 
 def _write_all(fd: int, buffers: Sequence[bytes | memoryview]) -> None:
