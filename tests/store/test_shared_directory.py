@@ -1,6 +1,7 @@
-"""The file tier in a directory other sidecars write and evict: a stale lookup costs a miss or a
-failed load, never an error or wrong bytes, and only plain files are entries (a link's target is
-never counted or touched)."""
+"""The file tier in a directory other sidecars write and evict: a lookup costs one stat of an
+unchanged subdirectory whatever its size, still sees every change (a sibling's file made in the
+same timestamp tick as the listing included), a stale listing costs a miss, never an error or
+wrong bytes, and only plain files are entries (a link's target is never counted or touched)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,78 @@ def _hour_ago() -> int:
     return time.time_ns() - 3600 * 10**9
 
 
+def _in_an_hour() -> int:
+    return time.time_ns() + 3600 * 10**9
+
+
+@pytest.fixture
+def listings(monkeypatch):
+    """The directories os.listdir and os.scandir were asked for, in order."""
+    seen: list[str] = []
+    listdir, scandir = os.listdir, os.scandir
+
+    def counting_listdir(path="."):  # noqa: ANN001, ANN202
+        seen.append(os.fspath(path))
+        return listdir(path)
+
+    def counting_scandir(path="."):  # noqa: ANN001, ANN202
+        seen.append(os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "listdir", counting_listdir)
+    monkeypatch.setattr(os, "scandir", counting_scandir)
+    return seen
+
+
+def test_lookups_in_an_unchanged_subdirectory_do_not_list_it(tmp_path, listings):
+    """What a 1M-entry store (~4k files per subdirectory) costs per chunk looked up: one stat,
+    not a listing of every name beside the entry."""
+    tier = FileTier(tmp_path, capacity=1 << 40)
+    for i in range(50):
+        assert tier.write(_eid(i), [bytes(10)])
+    _set_mtime(tmp_path / "ab", _hour_ago())
+    assert tier.writers(_eid(3).key, FP) == [_eid(3)]
+    listings.clear()
+    for i in range(50):
+        assert tier.writers(_eid(i).key, FP) == [_eid(i)]
+        assert tier.writers(_eid(100 + i).key, FP) == []
+    assert listings == []
+
+
+def test_a_siblings_new_file_is_found_once_it_appears(tmp_path):
+    ours, sibling = FileTier(tmp_path, 1 << 40), FileTier(tmp_path, 1 << 40)
+    assert ours.write(_eid(0), [bytes(10)])
+    _set_mtime(tmp_path / "ab", _hour_ago())
+    assert ours.writers(_eid(1).key, FP) == []  # listed, and trusted: the mtime is old
+    assert sibling.write(_eid(1), [bytes(10)])
+    assert ours.writers(_eid(1).key, FP) == [_eid(1)]
+
+
+def test_a_siblings_file_made_in_the_listings_timestamp_tick_is_found(tmp_path):
+    """The subdirectory changed in the tick the listing was made in; the sibling's file, made in
+    that tick too, leaves the mtime as it was (simulated: the mtime is set back). The listing
+    cannot be trusted, so the next lookup lists again."""
+    ours, sibling = FileTier(tmp_path, 1 << 40), FileTier(tmp_path, 1 << 40)
+    assert ours.write(_eid(0), [bytes(10)])
+    tick = _in_an_hour()  # not older than the filesystem's clock when listed: the same tick
+    _set_mtime(tmp_path / "ab", tick)
+    assert ours.writers(_eid(1).key, FP) == []
+    assert sibling.write(_eid(1), [bytes(10)])
+    _set_mtime(tmp_path / "ab", tick)
+    assert ours.writers(_eid(1).key, FP) == [_eid(1)]
+
+
+def test_own_write_is_found_at_once_even_where_the_mtime_does_not_show_it(tmp_path):
+    tier = FileTier(tmp_path, 1 << 40)
+    assert tier.write(_eid(0), [bytes(10)])
+    old = _hour_ago()
+    _set_mtime(tmp_path / "ab", old)
+    assert tier.writers(_eid(1).key, FP) == []
+    assert tier.write(_eid(1), [bytes(10)])
+    _set_mtime(tmp_path / "ab", old)
+    assert tier.writers(_eid(1).key, FP) == [_eid(1)]
+
+
 def _saved(root):  # noqa: ANN001, ANN202
     """A dense prompt of two chunks saved by a sibling's store; (manifest, entry files)."""
     m = plan(DENSE, blocks=6)
@@ -60,6 +133,16 @@ def _trusted_lookup(root, m):  # noqa: ANN001, ANN202
     s = store(root, CHUNK, dram=0)
     assert s.lookup(m, keys(TOKENS, CHUNK), TOKENS).matched == TOKENS
     return s
+
+
+def test_a_siblings_eviction_the_listing_missed_is_a_miss_then_no_longer_offered(tmp_path):
+    m, files = _saved(tmp_path)
+    s = _trusted_lookup(tmp_path, m)
+    _unseen(files[1], files[1].unlink)
+    with pytest.raises(PullError) as err:
+        s.load(m, pool(m), block_ids(m, TOKENS), keys(TOKENS, CHUNK), TOKENS)
+    assert err.value.reason == "store_miss"
+    assert s.lookup(m, keys(TOKENS, CHUNK), TOKENS).matched < TOKENS
 
 
 def test_a_load_that_meets_a_link_drops_the_link_and_keeps_its_target(tmp_path):
@@ -126,6 +209,20 @@ def test_reading_a_name_that_is_no_plain_file_is_corrupt_and_drop_removes_only_t
         tier.read(_eid(0), POOL.take, max_size=1 << 20)
     tier.drop(_eid(0), corrupt=True)
     assert not os.path.lexists(path) and target.read_bytes() == b"someone's file"
+
+
+def test_where_the_clock_file_cannot_be_set_every_lookup_lists_and_stays_right(tmp_path, listings):
+    (tmp_path / ".clock").mkdir()  # no file to set: the filesystem's time is unknown
+    ours, sibling = FileTier(tmp_path, 1 << 40), FileTier(tmp_path, 1 << 40)
+    assert ours.write(_eid(0), [bytes(10)])
+    old = _hour_ago()
+    _set_mtime(tmp_path / "ab", old)
+    listings.clear()
+    assert ours.writers(_eid(1).key, FP) == []
+    assert sibling.write(_eid(1), [bytes(10)])
+    _set_mtime(tmp_path / "ab", old)  # what an unseen clock could not rule out
+    assert ours.writers(_eid(1).key, FP) == [_eid(1)]
+    assert listings == [str(tmp_path / "ab")] * 2
 
 
 def test_a_directory_under_an_entry_name_is_corrupt_when_read_left_by_drop_and_never_offered(
