@@ -10,11 +10,17 @@ syncs each file before its rename, for directories shared with something that ne
 
 The file tier's byte bound is per process, over the files it knows: its own writes, what it
 found at start and what lookups discover; sidecars sharing a directory should split the budget.
+Only plain files are entries: a link, FIFO or directory under an entry's name is not counted
+or offered (a read that meets one drops it as corrupt; a link's target is never touched).
+Beside the subdirectories the root holds ``.clock``, whose mtime the tier sets to tell the
+filesystem's time (lookups reuse a subdirectory's listing until its mtime moves past it).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -42,6 +48,12 @@ _NAME_RE = re.compile(
 _TMP_RE = re.compile(_NAME_RE.pattern + r"\.[0-9]+\.[0-9a-f]+" + re.escape(_TMP))
 """A temporary written by :meth:`FileTier.write`."""
 _SUBDIR_RE = re.compile(r"[0-9a-f]{2}")
+_CLOCK = ".clock"
+"""A file in the root the tier sets to "now" before it lists a subdirectory: the filesystem's
+own clock, with the granularity of the directories' mtimes (see :class:`_Listing`)."""
+CLOCK_REUSE_S = 0.01
+"""How long one reading of the clock file serves the listings that follow (an older reading is
+still a bound: it only leaves more of them untrusted), so lookups set it at most 100 times/s."""
 STALE_TMP_S = 600.0
 """Age past which a temporary is a crash's leftover (a sidecar sharing the directory may be
 writing a younger one right now)."""
@@ -176,8 +188,31 @@ class DramTier:
         self.stats.entries -= 1
 
 
+@dataclass
+class _Listing:
+    """The names in one subdirectory, listed when its (inode, mtime) was ``stamp``: reused while
+    that is unchanged, if ``trusted``. A sibling's file created in the same timestamp tick as a
+    listing leaves the mtime as it was, so a listing is trusted only if the mtime is older than
+    the clock file's, set just before it (git's "racy" index rule)."""
+
+    stamp: tuple[int, int]
+    trusted: bool
+    names: list[str]
+    """As listed (never changed: lookups read it without the lock)."""
+    index: list[str] | None = None
+    """The names sorted, for bisection: made by a trusted listing's second lookup (one that is
+    replaced before it is used again, the common case while siblings write, costs no sort)."""
+    lookups: int = 0
+
+
 class FileTier:
-    """Entries as files under ``root/<key[:2]>/``, LRU (by use, then mtime) past ``capacity``."""
+    """Entries as files under ``root/<key[:2]>/``, LRU (by use, then mtime) past ``capacity``.
+
+    Lookups list a subdirectory once and reuse that while its mtime shows no change, so their
+    cost does not grow with the directory. The listings hold one name per file of the (at most
+    256) subdirectories looked up: the store's entries and writes in progress, as many as
+    ``_sizes`` holds items, at ~120 bytes each against ~320 for an item of ``_sizes``.
+    """
 
     def __init__(self, root: str | os.PathLike[str], capacity: int, fsync: bool = False) -> None:
         self.root = Path(root)
@@ -185,6 +220,9 @@ class FileTier:
         self.fsync = fsync
         self.stats = TierStats()
         self._sizes: OrderedDict[EntryId, int] = OrderedDict()
+        self._listings: dict[str, _Listing] = {}
+        self._dir = os.fspath(self.root)  # the lookups' paths as str: pathlib costs ~5 us each
+        self._clock_read: tuple[float, tuple[int, int]] | None = None  # (monotonic, _clock())
         self._lock = threading.Lock()
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
@@ -194,29 +232,57 @@ class FileTier:
         return self.root / eid.key[:2] / eid.filename
 
     def writers(self, key: str, group_fp: str) -> list[EntryId]:
-        """Entries on disk for (key, group), including ones other processes wrote."""
-        prefix = f"{key}-{group_fp}-"
+        """Entries on disk for (key, group), including ones other processes wrote. One stat of
+        the subdirectory while it is unchanged; a new listing after any change. A name listed
+        may be gone by the time it is read (a miss), never wrong: reads check every entry."""
+        sub = key[:2]
         try:
-            names = [n for n in os.listdir(self.root / key[:2]) if n.startswith(prefix)]
+            st = os.stat(os.path.join(self._dir, sub))
         except OSError:  # no such directory (nothing saved under this prefix), or unreadable
             return []
-        out = [e for e in map(parse_filename, names) if e is not None]
         with self._lock:
-            for eid in out:
-                if eid not in self._sizes:
-                    with contextlib.suppress(FileNotFoundError):
-                        self._add(eid, self.path(eid).stat().st_size)
+            listing = self._listings.get(sub)
+        if listing is None or not listing.trusted or listing.stamp != (st.st_ino, st.st_mtime_ns):
+            listing = self._list(sub)
+            if listing is None:
+                return []
+        prefix = f"{key}-{group_fp}-"
+        index = listing.index
+        if index is not None:
+            i = j = bisect.bisect_left(index, prefix)
+            while j < len(index) and index[j].startswith(prefix):
+                j += 1
+            found = index[i:j]
+        else:
+            found = [n for n in listing.names if n.startswith(prefix)]
+            listing.lookups += 1
+            if listing.trusted and listing.lookups == 2:
+                listing.index = sorted(listing.names)
+        out = []
+        for eid in map(parse_filename, found):
+            if eid is None:
+                continue
+            if eid not in self._sizes:  # a sibling's (or no plain file: not an entry)
+                try:
+                    file_st = os.stat(self.path(eid), follow_symlinks=False)
+                except OSError:  # gone since the listing
+                    continue
+                if not stat.S_ISREG(file_st.st_mode):
+                    continue
+                with self._lock:
+                    self._add(eid, file_st.st_size)  # its bytes count from now on
+            out.append(eid)
         return out
 
     def has(self, eid: EntryId) -> bool:
-        """Whether the entry's file exists."""
-        return self.path(eid).is_file()
+        """Whether the entry's file exists (a plain file: not a link to one)."""
+        return _is_plain(self.path(eid))
 
     def write(self, eid: EntryId, buffers: Sequence[bytes | memoryview]) -> bool:
         """Write the entry (temp + rename) unless present; False if it was not written."""
         size = sum(len(b) for b in buffers)
         final = self.path(eid)
-        if size > self.capacity or final.exists():
+        if size > self.capacity or _is_plain(final):
             return False
         tmp = final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP}")
         try:
@@ -231,12 +297,13 @@ class FileTier:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, final)
+            os.replace(tmp, final)  # over a link or FIFO there: the name, never its target
         except OSError as exc:  # disk full, directory gone: the DRAM tier still has the entry
             tmp.unlink(missing_ok=True)
             return self._write_failed(final, exc)
         with self._lock:
             self._add(eid, size)
+            self._changed(eid)
             self._evict(keep=eid)
         return True
 
@@ -252,16 +319,17 @@ class FileTier:
         """The file's bytes in a buffer from ``alloc`` and how many there are (the mtime is
         refreshed: LRU across restarts), None if the file is gone or unreadable. CorruptEntry,
         with nothing allocated, for a file over ``max_size`` (more than any entry of its group
-        holds: a foreign or grown file must not size our memory)."""
+        holds: a foreign or grown file must not size our memory) and for anything but a plain
+        file under the entry's name (a link, a FIFO, a directory: the caller drops it)."""
         path = self.path(eid)
         buf = None
         try:
             # Never through a link, never blocking on a FIFO: only a plain file is an entry.
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            with open(fd, "rb", buffering=0) as f:
+            try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
-                    raise OSError(f"not a plain file (mode {st.st_mode:o})")
+                    raise CorruptEntry(f"not a plain file (mode {st.st_mode:o})")
                 size = st.st_size
                 if size > max_size:
                     raise CorruptEntry(
@@ -270,11 +338,13 @@ class FileTier:
                 buf = alloc(size)
                 view, got = memoryview(buf.array)[:size], 0
                 while got < size:
-                    n = f.readinto(view[got:])
+                    n = os.readv(fd, [view[got:]])
                     if not n:
                         break
                     got += n
-            os.utime(path)
+                os.utime(fd)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             if buf is not None:
                 buf.release()
@@ -282,9 +352,11 @@ class FileTier:
                 self._forget(eid)
             return None
         except OSError as exc:  # unreadable: a miss (the load fails, the engine recomputes)
-            log.warning("store file %s unreadable: %s", path, exc)
             if buf is not None:
                 buf.release()
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+                raise CorruptEntry("a symbolic link, not a plain file") from None
+            log.warning("store file %s unreadable: %s", path, exc)
             return None
         with self._lock:
             if eid in self._sizes:
@@ -295,7 +367,7 @@ class FileTier:
 
     def drop(self, eid: EntryId, corrupt: bool = False) -> None:
         """Delete an entry's file (counted as corrupt when it failed its checks)."""
-        self.path(eid).unlink(missing_ok=True)
+        _unlink(self.path(eid))
         with self._lock:
             self._forget(eid)
             self.stats.corrupt += int(corrupt)
@@ -320,12 +392,60 @@ class FileTier:
                 eid = parse_filename(entry.name)
                 if eid is not None and eid.key[:2] == sub.name:
                     with contextlib.suppress(FileNotFoundError):  # a sibling evicted it meanwhile
-                        st = entry.stat()
-                        found.append((st.st_mtime_ns, eid, st.st_size))
+                        st = entry.stat(follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            found.append((st.st_mtime_ns, eid, st.st_size))
         with self._lock:
             for _mtime, eid, size in sorted(found):
                 self._add(eid, size)
             self._evict(keep=None)
+
+    def _list(self, sub: str) -> _Listing | None:
+        """List a subdirectory (None if it is gone or unreadable) and keep the listing."""
+        clock = self._clock()
+        path = os.path.join(self._dir, sub)
+        try:
+            st = os.stat(path)
+            names = os.listdir(path)
+        except OSError:
+            with self._lock:
+                self._listings.pop(sub, None)
+            return None
+        # Trusted if the last change is a tick before the clock file's: any later one has a
+        # newer mtime (same filesystem only: another one's clock says nothing of it).
+        trusted = clock is not None and clock[0] == st.st_dev and st.st_mtime_ns < clock[1]
+        listing = _Listing((st.st_ino, st.st_mtime_ns), trusted, names)
+        with self._lock:
+            self._listings[sub] = listing
+        return listing
+
+    def _clock(self) -> tuple[int, int] | None:
+        """The filesystem's time now, or up to CLOCK_REUSE_S before: (device, mtime) of the clock
+        file once set to now (None where it cannot be: no listing is trusted then, every lookup
+        lists)."""
+        now, read = time.monotonic(), self._clock_read
+        if read is not None and now - read[0] < CLOCK_REUSE_S:
+            return read[1]
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(os.path.join(self._dir, _CLOCK), flags, 0o600)
+        except OSError:
+            return None
+        try:
+            os.utime(fd)
+            st = os.fstat(fd)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        self._clock_read = (now, (st.st_dev, st.st_mtime_ns))
+        return self._clock_read[1]
+
+    def _changed(self, eid: EntryId) -> None:
+        """Our own write: the entry's subdirectory is listed again at its next lookup (its mtime
+        says so too, where the filesystem's times are fine enough). Under _lock. (A removal
+        needs nothing: a name listed but unknown to ``_sizes`` is checked before it is offered.)"""
+        self._listings.pop(eid.key[:2], None)
 
     def _add(self, eid: EntryId, size: int) -> None:
         if eid in self._sizes:
@@ -346,9 +466,26 @@ class FileTier:
                 return
             if eid == keep:
                 continue
-            self.path(eid).unlink(missing_ok=True)
+            _unlink(self.path(eid))
             self._forget(eid)
             self.stats.evictions += 1
+
+
+def _is_plain(path: Path) -> bool:
+    """Whether ``path`` is a plain file (not through a link)."""
+    try:
+        return stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _unlink(path: Path) -> None:
+    """Remove an entry's name (a link: the link, not its target); one that cannot be (a
+    directory) is logged and left: lookups never offer it."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("store file %s not removed: %s", path, exc)
 
 
 def _write_all(fd: int, buffers: Sequence[bytes | memoryview]) -> None:
