@@ -9,6 +9,8 @@ one per chunk, are there too):
 - ``FileTier.writers`` of a (key, group) with one entry, and of one with none (the store's
   per-chunk lookup), steady (nothing changed since the last call) and after a sibling changed
   the subdirectory (a file added and removed before each call);
+- the ceiling, taken in the same run: one ``os.listdir`` of the subdirectory (what every lookup
+  cost before listings were reused), and ``hit/listdir``, the steady lookup as a share of it;
 - ``Store.lookup`` and ``Store.load`` of a ``--tokens`` prompt in ``--chunk``-token chunks
   (a small dense layout: 2 layers, 1 KV head of 128; DRAM tier off, so every entry is read from
   its file and checked), by a store opened after the save.
@@ -21,6 +23,7 @@ public calls: ``PYTHONPATH`` at another checkout measures that one's store.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import statistics
@@ -73,6 +76,7 @@ def bench_writers(root: str, count: int, n: int) -> dict[str, float]:
     tier = FileTier(root, capacity=1 << 40)
     miss = key()
     out = {
+        "listdir_us": median(lambda: os.listdir(os.path.join(root, SUB)), n) * 1e6,
         "hit_us": median(lambda: tier.writers(hit.key, fp), n) * 1e6,
         "miss_us": median(lambda: tier.writers(miss, fp), n) * 1e6,
     }
@@ -131,18 +135,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5, help="timed lookups/loads, median")
     ap.add_argument("--calls", type=int, default=200, help="timed writers calls, median")
     ap.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
     counts = [int(c) for c in args.files.split(",") if c]
     chunks = -(-args.tokens // args.chunk)
-    print(f"{'pad/subdir':>12} {'writers hit':>12} {'miss':>8} {'after change':>13} "
-          f"{'lookup':>9} {'load':>9}   ({args.tokens} tokens, {chunks} chunks)")  # fmt: skip
+    print(f"{'pad/subdir':>12} {'listdir':>10} {'writers hit':>12} {'hit/listdir':>11} "
+          f"{'miss':>8} {'after change':>13} {'lookup':>9} {'load':>9}   "
+          f"({args.tokens} tokens, {chunks} chunks)")  # fmt: skip
+    rows = []
     for count in counts:
         with tempfile.TemporaryDirectory(prefix="kvx-index-bench-", dir=args.dir) as tmp:
             w = bench_writers(os.path.join(tmp, "w"), count, args.calls)
             s = bench_store(os.path.join(tmp, "s"), count, args.tokens, args.chunk, args.repeat)
-        print(f"{count:>12} {w['hit_us']:>9.1f} us {w['miss_us']:>5.1f} us "
+        row = {"files": count, **w, **s, "hit_vs_listdir": w["hit_us"] / w["listdir_us"]}
+        rows.append(row)
+        print(f"{count:>12} {w['listdir_us']:>7.1f} us {w['hit_us']:>9.1f} us "
+              f"{row['hit_vs_listdir']:>11.3f} {w['miss_us']:>5.1f} us "
               f"{w['after_change_us']:>10.1f} us {s['lookup_ms']:>6.1f} ms "
               f"{s['load_ms']:>6.1f} ms")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tokens": args.tokens, "chunk": args.chunk, "rows": rows}, f, indent=1)
     return 0
 
 
