@@ -10,6 +10,7 @@ from kvxferd.wire.manifest import (
     _POSITIVE,
     ONE_LINE_PATTERN,
     EngineId,
+    FedRequestId,
     Manifest,
     RequestId,
     _Strict,
@@ -233,7 +234,7 @@ class ReleasedHold(_Strict, kw_only=True):
 
     hold_id: str
     """The hold."""
-    request_id: RequestId
+    request_id: FedRequestId
     """The engine's request id."""
     block_ids: list[list[int]]
     """The blocks it pinned, per group."""
@@ -257,7 +258,7 @@ class FinishedPull(_Strict, kw_only=True):
 
     pull_id: str
     """The pull."""
-    request_id: RequestId
+    request_id: FedRequestId
     """``PullRequest.request_id`` of the pull."""
     state: Literal["done", "failed"]
     """How it ended."""

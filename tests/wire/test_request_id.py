@@ -7,8 +7,10 @@ import msgspec
 import pytest
 
 from kvxferd.wire import (
+    FinishedPulls,
     HoldRequest,
     PullRequest,
+    ReleasedHolds,
     RequestId,
     StoreLoadRequest,
     StoreSaveRequest,
@@ -57,3 +59,15 @@ def test_every_incoming_request_id_is_checked_and_named(kind, body, request_id):
     with pytest.raises(msgspec.ValidationError, match=r"at `\$\.request_id`$"):
         msgspec.json.decode(raw, type=kind)
     assert msgspec.json.decode(msgspec.json.encode({**body, "request_id": "r"}), type=kind)
+
+
+def test_an_engine_reads_a_feed_page_whatever_request_id_an_older_sidecar_put_in_it():
+    """A page that failed to decode would be asked for again, step after step, never read."""
+    rid = "r\n" + "x" * 600
+    released = {"holds": [{"hold_id": "h", "request_id": rid, "block_ids": [[1]],
+                           "reason": "notified"}], "cursor": 1}  # fmt: skip
+    page = msgspec.json.decode(msgspec.json.encode(released), type=ReleasedHolds)
+    assert page.holds[0].request_id == rid
+    finished = {"pulls": [{"pull_id": "p", "request_id": rid, "state": "done"}], "cursor": 1}
+    page = msgspec.json.decode(msgspec.json.encode(finished), type=FinishedPulls)
+    assert page.pulls[0].request_id == rid
