@@ -8,6 +8,7 @@ through a sidecar failed 502); an httpx error (a sidecar unreachable) is a 502 t
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -26,8 +27,12 @@ from kvxferd.sim.protocol import (
     raw_transfer_params,
     release_params,
 )
+from kvxferd.wire import ONE_LINE_PATTERN, REQUEST_ID_MAX_LENGTH
 
 log = logging.getLogger(__name__)
+
+_SUFFIX = 9
+"""Characters our request id adds to the client's: ``-`` and 8 hex digits (``_serve``)."""
 
 
 def sim_app(engine: SimEngine, served_model: str) -> FastAPI:
@@ -80,6 +85,7 @@ async def _serve(engine: SimEngine, model: str, request: Request, kind: Kind) ->
     headers = {"X-Request-Id": rid}
     body = await request.body()
     try:
+        _check_request_id(rid)
         parsed = parse(kind, body, model)
     except InvalidRequestError as exc:  # refused before the engine saw it: free the prefill
         engine.stats.requests_failed += 1
@@ -104,6 +110,16 @@ async def _serve(engine: SimEngine, model: str, request: Request, kind: Kind) ->
             headers=headers,
         )
     return JSONResponse(reply.body(), headers=headers)
+
+
+def _check_request_id(rid: str) -> None:
+    """The client's X-Request-Id becomes (suffixed) the request id of our holds: a 400 naming
+    the header unless that fits a RequestId (the sidecar would refuse the hold otherwise)."""
+    longest = REQUEST_ID_MAX_LENGTH - _SUFFIX
+    if len(rid) > longest or not re.search(ONE_LINE_PATTERN, rid):
+        raise InvalidRequestError(
+            "X-Request-Id", f"at most {longest} characters, no control character but tab"
+        )
 
 
 async def _aiter(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:

@@ -227,7 +227,7 @@ class SchedulerSide:
         """Compute ``request`` locally: its params do not check out (declining its tickets,
         when they parse, frees the prefill's blocks at once)."""
         params = request.kv_transfer_params
-        log.warning("request %s: kv_transfer_params ignored, computing it locally: %s",
+        log.warning("request %.200r: kv_transfer_params ignored, computing it locally: %s",
                     request.request_id, exc)  # fmt: skip
         params["do_remote_prefill"] = False
         try:

@@ -38,7 +38,7 @@ class StoreCalls:
             try:
                 self.client.store_save(req)
             except KvxferdError as exc:
-                log.warning("store save of %s failed: %s", o.request_id, exc)
+                log.warning("store save of %.200r failed: %s", o.request_id, exc)
 
     def load(self, orders: list[LoadOrder]) -> None:
         """Load each matched prompt into its blocks; a failure makes them load errors."""
@@ -60,7 +60,9 @@ class StoreCalls:
                     if status.state != "done":
                         reason = f"{status.reason}: {status.detail}"
             if reason:
-                log.warning("store load of %s failed (vLLM computes it): %s", o.request_id, reason)
+                log.warning(
+                    "store load of %.200r failed (vLLM computes it): %s", o.request_id, reason
+                )
                 self._errors.update(b for g in o.block_ids for b in g if b >= 0)
 
     def take_done(self) -> set[str]:

@@ -164,7 +164,7 @@ class StorePlanner:
         try:
             hit = self._lookup(StoreLookupRequest(keys=keys, num_tokens=n)).matched
         except KvxferdError as exc:  # fail open: the engine computes
-            log.warning("store lookup for %s failed: %s", request.request_id, exc)
+            log.warning("store lookup for %.200r failed: %s", request.request_id, exc)
             return 0
         if not 0 < hit <= n:
             return 0

@@ -173,7 +173,7 @@ class WorkerSide:
                     )
                 )
             except KvxferdError as exc:  # no hold: nobody can read, so free the blocks now
-                log.warning("hold for %s refused: %s", h.request_id, exc)
+                log.warning("hold for %.200r refused: %s", h.request_id, exc)
                 self._unheld.add(h.request_id)
                 if isinstance(exc, NotRegisteredError):
                     self._recover()
@@ -182,7 +182,7 @@ class WorkerSide:
             if minted is not None and minted != (placed.epoch, placed.generation):
                 # The ticket names an epoch/generation this sidecar no longer has: no claim can
                 # match it, so give the hold up now and have the scheduler re-read identities.
-                log.warning("ticket for %s is stale (sidecar restarted or re-registered)",
+                log.warning("ticket for %.200r is stale (sidecar restarted or re-registered)",
                             h.request_id)  # fmt: skip
                 self._stale = True
                 self._give_up(h.hold_id)
@@ -202,7 +202,7 @@ class WorkerSide:
             try:
                 accepted = self.client.pull(req)
             except KvxferdError as exc:  # refused: vLLM recomputes these blocks
-                log.warning("pull for %s refused: %s", p.request_id, exc)
+                log.warning("pull for %.200r refused: %s", p.request_id, exc)
                 self._fail(p.request_id, p.block_ids)
                 if isinstance(exc, NotRegisteredError):
                     self._recover()
@@ -273,7 +273,7 @@ class WorkerSide:
     def _lose(self, pull_id: str) -> None:
         """A pull the sidecar no longer knows: finished, every block a load error."""
         pull = self._pulls.pop(pull_id)
-        log.warning("pull %s for %s was lost (sidecar restarted?)", pull_id, pull.request_id)
+        log.warning("pull %s for %.200r was lost (sidecar restarted?)", pull_id, pull.request_id)
         self._fail(pull.request_id, pull.block_ids)
 
     def _fail(self, request_id: str, block_ids: list[list[int]]) -> None:

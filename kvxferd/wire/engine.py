@@ -6,7 +6,15 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kvxferd.wire.manifest import _POSITIVE, EngineId, Manifest, _Strict
+from kvxferd.wire.manifest import (
+    _POSITIVE,
+    ONE_LINE_PATTERN,
+    EngineId,
+    FedRequestId,
+    Manifest,
+    RequestId,
+    _Strict,
+)
 
 PROTOCOL_VERSION = 1
 """Peer protocol version, checked first at handshake. 1: first version."""
@@ -95,8 +103,8 @@ class Identity(_Strict, kw_only=True):
 class HoldRequest(_Strict, kw_only=True):
     """Engine (prefill) -> sidecar: pin these blocks until a decode side has read them."""
 
-    request_id: str
-    """The engine's request id."""
+    request_id: RequestId
+    """The engine's request id (at most 512 characters, no ASCII control but tab)."""
     block_ids: list[list[int]]
     """Logical block ids per group, in request order."""
     num_tokens: Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 0})]
@@ -121,8 +129,8 @@ class Ticket(_Strict, kw_only=True):
     """Prefill sidecar boot epoch at hold time."""
     hold_id: str
     """The hold to claim."""
-    request_id: str
-    """The prefill engine's request id."""
+    request_id: RequestId
+    """The prefill engine's request id (at most 512 characters, no ASCII control but tab)."""
     block_ids: list[list[int]]
     """Remote logical block ids per group."""
     num_tokens: int
@@ -160,8 +168,9 @@ class PullRequest(_Strict, kw_only=True):
     deadline_s: float = 30.0
     """Seconds the whole pull may take (handshake, claim, transfer; the engine chooses); at most
     the sidecar's ``max_pull_deadline_s`` (600 by default), else a 422 naming it."""
-    request_id: str = ""
-    """The decode engine's request id, echoed in the finished-pulls feed."""
+    request_id: RequestId = ""
+    """The decode engine's request id, echoed in the finished-pulls feed (at most 512
+    characters, no ASCII control but tab)."""
     num_tokens: int = -1
     """Prompt tokens the decode wants moved (-1: the tickets' num_tokens). Fewer than the
     tickets' (Mamba partial prefill) or block sizes that differ between the sides (re-blocking)
@@ -174,8 +183,9 @@ class DeclineRequest(_Strict, kw_only=True):
 
     tickets: list[Ticket]
     """Tickets of the holds to release: any requests, any prefill ranks (MACs are checked)."""
-    reason: Annotated[str, msgspec.Meta(max_length=256)] = ""
-    """Why, for logs (e.g. ``rejected``, ``aborted``; at most 256 characters)."""
+    reason: Annotated[str, msgspec.Meta(max_length=256, pattern=ONE_LINE_PATTERN)] = ""
+    """Why, for logs (e.g. ``rejected``, ``aborted``; at most 256 characters, no ASCII control
+    but tab: each prefill side logs it)."""
 
 
 class KeepaliveRequest(_Strict, kw_only=True):
@@ -224,7 +234,7 @@ class ReleasedHold(_Strict, kw_only=True):
 
     hold_id: str
     """The hold."""
-    request_id: str
+    request_id: FedRequestId
     """The engine's request id."""
     block_ids: list[list[int]]
     """The blocks it pinned, per group."""
@@ -248,7 +258,7 @@ class FinishedPull(_Strict, kw_only=True):
 
     pull_id: str
     """The pull."""
-    request_id: str
+    request_id: FedRequestId
     """``PullRequest.request_id`` of the pull."""
     state: Literal["done", "failed"]
     """How it ended."""

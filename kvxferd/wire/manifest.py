@@ -16,6 +16,24 @@ NIXL agent and region names, and to peers). ``(?!\n)``: Python's ``$`` also matc
 final newline."""
 EngineId = Annotated[str, msgspec.Meta(pattern=ENGINE_ID_PATTERN)]
 
+ONE_LINE_PATTERN = r"^[^\x00-\x08\x0a-\x1f\x7f]*(?!\n)$"
+"""Text that stays one log line: no ASCII control character but tab (a newline would forge a
+line, an escape sequence rewrite the terminal). ``(?!\n)`` as in ENGINE_ID_PATTERN."""
+
+REQUEST_ID_MAX_LENGTH = 512
+RequestId = Annotated[str, msgspec.Meta(max_length=REQUEST_ID_MAX_LENGTH, pattern=ONE_LINE_PATTERN)]
+"""An engine's request id: at most 512 characters, one line (ONE_LINE_PATTERN). It comes from
+the engine (through vLLM possibly from a client's X-Request-Id or body) and goes into logs,
+tickets and feeds."""
+FedRequestId = Annotated[
+    str,
+    msgspec.Meta(
+        extra_json_schema={"maxLength": REQUEST_ID_MAX_LENGTH, "pattern": ONE_LINE_PATTERN}
+    ),
+]
+"""A request id in a sidecar's feed: a RequestId in the schema only, so an engine reading an
+older sidecar's feed is not stuck on a page with an id that sidecar let through."""
+
 MANIFEST_VERSION = 1
 """Bump when the manifest's meaning changes. 1: first version."""
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from kvxferd.wire.manifest import _Strict
+from kvxferd.wire.manifest import RequestId, _Strict
 
 
 class StoreSaveRequest(_Strict, kw_only=True):
     """Engine -> sidecar: keep a request's computed blocks in the store (issue 12)."""
 
-    request_id: str
-    """The engine's request id, for logs."""
+    request_id: RequestId
+    """The engine's request id, for logs (at most 512 characters, no ASCII control but tab)."""
     keys: list[str]
     """Chunk keys of the prompt (``kvxferd.store.chunk_keys``): one per ``store_chunk_tokens``
     tokens, the last chunk possibly partial."""
@@ -75,8 +75,8 @@ class StoreLoadRequest(_Strict, kw_only=True):
     """Local logical block ids per group (mamba: the state block last)."""
     num_tokens: int
     """Tokens to load: a lookup's ``matched`` (or fewer, on a chunk boundary)."""
-    request_id: str = ""
-    """The engine's request id, for logs."""
+    request_id: RequestId = ""
+    """The engine's request id, for logs (at most 512 characters, no ASCII control but tab)."""
     deadline_s: float = 30.0
     """Past this the load stops before its next chunk and answers failed (``deadline``); the
     answer comes only once nothing more is written (a client waits a margin longer)."""

@@ -241,6 +241,13 @@ def test_a_decline_reaches_the_sidecar_typed(fake_engine, fake):
     assert name == "decline" and isinstance(req, DeclineRequest) and req.reason == "rejected"
 
 
+@pytest.mark.parametrize("reason", ["rejected\nkvxferd ready", "rejected\n", "x" * 257])
+def test_a_decline_whose_reason_is_not_one_short_line_is_a_422_naming_it(fake_engine, fake, reason):
+    err = _error(fake_engine.post("/v1/decline", json={"tickets": [], "reason": reason}), 422)
+    assert err.field == "reason"
+    assert fake.calls == []
+
+
 def test_a_pull_is_accepted_with_202_and_its_id(fake_engine):
     ticket = Ticket(
         engine_id="e",
@@ -333,6 +340,36 @@ def test_a_second_hold_of_a_live_request_is_a_409_naming_request_id(real):
     assert real.engine.post("/v1/holds", json=body).status_code == 200
     err = _error(real.engine.post("/v1/holds", json=body), 409)
     assert (err.error, err.field) == ("DuplicateHoldError", "request_id")
+
+
+@pytest.mark.parametrize(
+    "request_id",
+    ["r\nkvxferd ready", "r\n", "r\x1b[2J", "x" * 513],
+    ids=["newline", "trailing-newline", "escape", "513-characters"],
+)
+def test_a_hold_with_a_request_id_that_is_too_long_or_has_a_control_character_is_a_422(
+    real, request_id
+):
+    before = real.sidecar.holds.active
+    err = _error(real.engine.post("/v1/holds", json=_hold_body(request_id=request_id)), 422)
+    assert (err.error, err.field) == ("ValidationError", "request_id")
+    assert real.sidecar.holds.active == before
+
+
+def test_a_hold_with_a_512_character_request_id_is_placed_and_its_ticket_names_it(real):
+    request_id = uuid.uuid4().hex.ljust(512, "\t")
+    resp = real.engine.post("/v1/holds", json=_hold_body(request_id=request_id))
+    assert resp.status_code == 200, resp.text
+    ticket = msgspec.json.decode(resp.content, type=Ticket)
+    assert ticket.request_id == request_id
+    assert real.engine.post("/v1/holds/abort", json={"hold_id": ticket.hold_id}).status_code == 204
+
+
+@pytest.mark.parametrize("path", ["/v1/store/save", "/v1/store/load"])
+def test_a_store_call_with_a_newline_in_its_request_id_is_a_422_naming_it(fake_engine, fake, path):
+    body = {"request_id": "r\n", "keys": ["k"], "block_ids": [[1]], "num_tokens": 16}
+    assert _error(fake_engine.post(path, json=body), 422).field == "request_id"
+    assert fake.calls == []
 
 
 def test_abort_releases_once_then_the_hold_is_unknown(real):

@@ -104,3 +104,16 @@ def test_a_ticket_naming_an_engine_id_no_sidecar_can_have_is_a_422_naming_it(
     resp = fake_engine.post("/v1/pulls/run", json={"tickets": [ticket], "block_ids": [[3]]})
     assert _error(resp, 422).field == "tickets[0].engine_id"
     assert fake.calls == []
+
+
+@pytest.mark.parametrize("path", ["/v1/pulls", "/v1/pulls/run"])
+@pytest.mark.parametrize("request_id", ["q\n", "q\rforged", "x" * 513])
+def test_a_pull_whose_request_id_is_too_long_or_has_a_control_character_is_a_422_naming_it(
+    fake_engine, fake, path, request_id
+):
+    body = {"tickets": [msgspec.to_builtins(TICKET)], "block_ids": [[3]], "request_id": request_id}
+    assert _error(fake_engine.post(path, json=body), 422).field == "request_id"
+    ticket = {**msgspec.to_builtins(TICKET), "request_id": request_id}
+    resp = fake_engine.post(path, json={"tickets": [ticket], "block_ids": [[3]]})
+    assert _error(resp, 422).field == "tickets[0].request_id"
+    assert fake.calls == []

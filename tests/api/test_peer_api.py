@@ -357,6 +357,13 @@ def test_decline_with_a_tampered_ticket_is_a_401_naming_it_and_releases_nothing(
     assert _claim(real, good).status_code == 200
 
 
+def test_a_peer_decline_whose_reason_has_a_newline_is_a_422_and_releases_nothing(real):
+    ticket = _hold(real)
+    body = msgspec.to_builtins(DeclineRequest(tickets=[ticket], reason="rejected\nforged"))
+    assert _error(post(real.peer, "/v1/decline", body), 422).field == "reason"
+    assert _claim(real, ticket).status_code == 200
+
+
 def test_leases_run_on_the_monotonic_clock_and_only_the_wire_carries_unix_times(real):
     assert real.sidecar.holds._clock is time.monotonic  # a wall-clock step cannot expire a hold
     before = time.time()

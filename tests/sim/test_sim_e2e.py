@@ -205,6 +205,23 @@ def test_models_health_and_request_id(sims):
     assert d.stats()["local"] >= 1
 
 
+def test_a_client_request_id_too_long_for_a_hold_is_a_400_naming_the_header(sims):
+    p = sims["prefill"]
+    before = p.stats()
+    body = _body("completion", SHORT, max_tokens=1, kv_transfer_params=STUB)
+    resp = p.post(PATHS["completion"], body, headers={"X-Request-Id": "x" * 504})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "X-Request-Id"
+    assert p.stats()["requests_failed"] == before["requests_failed"] + 1
+    longest = p.post(PATHS["completion"], body, headers={"X-Request-Id": "x" * 503})
+    assert longest.status_code == 200, longest.text
+    params = longest.json()["kv_transfer_params"]
+    assert len(params["remote_request_id"]) == 512  # the client's id, "-" and 8 hex digits
+    assert _decode(sims["decode"], "completion", SHORT, params) == _colocated(
+        sims["colocated"], "completion", SHORT)  # fmt: skip
+    wait_until(lambda: _all_free(p), what="prefill blocks back after the pull")
+
+
 def _refuses(host: str, port: int) -> bool:
     try:
         socket.create_connection((host, port), timeout=1).close()

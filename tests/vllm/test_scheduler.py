@@ -137,6 +137,10 @@ BAD_PARAMS = {
         lambda p: {"kvxferd_tickets": _ticket_with(p, block_ids=[["1"]])},
         False,
     ),
+    "a ticket whose request id has a newline": (
+        lambda p: {"kvxferd_tickets": _ticket_with(p, request_id="p\nforged log line")},
+        False,
+    ),
 }
 
 

@@ -219,4 +219,4 @@ def test_a_failed_lookup_is_a_miss_and_the_engine_computes(engines, monkeypatch,
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {"r": N}
     assert out.kv_connector_metadata.orders.loads == []
-    assert "store lookup for r failed" in caplog.text
+    assert "store lookup for 'r' failed" in caplog.text

@@ -119,6 +119,52 @@ def test_a_load_promised_on_tickets_for_other_groups_ends_with_its_blocks_as_loa
         assert decode.connector.get_block_ids_with_load_errors() == {9, 10, 11, 12}
 
 
+# Request ids vLLM may take from a client (X-Request-Id, the body's request_id) that no sidecar
+# takes: too long, or a newline that would forge a log line.
+REFUSED_IDS = ["cmpl-" + "x" * 508, "chatcmpl-r\nforged log line"]
+
+
+def test_a_prefill_whose_request_id_the_sidecar_refuses_frees_its_blocks_at_once(
+    engines, tmp_path, caplog
+):
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    with worker_pair(tmp_path, "LBHNC", engine) as (prefill, _decode, p_side):
+        with p_side.client() as c:
+            ident = c.identity()
+        sched = prefill_side(lambda: [ident], engine.config.cache_config.block_size)
+        for i, rid in enumerate([*REFUSED_IDS, "r-ok"]):
+            assert finish(sched, rid, ([3 * i + 1, 3 * i + 2],), 200)[0]
+        # No hold for the refused ids, so nobody can read them: finished at once, blocks freed.
+        sending, _ = prefill.step(sched.take_orders())
+        assert sending == set(REFUSED_IDS)
+        with p_side.client() as c:
+            assert c.identity().engine_id == ident.engine_id  # the sidecar keeps serving
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 2 and not any("\n" in m for m in refused)  # one line each
+
+
+def test_a_decode_whose_request_id_the_sidecar_refuses_reports_its_blocks_as_load_errors(
+    engines, tmp_path
+):
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    with worker_pair(tmp_path, "LBHNC", engine) as (prefill, decode, p_side):
+        with p_side.client() as c:
+            ident = c.identity()
+        sched = prefill_side(lambda: [ident], engine.config.cache_config.block_size)
+        _delay, params = finish(sched, "r1", ([3, 4, 5],), 300)
+        assert prefill.step(sched.take_orders()) == (None, None)  # hold placed
+        for i, rid in enumerate(REFUSED_IDS):
+            dreq = SimpleNamespace(request_id=rid, prompt_token_ids=list(range(300)),
+                                   kv_transfer_params=dict(params))  # fmt: skip
+            count, is_async = sched.matched_tokens(dreq, 0)
+            assert is_async and count == 300
+            local = [[9 + 3 * i, 10 + 3 * i, 11 + 3 * i]]
+            sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda ids=local: ids), count)
+            got = step_until(decode, sched.take_orders(), 1, 60, "the refused pull to end")
+            assert got == {rid}
+            assert decode.connector.get_block_ids_with_load_errors() == set(local[0])
+
+
 @pytest.mark.parametrize(
     "model,p_tp,d_tp,conv",
     [

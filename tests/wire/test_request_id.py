@@ -1,0 +1,73 @@
+"""RequestId: at most 512 characters and no ASCII control but tab, on every request id that comes
+in (a newline in one would forge a log line; an unbounded one would grow every table and feed)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvxferd.wire import (
+    FinishedPulls,
+    HoldRequest,
+    PullRequest,
+    ReleasedHolds,
+    RequestId,
+    StoreLoadRequest,
+    StoreSaveRequest,
+    Ticket,
+)
+
+_TICKET = {
+    "engine_id": "e", "epoch": 1, "hold_id": "h", "request_id": "r", "block_ids": [[1]],
+    "num_tokens": 1, "expires_at": 0.0, "tp_rank": 0, "tp_size": 1, "peer": "h:1",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "request_id",
+    ["", "r", "x" * 512, "cmpl-\t-0", "caf\u00e9 \u2603", "chatcmpl-7f3a-0-1b2c"],
+    ids=["empty", "one", "512", "tab", "non-ascii", "vllm-style"],
+)
+def test_a_request_id_of_at_most_512_non_control_characters_is_taken(request_id):
+    assert msgspec.convert(request_id, RequestId) == request_id
+
+
+@pytest.mark.parametrize(
+    "request_id",
+    ["x" * 513, "r\n", "r\nkvxferd ready", "\n", "r\r", "r\x00", "r\x08", "r\x1b[2J", "r\x7f"],
+    ids=["513", "trailing-newline", "newline", "only-newline", "cr", "nul", "bs", "esc", "del"],
+)
+def test_a_request_id_too_long_or_with_a_control_character_is_refused(request_id):
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert(request_id, RequestId)
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        (HoldRequest, {"block_ids": [[1]], "num_tokens": 1}),
+        (Ticket, _TICKET),
+        (PullRequest, {"tickets": [_TICKET], "block_ids": [[1]]}),
+        (StoreSaveRequest, {"keys": ["k"], "block_ids": [[1]]}),
+        (StoreLoadRequest, {"keys": ["k"], "block_ids": [[1]], "num_tokens": 1}),
+    ],
+    ids=["hold", "ticket", "pull", "store-save", "store-load"],
+)
+@pytest.mark.parametrize("request_id", ["r\n", "x" * 513], ids=["newline", "513"])
+def test_every_incoming_request_id_is_checked_and_named(kind, body, request_id):
+    raw = msgspec.json.encode({**body, "request_id": request_id})
+    with pytest.raises(msgspec.ValidationError, match=r"at `\$\.request_id`$"):
+        msgspec.json.decode(raw, type=kind)
+    assert msgspec.json.decode(msgspec.json.encode({**body, "request_id": "r"}), type=kind)
+
+
+def test_an_engine_reads_a_feed_page_whatever_request_id_an_older_sidecar_put_in_it():
+    """A page that failed to decode would be asked for again, step after step, never read."""
+    rid = "r\n" + "x" * 600
+    released = {"holds": [{"hold_id": "h", "request_id": rid, "block_ids": [[1]],
+                           "reason": "notified"}], "cursor": 1}  # fmt: skip
+    page = msgspec.json.decode(msgspec.json.encode(released), type=ReleasedHolds)
+    assert page.holds[0].request_id == rid
+    finished = {"pulls": [{"pull_id": "p", "request_id": rid, "state": "done"}], "cursor": 1}
+    page = msgspec.json.decode(msgspec.json.encode(finished), type=FinishedPulls)
+    assert page.pulls[0].request_id == rid
