@@ -62,6 +62,10 @@ T = TypeVar("T")
 _KEEP_EPOCHS = 4096  # (engine id, epoch) pairs remembered for the epochs-seen counter
 _MAX_ADDRESS = (1 << 63) - 1  # READ descriptor addresses are int64
 _MAX_TEXT = 1000  # characters kept of a peer's error detail and field
+_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x09), *range(0x0A, 0x20), 0x7F, 0x85]}
+_ESCAPES |= {0x2028: "\\u2028", 0x2029: "\\u2029"}
+"""Line breaks and control characters (tab aside) as escapes: a peer's text is logged, and
+must not forge log lines."""
 
 
 @dataclass(frozen=True)
@@ -357,10 +361,10 @@ def _remote_error(address: str, status: int, content: bytes, codec: Any) -> Exce
     try:
         body = codec.decode(content, type=ErrorBody)
         # cut: a failed pull keeps (and logs) its detail, however much text the peer sent
-        detail, error = body.detail[:_MAX_TEXT], body.error
-        body_field = body.field[:_MAX_TEXT]
+        detail, error = body.detail[:_MAX_TEXT].translate(_ESCAPES), body.error
+        body_field = body.field[:_MAX_TEXT].translate(_ESCAPES)
     except msgspec.MsgspecError:
-        detail = content[:200].decode(errors="replace")
+        detail = content[:200].decode(errors="replace").translate(_ESCAPES)
     if status == UnknownHoldError.status:
         return UnknownHoldError(f"peer {address}: {detail}")
     if status == HoldExpiredError.status:

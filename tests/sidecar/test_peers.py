@@ -251,3 +251,21 @@ def test_a_peers_error_answer_is_cut_to_a_bounded_message(status, error):
     assert len(str(exc)) < 2048
     assert len(getattr(exc, "field", "") or "") < 2048
     assert len(getattr(exc, "fields", {})) < 1024
+
+
+@pytest.mark.parametrize("status", [404, 401, 409, 422, 502])
+@pytest.mark.parametrize("error", ["ClaimMismatchError", "SegmentTooSmallError", "Other"])
+def test_a_peers_error_answer_cannot_forge_a_log_line(status, error):
+    # The detail ends up in the decode's logs and in PullStatus.detail: one line, always.
+    import msgspec
+
+    from kvxferd.sidecar.peers import _remote_error
+    from kvxferd.wire import ErrorBody
+
+    forged = "x\n2026-01-01 INFO forged\r\x1b[2J\x85\u2028end\tok"
+    for content in (msgspec.json.encode(ErrorBody(error=error, detail=forged, field=forged)),
+                    forged.encode()):  # fmt: skip
+        exc = _remote_error("127.0.0.1:1", status, content, msgspec.json)
+        text = f"{exc} {getattr(exc, 'field', '')}"
+        assert len(text.splitlines()) == 1 and "\x1b" not in text, text
+        assert "forged" in text and "\t" in text  # escaped, not dropped; a tab is kept
