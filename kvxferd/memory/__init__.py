@@ -7,6 +7,7 @@ from kvxferd.memory.region import (
     RegionSource,
     check_region_name,
     check_region_size,
+    first_shrunk,
 )
 from kvxferd.memory.shm import SHM_DIR, SharedMemoryRegion
 from kvxferd.memory.spec import check_sources, open_region
@@ -22,5 +23,6 @@ __all__ = [
     "check_region_name",
     "check_sources",
     "check_region_size",
+    "first_shrunk",
     "open_region",
 ]

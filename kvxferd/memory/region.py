@@ -89,3 +89,17 @@ def check_region_size(size: int, what: str = "size") -> int:
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise MemoryRegionError(f"region {what} must be a positive int, got {size!r}")
     return size
+
+
+def first_shrunk(sources: list[RegionSource]) -> tuple[str, str] | None:
+    """``(field, why)`` of the first source whose memory no longer backs all of it (its owner
+    truncated the segment: touching the missing pages raises SIGBUS), None if all are whole.
+    The field is ``regions[i].size_bytes`` of the registration that named the sources."""
+    for i, source in enumerate(sources):
+        backed = source.backed_bytes()
+        if backed < source.size:
+            return f"regions[{i}].size_bytes", (
+                f"segment {source.name!r} was truncated to {backed} of its {source.size} "
+                "registered bytes; this registration's memory is no longer touched: "
+                "unregister and register again")  # fmt: skip
+    return None

@@ -1,6 +1,7 @@
 """A PullRequest checked against the local manifest, and what it asks of each prefill rank.
 
-``validate_pull`` is the one place a pull's block ids and tickets are checked (a 422 naming the
+``check_reader_tp`` checks the decode TP size a claim announces; ``validate_pull`` is the one
+place a pull's block ids and tickets are checked (a 422 naming the
 field); ``unread_ranks`` gives the prefill ranks no decode rank reads from.
 """
 
@@ -9,8 +10,52 @@ from __future__ import annotations
 import math
 
 from kvxferd import descriptors
-from kvxferd.errors import BlockIdError
+from kvxferd.descriptors.geometry import iter_parts
+from kvxferd.errors import BlockIdError, HoldRequestError
 from kvxferd.wire import Group, Manifest, PullRequest
+
+MAX_READER_TP = 1024
+"""Largest decode TP size a claim may announce (its expected readers follow from it)."""
+
+
+def check_reader_tp(manifest: Manifest, reader_tp_size: int) -> None:
+    """HoldRequestError (422, ``reader_tp_size``) unless it is a TP size the manifest's units
+    can be split over or replicated to (the ownership rule), at most MAX_READER_TP."""
+    tp = reader_tp_size
+    if not (isinstance(tp, int) and 1 <= tp <= MAX_READER_TP):
+        raise HoldRequestError("reader_tp_size", f"must be 1..{MAX_READER_TP}, got {tp!r}")
+    for _g, _i, name, _layer, part in iter_parts(manifest):
+        ut = part.units_total
+        if ut % tp and tp % ut:
+            raise HoldRequestError(
+                "reader_tp_size", f"{tp} neither divides nor is a multiple of the {ut} units of "
+                f"part {name}",
+            )  # fmt: skip
+
+
+class ReaderCounts:
+    """``check_reader_tp`` and ``expected_readers`` once per (registration, reader TP): both walk
+    every part of the manifest and depend on nothing else (a claim's hot path)."""
+
+    KEEP = 64
+    """(registration, reader TP) pairs kept; the table is cleared past it."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[int, int], tuple[Manifest, int]] = {}
+
+    def expected(self, manifest: Manifest, reader_tp_size: int) -> int:
+        """Readers a hold of ``manifest`` expects from a decode of ``reader_tp_size`` ranks
+        (HoldRequestError if that TP size cannot read it)."""
+        key = (id(manifest), reader_tp_size)
+        hit = self._seen.get(key)
+        if hit is not None and hit[0] is manifest:
+            return hit[1]
+        check_reader_tp(manifest, reader_tp_size)  # raises: nothing cached
+        readers = descriptors.expected_readers(manifest, reader_tp_size)
+        if len(self._seen) >= self.KEEP:
+            self._seen.clear()
+        self._seen[key] = (manifest, readers)
+        return readers
 
 
 def unread_ranks(local: Manifest, remote_tp: int) -> list[int]:

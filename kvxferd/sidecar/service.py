@@ -20,13 +20,11 @@ from msgspec import structs
 
 from kvxferd import descriptors
 from kvxferd.config import Config
-from kvxferd.descriptors.geometry import iter_parts
 from kvxferd.errors import (
     AlreadyRegisteredError,
     ClaimMismatchError,
     FabricNotReadyError,
     HoldExpiredError,
-    HoldRequestError,
     MemoryInUseError,
     NotRegisteredError,
     SegmentTooSmallError,
@@ -34,7 +32,7 @@ from kvxferd.errors import (
     UnknownHoldError,
 )
 from kvxferd.layout import validate_manifest
-from kvxferd.memory import check_sources, open_region
+from kvxferd.memory import check_sources, first_shrunk, open_region
 from kvxferd.metrics import Metrics
 from kvxferd.sidecar.fabric import Fabric
 from kvxferd.sidecar.holds import REAP_SLICE, DeclineOutcome, HoldTable
@@ -42,6 +40,7 @@ from kvxferd.sidecar.keepalive import decline_at_peers, keep_alive
 from kvxferd.sidecar.notifs import NotificationPoller
 from kvxferd.sidecar.offload import STOP_S, Offload
 from kvxferd.sidecar.peers import PeerTable
+from kvxferd.sidecar.pull_request import ReaderCounts, check_reader_tp
 from kvxferd.sidecar.pulls import Pull, PullRunner
 from kvxferd.sidecar.reads import QUARANTINE_S
 from kvxferd.sidecar.signing import PeerKeys
@@ -74,10 +73,7 @@ from kvxferd.wire import (
 
 log = logging.getLogger(__name__)
 
-_KEEP_READERS = 64  # (registration, reader TP) pairs of _expected_readers
 _REAP_MAX_SLEEP_S = 1.0
-MAX_READER_TP = 1024
-"""Largest decode TP size a claim may announce (its expected readers follow from it)."""
 _MAX_HOLD_WAITERS = 4096  # claims waiting at once for an engine-chosen hold to be placed
 
 
@@ -124,7 +120,7 @@ class Sidecar:
         self._accepted = self.keys.accepted if self.keys is not None else (self._secret,)
         self._hold_waiters: dict[str, tuple[asyncio.Event, list[int]]] = {}
         self._released_reported: dict[str, int] = {}  # release counts already in metrics
-        self._readers: dict[tuple[int, int], tuple[Manifest, int]] = {}  # _expected_readers
+        self._readers = ReaderCounts()
         self.generation = -1  # registration generation; -1 while no engine is registered
         self._leaving = False  # an unregister is letting the memory go: refuse new work on it
         self._next_generation = 0
@@ -410,7 +406,7 @@ class Sidecar:
                 "ticket.tp_rank", f"rank {ticket.tp_rank} of {ticket.tp_size}, but this sidecar "
                 f"holds rank {manifest.tp_rank} of {manifest.tp_size}",
             )  # fmt: skip
-        readers = self._expected_readers(manifest, req.reader_tp_size)
+        readers = self._readers.expected(manifest, req.reader_tp_size)
         await self._await_hold(ticket.hold_id)
         holds, _ = self._require_engine()
         try:
@@ -428,20 +424,6 @@ class Sidecar:
             expected_readers=readers,
             claim_s=grant.granted_s,
         )
-
-    def _expected_readers(self, manifest: Manifest, reader_tp_size: int) -> int:
-        """``check_reader_tp`` and ``expected_readers``, once per (registration, reader TP): both
-        walk every part of the manifest and depend on nothing else (a claim's hot path)."""
-        key = (id(manifest), reader_tp_size)
-        hit = self._readers.get(key)
-        if hit is not None and hit[0] is manifest:
-            return hit[1]
-        check_reader_tp(manifest, reader_tp_size)  # raises: nothing cached
-        readers = descriptors.expected_readers(manifest, reader_tp_size)
-        if len(self._readers) >= _KEEP_READERS:
-            self._readers.clear()
-        self._readers[key] = (manifest, readers)
-        return readers
 
     def heartbeat(self, req: Heartbeat) -> HeartbeatResponse:
         """Extend leases of still-queued requests."""
@@ -525,15 +507,9 @@ class Sidecar:
         TCP) touching the missing pages would kill this process with SIGBUS. One fstat per
         source; a truncation during a copy that already passed this check is not caught."""
         if self._shrunk is None:
-            for i, region in enumerate(self._regions):
-                backed = region.backed_bytes()
-                if backed < region.size:
-                    self._shrunk = (f"regions[{i}].size_bytes", (
-                        f"segment {region.name!r} was truncated to {backed} of its {region.size} "
-                        "registered bytes; this registration's memory is no longer touched: "
-                        "unregister and register again"))  # fmt: skip
-                    log.error("registered memory %s", ": ".join(self._shrunk))
-                    break
+            self._shrunk = first_shrunk(self._regions)
+            if self._shrunk is not None:
+                log.error("registered memory %s", ": ".join(self._shrunk))
         if self._shrunk is not None:
             raise SegmentTooSmallError(*self._shrunk)
 
@@ -611,21 +587,6 @@ class Sidecar:
             else:
                 delay = _REAP_MAX_SLEEP_S
             await asyncio.sleep(min(delay, _REAP_MAX_SLEEP_S) + 0.001)
-
-
-def check_reader_tp(manifest: Manifest, reader_tp_size: int) -> None:
-    """HoldRequestError (422, ``reader_tp_size``) unless it is a TP size the manifest's units
-    can be split over or replicated to (the ownership rule), at most MAX_READER_TP."""
-    tp = reader_tp_size
-    if not (isinstance(tp, int) and 1 <= tp <= MAX_READER_TP):
-        raise HoldRequestError("reader_tp_size", f"must be 1..{MAX_READER_TP}, got {tp!r}")
-    for _g, _i, name, _layer, part in iter_parts(manifest):
-        ut = part.units_total
-        if ut % tp and tp % ut:
-            raise HoldRequestError(
-                "reader_tp_size", f"{tp} neither divides nor is a multiple of the {ut} units of "
-                f"part {name}",
-            )  # fmt: skip
 
 
 __all__ = ["Pull", "Sidecar", "check_reader_tp"]
