@@ -9,15 +9,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
+import msgspec
+
 from kvxferd._docstrings import attribute_docs
 from kvxferd.aio import check_event_loop, check_http
 from kvxferd.errors import ConfigError
-from kvxferd.wire.manifest import ENGINE_ID_PATTERN
+from kvxferd.wire.manifest import EngineId
 
 ENV_PREFIX = "KVXFERD_"
 
@@ -160,11 +161,14 @@ class Config:
             )
         if not self.backends:
             raise ConfigError("backends: at least one NIXL backend is needed")
-        if self.engine_id and not re.search(ENGINE_ID_PATTERN, self.engine_id):
-            raise ConfigError(
-                f"engine_id: {self.engine_id!r} is not 1-128 printable ASCII characters "
-                "without spaces"
-            )
+        if self.engine_id:
+            try:
+                msgspec.convert(self.engine_id, EngineId)
+            except msgspec.ValidationError:
+                raise ConfigError(
+                    f"engine_id: {self.engine_id!r} is not 1-128 printable ASCII characters "
+                    "without spaces"
+                ) from None
         check_event_loop(self.event_loop)
         check_http(self.http)
 

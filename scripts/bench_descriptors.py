@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 from kvxferd.descriptors import build_views, plan_read, read_geometry, reference_descriptor_count
 from kvxferd.wire import AttentionLayer, Group, MambaLayer, Manifest, Part, Region
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, also when loaded by path
+from benchlib.timing import median_s  # noqa: E402
 
 FULL = {"regions": 60, "blocks": 100_000, "request": 1000, "repeat": 5}
 QUICK = {"regions": 8, "blocks": 10_000, "request": 100, "repeat": 3}
@@ -150,16 +151,6 @@ def loop_plan(local: Manifest, remote: Manifest, lids, rids) -> int:
     return len(out)
 
 
-def timed(fn: Callable[[], object], repeat: int) -> float:
-    """Median wall seconds of ``repeat`` calls."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def request(m: Manifest, n: int, scattered: bool, seed: int = 0) -> list[np.ndarray]:
     """``n`` ids per group, disjoint across groups: a contiguous run, or a random sample."""
     if scattered:
@@ -179,10 +170,10 @@ def row(case: str, ours: float, loop: float | None, descs: int, loop_descs: int 
 def run(args: argparse.Namespace) -> dict:
     m = synthetic(args.regions, args.blocks, args.ratio)
     views = build_views(m)
-    t_views = timed(lambda: build_views(m), args.repeat)
+    t_views = median_s(lambda: build_views(m), args.repeat)
     per_block = sum(len(parts_of(layer)) for g in m.groups for layer in g.layers) * args.ratio
     sub = max(1, min(args.blocks, int(200_000 // per_block)))  # ~0.2M tuples per loop run
-    t_loop = timed(lambda: loop_tables(m, sub), 1) * args.blocks / sub
+    t_loop = median_s(lambda: loop_tables(m, sub), 1) * args.blocks / sub
     rows = [row("build_views (whole pool)", t_views, t_loop, views.num_descriptors,
                 per_block * args.blocks, scaled=sub < args.blocks)]  # fmt: skip
     geo = read_geometry(m, m)
@@ -190,19 +181,21 @@ def run(args: argparse.Namespace) -> dict:
         lids = request(m, args.request, tag == "scattered", 1)
         rids = request(m, args.request, tag == "scattered", 2)
         ref = reference_descriptor_count(m, lids)
-        t_base = timed(lambda a=lids, b=rids: loop_plan(m, m, a, b), 3)
+        t_base = median_s(lambda a=lids, b=rids: loop_plan(m, m, a, b), 3)
         for co in (False, True):
             n = plan_read(m, m, lids, rids, coalesce=co).num_descriptors
-            t = timed(lambda c=co, a=lids, b=rids: plan_read(m, m, a, b, coalesce=c), args.repeat)
+            t = median_s(
+                lambda c=co, a=lids, b=rids: plan_read(m, m, a, b, coalesce=c), args.repeat
+            )
             rows.append(row(f"plan_read {tag} coalesce={co}", t, t_base, n, ref))
-            t = timed(lambda c=co, a=lids, b=rids: geo.plan(a, b, coalesce=c), args.repeat)
+            t = median_s(lambda c=co, a=lids, b=rids: geo.plan(a, b, coalesce=c), args.repeat)
             rows.append(row("  same, peer geometry cached", t, t_base, n, ref))
     local = synthetic(args.regions, args.blocks, args.ratio, tp=2, rank=1)
     lids = request(m, args.request, False, 1)
-    t = timed(lambda: plan_read(local, m, lids, lids), args.repeat)
+    t = median_s(lambda: plan_read(local, m, lids, lids), args.repeat)
     n = plan_read(local, m, lids, lids).num_descriptors
     rows.append(row("plan_read tp2<-tp1 contiguous", t, None, n, None))
-    t = timed(lambda: read_geometry(m, m), args.repeat)
+    t = median_s(lambda: read_geometry(m, m), args.repeat)
     rows.append(row("read_geometry (per peer, once)", t, None, 0, None))
     return dict(regions=args.regions, blocks=args.blocks, ratio=args.ratio,
                 request_blocks=args.request, repeat=args.repeat, rows=rows)  # fmt: skip

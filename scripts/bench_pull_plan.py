@@ -11,11 +11,11 @@ does); the ratio is per-rank time / stacked time.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
 import numpy as np
+from benchlib.timing import median_s
 
 from kvxferd import descriptors
 from kvxferd.descriptors.fanin import fan_in_geometry
@@ -27,15 +27,9 @@ BLOCKS = 2000
 TOKENS = 1024
 
 
-def median_ms(f: Callable[[], object], n: int = 20) -> float:
-    """Median wall time of ``f`` in milliseconds."""
-    f()
-    xs = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        xs.append(time.perf_counter() - t0)
-    return statistics.median(xs) * 1e3
+def median_ms(f: Callable[[], object]) -> float:
+    """Median wall time of ``f`` in milliseconds (20 calls after one warm-up)."""
+    return median_s(f, 20, warmup=1) * 1e3
 
 
 def manifest(cfg: str, tp: int, **opts: object):

@@ -26,11 +26,10 @@ import argparse
 import json
 import os
 import secrets
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
+
+from benchlib.timing import median_s
 
 from kvxferd.layout import PlanOptions, plan_manifest, request_blocks
 from kvxferd.layout.presets import load_hf_config
@@ -40,17 +39,6 @@ from kvxferd.store.tiers import EntryId, FileTier
 
 SUB = "ab"
 """The subdirectory every key of the run falls in (the padding's too)."""
-
-
-def median(fn: Callable[[], object], n: int) -> float:
-    """Median wall time of ``fn`` in seconds after one untimed call."""
-    fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def key() -> str:
@@ -76,9 +64,9 @@ def bench_writers(root: str, count: int, n: int) -> dict[str, float]:
     tier = FileTier(root, capacity=1 << 40)
     miss = key()
     out = {
-        "listdir_us": median(lambda: os.listdir(os.path.join(root, SUB)), n) * 1e6,
-        "hit_us": median(lambda: tier.writers(hit.key, fp), n) * 1e6,
-        "miss_us": median(lambda: tier.writers(miss, fp), n) * 1e6,
+        "listdir_us": median_s(lambda: os.listdir(os.path.join(root, SUB)), n, warmup=1) * 1e6,
+        "hit_us": median_s(lambda: tier.writers(hit.key, fp), n, warmup=1) * 1e6,
+        "miss_us": median_s(lambda: tier.writers(miss, fp), n, warmup=1) * 1e6,
     }
     churn = os.path.join(root, SUB, "churn")
 
@@ -87,13 +75,8 @@ def bench_writers(root: str, count: int, n: int) -> dict[str, float]:
             pass
         os.unlink(churn)
 
-    times = []
-    for _ in range(n):
-        changed()
-        t0 = time.perf_counter()
-        tier.writers(hit.key, fp)
-        times.append(time.perf_counter() - t0)
-    out["after_change_us"] = statistics.median(times) * 1e6
+    after = median_s(lambda: tier.writers(hit.key, fp), n, before_each=changed)
+    out["after_change_us"] = after * 1e6
     assert tier.writers(hit.key, fp) == [hit] and tier.writers(miss, fp) == []
     return out
 
@@ -120,8 +103,8 @@ def bench_store(root: str, count: int, tokens: int, chunk: int, n: int) -> dict[
     try:
         assert s.lookup(m, keys, tokens).matched == tokens
         return {
-            "lookup_ms": median(lambda: s.lookup(m, keys, tokens), n) * 1e3,
-            "load_ms": median(lambda: s.load(m, regions, ids, keys, tokens), n) * 1e3,
+            "lookup_ms": median_s(lambda: s.lookup(m, keys, tokens), n, warmup=1) * 1e3,
+            "load_ms": median_s(lambda: s.load(m, regions, ids, keys, tokens), n, warmup=1) * 1e3,
         }
     finally:
         s.close()

@@ -8,11 +8,11 @@ through a sidecar failed 502); an httpx error (a sidecar unreachable) is a 502 t
 from __future__ import annotations
 
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -27,12 +27,12 @@ from kvxferd.sim.protocol import (
     raw_transfer_params,
     release_params,
 )
-from kvxferd.wire import ONE_LINE_PATTERN, REQUEST_ID_MAX_LENGTH
+from kvxferd.wire import REQUEST_ID_MAX_LENGTH, RequestId
 
 log = logging.getLogger(__name__)
 
-_SUFFIX = 9
-"""Characters our request id adds to the client's: ``-`` and 8 hex digits (``_serve``)."""
+_SUFFIX = "-" + "0" * 8
+"""A stand-in for what our request id adds to the client's: ``-`` and 8 hex digits (``_serve``)."""
 
 
 def sim_app(engine: SimEngine, served_model: str) -> FastAPI:
@@ -115,11 +115,13 @@ async def _serve(engine: SimEngine, model: str, request: Request, kind: Kind) ->
 def _check_request_id(rid: str) -> None:
     """The client's X-Request-Id becomes (suffixed) the request id of our holds: a 400 naming
     the header unless that fits a RequestId (the sidecar would refuse the hold otherwise)."""
-    longest = REQUEST_ID_MAX_LENGTH - _SUFFIX
-    if len(rid) > longest or not re.search(ONE_LINE_PATTERN, rid):
+    try:
+        msgspec.convert(rid + _SUFFIX, RequestId)
+    except msgspec.ValidationError:
+        longest = REQUEST_ID_MAX_LENGTH - len(_SUFFIX)
         raise InvalidRequestError(
             "X-Request-Id", f"at most {longest} characters, no control character but tab"
-        )
+        ) from None
 
 
 async def _aiter(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
