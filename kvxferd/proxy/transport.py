@@ -38,6 +38,9 @@ _BAD_VALUE = re.compile(rb"[\x00\r\n]")
 _BAD_TARGET = re.compile(rb"[\x00-\x20\x7f]")
 _IDEMPOTENT = frozenset({"GET", "HEAD"})
 """Methods the proxy sends that a backend may see twice (its probes); never its POSTs."""
+UNSENT = "kvxferd.unsent"
+"""Request extension KeptTransport sets: True until a byte of the request may have gone to the
+backend (another transport leaves it unset: nothing is known)."""
 
 Origin = tuple[str, str, int]
 
@@ -171,6 +174,7 @@ class KeptTransport(httpx.AsyncBaseTransport):
         body = b"".join([chunk async for chunk in request.stream])  # type: ignore[union-attr]
         head = _request_head(request)
         timeouts = request.extensions.get("timeout", {})
+        request.extensions[UNSENT] = True
         conn = self._take(origin)
         if conn is not None:
             try:
@@ -220,6 +224,7 @@ class KeptTransport(httpx.AsyncBaseTransport):
         answer = _Answer()
         try:
             try:
+                request.extensions[UNSENT] = False
                 conn.writer.write(head + body)
                 async with asyncio.timeout(timeouts.get("write")):
                     await conn.writer.drain()

@@ -19,7 +19,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from kvxferd.proxy.transport import MAX_HEAD, KeptTransport
+from kvxferd.proxy.transport import MAX_HEAD, UNSENT, KeptTransport
 from tests.proxy.fakes import free_port, serve_app
 
 
@@ -109,6 +109,27 @@ def test_a_kept_connection_closed_by_the_server_is_replaced_unseen():
             srv.close()
 
     assert asyncio.run(main()) == [200, 200, 200] and answers[0] == 3
+
+
+def test_a_request_is_marked_unsent_until_its_bytes_may_have_gone_out(server):
+    """The proxy releases a prefill's hold when the client leaves only while its decode request
+    is unsent (no decode can claim the hold then)."""
+    refused = httpx.Request("POST", f"http://127.0.0.1:{free_port()}/echo", content=b"x")
+    answered = httpx.Request("POST", f"{server}/echo", content=b"x")
+
+    async def main() -> None:
+        transport = KeptTransport(ssl.create_default_context())
+        try:
+            with pytest.raises(httpx.ConnectError):
+                await transport.handle_async_request(refused)
+            resp = await transport.handle_async_request(answered)
+            await resp.aclose()
+        finally:
+            await transport.aclose()
+
+    asyncio.run(main())
+    assert refused.extensions[UNSENT] is True
+    assert answered.extensions[UNSENT] is False
 
 
 def test_a_refused_connection_is_an_httpx_connect_error():
