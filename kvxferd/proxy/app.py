@@ -13,6 +13,10 @@ for a non-streaming decode whose first byte is its whole answer, the generation 
 When the decode call fails or is refused, the prefill is told (``POST /v1/kv/release`` with the
 ``kv_transfer_params`` it returned, best effort, in the background) so it frees the blocks it
 holds for that decode now, not at lease expiry; a server without that route just answers 404.
+So is it when the client goes away after the prefill answered but before a byte of the decode
+request went out (the decode's connection still opening). Once the decode may have the request
+it is left to the decode, which reads the hold or declines it: a kvxferd prefill's release
+aborts even a hold a decode has claimed and is reading.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from kvxferd.proxy.failures import (
     unreachable,
 )
 from kvxferd.proxy.routing import Backend, RoundRobin
-from kvxferd.proxy.transport import KeptTransport
+from kvxferd.proxy.transport import UNSENT, KeptTransport
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +89,8 @@ class ProxySettings:
     """A non-streaming decode answers only once it has generated everything, so its first byte
     is its whole answer: this bound (at least ``first_byte``) replaces the first-byte one."""
     release_on_failure: bool = True
-    """Tell the prefill (``POST /v1/kv/release``) when its decode call fails or is refused."""
+    """Tell the prefill (``POST /v1/kv/release``) when its decode call fails or is refused, or
+    the client went away before a byte of the decode request went out."""
     max_answer_bytes: int = 256 << 20
     """Largest backend answer the proxy reads whole (a prefill's, a non-streaming decode's,
     /health, /v1/models); a larger one is a 502. Streamed (SSE) answers are relayed, not held."""
@@ -247,6 +252,10 @@ def proxy_app(
                         describe_failure(exc))  # fmt: skip
             release()
             return unreachable(decode, exc, wait)
+        except asyncio.CancelledError:  # the client has gone (_unless_gone)
+            if d_req.extensions.get(UNSENT) is True:  # no decode will claim what the prefill holds
+                release()
+            raise
         media = d_resp.headers.get("content-type", "application/json")
         if d_resp.status_code >= 400 or not media.startswith(_SSE):
             try:

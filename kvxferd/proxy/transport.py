@@ -8,6 +8,11 @@ answer is parsed by httptools (llhttp, the C parser uvicorn serves with; h11 cos
 exchange here, httptools 0.01) and streams back as an httpx.Response, so the proxy's code, its
 phase timeouts and its errors stay httpx's. Header names and values are checked before they are
 written (no CR, LF or NUL: nothing a caller passes can add a header or a request).
+
+A kept connection is retried once on a fresh one only where the backend cannot have acted on the
+request: its write failed, or (GET and HEAD only) it closed before a byte of an answer. A POST
+whose bytes went out is never sent twice (a second prefill hold nobody reads, a decode run
+twice); a kept connection with anything to read (the backend's close) is not reused at all.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import select
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +36,11 @@ _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 """An HTTP method or header name (RFC 9110 token)."""
 _BAD_VALUE = re.compile(rb"[\x00\r\n]")
 _BAD_TARGET = re.compile(rb"[\x00-\x20\x7f]")
+_IDEMPOTENT = frozenset({"GET", "HEAD"})
+"""Methods the proxy sends that a backend may see twice (its probes); never its POSTs."""
+UNSENT = "kvxferd.unsent"
+"""Request extension KeptTransport sets: True until a byte of the request may have gone to the
+backend (another transport leaves it unset: nothing is known)."""
 
 Origin = tuple[str, str, int]
 
@@ -125,14 +136,24 @@ class _Conn:
 
     def usable(self, now: float, keepalive_s: float) -> bool:
         return (now - self.idle_since < keepalive_s and not self.reader.at_eof()
-                and not self.writer.is_closing())  # fmt: skip
+                and not self.writer.is_closing() and not self._readable())  # fmt: skip
+
+    def _readable(self) -> bool:
+        """Bytes or the backend's close wait in the kernel (the loop has not read them yet): an
+        idle HTTP/1.1 connection has nothing to say, so it is going away."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is None:
+            return False
+        poll = select.poll()
+        poll.register(sock.fileno(), select.POLLIN)
+        return bool(poll.poll(0))
 
     def close(self) -> None:
         self.writer.close()
 
 
 class _Stale(httpx.RemoteProtocolError):
-    """A kept connection was closed by the backend before any answer: safe to retry once."""
+    """A kept connection failed before the backend could act on the request: retried once."""
 
 
 class KeptTransport(httpx.AsyncBaseTransport):
@@ -153,12 +174,13 @@ class KeptTransport(httpx.AsyncBaseTransport):
         body = b"".join([chunk async for chunk in request.stream])  # type: ignore[union-attr]
         head = _request_head(request)
         timeouts = request.extensions.get("timeout", {})
+        request.extensions[UNSENT] = True
         conn = self._take(origin)
         if conn is not None:
             try:
                 return await self._exchange(origin, conn, request, head, body, timeouts)
             except _Stale:
-                pass  # closed while idle: the backend never saw this request
+                pass  # closed while idle: the backend did not act on this request
         conn = await self._open(origin, request, timeouts.get("connect"))
         return await self._exchange(origin, conn, request, head, body, timeouts)
 
@@ -202,20 +224,25 @@ class KeptTransport(httpx.AsyncBaseTransport):
         answer = _Answer()
         try:
             try:
+                request.extensions[UNSENT] = False
                 conn.writer.write(head + body)
                 async with asyncio.timeout(timeouts.get("write")):
                     await conn.writer.drain()
             except TimeoutError:
                 raise httpx.WriteTimeout("write timed out", request=request) from None
             except (BrokenPipeError, ConnectionResetError) as exc:
+                # The write did not complete (below the buffer's high-water mark a completed
+                # one returns at once): at most part of the request went out, never acted on.
                 raise _Stale("connection closed before the request", request=request) from exc
             while not answer.head_done:
                 data = await conn.reader.read(_READ)
                 if not data:
-                    if answer.head_bytes == 0:
-                        raise _Stale("backend closed the connection before answering",
-                                     request=request)  # fmt: skip
-                    raise httpx.RemoteProtocolError("connection closed mid-head", request=request)
+                    if answer.head_bytes:
+                        raise httpx.RemoteProtocolError("connection closed mid-head",
+                                                        request=request)  # fmt: skip
+                    # It may have closed before the request came, or after acting on it.
+                    closed = _Stale if request.method in _IDEMPOTENT else httpx.RemoteProtocolError
+                    raise closed("backend closed the connection before answering", request=request)
                 answer.feed(data, request)
             done = True
         except OSError as exc:

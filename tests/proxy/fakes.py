@@ -21,9 +21,13 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvxferd.lanes import ssl_context
+from kvxferd.proxy.transport import KeptTransport
 
 
 @dataclass
@@ -215,6 +219,24 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class UnopenedDecode(KeptTransport):
+    """The proxy's transport, except that a connection to ``port`` never opens (a decode whose
+    accept queue is full, a lost SYN): ``connecting`` is set once one is being opened, and the
+    attempt waits until it is cancelled."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(ssl_context())
+        self.port = port
+        self.connecting = threading.Event()
+
+    async def _open(self, origin: Any, request: httpx.Request, timeout: float | None) -> Any:
+        if origin[2] != self.port:
+            return await super()._open(origin, request, timeout)
+        self.connecting.set()
+        await asyncio.Future()  # never done: only a cancellation ends it
+        raise AssertionError("unreachable")
 
 
 READY_TIMEOUT_S = 60.0

@@ -14,7 +14,15 @@ import pytest
 
 from kvxferd.proxy import ProxySettings, proxy_app
 from kvxferd.proxy.app import KV_TRANSFER_STUB
-from tests.proxy.fakes import FakeBackend, Served, fake_app, free_port, serve_app, sse_events
+from tests.proxy.fakes import (
+    FakeBackend,
+    Served,
+    UnopenedDecode,
+    fake_app,
+    free_port,
+    serve_app,
+    sse_events,
+)
 from tests.sidecar.harness import wait_until
 
 CLIENT_TIMEOUT_S = 30.0
@@ -28,6 +36,7 @@ class Rig:
     decodes: list[FakeBackend]
     proxy: Served
     backends: list[Served]
+    transport: UnopenedDecode | None = None
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.proxy.url, timeout=CLIENT_TIMEOUT_S)
@@ -42,6 +51,7 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
         n_decode: int = 1,
         timeout_s: float = 10.0,
         extra_prefill: str = "",
+        unopened_decode: bool = False,
         **phases: float,
     ) -> Rig:
         prefills = [FakeBackend(f"P{i}", "prefill") for i in range(n_prefill)]
@@ -51,9 +61,10 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
         p_urls = [b.url for b in backends[:n_prefill]] + ([extra_prefill] if extra_prefill else [])
         d_urls = [b.url for b in backends[n_prefill:]]
         settings = ProxySettings(tuple(p_urls), tuple(d_urls), timeout_s, **phases)  # type: ignore[arg-type]
-        proxy = serve_app(proxy_app(settings))
+        transport = UnopenedDecode(backends[n_prefill].port) if unopened_decode else None
+        proxy = serve_app(proxy_app(settings, transport))
         started.append(proxy)
-        return Rig(prefills, decodes, proxy, backends)
+        return Rig(prefills, decodes, proxy, backends, transport)
 
     yield make
     for served in started:
@@ -491,6 +502,8 @@ def test_a_client_that_hangs_up_is_not_served_by_a_backend_any_longer(make_rig, 
     assert fake.left == ["/v1/completions"]
     if role == "prefill":
         assert rig.decodes[0].seen == []
+    rig.proxy.stop()  # its shutdown waits for the releases it started
+    assert _released(rig.prefills[0]) == []  # the decode had the request: the hold is its own
 
 
 # ------------------------------------------------------------------------------ release
@@ -509,6 +522,24 @@ def test_a_refused_decode_makes_the_proxy_release_the_prefill(make_rig, stream: 
     [decoded] = rig.decodes[0].seen
     assert body == {"kv_transfer_params": decoded.body["kv_transfer_params"]}
     assert [s.headers["x-request-id"] for s in rig.prefills[0].seen] == ["r9", "r9"]
+
+
+def test_a_client_gone_before_the_decode_had_the_request_makes_the_proxy_release(
+    make_rig,
+) -> None:
+    """Nobody will claim the hold then, and the prefill would pin it until its lease ended."""
+    rig = make_rig(timeout_s=120.0, unopened_decode=True)  # far past the waits below
+    body = json.dumps(completion()).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    with socket.create_connection(("127.0.0.1", rig.proxy.port), timeout=30) as sock:
+        sock.sendall(head + body)
+        assert rig.transport is not None
+        wait_until(rig.transport.connecting.is_set, 30.0, "the decode's connection opening")
+    [released] = _wait_release(rig)
+    [prefilled] = [s for s in rig.prefills[0].seen if s.path == "/v1/completions"]
+    assert released["kv_transfer_params"]["remote_engine_id"] == "P0"  # what the prefill answered
+    assert released["kv_transfer_params"]["remote_request_id"] == prefilled.headers["x-request-id"]
+    assert rig.decodes[0].seen == []
 
 
 def test_a_served_decode_releases_nothing(make_rig) -> None:

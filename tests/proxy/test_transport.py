@@ -2,20 +2,24 @@
 
 A request goes out in one write and its answer streams back; a connection whose answer was
 read to the end is kept and reused, one abandoned mid-answer is closed, a kept connection the
-server closed while idle is replaced without the caller seeing it, and failures are httpx's.
+server closed while idle is replaced without the caller seeing it, a POST is never sent twice, and
+failures are httpx's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import ssl
+import threading
 
 import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from kvxferd.proxy.transport import MAX_HEAD, KeptTransport
+from kvxferd.proxy.transport import MAX_HEAD, UNSENT, KeptTransport
 from tests.proxy.fakes import free_port, serve_app
 
 
@@ -105,6 +109,27 @@ def test_a_kept_connection_closed_by_the_server_is_replaced_unseen():
             srv.close()
 
     assert asyncio.run(main()) == [200, 200, 200] and answers[0] == 3
+
+
+def test_a_request_is_marked_unsent_until_its_bytes_may_have_gone_out(server):
+    """The proxy releases a prefill's hold when the client leaves only while its decode request
+    is unsent (no decode can claim the hold then)."""
+    refused = httpx.Request("POST", f"http://127.0.0.1:{free_port()}/echo", content=b"x")
+    answered = httpx.Request("POST", f"{server}/echo", content=b"x")
+
+    async def main() -> None:
+        transport = KeptTransport(ssl.create_default_context())
+        try:
+            with pytest.raises(httpx.ConnectError):
+                await transport.handle_async_request(refused)
+            resp = await transport.handle_async_request(answered)
+            await resp.aclose()
+        finally:
+            await transport.aclose()
+
+    asyncio.run(main())
+    assert refused.extensions[UNSENT] is True
+    assert answered.extensions[UNSENT] is False
 
 
 def test_a_refused_connection_is_an_httpx_connect_error():
@@ -214,3 +239,101 @@ def test_a_header_value_that_would_add_a_line_is_refused_before_anything_is_sent
 
     with pytest.raises(httpx.LocalProtocolError, match="x-request-id"):
         asyncio.run(main())
+
+
+def _close_unanswered_run(method: str) -> tuple[BaseException | int, list[bytes]]:
+    """Two requests; the backend answers the first and keeps the connection, reads the second
+    whole and closes without a word (it may have acted on it); any other connection is answered.
+    The second's status (or error) and the request lines the backend read."""
+    lines: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first = not lines
+        try:
+            for _ in range(2 if first else 1):
+                lines.append((await reader.readuntil(b"\r\n\r\n")).split(b"\r\n", 1)[0])
+                if not (first and len(lines) == 2):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    await writer.drain()
+        finally:
+            writer.close()
+
+    async def main() -> BaseException | int:
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        try:
+            async with _client() as c:
+                for path in ("/one", "/two"):
+                    try:
+                        resp = await c.request(method, f"http://127.0.0.1:{port}{path}")
+                    except httpx.HTTPError as exc:
+                        return exc
+                return resp.status_code
+        finally:
+            srv.close()
+
+    return asyncio.run(main()), lines
+
+
+def test_a_post_whose_kept_connection_closed_unanswered_is_not_sent_again():
+    """A prefill that read it may hold KV for it, a decode may have run it: a second copy would
+    pin a hold nobody reads or decode twice."""
+    outcome, lines = _close_unanswered_run("POST")
+    assert isinstance(outcome, httpx.RemoteProtocolError), outcome
+    assert "closed the connection before answering" in str(outcome)
+    assert lines == [b"POST /one HTTP/1.1", b"POST /two HTTP/1.1"]
+
+
+def test_a_get_whose_kept_connection_closed_unanswered_is_retried_once():
+    outcome, lines = _close_unanswered_run("GET")
+    assert outcome == 200
+    assert lines == [b"GET /one HTTP/1.1", b"GET /two HTTP/1.1", b"GET /two HTTP/1.1"]
+
+
+def test_a_kept_connection_the_server_closed_is_not_reused_even_before_the_loop_saw_it():
+    """The close is in the kernel, not yet read by the event loop: a POST still goes out on a
+    fresh connection, once, and is answered."""
+    answered, closed = threading.Event(), threading.Event()
+    lines: list[bytes] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(30)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):  # TimeoutError too: the client never came back
+            for n in range(2):
+                conn, _ = listener.accept()
+                with conn:
+                    data = b""
+                    while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+                        data += chunk
+                    lines.append(data.split(b"\r\n", 1)[0])
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    if n == 0:
+                        answered.wait(30)  # the client has read the answer and kept the link
+                closed.set()
+
+    async def main(port: int) -> list[int]:
+        transport = KeptTransport(ssl.create_default_context())
+        codes = []
+        try:
+            for path in ("/one", "/two"):
+                request = httpx.Request("POST", f"http://127.0.0.1:{port}{path}", content=b"x")
+                resp = await transport.handle_async_request(request)
+                await resp.aread()
+                await resp.aclose()
+                codes.append(resp.status_code)
+                answered.set()
+                closed.wait(30)  # blocks the loop: the server's close stays unread by it
+        finally:
+            await transport.aclose()
+        return codes
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        codes = asyncio.run(main(listener.getsockname()[1]))
+    finally:
+        server.join(30)
+        listener.close()
+    assert codes == [200, 200]
+    assert lines == [b"POST /one HTTP/1.1", b"POST /two HTTP/1.1"]

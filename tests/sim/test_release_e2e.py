@@ -1,16 +1,20 @@
 """A decode that will not read frees the prefill's blocks at once, not at lease expiry: through
-the proxy, a refused decode makes the proxy release the prefill's holds (``/v1/kv/release``), and
-the decode declines the tickets it refused. Real sims and sidecars, the proxy in-process."""
+the proxy, a refused decode, or a client gone before the decode had the request, makes the proxy
+release the prefill's holds (``/v1/kv/release``), and the decode declines the tickets it refused.
+Real sims and sidecars, the proxy in-process."""
 
 from __future__ import annotations
 
+import json
+import socket
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from kvxferd.proxy import ProxySettings, proxy_app
-from tests.proxy.fakes import serve_app
+from tests.proxy.fakes import UnopenedDecode, serve_app
 from tests.sidecar.harness import wait_until
 from tests.sim.procs import STUB, Sim, start_sims
 
@@ -72,6 +76,28 @@ def test_a_decode_refusing_through_the_proxy_leaves_no_hold_on_the_prefill(sims,
     # second finds the hold gone, so the prefill gave it up at most once.
     assert after["holds_given_up"] - before["holds_given_up"] in (0, 1)
     wait_until(lambda: d.stats()["declined"] == d_before["declined"] + 1, BOUND_S, "decline")
+
+
+def test_a_client_gone_before_the_decode_had_the_request_leaves_no_hold(sims):
+    p, d = sims["prefill"], sims["decode"]
+    wait_until(lambda: _all_free(p), BOUND_S, "earlier holds to end")
+    before = p.stats()
+    unopened = UnopenedDecode(urlsplit(d.url).port or 80)
+    settings = ProxySettings((p.url,), (d.url,), timeout_s=BOUND_S)
+    served = serve_app(proxy_app(settings, unopened))
+    try:
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode()
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", served.port), timeout=BOUND_S) as sock:
+            sock.sendall(head % len(body) + body)
+            wait_until(unopened.connecting.is_set, BOUND_S, "the decode's connection opening")
+            assert p.stats()["holds_outstanding"] == 1
+        wait_until(lambda: _all_free(p), BOUND_S, "the prefill's hold to be released")
+    finally:
+        served.stop()
+    after = p.stats()
+    assert after["holds_given_up"] == before["holds_given_up"] + 1  # by the proxy's release
+    assert after["holds_expired"] == before["holds_expired"]
 
 
 def test_release_needs_the_requests_tickets_and_happens_once(sims):
