@@ -6,14 +6,21 @@ manifests; the decode's pool must then verify, and only its footprint may have c
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from kvxferd import pattern
 from kvxferd.descriptors import plan_pull, read_geometry
 from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
-from kvxferd.pattern import token_footprint, verify_token_pattern, write_token_pattern
+from kvxferd.pattern import (
+    token_digest,
+    token_footprint,
+    verify_token_pattern,
+    write_token_pattern,
+)
 from kvxferd.wire import Manifest
 from tests.descriptors.layouts import AttnSpec, hybrid_spec, render, render_packed
 
@@ -118,3 +125,69 @@ def test_the_state_of_an_sd_conv_layout_is_covered_row_by_row(name):
     assert bad is not None and bad.part == part.name and bad.group == g
     masks = token_footprint(m, ids, tokens)
     assert masks[layer.region][last_row]
+
+
+def _reversed_ids(m: Manifest, tokens: int) -> list[list[int]]:
+    out, nxt = [], 1
+    for g in m.groups:
+        k = 1 if g.kind == "mamba" else -(-tokens // g.block_size)
+        out.append(list(range(nxt + k - 1, nxt - 1, -1)))
+        nxt += k
+    return out
+
+
+# (model, plan options, tokens): blake2b-64 of every region after the write, token digest. The
+# bytes are a wire contract between a prefill and a decode of different releases.
+PINNED = [
+    ("llama-3.1-8b", {"tp_size": 8, "tp_rank": 3}, 21, "bdf84eefae13b915", 0xCF4B38C36333C768),
+    ("llama-3.1-8b", {"head_layout": "NHD", "kv_packing": "block", "tp_size": 4, "tp_rank": 2},
+     37, "9d441fb91efb6bdd", 0x98EF90C22F7CA9A6),
+    ("qwen3-8b", {"kv_packing": "block", "cross_layer": True, "tp_size": 4}, 19,
+     "3ccfb5574032f658", 0xBED3321E63C349C9),
+    ("gpt-oss-20b", {"tp_size": 8, "tp_rank": 5}, 150, "ac4e52005e2e2d03", 0x1661B414DB06DCF2),
+    ("granite-4.0-h-tiny", {"tp_size": 2, "tp_rank": 1, "conv_layout": "SD"}, 40,
+     "77d481d685e74803", 0x4655E90CA811E7B7),
+    ("qwen3-next-80b-a3b", {"attn_pack_size": 4, "tp_size": 8}, 70, "fa0a23f175a3b164",
+     0x11FF9762E7AAD317),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "opts", "tokens", "pool_hash", "digest"), PINNED)
+def test_the_token_pattern_writes_the_bytes_earlier_releases_wrote(
+    name, opts, tokens, pool_hash, digest
+):
+    m = plan_manifest(load_hf_config(name), PlanOptions(num_blocks=40, **opts))
+    pool = [np.zeros(r.size_bytes, dtype=np.uint8) for r in m.regions]
+    ids = _reversed_ids(m, tokens)
+    write_token_pattern(m, pool, ids, tokens, seed=1234567)
+    h = hashlib.blake2b(digest_size=8)
+    for region in pool:
+        h.update(region.tobytes())
+    assert h.hexdigest() == pool_hash
+    assert token_digest(m, pool, ids, tokens) == digest
+    assert verify_token_pattern(m, pool, ids, tokens, seed=1234567) is None
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 3000, 1 << 30])
+def test_parts_generated_together_or_apart_give_the_same_bytes_and_name_the_wrong_part(
+    monkeypatch, batch_bytes
+):
+    """Parts of one row shape are generated in one pass up to a byte bound: wherever the bound
+    cuts, the bytes are the same and a wrong byte is named by its own part and layer."""
+    m = _plan("qwen3-8b", tp_size=4, kv_packing="block")
+    ids, tokens = _reversed_ids(m, 21), 21
+    alone = _pool(m)
+    monkeypatch.setattr(pattern, "_BATCH_BYTES", 1)
+    write_token_pattern(m, alone, ids, tokens, seed=5)
+    monkeypatch.setattr(pattern, "_BATCH_BYTES", batch_bytes)
+    pool = _pool(m)
+    write_token_pattern(m, pool, ids, tokens, seed=5)
+    for a, b in zip(alone, pool, strict=True):
+        assert np.array_equal(a, b)
+    layers = m.groups[0].layers
+    for layer, part in ((layers[1], layers[1].v), (layers[-2], layers[-2].k)):
+        at = part.offset + ids[0][0] * part.block_stride + 3  # first block, a byte of token 0
+        pool[layer.region][at] ^= 0xFF
+        bad = verify_token_pattern(m, pool, ids, tokens, seed=5)
+        assert bad is not None and (bad.layer, bad.part, bad.address) == (layer.name, part.name, at)
+        pool[layer.region][at] ^= 0xFF

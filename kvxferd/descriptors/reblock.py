@@ -331,7 +331,7 @@ def token_blocks(ids: Sequence[int], tokens: int, block_size: int, t: np.ndarray
     ok = (pos >= 0) & (pos < arr.size)
     if arr.size == 0:
         return np.full(t.shape, -1, dtype=np.int64)
-    return np.where(ok, arr[np.clip(pos, 0, arr.size - 1)], -1)
+    return np.where(ok, arr.take(pos, mode="clip"), -1)  # np.clip: 10x the cost of take
 
 
 def _locate(
