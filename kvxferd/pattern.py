@@ -287,11 +287,12 @@ def _check_block_ids(
 # ------------------------------------------------------------------------------------------------
 # Token pattern (re-blocking): attention bytes are a function of the token, not of the block, so
 # two sides with different block sizes (or groupings) expect the same bytes for the same token.
-# Attention: byte b of the row of token t, global TP unit i (HND; an NHD row holds the whole part;
-# a part with rows > 1, vLLM's packed K|V, has one head_size row per token, row_stride apart),
-# layer index, part name. Mamba state (the last listed block of a group): as write_pattern's
-# block ordinal 0. Tokens: [0, num_tokens), only the last sliding_window of a sliding group; a
-# group's ids follow descriptors.token_blocks (-1 skips a block).
+# Attention: byte b of the row of token t, global TP unit i (HND; a block-packed NHD row holds the
+# whole part; a part with rows > 1, vLLM's packed K|V, has one head's row per token, row_stride
+# apart, in HND and NHD alike, so both name a head's token bytes the same), layer index, part
+# name. Mamba state (the last listed block of a group): as write_pattern's block ordinal 0.
+# Tokens: [0, num_tokens), only the last sliding_window of a sliding group; a group's ids follow
+# descriptors.token_blocks (-1 skips a block).
 
 
 def write_token_pattern(
@@ -409,6 +410,7 @@ class _RowBatch:
     bytes come from one numpy pass."""
 
     nhd: bool
+    """A token's row holds every head of the part (block-packed NHD: one unsliceable unit)."""
     row: int
     """Bytes of a token's row in one unit."""
     step: int
@@ -463,7 +465,9 @@ def _shape_runs(manifest: Manifest, g: int) -> list[_RowBatch]:
         head = layer.head_size * DTYPE_BYTES[layer.dtype]
         for part in _parts(layer):
             where = f"groups[{g}].layers[{layer.index}].{part.name}"
-            nhd = layer.head_layout == "NHD"
+            # block-packed NHD: a token's row holds every head of the part (one unsliceable
+            # unit); packed K|V rows are one head's token in either head layout
+            nhd = layer.head_layout == "NHD" and part.rows == 1
             if nhd:
                 row = part.units * part.unit_bytes // manifest.groups[g].kernel_block_size
                 step, stride, units = row, 0, np.zeros(1, dtype=np.int64)

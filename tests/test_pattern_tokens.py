@@ -21,6 +21,7 @@ from kvxferd.pattern import (
     verify_token_pattern,
     write_token_pattern,
 )
+from kvxferd.store.canonical import fill_tokens, gather_attention, part_bytes, part_specs, token_map
 from kvxferd.wire import Manifest
 from tests.descriptors.layouts import AttnSpec, hybrid_spec, render, render_packed
 
@@ -57,6 +58,27 @@ def _apply(plan, local: list[np.ndarray], remote: list[np.ndarray]) -> None:
     ],
 )
 def test_a_re_blocked_pull_verifies_and_writes_only_the_tokens(name, prefill, decode):
+    _pull_verifies_and_writes_only_the_tokens(name, prefill, decode)
+
+
+@pytest.mark.parametrize(
+    ("name", "prefill", "decode"),
+    [
+        ("llama-3.1-8b", {"tp_size": 2}, {}),
+        ("llama-3.1-8b", {}, {"tp_size": 2, "tp_rank": 1}),
+        ("gpt-oss-20b", {"tp_size": 2}, {}),
+        ("granite-4.0-h-tiny", {"tp_size": 2}, {}),
+    ],
+)
+def test_a_tp_sliced_pull_of_packed_nhd_heads_verifies_and_writes_only_the_tokens(
+    name, prefill, decode
+):
+    """vLLM's packed K|V in NHD: a head is its own rows, so ranks read each other's heads."""
+    nhd = {"head_layout": "NHD"}
+    _pull_verifies_and_writes_only_the_tokens(name, {**prefill, **nhd}, {**decode, **nhd})
+
+
+def _pull_verifies_and_writes_only_the_tokens(name: str, prefill: dict, decode: dict) -> None:
     tp = prefill.get("tp_size", 1)
     remotes = [_plan(name, **{**prefill, "tp_rank": r}) for r in range(tp)]
     local = _plan(name, **decode)
@@ -125,6 +147,79 @@ def test_the_state_of_an_sd_conv_layout_is_covered_row_by_row(name):
     assert bad is not None and bad.part == part.name and bad.group == g
     masks = token_footprint(m, ids, tokens)
     assert masks[layer.region][last_row]
+
+
+def _request_bytes(m: Manifest, ids: list[list[int]], tokens: int) -> list[np.ndarray]:
+    """Per region, where the placement puts the request: its tokens' K and V rows of every local
+    head (the store's canonical views; a sliding group's window only) and each state block."""
+    marks = [np.zeros(r.size_bytes, dtype=np.uint8) for r in m.regions]
+    for g, group in enumerate(m.groups):
+        if group.kind != "mamba":
+            start = max(0, tokens - group.sliding_window) if group.sliding_window else 0
+            fill_tokens(m, marks, g, np.asarray(ids[g]), start, tokens, 1)
+            continue
+        for layer in group.layers:
+            for p in [*layer.conv, layer.ssm]:
+                at = (p.offset + ids[g][-1] * p.block_stride
+                      + np.arange(p.units)[:, None, None] * p.unit_stride
+                      + np.arange(p.rows)[None, :, None] * p.row_stride
+                      + np.arange(p.unit_bytes))  # fmt: skip
+                marks[layer.region][at.ravel()] = 1
+    return [x.astype(bool) for x in marks]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("packing", ["token", "block"])
+@pytest.mark.parametrize("head_layout", ["HND", "NHD"])
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "gpt-oss-20b", "granite-4.0-h-tiny"])
+def test_every_planned_layout_verifies_its_own_write_over_exactly_the_requests_bytes(
+    name, head_layout, packing, tp
+):
+    """Whatever the head layout and K/V packing: what was written verifies, the footprint is
+    where the placement puts the request's K/V rows and state (nothing else is written), and a
+    flipped byte anywhere in it is named by its address."""
+    m = _plan(name, head_layout=head_layout, kv_packing=packing, tp_size=tp, tp_rank=tp - 1)
+    tokens = max([g.block_size + 5 for g in m.groups]
+                 + [g.sliding_window + 9 for g in m.groups if g.sliding_window])  # fmt: skip
+    ids = _ids(m, tokens, 1)
+    pool = _pool(m)
+    write_token_pattern(m, pool, ids, tokens, seed=11)
+    assert verify_token_pattern(m, pool, ids, tokens, seed=11) is None
+    footprint = token_footprint(m, ids, tokens)
+    for mask, want, region in zip(footprint, _request_bytes(m, ids, tokens), pool, strict=True):
+        assert np.array_equal(mask, want)
+        assert (region[~mask] == 0xA5).all()
+    rng = np.random.default_rng(0)
+    used = [r for r, mask in enumerate(footprint) if mask.any()]
+    for r in {used[0], used[-1]}:
+        inside = np.flatnonzero(footprint[r])
+        for at in [int(inside[0]), int(inside[-1]), *rng.choice(inside, 2).tolist()]:
+            pool[r][at] ^= 0xFF
+            bad = verify_token_pattern(m, pool, ids, tokens, seed=11)
+            assert bad is not None and (bad.region, bad.address) == (r, at)
+            pool[r][at] ^= 0xFF
+
+
+def test_packed_kv_gives_a_heads_token_the_same_bytes_in_nhd_and_hnd():
+    """vLLM's packed K|V holds each head's token as its own row in either head layout, so the
+    pattern names it by (token, global head) alike: the canonical (store) bytes are equal."""
+    tokens, ids = 21, [[3, 1]]
+    sides = []
+    for head_layout in ("HND", "NHD"):
+        m = _plan("llama-3.1-8b", head_layout=head_layout, tp_size=2, tp_rank=1)
+        pool = _pool(m)
+        write_token_pattern(m, pool, ids, tokens, seed=4)
+        group = m.groups[0]
+        tm = token_map(group, np.asarray(ids[0]), 0, tokens, "block_ids[0]")
+        canonical = []
+        for spec in part_specs(m, 0):
+            out = np.empty(part_bytes(spec, group, tokens), dtype=np.uint8)
+            canonical.append(gather_attention(pool[spec.region], spec, group, m.num_blocks, tm,
+                                              out).copy())  # fmt: skip
+        sides.append(canonical)
+    assert len(sides[0]) == len(sides[1]) == 2 * 32
+    for hnd, nhd in zip(*sides, strict=True):
+        assert np.array_equal(hnd, nhd)
 
 
 def _reversed_ids(m: Manifest, tokens: int) -> list[list[int]]:
