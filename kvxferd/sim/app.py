@@ -118,7 +118,9 @@ def _check_request_id(rid: str) -> None:
     longest = REQUEST_ID_MAX_LENGTH - _SUFFIX
     if len(rid) > longest or not re.search(ONE_LINE_PATTERN, rid):
         raise InvalidRequestError(
-            "X-Request-Id", f"at most {longest} characters, no control character but tab"
+            "X-Request-Id",
+            f"at most {longest} characters on one line: no control character but tab, no line "
+            "separator",
         )
 
 
