@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
@@ -18,6 +19,7 @@ import msgspec
 from kvxferd._docstrings import attribute_docs
 from kvxferd.aio import check_event_loop, check_http
 from kvxferd.errors import ConfigError
+from kvxferd.wire.engine import PEER_HOST_PATTERN
 from kvxferd.wire.manifest import EngineId
 
 ENV_PREFIX = "KVXFERD_"
@@ -54,7 +56,8 @@ class Config:
     """TCP port of the peer API's framed protocol (signed claims, heartbeats, declines; named in
     the handshake); 0 picks a free one, -1 = not served (readers then use HTTP)."""
     advertise_host: str = ""
-    """Host other sidecars use to reach this one; empty = peer_host."""
+    """Host other sidecars use to reach this one (a name or IP address, at most 255
+    characters); empty = peer_host."""
     peer_token: str = field(default="", repr=False)
     """Shared secret: signs peer requests (never sent) and tickets."""
     peer_token_previous: str = field(default="", repr=False)
@@ -169,6 +172,12 @@ class Config:
                     f"engine_id: {self.engine_id!r} is not 1-128 printable ASCII characters "
                     "without spaces"
                 ) from None
+        if not re.search(PEER_HOST_PATTERN, self.advertised_host):
+            name = "advertise_host" if self.advertise_host else "peer_host"
+            raise ConfigError(
+                f"{name}: {self.advertised_host!r} is not a host name or IP address other "
+                "sidecars can reach (1-255 of A-Z a-z 0-9 . _ - : % [ ]); tickets carry it"
+            )
         check_event_loop(self.event_loop)
         check_http(self.http)
 

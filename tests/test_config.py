@@ -53,6 +53,23 @@ def test_advertise_host_wins_over_the_bind_host_when_set():
     assert config.advertised_host == "10.0.0.7"
 
 
+@pytest.mark.parametrize("host", ["::1", "[::1]", "fe80::1%eth0", "kv-0.kv.svc.cluster.local"])
+def test_an_advertised_host_is_a_name_or_ip_address(host):
+    assert load_config({"advertise_host": host}, env={}).advertised_host == host
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [({"advertise_host": "a b"}, "advertise_host"), ({"advertise_host": "h" * 256},
+     "advertise_host"), ({"peer_host": "h\r\nX: y"}, "peer_host")],
+    ids=["space", "256", "crlf-in-the-bind-host"],
+)  # fmt: skip
+def test_an_advertised_host_a_ticket_could_not_carry_is_refused_at_start(overrides, named):
+    """Tickets carry it as their peer, which a decode side refuses unless host:port."""
+    with pytest.raises(ConfigError, match=f"^{named}: "):
+        load_config(overrides, env={})
+
+
 @pytest.mark.parametrize(
     ("env", "named"),
     [

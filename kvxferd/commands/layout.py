@@ -19,10 +19,8 @@ from kvxferd.layout import (
     request_blocks,
     summarize,
 )
-from kvxferd.wire import Manifest
+from kvxferd.wire import MAX_TOKENS, Manifest
 
-MAX_TOKENS = 1 << 24
-"""Largest --tokens: past every model's context (the figures' arrays grow with it)."""
 MAX_SPECULATIVE_TOKENS = 1024
 """Largest --num-speculative-tokens: past any drafter's proposals (conv rows grow with it)."""
 

@@ -25,7 +25,8 @@ first claim.
 Block 0 is vLLM's null block: block lists keep it as a placeholder (Mamba groups are mostly
 null blocks with the running state last; sliding-window groups null out evicted blocks), so a
 hold may name it, any number of times, but it is never data: it is not pinned, and a pull never
-reads or writes it.
+reads or writes it. How many ids a group lists is bounded all the same: the blocks the hold's
+tokens span plus HOLD_SPARE_BLOCKS, checked before any id is looked at.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -55,7 +56,16 @@ from kvxferd.errors import (
 from kvxferd.sidecar.deadlines import DeadlineBuckets
 from kvxferd.sidecar.released import ReleasedLog
 from kvxferd.sidecar.states import HoldState, advance
-from kvxferd.wire import HoldReleaseReason, HoldRequest, Manifest, ReleasedHold, ReleasedHolds
+from kvxferd.wire import (
+    HOLD_ID_PATTERN,
+    HOLD_SPARE_BLOCKS,
+    MAX_TOKENS,
+    HoldReleaseReason,
+    HoldRequest,
+    Manifest,
+    ReleasedHold,
+    ReleasedHolds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +74,7 @@ NULL_BLOCK = 0
 """vLLM's null block: a placeholder in block lists, never data."""
 REAP_SLICE = 256
 """Holds the reaper releases before it yields the event loop."""
-_HOLD_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_HOLD_ID = re.compile(HOLD_ID_PATTERN)
 
 
 @dataclass(slots=True, eq=False)
@@ -190,6 +200,7 @@ class HoldTable:
             raise ConfigError(f"default_lease_s: {default_lease_s} exceeds max_lease_s")
         self.num_blocks = manifest.num_blocks
         self.num_groups = len(manifest.groups)
+        self.block_sizes = tuple(g.block_size for g in manifest.groups)
         self.default_lease_s = float(default_lease_s)
         self.max_lease_s = float(max_lease_s)
         self.max_claim_s = float(max_claim_s)
@@ -260,11 +271,13 @@ class HoldTable:
         """Pin a request's blocks for ``request.lease_s`` (default if None, capped by the max);
         CapacityError (503) while ``max_holds`` unexpired holds are live."""
         now = self._now(now)
-        _check_hold_ids(self.num_blocks, self.num_groups, request.block_ids)
         if request.hold_id and not _HOLD_ID.fullmatch(request.hold_id):
             raise HoldRequestError("hold_id", "1-128 characters of A-Z a-z 0-9 . _ : -")
-        if request.num_tokens < 0:
-            raise HoldRequestError("num_tokens", f"must be >= 0, got {request.num_tokens}")
+        if not 0 <= request.num_tokens <= MAX_TOKENS:
+            raise HoldRequestError(
+                "num_tokens", f"must be 0..{MAX_TOKENS}, got {request.num_tokens}"
+            )
+        _check_hold_ids(self.num_blocks, self.block_sizes, request.num_tokens, request.block_ids)
         lease = self.default_lease_s
         if request.lease_s is not None:
             lease = min(_positive(request.lease_s, "lease_s"), self.max_lease_s)
@@ -525,17 +538,36 @@ class HoldTable:
         return record
 
 
-def _check_hold_ids(num_blocks: int, num_groups: int, block_ids: object) -> None:
-    """One id list per group, ids in range, no repeats except of the null block (a
-    placeholder); BlockIdError names the entry."""
+def most_hold_ids(block_size: int, num_tokens: int) -> int:
+    """Most ids a hold of ``num_tokens`` tokens may list for a group of ``block_size``-token
+    logical blocks: those the tokens span (at least one, a Mamba state block), plus
+    HOLD_SPARE_BLOCKS."""
+    return max(1, -(-num_tokens // block_size)) + HOLD_SPARE_BLOCKS
+
+
+def _check_hold_ids(
+    num_blocks: int, block_sizes: tuple[int, ...], num_tokens: int, block_ids: object
+) -> None:
+    """One id list per group, each no longer than ``most_hold_ids`` (all checked before any id
+    is, so a flood of null blocks costs nothing), ids in range, no repeats except of the null
+    block (a placeholder); BlockIdError names the entry."""
     try:
         groups = list(block_ids)  # type: ignore[call-overload]
     except TypeError:
         raise BlockIdError("block_ids", "expected one list of block ids per group") from None
-    if len(groups) != num_groups:
+    if len(groups) != len(block_sizes):
         raise BlockIdError(
-            "block_ids", f"{len(groups)} id lists for {num_groups} groups (one per group)"
+            "block_ids", f"{len(groups)} id lists for {len(block_sizes)} groups (one per group)"
         )
+    for g, (ids, block_size) in enumerate(zip(groups, block_sizes, strict=True)):
+        most = most_hold_ids(block_size, num_tokens)
+        if not isinstance(ids, Sized):
+            raise BlockIdError(f"block_ids[{g}]", "expected a list of block ids")
+        if len(ids) > most:
+            raise BlockIdError(
+                f"block_ids[{g}]", f"{len(ids)} ids; {num_tokens} tokens in blocks of "
+                f"{block_size} need at most {most} ({HOLD_SPARE_BLOCKS} spare for lookahead)",
+            )  # fmt: skip
     for g, ids in enumerate(groups):
         field_ = f"block_ids[{g}]"
         arr = np.asarray(ids)

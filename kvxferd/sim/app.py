@@ -120,7 +120,9 @@ def _check_request_id(rid: str) -> None:
     except msgspec.ValidationError:
         longest = REQUEST_ID_MAX_LENGTH - len(_SUFFIX)
         raise InvalidRequestError(
-            "X-Request-Id", f"at most {longest} characters, no control character but tab"
+            "X-Request-Id",
+            f"at most {longest} characters on one line: no control character but tab, no line "
+            "separator",
         ) from None
 
 

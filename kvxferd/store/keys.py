@@ -15,8 +15,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvxferd.errors import StoreError
+from kvxferd.wire import STORE_KEY_HEX
 
-KEY_HEX = 32
+KEY_HEX = STORE_KEY_HEX
 """Hex digits of a key (a 128-bit blake2b digest)."""
 _KEY_RE = re.compile(rf"^[0-9a-f]{{{KEY_HEX}}}$")
 

@@ -25,6 +25,10 @@ with every field checked.
 from __future__ import annotations
 
 from kvxferd.wire.engine import (
+    HOLD_SPARE_BLOCKS,
+    MAX_TOKENS,
+    PEER_ADDRESS_PATTERN,
+    PEER_HOST_PATTERN,
     PROTOCOL_VERSION,
     AbortHoldRequest,
     AnyRegionSpec,
@@ -52,6 +56,7 @@ from kvxferd.wire.frames import FrameAnswer, FrameRequest
 from kvxferd.wire.manifest import (
     DTYPE_BYTES,
     ENGINE_ID_PATTERN,
+    HOLD_ID_PATTERN,
     MANIFEST_VERSION,
     ONE_LINE_PATTERN,
     REQUEST_ID_MAX_LENGTH,
@@ -62,6 +67,7 @@ from kvxferd.wire.manifest import (
     Group,
     GroupKind,
     HeadLayout,
+    HoldId,
     KVOrder,
     Layer,
     MambaLayer,
@@ -87,6 +93,7 @@ from kvxferd.wire.peer import (
     HeartbeatResponse,
 )
 from kvxferd.wire.store import (
+    STORE_KEY_HEX,
     StoreLoadRequest,
     StoreLoadStatus,
     StoreLookup,
@@ -120,6 +127,9 @@ __all__ = [
     "HeadLayout",
     "Heartbeat",
     "HeartbeatResponse",
+    "HOLD_ID_PATTERN",
+    "HOLD_SPARE_BLOCKS",
+    "HoldId",
     "HoldReleaseReason",
     "HoldRequest",
     "Identity",
@@ -127,11 +137,14 @@ __all__ = [
     "KeepaliveRequest",
     "Layer",
     "MANIFEST_VERSION",
+    "MAX_TOKENS",
     "MambaLayer",
     "MambaType",
     "Manifest",
     "MemType",
     "ONE_LINE_PATTERN",
+    "PEER_ADDRESS_PATTERN",
+    "PEER_HOST_PATTERN",
     "PROTOCOL_VERSION",
     "Part",
     "PoolLayout",
@@ -147,6 +160,7 @@ __all__ = [
     "ReleasedHold",
     "ReleasedHolds",
     "RequestId",
+    "STORE_KEY_HEX",
     "StoreLoadRequest",
     "StoreLoadStatus",
     "StoreLookup",

@@ -9,8 +9,10 @@ import msgspec
 from kvxferd.wire.manifest import (
     _POSITIVE,
     ONE_LINE_PATTERN,
+    ChosenHoldId,
     EngineId,
     FedRequestId,
+    HoldId,
     Manifest,
     RequestId,
     _Strict,
@@ -18,6 +20,19 @@ from kvxferd.wire.manifest import (
 
 PROTOCOL_VERSION = 1
 """Peer protocol version, checked first at handshake. 1: first version."""
+
+MAX_TOKENS = 1 << 24
+"""Most tokens a hold may cover (16,777,216): past every model's context."""
+HOLD_SPARE_BLOCKS = 1024
+"""Ids a hold's group may list past the blocks its tokens span: vLLM allocates lookahead slots
+for speculative decoding (a Mamba group one more state block per draft token) and a partial
+prefill leaves out the last token. Past any drafter's proposals."""
+PEER_HOST_PATTERN = r"^[A-Za-z0-9._:%\[\]-]{1,255}(?!\n)$"
+"""A sidecar's advertised host: a DNS name, IPv4, or IPv6 (bare or in brackets, with a zone)."""
+PEER_ADDRESS_PATTERN = r"^[A-Za-z0-9._:%\[\]-]{1,255}:[0-9]{1,5}(?!\n)$"
+"""A sidecar's peer address, ``host:port`` with a PEER_HOST_PATTERN host (at most 261
+characters): the decode side connects to it and sends it as the HTTP ``Host``."""
+PeerAddress = Annotated[str, msgspec.Meta(max_length=261, pattern=PEER_ADDRESS_PATTERN)]
 
 HoldReleaseReason = Literal["notified", "expired", "aborted", "declined", "unregistered"]
 PullStateName = Literal["pending", "handshaking", "claiming", "transferring", "done", "failed"]
@@ -104,16 +119,19 @@ class HoldRequest(_Strict, kw_only=True):
     """Engine (prefill) -> sidecar: pin these blocks until a decode side has read them."""
 
     request_id: RequestId
-    """The engine's request id (at most 512 characters, no ASCII control but tab)."""
+    """The engine's request id (at most 512 characters on one line, ONE_LINE_PATTERN)."""
     block_ids: list[list[int]]
     """Logical block ids per group, in request order."""
-    num_tokens: Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 0})]
-    """Prompt tokens the blocks hold."""
+    num_tokens: Annotated[
+        int, msgspec.Meta(extra_json_schema={"minimum": 0, "maximum": MAX_TOKENS})
+    ]
+    """Prompt tokens the blocks hold (at most MAX_TOKENS). A group lists at most the blocks
+    they span (at least 1) plus HOLD_SPARE_BLOCKS (lookahead), else a 422 naming it."""
     lease_s: float | None = None
     """Lease length; None uses the sidecar default."""
-    hold_id: str = ""
-    """Hold id chosen by the engine (a ticket minted ahead by the scheduler names it); empty: the
-    sidecar picks one."""
+    hold_id: ChosenHoldId = ""
+    """Hold id chosen by the engine (a ticket minted ahead by the scheduler names it): 1-128 of
+    A-Z a-z 0-9 . _ : -; empty: the sidecar picks one."""
 
 
 class Ticket(_Strict, kw_only=True):
@@ -127,10 +145,10 @@ class Ticket(_Strict, kw_only=True):
     """Prefill engine identity (1-128 printable ASCII characters, no space)."""
     epoch: int
     """Prefill sidecar boot epoch at hold time."""
-    hold_id: str
+    hold_id: HoldId
     """The hold to claim."""
     request_id: RequestId
-    """The prefill engine's request id (at most 512 characters, no ASCII control but tab)."""
+    """The prefill engine's request id (at most 512 characters on one line, ONE_LINE_PATTERN)."""
     block_ids: list[list[int]]
     """Remote logical block ids per group."""
     num_tokens: int
@@ -141,18 +159,19 @@ class Ticket(_Strict, kw_only=True):
     """Prefill TP rank whose sidecar holds the blocks (one ticket per prefill rank)."""
     tp_size: Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 1})]
     """Prefill TP size."""
-    peer: str
-    """Peer API address (host:port) of that rank's sidecar."""
+    peer: PeerAddress
+    """Peer API address (host:port, at most 261 characters) of that rank's sidecar."""
     generation: int = 0
     """Prefill registration generation at hold time (a re-registered engine has a new one)."""
-    token: str = ""
-    """HMAC-SHA256 (hex) over the other fields, keyed by the shared peer secret."""
+    token: Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[0-9a-f]*(?!\n)$")] = ""
+    """HMAC-SHA256 (64 lowercase hex digits) over the other fields, keyed by the shared peer
+    secret."""
 
 
 class AbortHoldRequest(_Strict, kw_only=True):
     """Engine -> sidecar: give up a hold (request cancelled)."""
 
-    hold_id: str
+    hold_id: HoldId
     """The hold to abort."""
 
 
@@ -170,7 +189,7 @@ class PullRequest(_Strict, kw_only=True):
     the sidecar's ``max_pull_deadline_s`` (600 by default), else a 422 naming it."""
     request_id: RequestId = ""
     """The decode engine's request id, echoed in the finished-pulls feed (at most 512
-    characters, no ASCII control but tab)."""
+    characters on one line, ONE_LINE_PATTERN)."""
     num_tokens: int = -1
     """Prompt tokens the decode wants moved (-1: the tickets' num_tokens). Fewer than the
     tickets' (Mamba partial prefill) or block sizes that differ between the sides (re-blocking)
@@ -184,8 +203,8 @@ class DeclineRequest(_Strict, kw_only=True):
     tickets: list[Ticket]
     """Tickets of the holds to release: any requests, any prefill ranks (MACs are checked)."""
     reason: Annotated[str, msgspec.Meta(max_length=256, pattern=ONE_LINE_PATTERN)] = ""
-    """Why, for logs (e.g. ``rejected``, ``aborted``; at most 256 characters, no ASCII control
-    but tab: each prefill side logs it)."""
+    """Why, for logs (e.g. ``rejected``, ``aborted``; at most 256 characters on one line,
+    ONE_LINE_PATTERN: each prefill side logs it)."""
 
 
 class KeepaliveRequest(_Strict, kw_only=True):

@@ -16,9 +16,11 @@ NIXL agent and region names, and to peers). ``(?!\n)``: Python's ``$`` also matc
 final newline."""
 EngineId = Annotated[str, msgspec.Meta(pattern=ENGINE_ID_PATTERN)]
 
-ONE_LINE_PATTERN = r"^[^\x00-\x08\x0a-\x1f\x7f]*(?!\n)$"
-"""Text that stays one log line: no ASCII control character but tab (a newline would forge a
-line, an escape sequence rewrite the terminal). ``(?!\n)`` as in ENGINE_ID_PATTERN."""
+ONE_LINE_PATTERN = r"^[^\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]*(?!\n)$"
+"""Text that stays one log line: no control character but tab, ASCII or C1 (a newline would
+forge a line, an escape sequence rewrite the terminal), nor U+2028/U+2029 (log viewers and
+``str.splitlines`` break lines at those and at C1's NEL, U+0085). ``(?!\n)`` as in
+ENGINE_ID_PATTERN."""
 
 REQUEST_ID_MAX_LENGTH = 512
 RequestId = Annotated[str, msgspec.Meta(max_length=REQUEST_ID_MAX_LENGTH, pattern=ONE_LINE_PATTERN)]
@@ -33,6 +35,16 @@ FedRequestId = Annotated[
 ]
 """A request id in a sidecar's feed: a RequestId in the schema only, so an engine reading an
 older sidecar's feed is not stuck on a page with an id that sidecar let through."""
+
+_HOLD_ID_CHAR = "[A-Za-z0-9._:-]"
+HOLD_ID_PATTERN = rf"^{_HOLD_ID_CHAR}{{1,128}}(?!\n)$"
+"""A hold id: 1-128 of A-Z a-z 0-9 . _ : - (the sidecar picks 32 hex digits; an engine may
+choose its own for a ticket minted ahead). ``(?!\n)`` as in ENGINE_ID_PATTERN."""
+HoldId = Annotated[str, msgspec.Meta(max_length=128, pattern=HOLD_ID_PATTERN)]
+ChosenHoldId = Annotated[
+    str, msgspec.Meta(max_length=128, pattern=rf"^{_HOLD_ID_CHAR}{{0,128}}(?!\n)$")
+]
+"""A hold id an engine may leave empty (the sidecar then picks one)."""
 
 MANIFEST_VERSION = 1
 """Bump when the manifest's meaning changes. 1: first version."""

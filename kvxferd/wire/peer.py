@@ -7,7 +7,7 @@ from typing import Annotated
 import msgspec
 
 from kvxferd.wire.engine import Ticket
-from kvxferd.wire.manifest import _POSITIVE, EngineId, Manifest
+from kvxferd.wire.manifest import _POSITIVE, EngineId, HoldId, Manifest
 
 
 class Handshake(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,7 +68,7 @@ class ClaimResponse(msgspec.Struct, frozen=True, kw_only=True):
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     """Decode side -> prefill side: keep these holds alive (requests still queued)."""
 
-    hold_ids: list[str]
+    hold_ids: list[HoldId]
     """Holds to extend."""
     extend_s: Annotated[float, msgspec.Meta(extra_json_schema=_POSITIVE)]
     """Seconds to extend each lease by (capped by the prefill side)."""

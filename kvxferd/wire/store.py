@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from kvxferd.wire.manifest import RequestId, _Strict
+import msgspec
+
+from kvxferd.wire.manifest import ChosenHoldId, RequestId, _Strict
+
+STORE_KEY_HEX = 32
+"""Hex digits of a store key (a 128-bit blake2b digest, ``kvxferd.store.chunk_keys``)."""
+StoreKey = Annotated[
+    str, msgspec.Meta(max_length=STORE_KEY_HEX, pattern=rf"^[0-9a-f]{{{STORE_KEY_HEX}}}(?!\n)$")
+]
+"""A chunk key: 32 lowercase hex digits."""
 
 
 class StoreSaveRequest(_Strict, kw_only=True):
     """Engine -> sidecar: keep a request's computed blocks in the store (issue 12)."""
 
     request_id: RequestId
-    """The engine's request id, for logs (at most 512 characters, no ASCII control but tab)."""
-    keys: list[str]
-    """Chunk keys of the prompt (``kvxferd.store.chunk_keys``): one per ``store_chunk_tokens``
-    tokens, the last chunk possibly partial."""
+    """The engine's request id, for logs (at most 512 characters on one line, ONE_LINE_PATTERN)."""
+    keys: list[StoreKey]
+    """Chunk keys of the prompt (``kvxferd.store.chunk_keys``, 32 hex digits each): one per
+    ``store_chunk_tokens`` tokens, the last chunk possibly partial."""
     block_ids: list[list[int]] = []
     """Logical block ids per group, in request order (mamba: the state block last); empty when
     ``hold_id`` names them."""
     num_tokens: int = -1
     """Tokens the blocks hold (the Mamba state is the state after this many); -1 with
     ``hold_id``: the hold's."""
-    hold_id: str = ""
+    hold_id: ChosenHoldId = ""
     """Save the blocks of this live hold (pinned while it lasts) instead of ``block_ids``."""
 
 
@@ -47,7 +56,7 @@ class StoreSaved(_Strict, kw_only=True):
 class StoreLookupRequest(_Strict, kw_only=True):
     """Engine -> sidecar: how much of this prompt can the store serve?"""
 
-    keys: list[str]
+    keys: list[StoreKey]
     """Chunk keys of the prompt."""
     num_tokens: int
     """Prompt tokens the keys cover."""
@@ -69,14 +78,14 @@ class StoreLookup(_Strict, kw_only=True):
 class StoreLoadRequest(_Strict, kw_only=True):
     """Engine -> sidecar: write a prompt's first tokens from the store into local blocks."""
 
-    keys: list[str]
+    keys: list[StoreKey]
     """Chunk keys of the tokens to load (one per chunk of ``num_tokens``)."""
     block_ids: list[list[int]]
     """Local logical block ids per group (mamba: the state block last)."""
     num_tokens: int
     """Tokens to load: a lookup's ``matched`` (or fewer, on a chunk boundary)."""
     request_id: RequestId = ""
-    """The engine's request id, for logs (at most 512 characters, no ASCII control but tab)."""
+    """The engine's request id, for logs (at most 512 characters on one line, ONE_LINE_PATTERN)."""
     deadline_s: float = 30.0
     """Past this the load stops before its next chunk and answers failed (``deadline``); the
     answer comes only once nothing more is written (a client waits a margin longer)."""

@@ -14,6 +14,8 @@ from kvxferd import errors
 from kvxferd.api.engine import MAX_WAIT_S, engine_document
 from kvxferd.memory import SHM_DIR
 from kvxferd.wire import (
+    HOLD_SPARE_BLOCKS,
+    MAX_TOKENS,
     AbortHoldRequest,
     DeclineRequest,
     ErrorBody,
@@ -335,6 +337,29 @@ def test_a_hold_with_bad_block_ids_is_a_422_naming_the_block(real, block_ids, fi
     assert (err.error, err.field) == ("BlockIdError", field)
 
 
+def test_a_hold_past_max_tokens_or_listing_more_blocks_than_they_span_is_a_422_naming_it(real):
+    before = real.sidecar.holds.active
+    err = _error(real.engine.post("/v1/holds", json=_hold_body(num_tokens=MAX_TOKENS + 1)), 422)
+    assert (err.error, err.field) == ("HoldRequestError", "num_tokens")
+    block_size = real.manifest.groups[0].block_size
+    most = -(-20 // block_size) + HOLD_SPARE_BLOCKS
+    flood = [0] * most + [99]  # one null too many, and a bad id never looked at
+    err = _error(real.engine.post("/v1/holds", json=_hold_body(block_ids=[flood])), 422)
+    assert (err.error, err.field) == ("BlockIdError", "block_ids[0]")
+    assert real.sidecar.holds.active == before
+
+
+@pytest.mark.parametrize("hold_id", ["x" * 129, "h\nkvxferd ready", "a b"],
+                         ids=["129", "newline", "space"])  # fmt: skip
+def test_a_hold_id_too_long_or_with_other_characters_is_a_422_naming_it(real, hold_id):
+    before = real.sidecar.holds.active
+    err = _error(real.engine.post("/v1/holds", json=_hold_body(hold_id=hold_id)), 422)
+    assert (err.error, err.field) == ("ValidationError", "hold_id")
+    err = _error(real.engine.post("/v1/holds/abort", json={"hold_id": hold_id}), 422)
+    assert (err.error, err.field) == ("ValidationError", "hold_id")
+    assert real.sidecar.holds.active == before
+
+
 def test_a_second_hold_of_a_live_request_is_a_409_naming_request_id(real):
     body = _hold_body()
     assert real.engine.post("/v1/holds", json=body).status_code == 200
@@ -367,7 +392,7 @@ def test_a_hold_with_a_512_character_request_id_is_placed_and_its_ticket_names_i
 
 @pytest.mark.parametrize("path", ["/v1/store/save", "/v1/store/load"])
 def test_a_store_call_with_a_newline_in_its_request_id_is_a_422_naming_it(fake_engine, fake, path):
-    body = {"request_id": "r\n", "keys": ["k"], "block_ids": [[1]], "num_tokens": 16}
+    body = {"request_id": "r\n", "keys": ["0" * 32], "block_ids": [[1]], "num_tokens": 16}
     assert _error(fake_engine.post(path, json=body), 422).field == "request_id"
     assert fake.calls == []
 
@@ -410,6 +435,23 @@ def test_a_ticket_with_a_wrong_mac_is_a_401_naming_it_before_any_call(real, rout
             "/v1/decline": {"tickets": tickets}}[route]  # fmt: skip
     err = _error(real.engine.post(route, json=body), 401)
     assert (err.error, err.field) == ("AuthError", "tickets[1].token")
+    assert real.engine.post("/v1/holds/abort", json={"hold_id": good.hold_id}).status_code == 204
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [({"peer": "h\r\nX-Forged: 1:1"}, "tickets[0].peer"),
+     ({"peer": "h" * 256 + ":1"}, "tickets[0].peer"),
+     ({"token": "0" * 65}, "tickets[0].token")],
+    ids=["peer-header-injection", "peer-too-long", "token-too-long"],
+)  # fmt: skip
+def test_a_ticket_whose_peer_or_token_is_malformed_is_a_422_naming_it(real, change, field):
+    good = msgspec.json.decode(real.engine.post("/v1/holds", json=_hold_body(block_ids=[[5]]))
+                               .content, type=Ticket)  # fmt: skip
+    ticket = {**msgspec.to_builtins(good), **change}
+    err = _error(real.engine.post("/v1/pulls", json={"tickets": [ticket], "block_ids": [[6]]}),
+                 422)  # fmt: skip
+    assert (err.error, err.field) == ("ValidationError", field)
     assert real.engine.post("/v1/holds/abort", json={"hold_id": good.hold_id}).status_code == 204
 
 

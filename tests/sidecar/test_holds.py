@@ -25,6 +25,7 @@ from kvxferd.errors import (
 )
 from kvxferd.sidecar.holds import HoldTable, NotifyOutcome
 from kvxferd.sidecar.states import HoldState
+from kvxferd.wire import HOLD_SPARE_BLOCKS, MAX_TOKENS
 from tests.sidecar.holdtable import NUM_BLOCKS, RES, FakeClock, manifest, req, table
 
 # -- hold ----------------------------------------------------------------------------------------
@@ -76,12 +77,45 @@ def test_same_block_in_two_groups_and_empty_groups_are_fine():
         (req(lease_s=math.nan), "lease_s"),
         (req(lease_s=math.inf), "lease_s"),
         (req(num_tokens=-1), "num_tokens"),
+        (req(num_tokens=MAX_TOKENS + 1), "num_tokens"),
     ],
 )
 def test_bad_hold_arguments_name_the_field(request_, field):
     with pytest.raises(HoldRequestError) as err:
         table().hold(request_)
     assert err.value.field == field
+
+
+def test_a_hold_of_max_tokens_is_taken():
+    assert table().hold(req(num_tokens=MAX_TOKENS)).num_tokens == MAX_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "most"),
+    [(0, 1), (1, 1), (16, 1), (17, 2), (32, 2)],  # blocks of 16 tokens, at least one
+)
+def test_a_group_lists_at_most_the_blocks_its_tokens_span_plus_the_spare(num_tokens, most):
+    """vLLM's lookahead: a Mamba group gets a state block per draft token, attention the
+    slots they need; up to HOLD_SPARE_BLOCKS past the span are taken, nulls included."""
+    t = table()
+    spec = [0] * (most + HOLD_SPARE_BLOCKS - 2) + [5, 6]
+    hold = t.hold(req(block_ids=[spec, [7]], num_tokens=num_tokens))
+    assert len(hold.block_ids[0]) == most + HOLD_SPARE_BLOCKS
+    with pytest.raises(BlockIdError) as err:
+        t.hold(req("r2", block_ids=[[1], [0, *spec]], num_tokens=num_tokens))
+    assert err.value.field == "block_ids[1]"
+    assert f"need at most {most + HOLD_SPARE_BLOCKS}" in str(err.value)
+    assert len(t) == 1
+
+
+def test_a_flood_of_null_blocks_is_refused_by_its_length_before_any_id_is_looked_at():
+    """The length names the group, not the bad id at the end: nothing was walked or kept."""
+    t = table()
+    flood = [0] * 1_000_000 + [NUM_BLOCKS]
+    with pytest.raises(BlockIdError) as err:
+        t.hold(req(block_ids=[[1], flood], num_tokens=32))
+    assert err.value.field == "block_ids[1]"
+    assert len(t) == 0 and t.counters.held == 0
 
 
 def test_a_request_id_has_at_most_one_live_hold():

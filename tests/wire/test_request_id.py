@@ -1,12 +1,18 @@
-"""RequestId: at most 512 characters and no ASCII control but tab, on every request id that comes
-in (a newline in one would forge a log line; an unbounded one would grow every table and feed)."""
+"""RequestId: at most 512 characters on one line (no control character but tab, no line
+separator), on every request id that comes in (a newline in one would forge a log line; an
+unbounded one would grow every table and feed)."""
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvxferd.wire import (
+    ONE_LINE_PATTERN,
     FinishedPulls,
     HoldRequest,
     PullRequest,
@@ -21,11 +27,12 @@ _TICKET = {
     "engine_id": "e", "epoch": 1, "hold_id": "h", "request_id": "r", "block_ids": [[1]],
     "num_tokens": 1, "expires_at": 0.0, "tp_rank": 0, "tp_size": 1, "peer": "h:1",
 }  # fmt: skip
+_KEY = "0" * 32
 
 
 @pytest.mark.parametrize(
     "request_id",
-    ["", "r", "x" * 512, "cmpl-\t-0", "caf\u00e9 \u2603", "chatcmpl-7f3a-0-1b2c"],
+    ["", "r", "x" * 512, "cmpl-\t-0", "caf\u00e9 \u2603\u00a0\u00ff", "chatcmpl-7f3a-0-1b2c"],
     ids=["empty", "one", "512", "tab", "non-ascii", "vllm-style"],
 )
 def test_a_request_id_of_at_most_512_non_control_characters_is_taken(request_id):
@@ -34,12 +41,21 @@ def test_a_request_id_of_at_most_512_non_control_characters_is_taken(request_id)
 
 @pytest.mark.parametrize(
     "request_id",
-    ["x" * 513, "r\n", "r\nkvxferd ready", "\n", "r\r", "r\x00", "r\x08", "r\x1b[2J", "r\x7f"],
-    ids=["513", "trailing-newline", "newline", "only-newline", "cr", "nul", "bs", "esc", "del"],
+    ["x" * 513, "r\n", "r\nkvxferd ready", "\n", "r\r", "r\x00", "r\x08", "r\x1b[2J", "r\x7f"]
+    + ["r\x85forged", "r\u2028forged", "r\u2029forged", "r\x80", "r\x9b2J", "r\x9f"],
+    ids=["513", "trailing-newline", "newline", "only-newline", "cr", "nul", "bs", "esc", "del"]
+    + ["nel", "line-separator", "paragraph-separator", "c1-first", "c1-csi", "c1-last"],
 )
-def test_a_request_id_too_long_or_with_a_control_character_is_refused(request_id):
+def test_a_request_id_too_long_or_with_a_control_character_or_line_break_is_refused(request_id):
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert(request_id, RequestId)
+
+
+@given(st.text(max_size=40))
+def test_text_the_one_line_rule_takes_is_one_line_for_python_and_has_no_control_but_tab(text):
+    if re.search(ONE_LINE_PATTERN, text):
+        assert len(text.splitlines()) <= 1
+        assert all(c == "\t" or (c >= " " and not "\x7f" <= c <= "\x9f") for c in text)
 
 
 @pytest.mark.parametrize(
@@ -48,8 +64,8 @@ def test_a_request_id_too_long_or_with_a_control_character_is_refused(request_id
         (HoldRequest, {"block_ids": [[1]], "num_tokens": 1}),
         (Ticket, _TICKET),
         (PullRequest, {"tickets": [_TICKET], "block_ids": [[1]]}),
-        (StoreSaveRequest, {"keys": ["k"], "block_ids": [[1]]}),
-        (StoreLoadRequest, {"keys": ["k"], "block_ids": [[1]], "num_tokens": 1}),
+        (StoreSaveRequest, {"keys": [_KEY], "block_ids": [[1]]}),
+        (StoreLoadRequest, {"keys": [_KEY], "block_ids": [[1]], "num_tokens": 1}),
     ],
     ids=["hold", "ticket", "pull", "store-save", "store-load"],
 )

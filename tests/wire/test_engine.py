@@ -1,0 +1,81 @@
+"""Engine API messages: hold ids, a ticket's peer and token are bounded and shaped at decode
+(they go into tables, logs, a URL and an HTTP Host header), and refusals name the field."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvxferd.wire import AbortHoldRequest, HoldRequest, Ticket
+
+_TICKET = {
+    "engine_id": "e", "epoch": 1, "hold_id": "h", "request_id": "r", "block_ids": [[1]],
+    "num_tokens": 1, "expires_at": 0.0, "tp_rank": 0, "tp_size": 1, "peer": "h:1",
+}  # fmt: skip
+_HOLD = {"request_id": "r", "block_ids": [[1]], "num_tokens": 1}
+_BAD_HOLD_IDS = ["x" * 129, "a b", "h\n", "h\r\nX: y", "h/../x", "caf\u00e9"]
+_BAD_IDS = ["129", "space", "trailing-newline", "crlf", "slash", "non-ascii"]
+
+
+def _decode(kind: type, body: dict):
+    return msgspec.json.decode(msgspec.json.encode(body), type=kind)
+
+
+def _refused_at(kind: type, body: dict, path: str) -> None:
+    with pytest.raises(msgspec.ValidationError, match=rf"at `\$\.{path}`$"):
+        _decode(kind, body)
+
+
+@pytest.mark.parametrize("hold_id", ["h", "0123456789abcdef" * 2, "x" * 128, "req-1.a_b:c"])
+def test_a_hold_id_of_1_to_128_safe_characters_is_taken_everywhere(hold_id):
+    assert _decode(HoldRequest, {**_HOLD, "hold_id": hold_id}).hold_id == hold_id
+    assert _decode(Ticket, {**_TICKET, "hold_id": hold_id}).hold_id == hold_id
+    assert _decode(AbortHoldRequest, {"hold_id": hold_id}).hold_id == hold_id
+
+
+@pytest.mark.parametrize("hold_id", _BAD_HOLD_IDS, ids=_BAD_IDS)
+def test_a_hold_id_too_long_or_with_other_characters_is_refused_and_named(hold_id):
+    _refused_at(HoldRequest, {**_HOLD, "hold_id": hold_id}, "hold_id")
+    _refused_at(Ticket, {**_TICKET, "hold_id": hold_id}, "hold_id")
+    _refused_at(AbortHoldRequest, {"hold_id": hold_id}, "hold_id")
+
+
+def test_only_a_hold_request_may_leave_the_hold_id_empty():
+    assert _decode(HoldRequest, _HOLD).hold_id == ""  # the sidecar picks one
+    _refused_at(Ticket, {**_TICKET, "hold_id": ""}, "hold_id")
+    _refused_at(AbortHoldRequest, {"hold_id": ""}, "hold_id")
+
+
+@pytest.mark.parametrize(
+    "peer",
+    ["127.0.0.1:7100", "pod-0.kv.svc.cluster.local:7100", "[::1]:7100", "::1:7100",
+     "[fe80::1%eth0]:1", "h" * 255 + ":65535"],
+    ids=["ipv4", "dns", "ipv6", "bare-ipv6", "zone", "longest"],
+)  # fmt: skip
+def test_a_ticket_names_its_peer_as_host_colon_port(peer):
+    assert _decode(Ticket, {**_TICKET, "peer": peer}).peer == peer
+
+
+@pytest.mark.parametrize(
+    "peer",
+    ["", "h", "h:", ":1", "h:123456", "h:port", "a b:1", "h:1\n", "h\r\nX: y:1",
+     "h/x:1", "h@x:1", "h" * 256 + ":1"],
+    ids=["empty", "no-port", "empty-port", "no-host", "port-too-long", "port-not-digits",
+         "space", "trailing-newline", "header-injection", "slash", "userinfo", "host-too-long"],
+)  # fmt: skip
+def test_a_ticket_whose_peer_is_not_host_colon_port_is_refused_and_named(peer):
+    _refused_at(Ticket, {**_TICKET, "peer": peer}, "peer")
+
+
+@pytest.mark.parametrize("token", ["", "0f" * 32], ids=["unsigned", "hmac-sha256"])
+def test_a_ticket_token_is_at_most_64_hex_digits(token):
+    assert _decode(Ticket, {**_TICKET, "token": token}).token == token
+
+
+@pytest.mark.parametrize(
+    "token",
+    ["0" * 65, "0" * 64 + "\n", "0F" * 32, "z" * 64],
+    ids=["65", "trailing-newline", "upper-case", "not-hex"],
+)
+def test_a_ticket_token_longer_or_not_lower_hex_is_refused_and_named(token):
+    _refused_at(Ticket, {**_TICKET, "token": token}, "token")
