@@ -171,17 +171,23 @@ class HandshakeError(KvxferdError):
 
 
 class IncompatiblePeerError(HandshakeError):
-    """Two manifests cannot exchange blocks; ``fields`` lists every disagreement."""
+    """Two manifests cannot exchange blocks; ``fields`` lists every disagreement, ``reasons``
+    says in words why a field's values cannot work where the values alone do not tell."""
 
     status = 409
     code = "incompatible"
 
-    def __init__(self, fields: dict[str, tuple[object, object]]) -> None:
+    def __init__(
+        self, fields: dict[str, tuple[object, object]], reasons: dict[str, str] | None = None
+    ) -> None:
+        why = reasons or {}
         detail = "; ".join(
-            f"{k}: local={_short(a)} remote={_short(b)}" for k, b, a in _triples(fields)
+            f"{k}: {why[k] + ', ' if k in why else ''}local={_short(a)} remote={_short(b)}"
+            for k, b, a in _triples(fields)
         )
         super().__init__(f"incompatible peer: {detail}")
         self.fields = fields
+        self.reasons = why
 
 
 def _short(value: object, limit: int = 200) -> str:

@@ -105,3 +105,14 @@ def test_an_incompatible_peer_message_cuts_each_value_it_quotes():
     exc = errors.IncompatiblePeerError({"groups[0].layers[0].k.name": ("k", "x" * (1 << 20))})
     assert len(str(exc)) < 512
     assert "local='k'" in str(exc) and "remote='xxx" in str(exc)
+
+
+def test_an_incompatible_peer_message_says_why_where_a_reason_is_given():
+    exc = errors.IncompatiblePeerError(
+        {"a.head_layout": ("NHD", "NHD"), "b.dtype": ("x", "y")}, {"a.head_layout": "needs HND"}
+    )
+    assert str(exc) == (
+        "incompatible peer: a.head_layout: needs HND, local='NHD' remote='NHD'; "
+        "b.dtype: local='x' remote='y'"
+    )
+    assert exc.reasons == {"a.head_layout": "needs HND"}

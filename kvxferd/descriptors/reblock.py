@@ -5,7 +5,8 @@ and a decode at TP 1 may hold the same tokens in blocks of different sizes. Atte
 token ``t`` lives in logical block ``t // block_size`` of the request (the list entry covering
 it), kernel block ``(t % block_size) // kernel_block_size``, token row ``t % kernel_block_size``.
 A *token piece* is the run of one TP unit (HND: one head, whose tokens are contiguous within a
-kernel block) or of a whole NHD part (a token row holds every head) that one token occupies:
+kernel block) or of a whole NHD part (K, V apart: a token row holds every head; NHD packed K|V
+rows are refused) that one token occupies:
 token row ``tau`` of block unit ``u`` is ``row`` bytes at ``offset + u * stride + tau * step``
 (``step == row`` unless the part has per-token rows: vLLM's packed K|V puts ``row_stride``
 between a head's token rows, and such rows move one token at a time).
@@ -83,11 +84,10 @@ class TokenPieces:
 
 def _row_bytes(layer: AttentionLayer, p: Part, kbs: int, field: str) -> tuple[int, int]:
     """(bytes of one token row, bytes between token rows): of one TP unit (HND), or of the
-    whole part (NHD), checked. A part with per-token rows (packed K|V) has ``kbs`` rows."""
+    whole part (NHD), checked. A part with per-token rows (packed K|V; HND only, the caller
+    refuses NHD ones) has ``kbs`` rows."""
     head = layer.head_size * DTYPE_BYTES[layer.dtype]
     if p.rows > 1:
-        if layer.head_layout != "HND":
-            raise IncompatiblePeerError({f"{field}.rows": (p.rows, layer.head_layout)})
         size = layer.head_size_v if p.name == "v" and layer.head_size_v else layer.head_size
         if p.rows != kbs or p.unit_bytes != size * DTYPE_BYTES[layer.dtype]:
             raise ManifestError(
@@ -120,17 +120,26 @@ def token_pieces(local: Manifest, remote: Manifest, pairs: list[LayerPair]) -> T
     All pairs link one local group to one remote group. HND: one piece per TP unit the remote
     rank serves (rank-relative positions on each side, as :func:`~.pieces.pair_pieces`). NHD:
     the whole part, which must be read whole on both sides (else IncompatiblePeerError naming
-    ``<part>.sliceable``).
+    ``<part>.sliceable``); NHD parts with packed K|V rows are refused (``<part>.head_layout``).
     """
     ltp, rtp = (local.tp_size, local.tp_rank), (remote.tp_size, remote.tp_rank)
     rows: list[tuple[int, ...]] = []
     bad: dict[str, tuple[object, object]] = {}
+    why: dict[str, str] = {}
     for g, i, rg, ri in pairs:
         ll, rl = local.groups[g].layers[i], remote.groups[rg].layers[ri]
         lkbs, rkbs = local.groups[g].kernel_block_size, remote.groups[rg].kernel_block_size
         assert isinstance(ll, AttentionLayer) and isinstance(rl, AttentionLayer)
         for (name, lp), (_n, rp) in zip(layer_parts(ll), layer_parts(rl), strict=True):
             field = part_field(g, i, name)
+            if max(lp.rows, rp.rows) > 1 and "NHD" in (ll.head_layout, rl.head_layout):
+                sizes = (local.groups[g].block_size, remote.groups[rg].block_size)
+                bad[f"{field}.head_layout"] = (ll.head_layout, rl.head_layout)
+                why[f"{field}.head_layout"] = (
+                    f"re-blocking (block_size {sizes[0]} vs {sizes[1]}) supports packed K|V rows "
+                    "only in the HND head layout"
+                )
+                continue
             lidx, ridx, unsliceable = read_units(lp, rp, ltp, rtp)
             whole = lidx.size == lp.units and ridx.size == rp.units
             if unsliceable or (ll.head_layout == "NHD" and lidx.size and not whole):
@@ -155,7 +164,7 @@ def token_pieces(local: Manifest, remote: Manifest, pairs: list[LayerPair]) -> T
                      rstep)
                 )  # fmt: skip
     if bad:
-        raise IncompatiblePeerError(bad)
+        raise IncompatiblePeerError(bad, why)
     t = np.asarray(rows, dtype=np.int64).reshape(-1, 9).T
     return TokenPieces(*(np.ascontiguousarray(c) for c in t))
 

@@ -62,11 +62,11 @@ ARGS = {"field": "some.field", "reason": "is wrong", "detail": "more", "current"
 
 
 def _instance(cls: type[errors.KvxferdError]) -> errors.KvxferdError:
-    """An instance built from whatever its constructor asks for."""
+    """An instance built from whatever its constructor requires."""
     if cls.__init__ is errors.KvxferdError.__init__:
         return cls("message")
-    params = list(inspect.signature(cls.__init__).parameters)[1:]
-    return cls(**{name: ARGS[name] for name in params})
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return cls(**{p.name: ARGS[p.name] for p in params if p.default is p.empty})
 
 
 EXPECTED = {

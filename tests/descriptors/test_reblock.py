@@ -23,6 +23,7 @@ from kvxferd.descriptors import (
     read_geometry,
 )
 from kvxferd.errors import BlockIdError, IncompatiblePeerError
+from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
 from kvxferd.wire import Manifest
 
 from . import oracle
@@ -374,3 +375,33 @@ def test_compare_allows_different_rows_only_when_re_blocking():
         render_packed(a, 2, 8), render_packed(replace(a, head_size=8, kbs=2), 2, 8)
     )
     assert "groups[0].layers[0].head_size" in diff
+
+
+@pytest.mark.parametrize(
+    ("model", "local_opts", "remote_opts", "sizes"),
+    [
+        # attention only, the decode's block twice the prefill's
+        ("llama-3.1-8b", {"block_size": 32}, {"block_size": 16}, "32 vs 16"),
+        # hybrid: the Mamba page shrinks with TP, so TP 4 blocks are half as long as TP 1's
+        ("falcon-h1-0.5b", {"tp_size": 1}, {"tp_size": 4}, "800 vs 400"),
+    ],
+)
+def test_re_blocking_refuses_nhd_packed_rows_naming_the_head_layout(
+    model, local_opts, remote_opts, sizes
+):
+    cfg = load_hf_config(model)
+
+    def nhd(**opts) -> Manifest:
+        return plan_manifest(cfg, PlanOptions(num_blocks=24, head_layout="NHD", **opts))
+
+    local, remote = nhd(**local_opts), nhd(**remote_opts)
+    assert local.groups[0].layers[0].k.rows > 1  # vLLM 0.33's packed K|V rows
+    with pytest.raises(IncompatiblePeerError) as exc:
+        read_geometry(local, remote)
+    field = "groups[0].layers[0].k.head_layout"
+    assert exc.value.fields[field] == ("NHD", "NHD")
+    assert all(f.endswith(".head_layout") for f in exc.value.fields)
+    assert (
+        f"{field}: re-blocking (block_size {sizes}) supports packed K|V rows only in the HND "
+        "head layout, local='NHD' remote='NHD'"
+    ) in str(exc.value)
