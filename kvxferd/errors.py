@@ -213,7 +213,8 @@ class HoldError(KvxferdError):
 
 
 class UnknownHoldError(HoldError):
-    """No hold with that id exists (it never did, or it was already released)."""
+    """No hold with that id exists (it never did, or it was already released), or it was
+    aborted and takes no new reader."""
 
     status = 404
     code = "unknown_hold"

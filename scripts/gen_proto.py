@@ -196,10 +196,14 @@ for the other sidecars.
    prefill sidecar releases the hold. Released holds (reason `notified`, `expired`, `aborted`,
    `declined` or `unregistered`, each exactly once) appear in `GET /v1/released?cursor=N&limit=M`
    (paged: `more` says another page waits; the feed is bounded in records and bytes); the
-   prefill engine frees their blocks. `POST /v1/holds/abort` gives a hold up; keepalive
+   prefill engine frees their blocks. `POST /v1/holds/abort` gives a hold up: at once if no
+   reader claimed it; a claimed one answers every later claim 404 ("aborted") and is released
+   (`aborted`) once the readers that claimed it have notified, or (`expired`) when their claims
+   end, so the engine never frees blocks a READ may still copy; keepalive
    (`POST /v1/heartbeat` between sidecars) extends the leases of requests still queued on the
-   decode side; decline (`POST /v1/decline`) releases the holds of requests the decode side will
-   not read (rejected, aborted) at once instead of at lease end.
+   decode side (an aborted hold is reported `missing`); decline (`POST /v1/decline`) releases
+   the holds of requests the decode side will not read (rejected, aborted) at once instead of
+   at lease end.
 
 A pull that did not move every byte it promised ends `failed` with a machine-readable `reason`;
 it never ends `done`.
@@ -324,7 +328,8 @@ outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
   within that time. A shape that reads nothing from this rank (its units are replicas read
   elsewhere) releases the hold by claiming it. An engine-chosen hold id (`HoldRequest.hold_id`,
   minted by a scheduler) that is not placed yet is waited for up to `--hold-grace` seconds.
-- **Who may release.** The prefill engine (abort, or by unregistering), the lease (expiry,
+- **Who may release.** The prefill engine (abort, or by unregistering; an abort of a claimed
+  hold waits for its claimed readers' notifications or claims' ends), the lease (expiry,
   kept on a monotonic clock inside the process; absolute Unix times appear only on the wire),
   the readers that claimed the hold, by NIXL notification once all expected readers have
   notified (a notification from an agent that did not claim is counted as unknown and ignored;

@@ -93,7 +93,12 @@ async def hold(sidecar: Sidecar, req: HoldRequest) -> Ticket:
 
 
 async def abort(sidecar: Sidecar, req: AbortHoldRequest) -> None:
-    """Give up a hold (request cancelled); its blocks show up in the released feed."""
+    """Give up a hold (request cancelled); its blocks show up in the released feed.
+
+    No new reader may claim it from now on. One a decode has claimed and may be reading stays
+    pinned until its readers notify or their claims end: the release (and so the engine's
+    free of the blocks) may come after this answer, through the released feed.
+    """
     sidecar.abort(req)
 
 

@@ -16,7 +16,7 @@ holds for that decode now, not at lease expiry; a server without that route just
 So is it when the client goes away after the prefill answered but before a byte of the decode
 request went out (the decode's connection still opening). Once the decode may have the request
 it is left to the decode, which reads the hold or declines it: a kvxferd prefill's release
-aborts even a hold a decode has claimed and is reading.
+aborts the hold, which a decode that has not claimed it yet can then no longer read.
 """
 
 from __future__ import annotations

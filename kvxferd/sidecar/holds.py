@@ -5,6 +5,11 @@ it, or its lease (extended by claims and heartbeats) runs out. Whatever the path
 each hold is released exactly once, and each release is appended to a cursor-addressed feed the
 engine polls to free its blocks.
 
+An abort never pulls blocks from under a reader: an unclaimed hold is released at once, but a
+claimed one is only marked aborted. It takes no new claim, heartbeat or reader, and is released
+(``aborted``) once every reader that claimed it has notified, or (``expired``) when the last
+claim ends, whichever comes first; the engine frees the blocks when the feed says so.
+
 Expiry is checked by every call that touches a hold, not only by the reaper: a hold whose deadline
 has passed is released as ``expired`` by the first call that notices, so an expired hold can never
 be claimed or read "successfully" because the reaper was late.
@@ -99,6 +104,10 @@ class Hold:
     released_at: float | None = None
     reader_tp_size: int = 0
     """Decode TP size the first claim announced (0 until claimed); later claims must agree."""
+    claimed_until: float = 0.0
+    """When the latest claim ends (no reader reads past it); 0 until claimed."""
+    aborted: bool = False
+    """The engine aborted it while claimed: released once its readers are done (see abort)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -124,6 +133,9 @@ class NotifyOutcome(Enum):
     """It was the last expected reader; the hold is released as ``notified``."""
     DUPLICATE = "duplicate"
     """This reader had already notified; counted once."""
+    ABORTED = "aborted"
+    """The engine had aborted the hold and this was the last reader still reading: released as
+    ``aborted``."""
     EXPIRED = "expired"
     """The hold's deadline had passed; it is released as ``expired`` instead."""
     UNKNOWN = "unknown"
@@ -339,6 +351,8 @@ class HoldTable:
         if not (isinstance(expected_readers, int) and expected_readers >= 0):
             raise HoldRequestError("expected_readers", f"must be >= 0, got {expected_readers!r}")
         hold = self._live(hold_id, now)
+        if hold.aborted:
+            raise UnknownHoldError(f"hold_id {hold_id!r}: aborted by its engine")
         if block_ids is not None and block_ids != hold.block_ids:
             raise ClaimMismatchError("ticket.block_ids", "are not the block ids of this hold")
         if request_id is not None and request_id != hold.request_id:
@@ -375,6 +389,7 @@ class HoldTable:
         if readers == 0:  # nobody of this TP shape reads this rank: nothing to wait for
             self._release(hold, "notified", now)
         else:
+            hold.claimed_until = max(hold.claimed_until, now + claim_s)
             self._extend(hold, now + claim_s)
         return grant
 
@@ -396,6 +411,9 @@ class HoldTable:
             return NotifyOutcome.DUPLICATE
         hold.notified.add(reader)
         self.counters.notifications += 1
+        if hold.aborted and hold.notified >= hold.readers:
+            self._release(hold, "aborted", now)
+            return NotifyOutcome.ABORTED
         if len(hold.notified) >= hold.expected_readers:
             self._release(hold, "notified", now)
             return NotifyOutcome.RELEASED
@@ -414,14 +432,28 @@ class HoldTable:
             return NotifyOutcome.UNKNOWN
         return self.notify(hold_id, reader, now)
 
-    def abort(self, hold_id: str, now: float | None = None) -> ReleasedHold:
-        """Release a hold at the engine's request (reason ``aborted``, or ``expired`` if it was)."""
+    def abort(self, hold_id: str, now: float | None = None) -> ReleasedHold | None:
+        """Give a hold up at the engine's request: its release record (``aborted``, or
+        ``expired`` if it was), or None when readers that claimed it may still be reading.
+
+        Such a hold takes no new claim and no heartbeat from now on; it is released as
+        ``aborted`` when the last of its claimed readers notifies, else as ``expired`` when the
+        last claim ends (that bounds every READ). Aborting it again changes nothing.
+        """
         now = self._now(now)
         hold = self.get(hold_id)
         if self._expire_if_due(hold, now):
             record = self._released.get(hold_id)
             assert record is not None  # just appended
             return record
+        if hold.readers - hold.notified and hold.claimed_until > now:
+            if not hold.aborted:
+                hold.aborted = True
+                hold.expires_at = hold.claimed_until  # no READ of it outlives its last claim
+                self._deadlines.set(hold_id, hold.expires_at)
+                logger.info("hold %s aborted while claimed: released once its readers are "
+                            "done", hold_id)  # fmt: skip
+            return None
         return self._release(hold, "aborted", now)
 
     def decline(
@@ -450,7 +482,7 @@ class HoldTable:
         """Push each live hold's deadline to at least now + extend_s (capped by max_lease_s).
 
         Returns (extended, missing); a hold already past its deadline is released as expired and
-        reported missing, never revived.
+        reported missing, never revived; an aborted one is missing too (left as it is).
         """
         now = self._now(now)
         extend_s = min(_positive(extend_s, "extend_s"), self.max_lease_s)
@@ -458,7 +490,7 @@ class HoldTable:
         missing: list[str] = []
         for hold_id in dict.fromkeys(hold_ids):
             hold = self._holds.get(hold_id)
-            if hold is None or self._expire_if_due(hold, now):
+            if hold is None or self._expire_if_due(hold, now) or hold.aborted:
                 missing.append(hold_id)
             else:
                 self._extend(hold, now + extend_s)

@@ -314,7 +314,8 @@ class Sidecar:
         return sign_ticket(ticket, self._secret)
 
     def abort(self, req: AbortHoldRequest) -> None:
-        """Give up a hold."""
+        """Give up a hold: released now, or, while a reader that claimed it may be reading,
+        once its readers are done (``HoldTable.abort``); the released feed says when."""
         holds, _ = self._require_engine()
         holds.abort(req.hold_id)
         self._after_release()

@@ -304,7 +304,11 @@ class WorkerSide:
         return stale
 
     def _give_up(self, hold_id: str) -> None:
-        """Abort a hold nobody can claim (its release is not waited for: freed at once)."""
+        """Abort a hold nobody can claim (its release is not waited for: freed at once).
+
+        Safe: the only ticket naming it was minted for another epoch or generation, and every
+        claim of such a ticket is refused, so no reader holds a claim and the abort releases it.
+        """
         try:
             self.client.abort(hold_id)
         except KvxferdError as exc:

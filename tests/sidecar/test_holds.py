@@ -308,6 +308,74 @@ def test_abort():
     assert {k: v for k, v in t.counters.released.items() if v} == {"expired": 1, "aborted": 1}
 
 
+def test_an_abort_of_a_claimed_hold_waits_for_its_reader_and_refuses_new_ones():
+    """The reader may be copying the blocks: the hold stays pinned (not in the feed, so the
+    engine does not free them) until that reader notifies; nobody else may claim it."""
+    clock = FakeClock(0.0)
+    t = table(clock)
+    hold = t.hold(req("a", lease_s=30.0))
+    t.claim(hold.hold_id, "d0", 5.0, expected_readers=2)
+    assert t.abort(hold.hold_id) is None
+    assert hold.aborted and hold.state is HoldState.CLAIMED and hold.hold_id in t
+    assert (t.active, t.claimed, t.released_since(0).holds) == (1, 1, [])
+    for reader in ("d1", "d0"):  # a second reader, or the first claiming again
+        with pytest.raises(UnknownHoldError, match="aborted"):
+            t.claim(hold.hold_id, reader, 5.0, expected_readers=2)
+    assert t.abort(hold.hold_id) is None  # again: nothing changes
+    assert t.heartbeat([hold.hold_id], 20.0) == ([], [hold.hold_id])  # not kept alive
+    assert hold.readers == {"d0"} and t.released_since(0).holds == []
+    assert t.notify(hold.hold_id, "d0") is NotifyOutcome.ABORTED
+    feed = t.released_since(0)
+    assert [(r.hold_id, r.reason) for r in feed.holds] == [(hold.hold_id, "aborted")]
+    assert hold.reason == "aborted" and (len(t), t.claimed) == (0, 0)
+    assert {k: v for k, v in t.counters.released.items() if v} == {"aborted": 1}
+    with pytest.raises(UnknownHoldError, match=r"already released \(aborted\)"):
+        t.claim(hold.hold_id, "d1", 5.0)
+
+
+def test_an_aborted_hold_waits_for_every_reader_that_claimed_it_only():
+    t = table()
+    hold = t.hold(req())
+    for reader in ("d0", "d1"):
+        t.claim(hold.hold_id, reader, 5.0, expected_readers=3)
+    assert t.notify(hold.hold_id, "d0") is NotifyOutcome.COUNTED
+    assert t.abort(hold.hold_id) is None  # d1 may still be reading
+    assert t.notify(hold.hold_id, "d0") is NotifyOutcome.DUPLICATE
+    # d1 was the last reader that claimed it: the third expected one never will.
+    assert t.notify(hold.hold_id, "d1") is NotifyOutcome.ABORTED
+    assert hold.reason == "aborted" and len(t) == 0
+
+
+def test_an_aborted_claimed_hold_whose_reader_never_notifies_expires_when_its_claim_ends():
+    """No READ outlives its claim, so the abort cuts a longer lease down to the last claim."""
+    clock = FakeClock(0.0)
+    t = table(clock)
+    hold = t.hold(req(lease_s=30.0))
+    clock.t = 1.0
+    t.claim(hold.hold_id, "d0", 5.0)  # reads until 6
+    clock.t = 2.0
+    assert t.abort(hold.hold_id) is None
+    assert hold.expires_at == 6.0 and 6.0 <= t.next_deadline() <= 6.0 + RES
+    assert t.reap(now=5.9) == [] and hold.hold_id in t
+    assert [(r.hold_id, r.reason) for r in t.reap(now=6.0)] == [(hold.hold_id, "expired")]
+    assert (len(t), t.claimed) == (0, 0)
+    assert t.notify(hold.hold_id, "d0") is NotifyOutcome.UNKNOWN  # too late: counted, ignored
+
+
+def test_an_abort_releases_at_once_when_no_claimed_reader_can_still_read():
+    clock = FakeClock(0.0)
+    t = table(clock)
+    done = t.hold(req("done"))  # its only reader has notified; a second is still expected
+    t.claim(done.hold_id, "d0", 5.0, expected_readers=2)
+    t.notify(done.hold_id, "d0")
+    ended = t.hold(req("ended", lease_s=30.0))  # its reader's claim is over
+    t.claim(ended.hold_id, "d0", 5.0)
+    clock.t = 5.0
+    assert t.abort(done.hold_id).reason == "aborted"
+    assert t.abort(ended.hold_id).reason == "aborted"
+    assert len(t) == 0 and t.claimed == 0
+
+
 # -- heartbeat -----------------------------------------------------------------------------------
 
 
@@ -422,7 +490,7 @@ class HoldInterleavings(RuleBasedStateMachine):
             assert hold_id in self.created
             return
         except UnknownHoldError:
-            assert hold_id not in self.table
+            assert hold_id not in self.table or self.table.get(hold_id).aborted
             return
         except ClaimMismatchError:  # more distinct readers than the first claim expects
             hold = self.table.get(hold_id)
@@ -437,16 +505,22 @@ class HoldInterleavings(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, 40))
     def abort(self, i):
+        hold_id, now = self._pick(i), self.clock.t
+        hold = self.table.get(hold_id) if hold_id in self.table else None
+        reading = hold is not None and hold.expires_at > now and hold.claimed_until > now and (
+            bool(hold.readers - hold.notified))  # fmt: skip
         try:
-            self.table.abort(self._pick(i))
+            record = self.table.abort(hold_id)
         except UnknownHoldError:
-            assert self._pick(i) not in self.table
+            assert hold is None
+            return
+        assert (record is None) == reading, "released under a reader, or kept for nobody"
 
     @rule(picks=st.lists(st.integers(0, 40), max_size=4), extend=st.floats(0.1, 30.0))
     def heartbeat(self, picks, extend):
         extended, missing = self.table.heartbeat([self._pick(i) for i in picks], extend)
         assert all(self.table.get(h).expires_at > self.clock.t for h in extended)
-        assert not any(h in self.table for h in missing)
+        assert all(h not in self.table or self.table.get(h).aborted for h in missing)
 
     @rule()
     def reap(self):
@@ -475,6 +549,8 @@ class HoldInterleavings(RuleBasedStateMachine):
         assert live | self.released.keys() == set(self.created)
         assert sum(self.table.counters.released.values()) == len(self.released)
         assert self.table.claimed == sum(h.state is HoldState.CLAIMED for h in self.table.live())
+        for h in self.table.live():  # an aborted hold is kept only for its claimed readers
+            assert not h.aborted or (h.readers - h.notified and h.expires_at <= h.claimed_until)
 
 
 TestHoldInterleavings = HoldInterleavings.TestCase
