@@ -41,15 +41,11 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-import numpy as np
-
-from kvxferd.descriptors.geometry import check_block_ids
 from kvxferd.errors import (
-    BlockIdError,
     CapacityError,
     ClaimMismatchError,
     ConfigError,
@@ -59,11 +55,11 @@ from kvxferd.errors import (
     UnknownHoldError,
 )
 from kvxferd.sidecar.deadlines import DeadlineBuckets
+from kvxferd.sidecar.hold_request import check_hold_ids
 from kvxferd.sidecar.released import ReleasedLog
 from kvxferd.sidecar.states import HoldState, advance
 from kvxferd.wire import (
     HOLD_ID_PATTERN,
-    HOLD_SPARE_BLOCKS,
     MAX_TOKENS,
     HoldReleaseReason,
     HoldRequest,
@@ -75,8 +71,6 @@ from kvxferd.wire import (
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-NULL_BLOCK = 0
-"""vLLM's null block: a placeholder in block lists, never data."""
 REAP_SLICE = 256
 """Holds the reaper releases before it yields the event loop."""
 _HOLD_ID = re.compile(HOLD_ID_PATTERN)
@@ -289,7 +283,7 @@ class HoldTable:
             raise HoldRequestError(
                 "num_tokens", f"must be 0..{MAX_TOKENS}, got {request.num_tokens}"
             )
-        _check_hold_ids(self.num_blocks, self.block_sizes, request.num_tokens, request.block_ids)
+        check_hold_ids(self.num_blocks, self.block_sizes, request.num_tokens, request.block_ids)
         lease = self.default_lease_s
         if request.lease_s is not None:
             lease = min(_positive(request.lease_s, "lease_s"), self.max_lease_s)
@@ -568,54 +562,3 @@ class HoldTable:
         self.counters.released[reason] = self.counters.released.get(reason, 0) + 1
         logger.debug("hold %s (request %s) released: %s", hold.hold_id, hold.request_id, reason)
         return record
-
-
-def most_hold_ids(block_size: int, num_tokens: int) -> int:
-    """Most ids a hold of ``num_tokens`` tokens may list for a group of ``block_size``-token
-    logical blocks: those the tokens span (at least one, a Mamba state block), plus
-    HOLD_SPARE_BLOCKS."""
-    return max(1, -(-num_tokens // block_size)) + HOLD_SPARE_BLOCKS
-
-
-def _check_hold_ids(
-    num_blocks: int, block_sizes: tuple[int, ...], num_tokens: int, block_ids: object
-) -> None:
-    """One id list per group, each no longer than ``most_hold_ids`` (all checked before any id
-    is, so a flood of null blocks costs nothing), ids in range, no repeats except of the null
-    block (a placeholder); BlockIdError names the entry."""
-    try:
-        groups = list(block_ids)  # type: ignore[call-overload]
-    except TypeError:
-        raise BlockIdError("block_ids", "expected one list of block ids per group") from None
-    if len(groups) != len(block_sizes):
-        raise BlockIdError(
-            "block_ids", f"{len(groups)} id lists for {len(block_sizes)} groups (one per group)"
-        )
-    for g, (ids, block_size) in enumerate(zip(groups, block_sizes, strict=True)):
-        most = most_hold_ids(block_size, num_tokens)
-        if not isinstance(ids, Sized):
-            raise BlockIdError(f"block_ids[{g}]", "expected a list of block ids")
-        if len(ids) > most:
-            raise BlockIdError(
-                f"block_ids[{g}]", f"{len(ids)} ids; {num_tokens} tokens in blocks of "
-                f"{block_size} need at most {most} ({HOLD_SPARE_BLOCKS} spare for lookahead)",
-            )  # fmt: skip
-    for g, ids in enumerate(groups):
-        field_ = f"block_ids[{g}]"
-        arr = np.asarray(ids)
-        nulls = arr.ndim == 1 and arr.dtype.kind in "iu" and bool((arr == NULL_BLOCK).any())
-        if not nulls:
-            check_block_ids(num_blocks, ids, field_)
-            continue
-        bad = np.flatnonzero((arr < 0) | (arr >= num_blocks))
-        if bad.size:
-            k = int(bad[0])
-            raise BlockIdError(f"{field_}[{k}]", f"id {int(arr[k])} outside [0, {num_blocks})")
-        data = np.flatnonzero(arr != NULL_BLOCK)  # positions of real blocks
-        order = np.argsort(arr[data], kind="stable")
-        srt = arr[data][order]
-        rep = np.flatnonzero(srt[1:] == srt[:-1])
-        if rep.size:
-            k = int(data[order[rep + 1]].min())
-            first = int(np.flatnonzero(arr == arr[k])[0])
-            raise BlockIdError(f"{field_}[{k}]", f"id {int(arr[k])} repeats {field_}[{first}]")

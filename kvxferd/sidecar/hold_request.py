@@ -1,0 +1,67 @@
+"""The block ids of a hold request, checked before the hold table keeps them: one list per group,
+no longer than the request's tokens span (plus lookahead spare), ids in range, no repeats but of
+the null block. Pure functions; the pull's counterpart is :mod:`kvxferd.sidecar.pull_request`."""
+
+from __future__ import annotations
+
+from collections.abc import Sized
+
+import numpy as np
+
+from kvxferd.descriptors.geometry import check_block_ids
+from kvxferd.errors import BlockIdError
+from kvxferd.wire import HOLD_SPARE_BLOCKS
+
+NULL_BLOCK = 0
+"""vLLM's null block: a placeholder in block lists, never data (it may repeat)."""
+
+
+def most_hold_ids(block_size: int, num_tokens: int) -> int:
+    """Most ids a hold of ``num_tokens`` tokens may list for a group of ``block_size``-token
+    logical blocks: those the tokens span (at least one, a Mamba state block), plus
+    HOLD_SPARE_BLOCKS."""
+    return max(1, -(-num_tokens // block_size)) + HOLD_SPARE_BLOCKS
+
+
+def check_hold_ids(
+    num_blocks: int, block_sizes: tuple[int, ...], num_tokens: int, block_ids: object
+) -> None:
+    """One id list per group, each no longer than ``most_hold_ids`` (all checked before any id
+    is, so a flood of null blocks costs nothing), ids in range, no repeats except of the null
+    block (a placeholder); BlockIdError names the entry."""
+    try:
+        groups = list(block_ids)  # type: ignore[call-overload]
+    except TypeError:
+        raise BlockIdError("block_ids", "expected one list of block ids per group") from None
+    if len(groups) != len(block_sizes):
+        raise BlockIdError(
+            "block_ids", f"{len(groups)} id lists for {len(block_sizes)} groups (one per group)"
+        )
+    for g, (ids, block_size) in enumerate(zip(groups, block_sizes, strict=True)):
+        most = most_hold_ids(block_size, num_tokens)
+        if not isinstance(ids, Sized):
+            raise BlockIdError(f"block_ids[{g}]", "expected a list of block ids")
+        if len(ids) > most:
+            raise BlockIdError(
+                f"block_ids[{g}]", f"{len(ids)} ids; {num_tokens} tokens in blocks of "
+                f"{block_size} need at most {most} ({HOLD_SPARE_BLOCKS} spare for lookahead)",
+            )  # fmt: skip
+    for g, ids in enumerate(groups):
+        field_ = f"block_ids[{g}]"
+        arr = np.asarray(ids)
+        nulls = arr.ndim == 1 and arr.dtype.kind in "iu" and bool((arr == NULL_BLOCK).any())
+        if not nulls:
+            check_block_ids(num_blocks, ids, field_)
+            continue
+        bad = np.flatnonzero((arr < 0) | (arr >= num_blocks))
+        if bad.size:
+            k = int(bad[0])
+            raise BlockIdError(f"{field_}[{k}]", f"id {int(arr[k])} outside [0, {num_blocks})")
+        data = np.flatnonzero(arr != NULL_BLOCK)  # positions of real blocks
+        order = np.argsort(arr[data], kind="stable")
+        srt = arr[data][order]
+        rep = np.flatnonzero(srt[1:] == srt[:-1])
+        if rep.size:
+            k = int(data[order[rep + 1]].min())
+            first = int(np.flatnonzero(arr == arr[k])[0])
+            raise BlockIdError(f"{field_}[{k}]", f"id {int(arr[k])} repeats {field_}[{first}]")
