@@ -15,11 +15,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvxferd.errors import StoreError
-from kvxferd.wire import STORE_KEY_HEX
+from kvxferd.wire import STORE_KEY_HEX, STORE_KEY_PATTERN
 
 KEY_HEX = STORE_KEY_HEX
 """Hex digits of a key (a 128-bit blake2b digest)."""
-_KEY_RE = re.compile(rf"^[0-9a-f]{{{KEY_HEX}}}$")
+_KEY_RE = re.compile(STORE_KEY_PATTERN)
 
 
 def chunk_keys(tokens: Sequence[int], chunk_tokens: int, root: bytes = b"") -> list[str]:

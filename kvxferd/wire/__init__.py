@@ -94,6 +94,7 @@ from kvxferd.wire.peer import (
 )
 from kvxferd.wire.store import (
     STORE_KEY_HEX,
+    STORE_KEY_PATTERN,
     StoreLoadRequest,
     StoreLoadStatus,
     StoreLookup,
@@ -161,6 +162,7 @@ __all__ = [
     "ReleasedHolds",
     "RequestId",
     "STORE_KEY_HEX",
+    "STORE_KEY_PATTERN",
     "StoreLoadRequest",
     "StoreLoadStatus",
     "StoreLookup",

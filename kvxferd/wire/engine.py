@@ -27,9 +27,10 @@ HOLD_SPARE_BLOCKS = 1024
 """Ids a hold's group may list past the blocks its tokens span: vLLM allocates lookahead slots
 for speculative decoding (a Mamba group one more state block per draft token) and a partial
 prefill leaves out the last token. Past any drafter's proposals."""
-PEER_HOST_PATTERN = r"^[A-Za-z0-9._:%\[\]-]{1,255}(?!\n)$"
+_HOST = r"[A-Za-z0-9._:%\[\]-]{1,255}"
+PEER_HOST_PATTERN = rf"^{_HOST}(?!\n)$"
 """A sidecar's advertised host: a DNS name, IPv4, or IPv6 (bare or in brackets, with a zone)."""
-PEER_ADDRESS_PATTERN = r"^[A-Za-z0-9._:%\[\]-]{1,255}:[0-9]{1,5}(?!\n)$"
+PEER_ADDRESS_PATTERN = rf"^{_HOST}:[0-9]{{1,5}}(?!\n)$"
 """A sidecar's peer address, ``host:port`` with a PEER_HOST_PATTERN host (at most 261
 characters): the decode side connects to it and sends it as the HTTP ``Host``."""
 PeerAddress = Annotated[str, msgspec.Meta(max_length=261, pattern=PEER_ADDRESS_PATTERN)]

@@ -10,9 +10,9 @@ from kvxferd.wire.manifest import ChosenHoldId, RequestId, _Strict
 
 STORE_KEY_HEX = 32
 """Hex digits of a store key (a 128-bit blake2b digest, ``kvxferd.store.chunk_keys``)."""
-StoreKey = Annotated[
-    str, msgspec.Meta(max_length=STORE_KEY_HEX, pattern=rf"^[0-9a-f]{{{STORE_KEY_HEX}}}(?!\n)$")
-]
+STORE_KEY_PATTERN = rf"^[0-9a-f]{{{STORE_KEY_HEX}}}(?!\n)$"
+"""A chunk key's text (kvxferd.store.keys checks keys an engine hands over with it)."""
+StoreKey = Annotated[str, msgspec.Meta(max_length=STORE_KEY_HEX, pattern=STORE_KEY_PATTERN)]
 """A chunk key: 32 lowercase hex digits."""
 
 
