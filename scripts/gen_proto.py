@@ -328,8 +328,8 @@ outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
   within that time. A shape that reads nothing from this rank (its units are replicas read
   elsewhere) releases the hold by claiming it. An engine-chosen hold id (`HoldRequest.hold_id`,
   minted by a scheduler) that is not placed yet is waited for up to `--hold-grace` seconds.
-- **Who may release.** The prefill engine (abort, or by unregistering; an abort of a claimed
-  hold waits for its claimed readers' notifications or claims' ends), the lease (expiry,
+- **Who may release.** The prefill engine (abort, or by unregistering; either, for a claimed
+  hold, waits for its claimed readers' notifications or claims' ends), the lease (expiry,
   kept on a monotonic clock inside the process; absolute Unix times appear only on the wire),
   the readers that claimed the hold, by NIXL notification once all expected readers have
   notified (a notification from an agent that did not claim is counted as unknown and ignored;

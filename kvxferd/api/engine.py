@@ -66,7 +66,9 @@ async def unregister(sidecar: Sidecar, req: UnregisterRequest) -> None:
     """Forget the engine's memory (sleep mode, KV-cache re-init, an engine restart).
 
     In-flight pulls end FAILED once none of their READs can still write, live holds are released
-    ``unregistered``, NIXL registrations are dropped and the sources unmapped. A stale
+    ``unregistered`` (a claimed one once its readers notified or their claims ended: it waits
+    a few seconds for that, else a 503 MemoryInUseError), NIXL registrations are dropped and the
+    sources unmapped. A stale
     ``generation`` is a 409. While a READ that could not be confirmed stopped (quarantined) may
     still write the memory, pulls and holds end all the same but the memory stays registered and
     mapped: a 503 MemoryInUseError says how many READs; retry once they ended. Store loads stop

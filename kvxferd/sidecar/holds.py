@@ -5,10 +5,11 @@ it, or its lease (extended by claims and heartbeats) runs out. Whatever the path
 each hold is released exactly once, and each release is appended to a cursor-addressed feed the
 engine polls to free its blocks.
 
-An abort never pulls blocks from under a reader: an unclaimed hold is released at once, but a
-claimed one is only marked aborted. It takes no new claim, heartbeat or reader, and is released
-(``aborted``) once every reader that claimed it has notified, or (``expired``) when the last
-claim ends, whichever comes first; the engine frees the blocks when the feed says so.
+An abort (or an unregister) never pulls blocks from under a reader: an unclaimed hold is released
+at once, but a claimed one is only marked aborted. It takes no new claim, heartbeat or reader, and
+is released (``aborted`` or ``unregistered``) once every reader that claimed it has notified, or
+(``expired``) when the last claim ends, whichever comes first; the engine frees the blocks when
+the feed says so.
 
 Expiry is checked by every call that touches a hold, not only by the reaper: a hold whose deadline
 has passed is released as ``expired`` by the first call that notices, so an expired hold can never
@@ -100,8 +101,9 @@ class Hold:
     """Decode TP size the first claim announced (0 until claimed); later claims must agree."""
     claimed_until: float = 0.0
     """When the latest claim ends (no reader reads past it); 0 until claimed."""
-    aborted: bool = False
-    """The engine aborted it while claimed: released once its readers are done (see abort)."""
+    aborted: HoldReleaseReason | None = None
+    """Why the engine gave it up while claimed (``aborted``, ``unregistered``): released for
+    that reason once its readers are done (see abort); None while it has not."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -128,8 +130,8 @@ class NotifyOutcome(Enum):
     DUPLICATE = "duplicate"
     """This reader had already notified; counted once."""
     ABORTED = "aborted"
-    """The engine had aborted the hold and this was the last reader still reading: released as
-    ``aborted``."""
+    """The engine had given the hold up and this was the last reader still reading: released as
+    ``aborted`` (or ``unregistered``)."""
     EXPIRED = "expired"
     """The hold's deadline had passed; it is released as ``expired`` instead."""
     UNKNOWN = "unknown"
@@ -346,7 +348,7 @@ class HoldTable:
             raise HoldRequestError("expected_readers", f"must be >= 0, got {expected_readers!r}")
         hold = self._live(hold_id, now)
         if hold.aborted:
-            raise UnknownHoldError(f"hold_id {hold_id!r}: aborted by its engine")
+            raise UnknownHoldError(f"hold_id {hold_id!r}: given up by its engine ({hold.aborted})")
         if block_ids is not None and block_ids != hold.block_ids:
             raise ClaimMismatchError("ticket.block_ids", "are not the block ids of this hold")
         if request_id is not None and request_id != hold.request_id:
@@ -406,7 +408,7 @@ class HoldTable:
         hold.notified.add(reader)
         self.counters.notifications += 1
         if hold.aborted and hold.notified >= hold.readers:
-            self._release(hold, "aborted", now)
+            self._release(hold, hold.aborted, now)
             return NotifyOutcome.ABORTED
         if len(hold.notified) >= hold.expected_readers:
             self._release(hold, "notified", now)
@@ -426,13 +428,16 @@ class HoldTable:
             return NotifyOutcome.UNKNOWN
         return self.notify(hold_id, reader, now)
 
-    def abort(self, hold_id: str, now: float | None = None) -> ReleasedHold | None:
-        """Give a hold up at the engine's request: its release record (``aborted``, or
-        ``expired`` if it was), or None when readers that claimed it may still be reading.
+    def abort(
+        self, hold_id: str, now: float | None = None, reason: HoldReleaseReason = "aborted"
+    ) -> ReleasedHold | None:
+        """Give a hold up at the engine's request (``reason``: ``aborted``, or ``unregistered``
+        when its memory goes): its release record (``reason``, or ``expired`` if it was), or None
+        when readers that claimed it may still be reading.
 
-        Such a hold takes no new claim and no heartbeat from now on; it is released as
-        ``aborted`` when the last of its claimed readers notifies, else as ``expired`` when the
-        last claim ends (that bounds every READ). Aborting it again changes nothing.
+        Such a hold takes no new claim and no heartbeat from now on; it is released for
+        ``reason`` when the last of its claimed readers notifies, else as ``expired`` when the
+        last claim ends (that bounds every READ). Giving it up again changes nothing.
         """
         now = self._now(now)
         hold = self.get(hold_id)
@@ -442,13 +447,13 @@ class HoldTable:
             return record
         if hold.readers - hold.notified and hold.claimed_until > now:
             if not hold.aborted:
-                hold.aborted = True
+                hold.aborted = reason
                 hold.expires_at = hold.claimed_until  # no READ of it outlives its last claim
                 self._deadlines.set(hold_id, hold.expires_at)
-                logger.info("hold %s aborted while claimed: released once its readers are "
-                            "done", hold_id)  # fmt: skip
+                logger.info("hold %s given up (%s) while claimed: released once its readers "
+                            "are done", hold_id, reason)  # fmt: skip
             return None
-        return self._release(hold, "aborted", now)
+        return self._release(hold, reason, now)
 
     def decline(
         self, hold_id: str, block_ids: list[list[int]], now: float | None = None

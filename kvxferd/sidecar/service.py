@@ -40,6 +40,7 @@ from kvxferd.sidecar.keepalive import decline_at_peers, keep_alive
 from kvxferd.sidecar.notifs import NotificationPoller
 from kvxferd.sidecar.offload import STOP_S, Offload
 from kvxferd.sidecar.peers import PeerTable
+from kvxferd.sidecar.placements import Placements
 from kvxferd.sidecar.pull_request import ReaderCounts, check_reader_tp
 from kvxferd.sidecar.pulls import Pull, PullRunner
 from kvxferd.sidecar.reads import QUARANTINE_S
@@ -74,7 +75,6 @@ from kvxferd.wire import (
 log = logging.getLogger(__name__)
 
 _REAP_MAX_SLEEP_S = 1.0
-_MAX_HOLD_WAITERS = 4096  # claims waiting at once for an engine-chosen hold to be placed
 
 
 class Sidecar:
@@ -118,8 +118,9 @@ class Sidecar:
         self._tasks: list[asyncio.Task[None]] = []
         self._secret = config.peer_token.encode()
         self._accepted = self.keys.accepted if self.keys is not None else (self._secret,)
-        self._hold_waiters: dict[str, tuple[asyncio.Event, list[int]]] = {}
+        self._placements = Placements()  # claims waiting for their hold to be placed
         self._released_reported: dict[str, int] = {}  # release counts already in metrics
+        self._a_release = asyncio.Event()  # set on every release (unregister waits on it)
         self._readers = ReaderCounts()
         self.generation = -1  # registration generation; -1 while no engine is registered
         self._leaving = False  # an unregister is letting the memory go: refuse new work on it
@@ -233,12 +234,13 @@ class Sidecar:
 
     async def unregister(self, req: UnregisterRequest) -> None:
         """Forget the engine's memory: pulls end FAILED (no READ left running), holds are
-        released ``unregistered``, NIXL registrations dropped, sources unmapped; calls that need
-        the engine meanwhile are refused (503). Store loads stop before their next entry (the
-        one being copied finishes) and it waits up to ``STOP_S`` for them and the store saves
-        to end. While a quarantined READ may still write the memory, or a store load or save
-        still runs, pulls and holds end all the same but the memory stays registered and mapped
-        (MemoryInUseError, 503: retry once those ended)."""
+        released ``unregistered`` (a claimed one once its readers notified or its claims
+        ended), NIXL registrations dropped, sources unmapped; calls that need the engine
+        meanwhile are refused (503). Store loads stop before their next entry (the one being
+        copied finishes); it waits up to ``STOP_S`` for them, the store saves and the claimed
+        holds to end. While a quarantined READ may still write the memory, a decode may still
+        read it, or a store copy still runs, pulls and holds end all the same but the memory
+        stays registered and mapped (MemoryInUseError, 503: retry once those ended)."""
         holds, _ = self._require_engine()
         if req.generation != self.generation:
             raise StaleGenerationError(
@@ -248,10 +250,20 @@ class Sidecar:
         try:
             await self.pulls.stop()  # cancelled pulls end FAILED once their READs stopped
             for hold in list(holds.live()):  # the engine lets its blocks go: no more claims
-                holds.release(hold.hold_id, "unregistered")
+                holds.abort(hold.hold_id, reason="unregistered")  # a claimed one once read
             self._after_release()
-            copying = await self.offload.stop(STOP_S)  # loads stop, saves end: bounded
+            copying, reading = await asyncio.gather(
+                self.offload.stop(STOP_S),  # loads stop, saves end: bounded
+                self._until_read(holds, STOP_S),  # decodes finish READs they were granted
+            )
             unsettled = self.pulls.reads.quarantined
+            if reading:
+                left = max(h.claimed_until for h in holds.live()) - time.monotonic()
+                raise MemoryInUseError(
+                    f"unregister: {reading} holds may still be read by decodes that claimed "
+                    f"them, so it stays registered (pulls ended, holds take no claim); retry "
+                    f"after their claims end (at most {max(left, 0.0):.0f} s)"
+                )
             if unsettled:
                 raise MemoryInUseError(
                     f"unregister: {unsettled} READs still unsettled may write this memory, so "
@@ -292,9 +304,7 @@ class Sidecar:
         """Pin a request's blocks under a lease; the ticket authorises one pull of them."""
         holds, manifest = self._require_memory()
         hold = holds.hold(req)
-        waiter = self._hold_waiters.get(hold.hold_id)
-        if waiter is not None:
-            waiter[0].set()  # a claim for this engine-chosen id arrived first
+        self._placements.placed(hold.hold_id)  # a claim for this engine-chosen id came first
         self.metrics.holds_created.inc()
         self.notifs.wake.set()  # a READ may come before its claim: progress UCX promptly
         self.metrics.holds_active.set(holds.active)
@@ -467,26 +477,12 @@ class Sidecar:
             self.metrics.peer_epochs.inc()
 
     async def _await_hold(self, hold_id: str) -> None:
-        """Wait (up to ``hold_grace_s``) for a hold that is neither live nor released yet: the
-        scheduler minted its ticket and the worker places it in the same engine step."""
+        """Wait (up to ``hold_grace_s``) for a hold that is neither live nor released yet."""
         holds = self.holds
         grace = self.config.hold_grace_s
         if holds is None or grace <= 0 or hold_id in holds or holds.was_released(hold_id):
             return
-        entry = self._hold_waiters.get(hold_id)
-        if entry is None:
-            if len(self._hold_waiters) >= _MAX_HOLD_WAITERS:
-                return  # answered at once (404); bounded
-            entry = self._hold_waiters[hold_id] = (asyncio.Event(), [0])
-        event, users = entry
-        users[0] += 1
-        try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), grace)
-        finally:
-            users[0] -= 1
-            if users[0] == 0 and self._hold_waiters.get(hold_id) is entry:
-                del self._hold_waiters[hold_id]
+        await self._placements.wait(hold_id, grace)
 
     def _require_engine(self) -> tuple[HoldTable, Manifest]:
         if self.manifest is None or self.holds is None:
@@ -560,8 +556,19 @@ class Sidecar:
         _, manifest = self._require_engine()
         return descriptors.compare_manifests(manifest, remote)
 
+    async def _until_read(self, holds: HoldTable, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for the holds left live (given up while claimed: their
+        readers may still READ) to be released by notification or claim end: how many remain."""
+        deadline = time.monotonic() + timeout_s
+        while len(holds) and (left := deadline - time.monotonic()) > 0:
+            self._a_release.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._a_release.wait(), left)
+        return len(holds)
+
     def _after_release(self) -> None:
         """Bring the hold gauges and release counters up to date with the HoldTable."""
+        self._a_release.set()
         if self.holds is None:
             return
         self.metrics.holds_active.set(self.holds.active)

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from kvxferd.client import EngineClient, frames_available
-from kvxferd.errors import KvxferdError, MemoryRegionError, NotRegisteredError
+from kvxferd.errors import KvxferdError, MemoryInUseError, MemoryRegionError, NotRegisteredError
 from kvxferd.memory import CudaIpcRegion
 from kvxferd.sidecar.reads import SETTLE_S
 from kvxferd.vllm.manifest import ConvGeometry, backing_allocation, vllm_manifest
@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 _MAX_PAGES = 64  # feed pages read per step (each bounded by the sidecar); the rest next step
 _PULL_SLACK_S = SETTLE_S + 5.0  # past its deadline, a pull the feed never reported was lost
+_UNREGISTER_RETRY_S = 130.0
+"""How long sleep and re-registration retry an unregister the sidecar refuses because a decode
+may still READ the memory (or a READ write it): past the sidecar's default max_claim_s (120 s)."""
 
 
 @dataclass
@@ -123,7 +126,7 @@ class WorkerSide:
         manifest = _shift(manifest, alloc.base - start, mem, device)
         ident = self.client.identity()
         if ident.generation >= 0:
-            self.client.unregister(ident.generation)
+            self._unregister(ident.generation)
         resp = self.client.register(manifest, [source])
         self.manifest = manifest
         self.generation = resp.generation
@@ -140,7 +143,7 @@ class WorkerSide:
         self.asleep = True
         try:
             if self.generation >= 0:
-                self.client.unregister(self.generation)
+                self._unregister(self.generation)
         except KvxferdError as exc:  # e.g. the sidecar restarted: nothing is registered there
             log.warning("unregister for sleep failed: %s", exc)
         self.generation = -1
@@ -149,6 +152,19 @@ class WorkerSide:
         self._unheld.update(self._holds)
         self._holds.clear()
         self._close_ipc()
+
+    def _unregister(self, generation: int) -> None:
+        """Unregister, retrying (bounded) while the sidecar refuses because a decode that
+        claimed a hold may still READ this memory: it must not be reused under that READ."""
+        deadline = time.monotonic() + _UNREGISTER_RETRY_S
+        while True:
+            try:
+                return self.client.unregister(generation)
+            except MemoryInUseError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.info("unregister waits: %s", exc)
+                time.sleep(1.0)  # a refusal for a read waited a few seconds already
 
     def restore(self) -> None:
         """vLLM's wake-up: register the same tensors again (a new generation; the scheduler

@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvxferd.errors import MemoryInUseError
 from kvxferd.pattern import verify_pattern
 from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.transport import Agent, TransferState
@@ -137,3 +138,70 @@ def test_an_abort_of_an_unclaimed_hold_releases_it_at_once(pair):
     assert p.feed.poll() == [(ticket.hold_id, "aborted")]  # in the feed as the abort answered
     status = d.pull([ticket])
     assert (status.state, status.reason) == ("failed", "unknown_hold"), status
+
+
+# An unregister gives every hold up the same way: the engine's memory must not go (nor its blocks
+# be freed) while a decode that claimed a hold may still READ it. These run last: each ends by
+# registering the prefill again.
+
+
+def _unregister(p: Engine) -> None:
+    with p.sidecar.client(timeout_s=60) as c:
+        c.unregister(c.identity().generation)
+
+
+def _register_again(p: Engine) -> None:
+    p.register()
+    p.feed.cursor = 0  # a new registration's feed counts from its start
+
+
+def test_an_unregister_while_a_reader_may_read_keeps_the_memory_until_its_notification(pair):
+    p, d = pair
+    p.feed.poll()
+    ticket = p.hold("unregister-mid-read", seed=44)
+    reader = Reader()
+    try:
+        theirs = reader.handshake(p.sidecar.peer)
+        claim = ClaimRequest(ticket=ticket, reader=reader.agent.name, reader_tp_size=1,
+                             claim_s=60.0)  # fmt: skip
+        assert _peer_post(p.sidecar.peer, "/v1/claims", claim).status_code == 200
+
+        with pytest.raises(MemoryInUseError, match="may still be read by decodes"):
+            _unregister(p)  # waits a few seconds for the reader, then refuses: retry
+        assert p.feed.poll() == []  # still registered, and the hold's blocks still pinned
+
+        status = d.pull([ticket])  # nobody else may claim it now
+        assert (status.state, status.reason) == ("failed", "unknown_hold"), status
+        assert "unregistered" in status.detail
+
+        (blocks,) = PIDS
+        reader.read(theirs, blocks)
+        assert verify_pattern(p.manifest, reader.pool.views, PIDS, seed=44) is None
+        assert p.feed.poll() == []
+        reader.agent.send_notif(theirs.agent_name, ticket.hold_id.encode())
+        p.released_once(ticket, "unregistered")
+        _unregister(p)
+    finally:
+        reader.close()
+        _register_again(p)
+    wait_no_handles(p.sidecar, d.sidecar)
+
+
+def test_an_unregister_waits_for_a_claim_to_end_and_then_lets_the_memory_go(pair):
+    p, d = pair
+    ticket = p.hold("unregister-claim-ends", seed=45)
+    reader = Reader()
+    try:
+        reader.handshake(p.sidecar.peer)
+        claim = ClaimRequest(ticket=ticket, reader=reader.agent.name, reader_tp_size=1,
+                             claim_s=0.5)  # fmt: skip
+        assert _peer_post(p.sidecar.peer, "/v1/claims", claim).status_code == 200
+        # The reader never notifies; its claim (so any READ of it) ends well inside the wait.
+        _unregister(p)
+        with p.sidecar.client() as c:
+            assert c.identity().generation == -1
+    finally:
+        reader.close()
+        _register_again(p)
+    p.feed.poll()
+    wait_no_handles(p.sidecar, d.sidecar)

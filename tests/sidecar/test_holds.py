@@ -333,6 +333,21 @@ def test_an_abort_of_a_claimed_hold_waits_for_its_reader_and_refuses_new_ones():
         t.claim(hold.hold_id, "d1", 5.0)
 
 
+def test_an_unregister_gives_holds_up_like_an_abort_with_its_own_reason():
+    """The engine's memory goes: an unclaimed hold is released ``unregistered`` at once, a
+    claimed one only once its reader notified (the memory must outlive that READ)."""
+    t = table()
+    idle, read = t.hold(req("idle")), t.hold(req("read"))
+    t.claim(read.hold_id, "d0", 5.0)
+    assert t.abort(idle.hold_id, reason="unregistered").reason == "unregistered"
+    assert t.abort(read.hold_id, reason="unregistered") is None
+    with pytest.raises(UnknownHoldError, match=r"given up by its engine \(unregistered\)"):
+        t.claim(read.hold_id, "d1", 5.0, expected_readers=2)
+    assert t.notify(read.hold_id, "d0") is NotifyOutcome.ABORTED
+    feed = [(r.hold_id, r.reason) for r in t.released_since(0).holds]
+    assert feed == [(idle.hold_id, "unregistered"), (read.hold_id, "unregistered")]
+
+
 def test_an_aborted_hold_waits_for_every_reader_that_claimed_it_only():
     t = table()
     hold = t.hold(req())

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import httpx
+import msgspec
 import pytest
 
 from kvxferd import pattern
+from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.vllm.connector import KvxferdConnector
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
-from tests.sidecar.harness import changed_outside, wait_until
+from kvxferd.wire import ClaimRequest, Ticket
+from tests.sidecar.harness import TOKEN, changed_outside, wait_until
 from tests.vllm.ranks import Rank, finish, prefill_side, step_until, worker_pair
 
 pytestmark = pytest.mark.nixl
@@ -86,3 +90,34 @@ def test_sleep_refuses_old_tickets_and_wake_moves_new_requests_byte_exact(engine
         assert changed_outside(before, decode.arrays(), decode.manifest, [[13, 14, 15]]) == 0
         sending = wait_until(lambda: prefill.step(StepOrders())[0], 30, "hold release")
         assert sending == {"r2"}
+
+
+def test_sleep_waits_for_a_decode_that_claimed_a_hold_before_letting_the_memory_go(
+    engines, tmp_path
+):
+    """A decode that claimed a hold may still READ it: the sidecar keeps the memory (and the
+    hold) until its claim ends, and sleep waits for that (bounded) rather than going on."""
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    with worker_pair(tmp_path, "LBHNC", engine) as (prefill, _decode, p_side):
+
+        def identities():
+            with p_side.client() as c:
+                return [c.identity()]
+
+        sched = prefill_side(identities, 128)
+        params = _finished(sched, "r1", [1, 2, 3])
+        assert prefill.step(sched.take_orders()) == (None, None)  # hold placed
+        ticket = msgspec.convert(params["kvxferd_tickets"][0], Ticket)
+        claim = ClaimRequest(ticket=ticket, reader="slow-decode", reader_tp_size=1,
+                             claim_s=8.0)  # longer than one unregister waits (5 s)  # fmt: skip
+        raw = msgspec.json.encode(claim)
+        headers = {"Authorization": sign_request(PeerKeys.of(TOKEN), "POST", "/v1/claims", raw),
+                   "Content-Type": "application/json"}  # fmt: skip
+        resp = httpx.post(f"http://{p_side.peer}/v1/claims", content=raw, headers=headers,
+                          timeout=30)  # fmt: skip
+        assert resp.status_code == 200, resp.text
+
+        prefill.connector.unregister_kv_caches()  # returns once the claim ended
+        with p_side.client() as c:
+            assert c.identity().generation == -1
+        assert prefill.step(StepOrders()) == ({"r1"}, None)  # freed once nobody may read them
