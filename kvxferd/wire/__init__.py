@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from kvxferd.wire.engine import (
     HOLD_SPARE_BLOCKS,
+    MAX_TICKETS_PER_CALL,
     MAX_TOKENS,
     PEER_ADDRESS_PATTERN,
     PEER_HOST_PATTERN,
@@ -138,6 +139,7 @@ __all__ = [
     "KeepaliveRequest",
     "Layer",
     "MANIFEST_VERSION",
+    "MAX_TICKETS_PER_CALL",
     "MAX_TOKENS",
     "MambaLayer",
     "MambaType",
