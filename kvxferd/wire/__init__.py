@@ -83,6 +83,7 @@ from kvxferd.wire.manifest import (
     encode_manifest,
     manifest_decoder,
     manifest_encoder,
+    one_line,
 )
 from kvxferd.wire.peer import (
     ClaimRequest,
@@ -177,4 +178,5 @@ __all__ = [
     "encode_manifest",
     "manifest_decoder",
     "manifest_encoder",
+    "one_line",
 ]
