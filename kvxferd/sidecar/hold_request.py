@@ -1,6 +1,7 @@
 """The block ids of a hold request, checked before the hold table keeps them: one list per group,
 no longer than the request's tokens span (plus lookahead spare), ids in range, no repeats but of
-the null block. Pure functions; the pull's counterpart is :mod:`kvxferd.sidecar.pull_request`."""
+the null block. Store saves and loads share the length rule (``check_id_lists``). Pure functions;
+the pull's counterpart is :mod:`kvxferd.sidecar.pull_request`."""
 
 from __future__ import annotations
 
@@ -23,12 +24,9 @@ def most_hold_ids(block_size: int, num_tokens: int) -> int:
     return max(1, -(-num_tokens // block_size)) + HOLD_SPARE_BLOCKS
 
 
-def check_hold_ids(
-    num_blocks: int, block_sizes: tuple[int, ...], num_tokens: int, block_ids: object
-) -> None:
-    """One id list per group, each no longer than ``most_hold_ids`` (all checked before any id
-    is, so a flood of null blocks costs nothing), ids in range, no repeats except of the null
-    block (a placeholder); BlockIdError names the entry."""
+def check_id_lists(block_sizes: tuple[int, ...], num_tokens: int, block_ids: object) -> list[Sized]:
+    """One id list per group, each no longer than ``most_hold_ids``, checked before any id is
+    looked at (a flood of null blocks costs nothing); the lists. BlockIdError names the entry."""
     try:
         groups = list(block_ids)  # type: ignore[call-overload]
     except TypeError:
@@ -46,6 +44,15 @@ def check_hold_ids(
                 f"block_ids[{g}]", f"{len(ids)} ids; {num_tokens} tokens in blocks of "
                 f"{block_size} need at most {most} ({HOLD_SPARE_BLOCKS} spare for lookahead)",
             )  # fmt: skip
+    return groups
+
+
+def check_hold_ids(
+    num_blocks: int, block_sizes: tuple[int, ...], num_tokens: int, block_ids: object
+) -> None:
+    """``check_id_lists``, then ids in range, no repeats except of the null block (a
+    placeholder); BlockIdError names the entry."""
+    groups = check_id_lists(block_sizes, num_tokens, block_ids)
     for g, ids in enumerate(groups):
         field_ = f"block_ids[{g}]"
         arr = np.asarray(ids)

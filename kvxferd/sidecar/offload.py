@@ -22,9 +22,11 @@ import numpy as np
 from kvxferd.config import Config
 from kvxferd.errors import ConfigError, PullError, SegmentTooSmallError, StoreError
 from kvxferd.metrics import STORE_TIERS, Metrics
+from kvxferd.sidecar.hold_request import check_id_lists
 from kvxferd.store import Store
 from kvxferd.store.tiers import TierStats
 from kvxferd.wire import (
+    MAX_TOKENS,
     Manifest,
     StoreLoadRequest,
     StoreLoadStatus,
@@ -57,6 +59,15 @@ def _no_holds(hold_id: str) -> tuple[list[list[int]], int]:
 
 def _intact() -> None:
     """The guard of regions that cannot shrink."""
+
+
+def _check_ids(manifest: Manifest, block_ids: list[list[int]], num_tokens: int) -> None:
+    """A save's or load's bounds, before any id is looked at: ``num_tokens`` 0..MAX_TOKENS
+    (StoreError), then a hold's rule for the lists (one per group, each at most the blocks the
+    tokens span plus HOLD_SPARE_BLOCKS; BlockIdError)."""
+    if not 0 <= num_tokens <= MAX_TOKENS:
+        raise StoreError("num_tokens", f"must be 0..{MAX_TOKENS}, got {num_tokens}")
+    check_id_lists(tuple(g.block_size for g in manifest.groups), num_tokens, block_ids)
 
 
 @dataclass
@@ -109,6 +120,8 @@ class Offload:
                 # an earlier one: saved under a shorter prefix's key it would load wrong state.
                 raise StoreError("num_tokens", f"{num_tokens}: a hybrid hold saves all its "
                                  f"{held_tokens} tokens")  # fmt: skip
+        else:  # (a hold's ids passed the same checks when it was placed)
+            _check_ids(manifest, block_ids, num_tokens)
         out = await asyncio.shield(self._track(
             threading.Event(), store.save, manifest, regions, block_ids, req.keys, num_tokens,
             self._guard,
@@ -138,6 +151,7 @@ class Offload:
         if not (math.isfinite(req.deadline_s) and 0 < req.deadline_s <= MAX_STORE_DEADLINE_S):
             raise StoreError("deadline_s", f"must be in (0, {MAX_STORE_DEADLINE_S:g}]")
         store, (manifest, regions) = self._require(), self._target()
+        _check_ids(manifest, req.block_ids, req.num_tokens)
         stop_at, stop = time.monotonic() + req.deadline_s, threading.Event()
         try:
             # Awaited to its end even if our caller gives up: the answer says nothing is written

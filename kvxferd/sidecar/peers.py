@@ -55,6 +55,7 @@ from kvxferd.wire import (
     Heartbeat,
     HeartbeatResponse,
     Manifest,
+    one_line,
 )
 
 log = logging.getLogger(__name__)
@@ -62,10 +63,6 @@ T = TypeVar("T")
 _KEEP_EPOCHS = 4096  # (engine id, epoch) pairs remembered for the epochs-seen counter
 _MAX_ADDRESS = (1 << 63) - 1  # READ descriptor addresses are int64
 _MAX_TEXT = 1000  # characters kept of a peer's error detail and field
-_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x09), *range(0x0A, 0x20), 0x7F, 0x85]}
-_ESCAPES |= {0x2028: "\\u2028", 0x2029: "\\u2029"}
-"""Line breaks and control characters (tab aside) as escapes: a peer's text is logged, and
-must not forge log lines."""
 
 
 @dataclass(frozen=True)
@@ -263,7 +260,9 @@ class PeerTable:
         try:
             return codec.decode(content, type=answer)
         except msgspec.MsgspecError as exc:
-            raise HandshakeError(f"peer {address} answered an invalid {what}: {exc}") from exc
+            raise HandshakeError(
+                f"peer {address} answered an invalid {what}: {_text(exc)}"
+            ) from exc
 
     async def _framed(
         self, address: str, port: int, path: str, request: object
@@ -313,7 +312,9 @@ class PeerTable:
             _check_bases(theirs)
         except (msgspec.MsgspecError, HandshakeError) as exc:  # not JSON, or not a handshake
             self._count("bad_answer")
-            raise HandshakeError(f"peer {address} answered an invalid handshake: {exc}") from exc
+            raise HandshakeError(
+                f"peer {address} answered an invalid handshake: {_text(exc)}"
+            ) from exc
         if theirs.protocol_version != PROTOCOL_VERSION:
             self._count("incompatible")
             raise IncompatiblePeerError(
@@ -354,17 +355,24 @@ def _check_bases(theirs: Handshake) -> None:
                                  " B region")  # fmt: skip
 
 
+def _text(exc: Exception) -> str:
+    """An error about a peer's answer, cut and on one line (msgspec quotes an unknown field's
+    name as the peer wrote it)."""
+    return one_line(str(exc)[:_MAX_TEXT])
+
+
 def _remote_error(address: str, status: int, content: bytes, codec: Any) -> Exception:
     """Translate a peer's error answer (an ErrorBody in ``codec``: JSON over HTTP, MessagePack
     over frames) into our exception type."""
     error = body_field = ""
     try:
         body = codec.decode(content, type=ErrorBody)
-        # cut: a failed pull keeps (and logs) its detail, however much text the peer sent
-        detail, error = body.detail[:_MAX_TEXT].translate(_ESCAPES), body.error
-        body_field = body.field[:_MAX_TEXT].translate(_ESCAPES)
+        # cut: a failed pull keeps (and logs) its detail, however much text the peer sent;
+        # escaped: one log line, whatever characters the peer sent
+        detail, error = one_line(body.detail[:_MAX_TEXT]), body.error
+        body_field = one_line(body.field[:_MAX_TEXT])
     except msgspec.MsgspecError:
-        detail = content[:200].decode(errors="replace").translate(_ESCAPES)
+        detail = one_line(content[:200].decode(errors="replace"))
     if status == UnknownHoldError.status:
         return UnknownHoldError(f"peer {address}: {detail}")
     if status == HoldExpiredError.status:

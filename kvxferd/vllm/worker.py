@@ -23,6 +23,7 @@ from kvxferd.vllm.manifest import ConvGeometry, backing_allocation, vllm_manifes
 from kvxferd.vllm.scheduler import StepOrders
 from kvxferd.vllm.storeio import StoreCalls
 from kvxferd.wire import (
+    MAX_TICKETS_PER_CALL,
     CudaRegionSpec,
     HoldRequest,
     PullRequest,
@@ -226,17 +227,23 @@ class WorkerSide:
             ends_by = time.monotonic() + req.deadline_s + _PULL_SLACK_S
             self._pulls[accepted.pull_id] = _Pull(p.request_id, p.block_ids, ends_by)
         if orders.declines and self.tp_rank == 0:  # one decline covers every prefill rank
-            tickets = [Ticket(**t) for d in orders.declines for t in d.tickets]
-            reasons = ",".join(sorted({d.reason for d in orders.declines}))
-            try:
-                resp = self.client.decline(tickets, reasons)
-            except KvxferdError as exc:  # the holds then end with their lease
-                log.warning("decline of %d tickets failed: %s", len(tickets), exc)
-            else:
-                if resp.busy or resp.unanswered:
-                    log.info("decline: %d busy, %d unanswered", len(resp.busy),
-                             len(resp.unanswered))  # fmt: skip
+            self._decline(orders)
         self.store.load(orders.loads)
+
+    def _decline(self, orders: StepOrders) -> None:
+        """Send the step's declines, MAX_TICKETS_PER_CALL tickets a call (a failed call's holds
+        end with their lease)."""
+        tickets = [Ticket(**t) for d in orders.declines for t in d.tickets]
+        reasons = ",".join(sorted({d.reason for d in orders.declines}))
+        for at in range(0, len(tickets), MAX_TICKETS_PER_CALL):
+            part = tickets[at : at + MAX_TICKETS_PER_CALL]
+            try:
+                resp = self.client.decline(part, reasons)
+            except KvxferdError as exc:
+                log.warning("decline of %d tickets failed: %s", len(part), exc)
+                continue
+            if resp.busy or resp.unanswered:
+                log.info("decline: %d busy, %d unanswered", len(resp.busy), len(resp.unanswered))
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose holds ended, requests whose pulls ended) since the last step: one

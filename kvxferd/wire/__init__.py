@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from kvxferd.wire.engine import (
     HOLD_SPARE_BLOCKS,
+    MAX_TICKETS_PER_CALL,
     MAX_TOKENS,
     PEER_ADDRESS_PATTERN,
     PEER_HOST_PATTERN,
@@ -82,6 +83,7 @@ from kvxferd.wire.manifest import (
     encode_manifest,
     manifest_decoder,
     manifest_encoder,
+    one_line,
 )
 from kvxferd.wire.peer import (
     ClaimRequest,
@@ -138,6 +140,7 @@ __all__ = [
     "KeepaliveRequest",
     "Layer",
     "MANIFEST_VERSION",
+    "MAX_TICKETS_PER_CALL",
     "MAX_TOKENS",
     "MambaLayer",
     "MambaType",
@@ -175,4 +178,5 @@ __all__ = [
     "encode_manifest",
     "manifest_decoder",
     "manifest_encoder",
+    "one_line",
 ]

@@ -27,6 +27,9 @@ HOLD_SPARE_BLOCKS = 1024
 """Ids a hold's group may list past the blocks its tokens span: vLLM allocates lookahead slots
 for speculative decoding (a Mamba group one more state block per draft token) and a partial
 prefill leaves out the last token. Past any drafter's proposals."""
+MAX_TICKETS_PER_CALL = 4096
+"""Most tickets one decline or keepalive carries, and hold ids one heartbeat names: a step's
+declines of 256 requests from TP-16 prefills. A caller with more sends several calls."""
 _HOST = r"[A-Za-z0-9._:%\[\]-]{1,255}"
 PEER_HOST_PATTERN = rf"^{_HOST}(?!\n)$"
 """A sidecar's advertised host: a DNS name, IPv4, or IPv6 (bare or in brackets, with a zone)."""
@@ -152,8 +155,8 @@ class Ticket(_Strict, kw_only=True):
     """The prefill engine's request id (at most 512 characters on one line, ONE_LINE_PATTERN)."""
     block_ids: list[list[int]]
     """Remote logical block ids per group."""
-    num_tokens: int
-    """Prompt tokens covered."""
+    num_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+    """Prompt tokens covered (0..MAX_TOKENS, as a hold's)."""
     expires_at: float
     """Unix time the hold's lease ends (unless extended by heartbeat)."""
     tp_rank: Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 0})]
@@ -201,8 +204,9 @@ class DeclineRequest(_Strict, kw_only=True):
     """Engine (decode) -> sidecar: I will not read these tickets (rejected, aborted); release the
     prefill holds now instead of at lease expiry."""
 
-    tickets: list[Ticket]
-    """Tickets of the holds to release: any requests, any prefill ranks (MACs are checked)."""
+    tickets: Annotated[list[Ticket], msgspec.Meta(max_length=MAX_TICKETS_PER_CALL)]
+    """Tickets of the holds to release: any requests, any prefill ranks (MACs are checked); at
+    most MAX_TICKETS_PER_CALL."""
     reason: Annotated[str, msgspec.Meta(max_length=256, pattern=ONE_LINE_PATTERN)] = ""
     """Why, for logs (e.g. ``rejected``, ``aborted``; at most 256 characters on one line,
     ONE_LINE_PATTERN: each prefill side logs it)."""
@@ -215,8 +219,9 @@ class KeepaliveRequest(_Strict, kw_only=True):
     heartbeat for its holds; the answer is a HeartbeatResponse over all of them.
     """
 
-    tickets: list[Ticket]
-    """Tickets of the holds to extend: any requests, any prefill ranks (repeats count once)."""
+    tickets: Annotated[list[Ticket], msgspec.Meta(max_length=MAX_TICKETS_PER_CALL)]
+    """Tickets of the holds to extend: any requests, any prefill ranks (repeats count once); at
+    most MAX_TICKETS_PER_CALL."""
     extend_s: Annotated[float, msgspec.Meta(extra_json_schema=_POSITIVE)]
     """Seconds from now each lease should last at least (each prefill side caps it)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
@@ -16,11 +17,20 @@ NIXL agent and region names, and to peers). ``(?!\n)``: Python's ``$`` also matc
 final newline."""
 EngineId = Annotated[str, msgspec.Meta(pattern=ENGINE_ID_PATTERN)]
 
-ONE_LINE_PATTERN = r"^[^\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]*(?!\n)$"
+_LINE_BREAKERS = r"\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029"
+ONE_LINE_PATTERN = rf"^[^{_LINE_BREAKERS}]*(?!\n)$"
 """Text that stays one log line: no control character but tab, ASCII or C1 (a newline would
 forge a line, an escape sequence rewrite the terminal), nor U+2028/U+2029 (log viewers and
 ``str.splitlines`` break lines at those and at C1's NEL, U+0085). ``(?!\n)`` as in
 ENGINE_ID_PATTERN."""
+_LINE_BREAKER = re.compile(f"[{_LINE_BREAKERS}]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with each character ONE_LINE_PATTERN refuses written as its Python escape
+    (``\\n``, ``\\x9b``, ``\\u2028``): text from a peer, logged as it came but on one line."""
+    return _LINE_BREAKER.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), text)
+
 
 REQUEST_ID_MAX_LENGTH = 512
 RequestId = Annotated[str, msgspec.Meta(max_length=REQUEST_ID_MAX_LENGTH, pattern=ONE_LINE_PATTERN)]

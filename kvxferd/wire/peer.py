@@ -6,7 +6,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvxferd.wire.engine import Ticket
+from kvxferd.wire.engine import MAX_TICKETS_PER_CALL, Ticket
 from kvxferd.wire.manifest import _POSITIVE, EngineId, HoldId, Manifest
 
 
@@ -68,8 +68,8 @@ class ClaimResponse(msgspec.Struct, frozen=True, kw_only=True):
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     """Decode side -> prefill side: keep these holds alive (requests still queued)."""
 
-    hold_ids: list[HoldId]
-    """Holds to extend."""
+    hold_ids: Annotated[list[HoldId], msgspec.Meta(max_length=MAX_TICKETS_PER_CALL)]
+    """Holds to extend (at most MAX_TICKETS_PER_CALL: a keepalive's tickets at one peer)."""
     extend_s: Annotated[float, msgspec.Meta(extra_json_schema=_POSITIVE)]
     """Seconds to extend each lease by (capped by the prefill side)."""
 

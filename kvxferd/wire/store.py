@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from kvxferd.wire.engine import MAX_TOKENS
 from kvxferd.wire.manifest import ChosenHoldId, RequestId, _Strict
 
 STORE_KEY_HEX = 32
@@ -26,10 +27,13 @@ class StoreSaveRequest(_Strict, kw_only=True):
     ``store_chunk_tokens`` tokens, the last chunk possibly partial."""
     block_ids: list[list[int]] = []
     """Logical block ids per group, in request order (mamba: the state block last); empty when
-    ``hold_id`` names them."""
-    num_tokens: int = -1
-    """Tokens the blocks hold (the Mamba state is the state after this many); -1 with
-    ``hold_id``: the hold's."""
+    ``hold_id`` names them. A group lists at most the blocks ``num_tokens`` span (at least 1)
+    plus HOLD_SPARE_BLOCKS, as a hold's, else a 422 naming it."""
+    num_tokens: Annotated[
+        int, msgspec.Meta(extra_json_schema={"minimum": -1, "maximum": MAX_TOKENS})
+    ] = -1
+    """Tokens the blocks hold (the Mamba state is the state after this many; at most
+    MAX_TOKENS); -1 with ``hold_id``: the hold's."""
     hold_id: ChosenHoldId = ""
     """Save the blocks of this live hold (pinned while it lasts) instead of ``block_ids``."""
 
@@ -81,9 +85,13 @@ class StoreLoadRequest(_Strict, kw_only=True):
     keys: list[StoreKey]
     """Chunk keys of the tokens to load (one per chunk of ``num_tokens``)."""
     block_ids: list[list[int]]
-    """Local logical block ids per group (mamba: the state block last)."""
-    num_tokens: int
-    """Tokens to load: a lookup's ``matched`` (or fewer, on a chunk boundary)."""
+    """Local logical block ids per group (mamba: the state block last); a group lists at most
+    the blocks ``num_tokens`` span (at least 1) plus HOLD_SPARE_BLOCKS, else a 422 naming it."""
+    num_tokens: Annotated[
+        int, msgspec.Meta(extra_json_schema={"minimum": 0, "maximum": MAX_TOKENS})
+    ]
+    """Tokens to load: a lookup's ``matched`` (or fewer, on a chunk boundary; at most
+    MAX_TOKENS)."""
     request_id: RequestId = ""
     """The engine's request id, for logs (at most 512 characters on one line, ONE_LINE_PATTERN)."""
     deadline_s: float = 30.0

@@ -15,6 +15,7 @@ from kvxferd.api.engine import MAX_WAIT_S, engine_document
 from kvxferd.memory import SHM_DIR
 from kvxferd.wire import (
     HOLD_SPARE_BLOCKS,
+    MAX_TICKETS_PER_CALL,
     MAX_TOKENS,
     AbortHoldRequest,
     DeclineRequest,
@@ -243,6 +244,23 @@ def test_a_decline_reaches_the_sidecar_typed(fake_engine, fake):
     assert name == "decline" and isinstance(req, DeclineRequest) and req.reason == "rejected"
 
 
+@pytest.mark.parametrize("route", ["/v1/decline", "/v1/keepalive"])
+def test_a_decline_or_keepalive_past_max_tickets_per_call_is_a_422_naming_tickets(
+    fake_engine, fake, route
+):
+    ticket = msgspec.to_builtins(Ticket(
+        engine_id="e", epoch=1, hold_id="h", request_id="r", block_ids=[[1]], num_tokens=1,
+        expires_at=0.0, tp_rank=0, tp_size=1, peer="127.0.0.1:9"))  # fmt: skip
+    body = {"tickets": [ticket] * (MAX_TICKETS_PER_CALL + 1), "extend_s": 1.0}
+    if route == "/v1/decline":
+        del body["extend_s"]
+    err = _error(fake_engine.post(route, json=body), 422)
+    assert (err.error, err.field) == ("ValidationError", "tickets")
+    assert fake.calls == []  # the sidecar never sees it, and keeps serving
+    body["tickets"] = body["tickets"][:MAX_TICKETS_PER_CALL]
+    assert fake_engine.post(route, json=body).status_code == 200
+
+
 @pytest.mark.parametrize("reason", ["rejected\nkvxferd ready", "rejected\n", "x" * 257])
 def test_a_decline_whose_reason_is_not_one_short_line_is_a_422_naming_it(fake_engine, fake, reason):
     err = _error(fake_engine.post("/v1/decline", json={"tickets": [], "reason": reason}), 422)
@@ -442,10 +460,11 @@ def test_a_ticket_with_a_wrong_mac_is_a_401_naming_it_before_any_call(real, rout
     ("change", "field"),
     [({"peer": "h\r\nX-Forged: 1:1"}, "tickets[0].peer"),
      ({"peer": "h" * 256 + ":1"}, "tickets[0].peer"),
-     ({"token": "0" * 65}, "tickets[0].token")],
-    ids=["peer-header-injection", "peer-too-long", "token-too-long"],
+     ({"token": "0" * 65}, "tickets[0].token"),
+     ({"num_tokens": MAX_TOKENS + 1}, "tickets[0].num_tokens")],
+    ids=["peer-header-injection", "peer-too-long", "token-too-long", "tokens-past-max"],
 )  # fmt: skip
-def test_a_ticket_whose_peer_or_token_is_malformed_is_a_422_naming_it(real, change, field):
+def test_a_ticket_whose_peer_token_or_tokens_are_malformed_is_a_422_naming_it(real, change, field):
     good = msgspec.json.decode(real.engine.post("/v1/holds", json=_hold_body(block_ids=[[5]]))
                                .content, type=Ticket)  # fmt: skip
     ticket = {**msgspec.to_builtins(good), **change}

@@ -15,6 +15,7 @@ from kvxferd.api.peer import peer_document
 from kvxferd.sidecar.signing import PeerKeys
 from kvxferd.sidecar.tickets import sign_ticket
 from kvxferd.wire import (
+    MAX_TICKETS_PER_CALL,
     PROTOCOL_VERSION,
     ClaimResponse,
     DeclineRequest,
@@ -355,6 +356,16 @@ def test_decline_with_a_tampered_ticket_is_a_401_naming_it_and_releases_nothing(
     err = _error(resp, 401)
     assert err.field == "tickets[1].token"
     assert _claim(real, good).status_code == 200
+
+
+def test_a_peer_decline_or_heartbeat_past_max_tickets_per_call_is_a_422_naming_it(real):
+    ticket = _hold(real)
+    body = DeclineRequest(tickets=[ticket] * (MAX_TICKETS_PER_CALL + 1))
+    assert _error(post(real.peer, "/v1/decline", body), 422).field == "tickets"
+    hold_ids = [ticket.hold_id] * (MAX_TICKETS_PER_CALL + 1)
+    body = {"hold_ids": hold_ids, "extend_s": 1.0}
+    assert _error(post(real.peer, "/v1/heartbeat", body), 422).field == "hold_ids"
+    assert _claim(real, ticket).status_code == 200  # nothing released; the sidecar serves on
 
 
 def test_a_peer_decline_whose_reason_has_a_newline_is_a_422_and_releases_nothing(real):

@@ -1,4 +1,6 @@
-"""The peer table's per-address handshake locks live only while someone uses them."""
+"""The peer table: per-address handshake locks live only while someone uses them; a peer's
+answers are checked before they are adopted, and its text reaches our errors and logs cut and
+on one line (every character ONE_LINE_PATTERN refuses escaped)."""
 
 from __future__ import annotations
 
@@ -269,3 +271,51 @@ def test_a_peers_error_answer_cannot_forge_a_log_line(status, error):
         text = f"{exc} {getattr(exc, 'field', '')}"
         assert len(text.splitlines()) == 1 and "\x1b" not in text, text
         assert "forged" in text and "\t" in text  # escaped, not dropped; a tab is kept
+
+
+_BREAKERS = "".join(chr(c) for c in [*range(0x09), *range(0x0A, 0x20), *range(0x7F, 0xA0)])
+_BREAKERS += "\u2028\u2029"  # every character ONE_LINE_PATTERN refuses: C0 but tab, DEL, C1
+
+
+@pytest.mark.parametrize("status", [404, 401, 409, 422, 502])
+@pytest.mark.parametrize("error", ["ClaimMismatchError", "SegmentTooSmallError", "Other"])
+def test_a_peers_error_text_keeps_no_control_character_of_any_kind(status, error):
+    # C1 too: U+009B is an 8-bit CSI (a terminal escape), U+0085 a line break; so are U+2028/9.
+    import re
+
+    import msgspec
+
+    from kvxferd.sidecar.peers import _remote_error
+    from kvxferd.wire import ONE_LINE_PATTERN, ErrorBody
+
+    forged = f"x{_BREAKERS}forged"
+    for content in (msgspec.json.encode(ErrorBody(error=error, detail=forged, field=forged)),
+                    forged.encode()):  # fmt: skip
+        exc = _remote_error("127.0.0.1:1", status, content, msgspec.json)
+        for text in (str(exc), getattr(exc, "field", "")):
+            assert re.fullmatch(ONE_LINE_PATTERN, text), ascii(text)
+        assert "\\x9b" in str(exc) and "\\x1b" in str(exc)  # escaped, not dropped
+
+
+def test_an_invalid_handshake_answer_is_told_on_one_line():
+    # msgspec names an unknown manifest field as the peer wrote it.
+    import re
+
+    import msgspec
+
+    from kvxferd.wire import ONE_LINE_PATTERN
+
+    answer = msgspec.json.decode(_their_handshake())
+    answer["manifest"][f"x{_BREAKERS}forged"] = 1
+
+    async def scenario() -> None:
+        table, loaded = _answering(msgspec.json.encode(answer))
+        try:
+            with pytest.raises(HandshakeError, match="invalid handshake") as err:
+                await table.get("127.0.0.1:1", "e", 1)
+            assert re.fullmatch(ONE_LINE_PATTERN, str(err.value)), ascii(str(err.value))
+            assert "forged" in str(err.value) and loaded == []
+        finally:
+            await table.close()
+
+    asyncio.run(scenario())

@@ -1,5 +1,6 @@
 """The sidecar's store calls: wire answers and metrics (injected registry) over a real store;
-the target is the manifest and region views a registered engine would give."""
+the target is the manifest and region views a registered engine would give. A save's or load's
+id lists and token count are bounded as a hold's, before any id is looked at."""
 
 from __future__ import annotations
 
@@ -9,13 +10,19 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvxferd.config import Config
-from kvxferd.errors import ConfigError, StoreError
+from kvxferd.errors import BlockIdError, ConfigError, StoreError
 from kvxferd.metrics import Metrics
 from kvxferd.pattern import verify_pattern
 from kvxferd.sidecar.offload import Offload
 from kvxferd.store import chunk_keys
-from kvxferd.wire import StoreLoadRequest, StoreLookupRequest, StoreSaveRequest
-from tests.store.helpers import MAMBA2, block_ids, filled, plan, pool
+from kvxferd.wire import (
+    HOLD_SPARE_BLOCKS,
+    MAX_TOKENS,
+    StoreLoadRequest,
+    StoreLookupRequest,
+    StoreSaveRequest,
+)
+from tests.store.helpers import DENSE, MAMBA2, block_ids, filled, plan, pool
 
 SEED, CHUNK = 11, 64
 
@@ -95,4 +102,33 @@ def test_a_hybrid_hold_saves_all_its_tokens_or_nothing(tmp_path):
     assert err.value.field == "num_tokens"
     lookup = asyncio.run(off.lookup(StoreLookupRequest(keys=keys, num_tokens=prefix)))
     assert lookup.matched == 0
+    off.close()
+
+
+def test_a_save_or_load_listing_more_ids_than_its_tokens_span_is_refused_before_any_id(tmp_path):
+    """Each group lists at most the blocks the tokens span plus HOLD_SPARE_BLOCKS (a hold's
+    rule), checked before any id is: the id past the limit, out of range, is never reached."""
+    m = plan(DENSE, blocks=8)
+    tokens = 2 * m.groups[0].block_size
+    regions, ids = filled(m, tokens, SEED)
+    cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK)
+    off = Offload(cfg, Metrics(CollectorRegistry()), lambda: (m, regions))
+    keys = chunk_keys(list(range(tokens)), CHUNK)
+    most = 2 + HOLD_SPARE_BLOCKS
+    flood = [ids[0] + [-1] * (most - len(ids[0])) + [m.num_blocks]]  # one id too many
+    calls = (
+        lambda ids, n: off.save(StoreSaveRequest(request_id="r", block_ids=ids, keys=keys,
+                                                 num_tokens=n)),
+        lambda ids, n: off.load(StoreLoadRequest(keys=keys, block_ids=ids, num_tokens=n)),
+    )  # fmt: skip
+    for call in calls:
+        with pytest.raises(BlockIdError) as err:
+            asyncio.run(call(flood, tokens))
+        assert err.value.field == "block_ids[0]" and f"need at most {most}" in str(err.value)
+        with pytest.raises(StoreError) as err:
+            asyncio.run(call(ids, MAX_TOKENS + 1))
+        assert err.value.field == "num_tokens"
+    saved = asyncio.run(calls[0]([flood[0][:most]], tokens))  # as many as allowed: taken
+    assert saved.chunks_saved > 0
+    assert asyncio.run(calls[1]([flood[0][:most]], tokens)).state == "done"
     off.close()

@@ -1,5 +1,6 @@
 """The store through a real sidecar's engine API: save from one sidecar, restart, look up and load
-into other blocks from a new sidecar (new process, empty DRAM pool), every byte verified."""
+into other blocks from a new sidecar (new process, empty DRAM pool), every byte verified; an
+over-long id list is a 422 naming its group, and the sidecar serves on."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from kvxferd.errors import BlockIdError, StoreError, UnknownHoldError
 from kvxferd.layout import request_blocks
 from kvxferd.pattern import verify_pattern, write_pattern
 from kvxferd.store import chunk_keys
-from kvxferd.wire import HoldRequest, StoreLoadRequest, StoreLookupRequest, StoreSaveRequest
+from kvxferd.wire import (
+    HOLD_SPARE_BLOCKS,
+    HoldRequest,
+    StoreLoadRequest,
+    StoreLookupRequest,
+    StoreSaveRequest,
+)
 from tests.sidecar.harness import EnginePool, plan, start_sidecar
 from tests.store.helpers import DENSE, GDN, MAMBA2, block_ids, poisoned
 
@@ -154,6 +161,35 @@ def test_save_a_live_hold_by_its_id(tmp_path):
                 client.store_save(StoreSaveRequest(request_id="r", keys=keys, block_ids=ids,
                                                    hold_id=ticket.hold_id))  # fmt: skip
             assert both.value.field == "block_ids"
+    finally:
+        assert sidecar.stop() == 0
+        pool.close()
+
+
+def test_a_store_call_with_more_ids_than_its_tokens_span_is_a_422_and_the_sidecar_serves_on(
+    tmp_path,
+):
+    manifest = plan(DENSE, num_blocks=8)
+    tokens = 16
+    keys = chunk_keys(list(range(tokens)), 16)
+    pool = EnginePool(manifest)
+    ids = block_ids(manifest, tokens)
+    flood = [[-1] * (-(-tokens // manifest.groups[0].block_size) + HOLD_SPARE_BLOCKS + 1)]
+    sidecar = start_sidecar(str(tmp_path), "flooded", "--store-dir", str(tmp_path / "s"),
+                            "--store-chunk-tokens", "16")  # fmt: skip
+    try:
+        with sidecar.client() as client:
+            client.register(manifest, pool.specs())
+            for call in (
+                lambda i: client.store_save(StoreSaveRequest(request_id="r", keys=keys,
+                                                             block_ids=i, num_tokens=tokens)),
+                lambda i: client.store_load(StoreLoadRequest(keys=keys, block_ids=i,
+                                                             num_tokens=tokens)),
+            ):  # fmt: skip
+                with pytest.raises(BlockIdError) as err:
+                    call(flood)
+                assert (err.value.status, err.value.field) == (422, "block_ids[0]")
+                call(ids)  # served as ever
     finally:
         assert sidecar.stop() == 0
         pool.close()

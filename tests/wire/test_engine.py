@@ -1,12 +1,21 @@
-"""Engine API messages: hold ids, a ticket's peer and token are bounded and shaped at decode
-(they go into tables, logs, a URL and an HTTP Host header), and refusals name the field."""
+"""Engine API messages: hold ids, a ticket's peer, token and token count, and the ticket lists
+of declines and keepalives are bounded and shaped at decode (they go into tables, logs, a URL,
+an HTTP Host header and calls to peers), and refusals name the field."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from kvxferd.wire import AbortHoldRequest, HoldRequest, Ticket
+from kvxferd.wire import (
+    MAX_TICKETS_PER_CALL,
+    MAX_TOKENS,
+    AbortHoldRequest,
+    DeclineRequest,
+    HoldRequest,
+    KeepaliveRequest,
+    Ticket,
+)
 
 _TICKET = {
     "engine_id": "e", "epoch": 1, "hold_id": "h", "request_id": "r", "block_ids": [[1]],
@@ -79,3 +88,24 @@ def test_a_ticket_token_is_at_most_64_hex_digits(token):
 )
 def test_a_ticket_token_longer_or_not_lower_hex_is_refused_and_named(token):
     _refused_at(Ticket, {**_TICKET, "token": token}, "token")
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, MAX_TOKENS])
+def test_a_ticket_covers_0_to_max_tokens(num_tokens):
+    assert _decode(Ticket, {**_TICKET, "num_tokens": num_tokens}).num_tokens == num_tokens
+
+
+@pytest.mark.parametrize(
+    "num_tokens", [-1, MAX_TOKENS + 1, 1 << 63], ids=["negative", "past-max", "int64"]
+)
+def test_a_ticket_past_max_tokens_or_negative_is_refused_and_named(num_tokens):
+    _refused_at(Ticket, {**_TICKET, "num_tokens": num_tokens}, "num_tokens")
+    _refused_at(DeclineRequest, {"tickets": [{**_TICKET, "num_tokens": num_tokens}]},
+                r"tickets\[0\]\.num_tokens")  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,extra", [(DeclineRequest, {}), (KeepaliveRequest, {"extend_s": 1})])
+def test_a_decline_or_keepalive_carries_at_most_max_tickets_per_call(kind, extra):
+    most = [_TICKET] * MAX_TICKETS_PER_CALL
+    assert len(_decode(kind, {"tickets": most, **extra}).tickets) == MAX_TICKETS_PER_CALL
+    _refused_at(kind, {"tickets": [*most, _TICKET], **extra}, "tickets")

@@ -1,6 +1,7 @@
 """RequestId: at most 512 characters on one line (no control character but tab, no line
 separator), on every request id that comes in (a newline in one would forge a log line; an
-unbounded one would grow every table and feed)."""
+unbounded one would grow every table and feed). ``one_line`` escapes the same characters in
+text that is logged as it came (a peer's)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kvxferd.wire import (
     StoreLoadRequest,
     StoreSaveRequest,
     Ticket,
+    one_line,
 )
 
 _TICKET = {
@@ -87,3 +89,12 @@ def test_an_engine_reads_a_feed_page_whatever_request_id_an_older_sidecar_put_in
     finished = {"pulls": [{"pull_id": "p", "request_id": rid, "state": "done"}], "cursor": 1}
     page = msgspec.json.decode(msgspec.json.encode(finished), type=FinishedPulls)
     assert page.pulls[0].request_id == rid
+
+
+@given(st.text(max_size=40))
+def test_one_line_escapes_exactly_the_characters_the_one_line_rule_refuses(text):
+    escaped = one_line(text)
+    assert re.search(ONE_LINE_PATTERN, escaped)
+    want = "".join(c if re.search(ONE_LINE_PATTERN, c) else c.encode("unicode_escape").decode()
+                   for c in text)  # fmt: skip
+    assert escaped == want
