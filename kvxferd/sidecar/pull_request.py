@@ -12,9 +12,9 @@ import math
 from kvxferd import descriptors
 from kvxferd.descriptors.geometry import iter_parts
 from kvxferd.errors import BlockIdError, HoldRequestError
-from kvxferd.wire import Group, Manifest, PullRequest
+from kvxferd.wire import MAX_TP, Group, Manifest, PullRequest
 
-MAX_READER_TP = 1024
+MAX_READER_TP = MAX_TP
 """Largest decode TP size a claim may announce (its expected readers follow from it)."""
 
 

@@ -27,6 +27,9 @@ HOLD_SPARE_BLOCKS = 1024
 """Ids a hold's group may list past the blocks its tokens span: vLLM allocates lookahead slots
 for speculative decoding (a Mamba group one more state block per draft token) and a partial
 prefill leaves out the last token. Past any drafter's proposals."""
+MAX_TP = 1024
+"""Largest TP size on either side: tickets a pull carries (one per prefill rank), a ticket's
+rank and size, the reader TP size a claim announces."""
 MAX_TICKETS_PER_CALL = 4096
 """Most tickets one decline or keepalive carries, and hold ids one heartbeat names: a step's
 declines of 256 requests from TP-16 prefills. A caller with more sends several calls."""
@@ -159,10 +162,10 @@ class Ticket(_Strict, kw_only=True):
     """Prompt tokens covered (0..MAX_TOKENS, as a hold's)."""
     expires_at: float
     """Unix time the hold's lease ends (unless extended by heartbeat)."""
-    tp_rank: Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 0})]
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP)]
     """Prefill TP rank whose sidecar holds the blocks (one ticket per prefill rank)."""
-    tp_size: Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 1})]
-    """Prefill TP size."""
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)]
+    """Prefill TP size (1..MAX_TP)."""
     peer: PeerAddress
     """Peer API address (host:port, at most 261 characters) of that rank's sidecar."""
     generation: int = 0
@@ -182,8 +185,11 @@ class AbortHoldRequest(_Strict, kw_only=True):
 class PullRequest(_Strict, kw_only=True):
     """Engine (decode) -> sidecar: read a ticket's blocks into local blocks."""
 
-    tickets: Annotated[list[Ticket], msgspec.Meta(extra_json_schema={"minItems": 1})]
-    """The tickets of every prefill TP rank, rank order (same request, same block ids)."""
+    tickets: Annotated[
+        list[Ticket], msgspec.Meta(max_length=MAX_TP, extra_json_schema={"minItems": 1})
+    ]
+    """The tickets of every prefill TP rank, rank order (same request, same block ids; at most
+    MAX_TP)."""
     block_ids: list[list[int]]
     """Local logical block ids per group, aligned with the tickets' block_ids; -1 skips a block.
     With ``num_tokens`` given, a group lists at most the blocks those tokens span (at least 1)

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from kvxferd.errors import InvalidRequestError
-from kvxferd.wire.engine import Ticket
+from kvxferd.wire.engine import MAX_TP, Ticket
 
 FIELD = "kv_transfer_params"
 _AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
@@ -39,6 +39,10 @@ def parse_tickets(params: dict[str, Any]) -> list[Ticket]:
     if not isinstance(raw, list) or not raw:
         raise InvalidRequestError(
             field, "missing: a list of tickets from a kvxferd prefill is required to pull"
+        )
+    if len(raw) > MAX_TP:  # before any ticket is converted
+        raise InvalidRequestError(
+            field, f"{len(raw)} tickets; at most {MAX_TP} (one per prefill rank)"
         )
     try:
         tickets = msgspec.convert(raw, list[Ticket])

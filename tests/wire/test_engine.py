@@ -10,10 +10,12 @@ import pytest
 from kvxferd.wire import (
     MAX_TICKETS_PER_CALL,
     MAX_TOKENS,
+    MAX_TP,
     AbortHoldRequest,
     DeclineRequest,
     HoldRequest,
     KeepaliveRequest,
+    PullRequest,
     Ticket,
 )
 
@@ -109,3 +111,17 @@ def test_a_decline_or_keepalive_carries_at_most_max_tickets_per_call(kind, extra
     most = [_TICKET] * MAX_TICKETS_PER_CALL
     assert len(_decode(kind, {"tickets": most, **extra}).tickets) == MAX_TICKETS_PER_CALL
     _refused_at(kind, {"tickets": [*most, _TICKET], **extra}, "tickets")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("tp_size", 0), ("tp_size", MAX_TP + 1), ("tp_rank", -1),
+                         ("tp_rank", MAX_TP)],
+)  # fmt: skip
+def test_a_ticket_names_a_tp_rank_and_size_within_max_tp(field, value):
+    _refused_at(Ticket, {**_TICKET, field: value}, field)
+
+
+def test_a_pull_carries_at_most_max_tp_tickets():
+    most = {"tickets": [_TICKET] * MAX_TP, "block_ids": [[1]]}
+    assert len(_decode(PullRequest, most).tickets) == MAX_TP
+    _refused_at(PullRequest, {**most, "tickets": [_TICKET] * (MAX_TP + 1)}, "tickets")

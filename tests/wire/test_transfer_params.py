@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from kvxferd.errors import InvalidRequestError
-from kvxferd.wire import Ticket
+from kvxferd.wire import MAX_TP, Ticket
 from kvxferd.wire import transfer_params as tp
 
 
@@ -48,6 +48,9 @@ def test_stub_from_a_proxy_asks_for_remote_decode():
          "kv_transfer_params.kvxferd_tickets[0]"),
         ([{**msgspec.to_builtins(_ticket(0, 1)), "engine_id": "e0\nkvxferd ready"}],
          "kv_transfer_params.kvxferd_tickets[0].engine_id"),
+        ([{**msgspec.to_builtins(_ticket(0, 1)), "tp_size": MAX_TP + 1}],
+         "kv_transfer_params.kvxferd_tickets[0].tp_size"),
+        ([None] * (MAX_TP + 1), "kv_transfer_params.kvxferd_tickets"),  # refused before any
     ],
 )  # fmt: skip
 def test_bad_tickets_name_the_field(tickets, field):
