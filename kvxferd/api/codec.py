@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kvxferd import errors
-from kvxferd.wire import ErrorBody
+from kvxferd.wire import ErrorBody, one_line
 
 T = TypeVar("T")
 
@@ -129,8 +129,9 @@ def decode_body(body: bytes, kind: type[T], wire: Negotiated = JSON_ONLY) -> T:
 
 
 def validation_body(message: str) -> ErrorBody:
-    """ErrorBody of a msgspec validation message: the JSON path as ``field``, named once."""
-    match = _AT.match(message)
+    """ErrorBody of a msgspec validation message: the JSON path as ``field``, named once (an
+    unknown field's name is the caller's text: written on one line, escaped)."""
+    match = _AT.match(one_line(message))
     assert match is not None  # the pattern matches any string
     text, path = match["message"], match["path"] or ""
     for pattern, reason in _NAMED:

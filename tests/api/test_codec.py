@@ -37,9 +37,12 @@ def _message(kind: type, data: bytes) -> str:
          "reader", "reader: Expected `str` of length <= 256"),
         (DeclineRequest, b'{"reason": "' + b"x" * 257 + b'", "tickets": []}',
          "reason", "reason: Expected `str` of length <= 256"),
+        (HoldRequest, b'{"request_id": "r", "block_ids": [], "num_tokens": 1, '
+                      b'"x\\nkvxferd ready\\u2028\\u009b": 1}',
+         "x\\nkvxferd ready\\u2028\\x9b", "x\\nkvxferd ready\\u2028\\x9b: unknown field"),
     ],
     ids=["wrong-type", "unknown-field", "missing-field", "bad-tag", "nested-missing", "root",
-         "long-reader", "long-reason"],
+         "long-reader", "long-reason", "unknown-field-breaking-lines"],
 )  # fmt: skip
 def test_a_validation_message_becomes_the_field_path_and_a_detail_naming_it_once(
     kind, data, field, detail
