@@ -21,7 +21,7 @@ from kvxferd.errors import MemoryInUseError
 from kvxferd.pattern import verify_pattern
 from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.transport import Agent, TransferState
-from kvxferd.wire import PROTOCOL_VERSION, ClaimRequest, ClaimResponse, Handshake
+from kvxferd.wire import PROTOCOL_VERSION, ClaimRequest, ClaimResponse, Handshake, Ticket
 from tests.sidecar.harness import TOKEN, EnginePool, changed_outside, wait_no_handles
 from tests.sidecar.ranks import DIDS, PIDS, Engine, engine_pair
 
@@ -64,6 +64,14 @@ class Reader:
         assert self.agent.add_remote(theirs.agent_metadata) == theirs.agent_name
         return theirs
 
+    def claim(self, peer: str, ticket: Ticket, claim_s: float) -> None:
+        """Claim ``ticket``'s hold for this reader over the signed peer API (200 expected)."""
+        claim = ClaimRequest(ticket=ticket, reader=self.agent.name, reader_tp_size=1,
+                             claim_s=claim_s)  # fmt: skip
+        resp = _peer_post(peer, "/v1/claims", claim)
+        assert resp.status_code == 200, resp.text
+        assert msgspec.json.decode(resp.content, type=ClaimResponse).hold_id == ticket.hold_id
+
     def read(self, theirs: Handshake, block_ids: list[int]) -> None:
         """READ whole pages of ``block_ids`` into the same blocks here; bounded wait for DONE."""
         local, remote = [], []
@@ -99,11 +107,7 @@ def test_an_abort_while_a_reader_reads_releases_the_hold_only_after_its_notifica
     reader = Reader()
     try:
         theirs = reader.handshake(p.sidecar.peer)
-        claim = ClaimRequest(ticket=ticket, reader=reader.agent.name, reader_tp_size=1,
-                             claim_s=60.0)  # fmt: skip
-        resp = _peer_post(p.sidecar.peer, "/v1/claims", claim)
-        assert resp.status_code == 200, resp.text
-        assert msgspec.json.decode(resp.content, type=ClaimResponse).hold_id == ticket.hold_id
+        reader.claim(p.sidecar.peer, ticket, 60.0)
 
         p.abort(ticket)  # 204 while the reader is between its claim and its READ
         assert p.feed.poll() == []  # not released: the engine must not free the blocks yet
@@ -162,9 +166,7 @@ def test_an_unregister_while_a_reader_may_read_keeps_the_memory_until_its_notifi
     reader = Reader()
     try:
         theirs = reader.handshake(p.sidecar.peer)
-        claim = ClaimRequest(ticket=ticket, reader=reader.agent.name, reader_tp_size=1,
-                             claim_s=60.0)  # fmt: skip
-        assert _peer_post(p.sidecar.peer, "/v1/claims", claim).status_code == 200
+        reader.claim(p.sidecar.peer, ticket, 60.0)
 
         with pytest.raises(MemoryInUseError, match="may still be read by decodes"):
             _unregister(p)  # waits a few seconds for the reader, then refuses: retry
@@ -193,9 +195,7 @@ def test_an_unregister_waits_for_a_claim_to_end_and_then_lets_the_memory_go(pair
     reader = Reader()
     try:
         reader.handshake(p.sidecar.peer)
-        claim = ClaimRequest(ticket=ticket, reader=reader.agent.name, reader_tp_size=1,
-                             claim_s=0.5)  # fmt: skip
-        assert _peer_post(p.sidecar.peer, "/v1/claims", claim).status_code == 200
+        reader.claim(p.sidecar.peer, ticket, 0.5)
         # The reader never notifies; its claim (so any READ of it) ends well inside the wait.
         _unregister(p)
         with p.sidecar.client() as c:

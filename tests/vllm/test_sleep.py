@@ -23,6 +23,16 @@ pytestmark = pytest.mark.nixl
 N = 300  # tokens: three 128-token blocks
 
 
+def _scheduler(p_side) -> SchedulerSide:  # noqa: ANN001
+    """The prefill's scheduler side, reading its one rank's identity from ``p_side``."""
+
+    def identities():
+        with p_side.client() as c:
+            return [c.identity()]
+
+    return prefill_side(identities, 128)
+
+
 def _finished(sched: SchedulerSide, rid: str, ids: list[int]) -> dict:
     """The prefill finishes ``rid`` on blocks ``ids``: the kv_transfer_params it returns."""
     delay, params = finish(sched, rid, [ids], N)
@@ -45,12 +55,7 @@ def test_sleep_refuses_old_tickets_and_wake_moves_new_requests_byte_exact(engine
     assert KvxferdConnector.supports_sleep_mode(None)
     engine = engines("dense", "LBHNC", num_blocks=24)
     with worker_pair(tmp_path, "LBHNC", engine) as (prefill, decode, p_side):
-
-        def identities():
-            with p_side.client() as c:
-                return [c.identity()]
-
-        sched = prefill_side(identities, 128)
+        sched = _scheduler(p_side)
         old = _finished(sched, "r1", [1, 2, 3])
         assert old["remote_registration_generation"] == 0
         pattern.write_pattern(prefill.manifest, prefill.arrays(), [[1, 2, 3]], seed=5)
@@ -99,12 +104,7 @@ def test_sleep_waits_for_a_decode_that_claimed_a_hold_before_letting_the_memory_
     hold) until its claim ends, and sleep waits for that (bounded) rather than going on."""
     engine = engines("dense", "LBHNC", num_blocks=24)
     with worker_pair(tmp_path, "LBHNC", engine) as (prefill, _decode, p_side):
-
-        def identities():
-            with p_side.client() as c:
-                return [c.identity()]
-
-        sched = prefill_side(identities, 128)
+        sched = _scheduler(p_side)
         params = _finished(sched, "r1", [1, 2, 3])
         assert prefill.step(sched.take_orders()) == (None, None)  # hold placed
         ticket = msgspec.convert(params["kvxferd_tickets"][0], Ticket)
