@@ -396,8 +396,9 @@ class Sidecar:
         Checked first: the ticket's MAC (401), that it names this engine epoch and registration
         generation (404), this rank's TP shape (409) and a reader TP size the manifest allows
         (422). The hold must have the ticket's block ids (409). An engine-chosen hold id not
-        placed yet is waited for up to ``hold_grace_s``. No claim while a registered segment
-        is shrunk (422 SegmentTooSmallError).
+        placed yet is waited for up to ``hold_grace_s`` (the generation is checked again
+        after: a hold placed under a newer registration is not the ticket's). No claim while a
+        registered segment is shrunk (422 SegmentTooSmallError).
         """
         _, manifest = self._require_memory()
         ticket = req.ticket
@@ -420,6 +421,11 @@ class Sidecar:
         readers = self._readers.expected(manifest, req.reader_tp_size)
         await self._await_hold(ticket.hold_id)
         holds, _ = self._require_engine()
+        if ticket.generation != self.generation:  # re-registered while the claim waited
+            raise UnknownHoldError(
+                f"ticket names registration generation {ticket.generation}; the engine "
+                f"re-registered while the claim waited and is at generation {self.generation}"
+            )
         try:
             grant = holds.claim(
                 ticket.hold_id, req.reader, req.claim_s, readers,

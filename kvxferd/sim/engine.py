@@ -46,7 +46,14 @@ from kvxferd.sim.kvpool import RankPool
 from kvxferd.sim.pulls import pull_all
 from kvxferd.sim.stats import SimStats
 from kvxferd.sim.tokens import generate, prompt_seed
-from kvxferd.wire import HoldRequest, PullRequest, ReleasedHold, Ticket
+from kvxferd.wire import (
+    DECLINE_REASON_MAX_LENGTH,
+    HoldRequest,
+    PullRequest,
+    ReleasedHold,
+    Ticket,
+    one_line,
+)
 from kvxferd.wire import transfer_params as tp
 
 log = logging.getLogger(__name__)
@@ -275,9 +282,12 @@ class SimEngine:
 
     def decline(self, tickets: list[Ticket], reason: str) -> None:
         """Decode side: tell the prefill sides behind ``tickets`` this engine will not read them
-        (through rank 0's sidecar, in the background, bounded), so their holds end now."""
+        (through rank 0's sidecar, in the background, bounded), so their holds end now.
+        ``reason`` goes on one line, cut to what a decline carries (a pull's failure text may
+        be longer, or hold a peer's line breaks: the sidecar would refuse the decline)."""
         if self.settings.role != "decode" or not self.clients or not tickets:
             return
+        reason = one_line(reason)[:DECLINE_REASON_MAX_LENGTH]
         task = asyncio.create_task(self._decline(tickets, reason), name="decline")
         self._declines.add(task)
         task.add_done_callback(self._declines.discard)

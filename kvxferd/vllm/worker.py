@@ -15,8 +15,14 @@ from typing import Any
 
 import msgspec
 
-from kvxferd.client import EngineClient, frames_available
-from kvxferd.errors import KvxferdError, MemoryInUseError, MemoryRegionError, NotRegisteredError
+from kvxferd.client import EngineClient, SidecarError, frames_available
+from kvxferd.errors import (
+    KvxferdError,
+    MemoryInUseError,
+    MemoryRegionError,
+    NotRegisteredError,
+    UnknownHoldError,
+)
 from kvxferd.memory import CudaIpcRegion
 from kvxferd.sidecar.reads import SETTLE_S
 from kvxferd.vllm.manifest import ConvGeometry, backing_allocation, vllm_manifest
@@ -88,6 +94,7 @@ class WorkerSide:
         self._ipc: Any = None  # the exported CUDA IPC region, kept open while registered
         self._refused: set[str] = set()  # pulls the sidecar refused: finished, with errors
         self._unheld: set[str] = set()  # holds the sidecar refused: free the blocks at once
+        self._unanswered: dict[str, str] = {}  # request id -> hold id placed with no answer
         self.store = StoreCalls(self.client)  # store saves and loads (issue 12)
         self.asleep = False  # unregistered for vLLM's sleep mode until restore()
 
@@ -189,7 +196,14 @@ class WorkerSide:
                         hold_id=h.hold_id,
                     )
                 )
-            except KvxferdError as exc:  # no hold: nobody can read, so free the blocks now
+            except KvxferdError as exc:
+                if _placed_maybe(exc):  # a decode may claim it: freed once the feed says so
+                    log.warning("hold for %.200r got no answer (%s); giving it up",
+                                h.request_id, exc)  # fmt: skip
+                    self._holds[h.request_id] = h.hold_id
+                    self._unanswered[h.request_id] = h.hold_id
+                    continue
+                # refused: no hold, so nobody can read; free the blocks now
                 log.warning("hold for %.200r refused: %s", h.request_id, exc)
                 self._unheld.add(h.request_id)
                 if isinstance(exc, NotRegisteredError):
@@ -270,6 +284,7 @@ class WorkerSide:
             self._lose(pull_id)
         recving |= self._refused
         self._refused = set()
+        self._give_up_unanswered()
         sending, self._unheld = self._unheld, set()
         for _ in range(_MAX_PAGES if self._holds else 0):
             try:
@@ -292,6 +307,28 @@ class WorkerSide:
         self._refused = set()
         recving |= self.store.take_done()
         return sending or None, recving or None
+
+    def _give_up_unanswered(self) -> None:
+        """Abort each hold whose placement got no answer: the sidecar may have placed it and a
+        decode claimed it, so its blocks are freed only when the released feed says (an abort
+        waits for a claimed reader). One the sidecar does not know was never placed (or was
+        released already): freed now. Asked again next step while the sidecar does not answer."""
+        for request_id, hold_id in list(self._unanswered.items()):
+            if self._holds.get(request_id) != hold_id:  # the feed released it meanwhile
+                del self._unanswered[request_id]
+                continue
+            try:
+                self.client.abort(hold_id)
+            except UnknownHoldError:
+                del self._holds[request_id]
+                self._unheld.add(request_id)
+            except NotRegisteredError:  # the sidecar restarted: its holds went with it
+                self._recover()
+                return
+            except KvxferdError as exc:
+                log.warning("abort of unanswered hold %s failed (asked again): %s", hold_id, exc)
+                continue
+            del self._unanswered[request_id]
 
     def _lose(self, pull_id: str) -> None:
         """A pull the sidecar no longer knows: finished, every block a load error."""
@@ -356,6 +393,14 @@ class WorkerSide:
             log.warning("unregister at shutdown failed: %s", exc)
         self._close_ipc()
         self.client.close()
+
+
+def _placed_maybe(exc: KvxferdError) -> bool:
+    """Whether a hold that raised ``exc`` may have been placed all the same: no answer came
+    (unreachable, timed out), or one that is not a refusal (unreadable, a server error)."""
+    if not isinstance(exc, SidecarError):
+        return False  # one of the sidecar's own errors: refused before anything was placed
+    return exc.status is None or not 400 <= exc.status < 500
 
 
 def _shift(manifest: Any, lead: int, mem: str, device: int) -> Any:

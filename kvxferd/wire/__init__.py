@@ -25,6 +25,7 @@ with every field checked.
 from __future__ import annotations
 
 from kvxferd.wire.engine import (
+    DECLINE_REASON_MAX_LENGTH,
     HOLD_SPARE_BLOCKS,
     MAX_TICKETS_PER_CALL,
     MAX_TOKENS,
@@ -114,6 +115,7 @@ __all__ = [
     "ClaimResponse",
     "ConvLayout",
     "CudaRegionSpec",
+    "DECLINE_REASON_MAX_LENGTH",
     "DTYPE_BYTES",
     "DeclineRequest",
     "DeclineResponse",

@@ -33,6 +33,8 @@ rank and size, the reader TP size a claim announces."""
 MAX_TICKETS_PER_CALL = 4096
 """Most tickets one decline or keepalive carries, and hold ids one heartbeat names: a step's
 declines of 256 requests from TP-16 prefills. A caller with more sends several calls."""
+DECLINE_REASON_MAX_LENGTH = 256
+"""Most characters of a decline's reason (for the prefill sides' logs)."""
 _HOST = r"[A-Za-z0-9._:%\[\]-]{1,255}"
 PEER_HOST_PATTERN = rf"^{_HOST}(?!\n)$"
 """A sidecar's advertised host: a DNS name, IPv4, or IPv6 (bare or in brackets, with a zone)."""
@@ -213,7 +215,9 @@ class DeclineRequest(_Strict, kw_only=True):
     tickets: Annotated[list[Ticket], msgspec.Meta(max_length=MAX_TICKETS_PER_CALL)]
     """Tickets of the holds to release: any requests, any prefill ranks (MACs are checked); at
     most MAX_TICKETS_PER_CALL."""
-    reason: Annotated[str, msgspec.Meta(max_length=256, pattern=ONE_LINE_PATTERN)] = ""
+    reason: Annotated[
+        str, msgspec.Meta(max_length=DECLINE_REASON_MAX_LENGTH, pattern=ONE_LINE_PATTERN)
+    ] = ""
     """Why, for logs (e.g. ``rejected``, ``aborted``; at most 256 characters on one line,
     ONE_LINE_PATTERN: each prefill side logs it)."""
 

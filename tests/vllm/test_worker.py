@@ -1,15 +1,28 @@
 """The worker side's declines: a step's declines go to the sidecar in calls of at most
 MAX_TICKETS_PER_CALL tickets (the sidecar refuses a longer list), every ticket once, in order,
-and a call that fails does not keep the others from being sent."""
+and a call that fails does not keep the others from being sent. Its holds: one placed without an
+answer (it may be live, and claimed by a decode reading it) is aborted, and its blocks are freed
+only when the released feed says so, or at once when the sidecar does not know it."""
 
 from __future__ import annotations
 
 import msgspec
+import pytest
 
-from kvxferd.errors import HandshakeError
-from kvxferd.vllm.scheduler import Decline, StepOrders
+from kvxferd.client import SidecarError, SidecarUnreachableError
+from kvxferd.errors import HandshakeError, KvxferdError, UnknownHoldError
+from kvxferd.vllm.scheduler import Decline, HoldOrder, StepOrders
 from kvxferd.vllm.worker import WorkerSide
-from kvxferd.wire import MAX_TICKETS_PER_CALL, DeclineRequest, DeclineResponse, Ticket
+from kvxferd.wire import (
+    MAX_TICKETS_PER_CALL,
+    DeclineRequest,
+    DeclineResponse,
+    ErrorBody,
+    HoldRequest,
+    ReleasedHold,
+    ReleasedHolds,
+    Ticket,
+)
 
 
 class _Sidecar:
@@ -58,3 +71,76 @@ def test_a_failed_decline_call_does_not_keep_the_next_from_being_sent():
     sidecar = _Sidecar(fail=(0,))
     _worker(sidecar).run(StepOrders(declines=_declines(requests=MAX_TICKETS_PER_CALL, ranks=2)))
     assert [len(c.tickets) for c in sidecar.calls] == [MAX_TICKETS_PER_CALL] * 2
+
+
+NO_ANSWER = SidecarUnreachableError("POST /v1/holds: no answer in time (30 s)")
+UNREADABLE = SidecarError(200, ErrorBody(error="DecodeError", detail="unusable Ticket"))
+
+
+class _Unanswered:
+    """Stands in for the engine client of a sidecar whose hold calls raise ``error`` (by default
+    no answer: the call timed out); ``placed`` says whether it placed the holds all the same.
+    Its released feed lists what the test appends."""
+
+    def __init__(self, placed: bool, error: KvxferdError = NO_ANSWER) -> None:
+        self.placed = placed
+        self.error = error
+        self.aborted: list[str] = []
+        self.feed: list[ReleasedHold] = []
+        self.reachable = True
+
+    def hold(self, req: HoldRequest) -> Ticket:
+        raise self.error
+
+    def abort(self, hold_id: str) -> None:
+        if not self.reachable:
+            raise SidecarUnreachableError("POST /v1/holds/abort: no answer in time (30 s)")
+        self.aborted.append(hold_id)
+        if not self.placed:
+            raise UnknownHoldError(f"hold_id {hold_id!r}: no such hold")
+
+    def released(self, cursor: int = 0, limit: int | None = None) -> ReleasedHolds:
+        return ReleasedHolds(holds=self.feed[cursor:], cursor=len(self.feed))
+
+
+def _placed_unanswered(sidecar: _Unanswered) -> WorkerSide:
+    worker = WorkerSide("/nonexistent/kvxferd.sock", model="m", tp_rank=0, tp_size=1)
+    worker.client = sidecar  # type: ignore[assignment]
+    worker.run(StepOrders(holds=[HoldOrder("r1", "h1", [[1, 2]], 32, [(1, 0)])]))
+    return worker
+
+
+@pytest.mark.parametrize("error", [NO_ANSWER, UNREADABLE], ids=["no-answer", "unreadable"])
+def test_a_hold_placed_without_an_answer_is_aborted_and_freed_only_once_released(error):
+    sidecar = _Unanswered(placed=True, error=error)
+    sidecar.reachable = False
+    worker = _placed_unanswered(sidecar)
+    assert worker.finished() == (None, None)  # the abort got no answer either: kept, not freed
+    sidecar.reachable = True
+    assert worker.finished() == (None, None)  # aborted; a decode may still be reading it
+    assert sidecar.aborted == ["h1"]
+    assert worker.finished() == (None, None)
+    assert sidecar.aborted == ["h1"]  # given up once
+    sidecar.feed.append(ReleasedHold(hold_id="h1", request_id="r1", block_ids=[[1, 2]],
+                                     reason="aborted"))  # fmt: skip
+    assert worker.finished() == ({"r1"}, None)
+    assert worker.finished() == (None, None)  # freed once
+
+
+@pytest.mark.parametrize("released_first", [False, True], ids=["unknown", "released-first"])
+def test_a_hold_placed_without_an_answer_that_the_sidecar_does_not_know_is_freed(released_first):
+    sidecar = _Unanswered(placed=False)
+    worker = _placed_unanswered(sidecar)
+    if released_first:  # placed after all, and released (declined) before the abort
+        sidecar.feed.append(ReleasedHold(hold_id="h1", request_id="r1", block_ids=[[1, 2]],
+                                         reason="declined"))  # fmt: skip
+    assert worker.finished() == ({"r1"}, None)
+    assert worker.finished() == (None, None)  # freed once
+
+
+def test_a_hold_the_sidecar_refused_is_freed_at_once_without_an_abort():
+    refusal = SidecarError(422, ErrorBody(error="ValidationError", detail="request_id: too long"))
+    sidecar = _Unanswered(placed=False, error=refusal)
+    worker = _placed_unanswered(sidecar)
+    assert worker.finished() == ({"r1"}, None)
+    assert sidecar.aborted == []
