@@ -469,12 +469,6 @@ class HoldTable:
         self._release(hold, "declined", now)
         return DeclineOutcome.RELEASED
 
-    def release(
-        self, hold_id: str, reason: HoldReleaseReason, now: float | None = None
-    ) -> ReleasedHold:
-        """Release a live hold for ``reason`` (e.g. ``unregistered``, ``declined``)."""
-        return self._release(self.get(hold_id), reason, self._now(now))
-
     def heartbeat(
         self, hold_ids: Iterable[str], extend_s: float, now: float | None = None
     ) -> tuple[list[str], list[str]]:
