@@ -298,6 +298,7 @@ class Sidecar:
             tp_rank=m.tp_rank if m is not None else -1,
             tp_size=m.tp_size if m is not None else 0,
             default_lease_s=self.config.default_lease_s,
+            max_claim_s=self.config.max_claim_s,
         )
 
     def hold(self, req: HoldRequest) -> Ticket:

@@ -41,9 +41,9 @@ log = logging.getLogger(__name__)
 
 _MAX_PAGES = 64  # feed pages read per step (each bounded by the sidecar); the rest next step
 _PULL_SLACK_S = SETTLE_S + 5.0  # past its deadline, a pull the feed never reported was lost
-_UNREGISTER_RETRY_S = 130.0
-"""How long sleep and re-registration retry an unregister the sidecar refuses because a decode
-may still READ the memory (or a READ write it): past the sidecar's default max_claim_s (120 s)."""
+_UNREGISTER_SLACK_S = 10.0
+"""Sleep and re-registration retry an unregister the sidecar refuses because a decode may still
+READ the memory (or a READ write it) for the sidecar's longest claim plus this."""
 
 
 @dataclass
@@ -164,7 +164,7 @@ class WorkerSide:
     def _unregister(self, generation: int) -> None:
         """Unregister, retrying (bounded) while the sidecar refuses because a decode that
         claimed a hold may still READ this memory: it must not be reused under that READ."""
-        deadline = time.monotonic() + _UNREGISTER_RETRY_S
+        deadline = time.monotonic() + self.client.identity().max_claim_s + _UNREGISTER_SLACK_S
         while True:
             try:
                 return self.client.unregister(generation)

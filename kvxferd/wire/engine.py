@@ -122,6 +122,9 @@ class Identity(_Strict, kw_only=True):
     """Engine TP size registered here (0 while no engine is registered)."""
     default_lease_s: float
     """Lease a hold gets when its request names none."""
+    max_claim_s: float = 120.0
+    """Longest a claim pins a hold here: how long an unregister may have to wait for a
+    decode that claimed one to finish its READ."""
 
 
 class HoldRequest(_Strict, kw_only=True):

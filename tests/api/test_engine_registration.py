@@ -120,6 +120,7 @@ def test_unregister_then_register_again_starts_the_next_generation(fresh):
     assert again.generation == 1 and again.epoch == first.epoch
     ident = msgspec.json.decode(fresh.engine.get("/v1/identity").content, type=Identity)
     assert (ident.generation, ident.engine_id, ident.tp_size) == (1, first.engine_id, 1)
+    assert ident.max_claim_s == Config().max_claim_s  # how long an unregister may have to wait
     ticket = fresh.engine.post(
         "/v1/holds", json={"request_id": "r3", "block_ids": [[1]], "num_tokens": 3}
     ).json()
