@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from kvxferd.errors import InvalidRequestError
+from kvxferd.errors import InvalidRequestError, KvxferdError
 from kvxferd.sidecar.tickets import sign_ticket
 from kvxferd.vllm.storeplan import LoadOrder, SaveOrder, StorePlanner
 from kvxferd.wire import Identity, Ticket
@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 NULL_BLOCK = 0
 """vLLM's reserved null block: never held, never pulled."""
 
+IDENTITY_RETRY_S = 1.0
+"""After the prefill's sidecars could not say who they are, how long finished requests go
+without a hold before they are asked again (a hung sidecar must not stall every step)."""
 MAX_BLOCK_SIZE = 1 << 20
 """Largest ``remote_block_size`` taken (tokens; vLLM's hybrid block sizes are far below)."""
 
@@ -174,6 +177,7 @@ class SchedulerSide:
         self._secret = secret
         self._identities = identities
         self._known: list[Identity] | None = None
+        self._ask_after = 0.0  # monotonic time before which identities are not asked again
         self.block_size = block_size
         self.group_kinds = group_kinds  # "mamba" or "attention" per KV-cache group
         self.partial_prefill = partial_prefill  # Mamba: the decode recomputes the last token
@@ -185,6 +189,24 @@ class SchedulerSide:
         if self._known is None:
             self._known = self._identities()
         return self._known
+
+    def _minting(self) -> list[Identity] | None:
+        """The identities to mint tickets with, or None while a sidecar cannot say or has no
+        engine registered: the request then ends like a local one (an exception here would
+        stop vLLM's scheduler, and every request with it)."""
+        if self._known is None and time.monotonic() < self._ask_after:
+            return None
+        try:
+            idents = self.identities()
+        except KvxferdError as exc:
+            log.warning("prefill sidecars unavailable, finishing without holds: %s", exc)
+        else:
+            if len(idents) == self.tp_size and all(i.generation >= 0 for i in idents):
+                return idents
+            log.warning("a prefill sidecar has no engine registered: finishing without holds")
+            self._known = None
+        self._ask_after = time.monotonic() + IDENTITY_RETRY_S
+        return None
 
     def stale(self, ranks: set[int]) -> None:
         """Workers found these ranks' sidecars restarted or re-registered: re-read the
@@ -321,13 +343,16 @@ class SchedulerSide:
         ids = [live_ids(list(g)) for g in block_ids]
         if not any(ids):
             return False, None
+        idents = self._minting()
+        if idents is None:  # no decode can pull it: its blocks are freed as a local request's
+            return False, None
         num_tokens = len(request.prompt_token_ids)
         if self.partial_prefill:
             num_tokens = max(0, num_tokens - 1)
         hold_id = secrets.token_hex(16)
         now = time.time()
         tickets = []
-        for ident in self.identities():
+        for ident in idents:
             ticket = Ticket(
                 engine_id=ident.engine_id,
                 epoch=ident.epoch,
@@ -342,9 +367,9 @@ class SchedulerSide:
                 generation=ident.generation,
             )
             tickets.append(msgspec.to_builtins(sign_ticket(ticket, self._secret)))
-        minted = [(i.epoch, i.generation) for i in self.identities()]
+        minted = [(i.epoch, i.generation) for i in idents]
         self.orders.holds.append(HoldOrder(request.request_id, hold_id, ids, num_tokens, minted))
-        first = self.identities()[0]
+        first = idents[0]
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

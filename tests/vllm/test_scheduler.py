@@ -211,3 +211,30 @@ def test_reblocking_targets_name_the_decode_blocks_by_position():
     local = [[4, 5, 6, 7, 8, 9], [0, 0, 11, 12, 13, 14], [0, 0, 0, 0, 0, 21]]
     out = reblock_targets(kinds, local, num_tokens=300, block_size=64, done=128)
     assert out == [[-1, -1, 6, 7, 8], [-1, -1, 11, 12, 13], [21]]
+
+
+def test_a_prefill_whose_sidecar_cannot_say_who_it_is_finishes_like_a_local_request(
+    engines, monkeypatch
+):
+    """An exception in vLLM's scheduler would stop the engine: while the identities cannot be
+    read (no sidecar listens on the socket), a finished prefill answers no params and its
+    blocks are freed at once; once they can, holds are ordered again."""
+    engine = engines("dense", num_blocks=32)
+    prefill = _scheduler(engine, monkeypatch)
+    side = prefill.connector._sched
+    known, side._known = side._known, None  # read again: from a socket nobody listens on
+    free = prefill.kv_cache_manager.block_pool.get_num_free_blocks()
+    prefill.add_request(request("p1", 300, {"do_remote_decode": True}))
+    _, engine_out = step(prefill)
+    assert [o.kv_transfer_params for eo in engine_out.values() for o in eo.outputs] == [None]
+    out, _ = step(prefill)
+    assert out.kv_connector_metadata.orders.holds == []
+    assert prefill.kv_cache_manager.block_pool.get_num_free_blocks() == free
+
+    side._known = known  # the sidecar answers again
+    prefill.add_request(request("p2", 300, {"do_remote_decode": True}))
+    _, engine_out = step(prefill)
+    params = [o.kv_transfer_params for eo in engine_out.values() for o in eo.outputs]
+    assert len(params) == 1 and params[0]["kvxferd_tickets"]
+    out, _ = step(prefill)
+    assert [h.request_id for h in out.kv_connector_metadata.orders.holds] == ["p2"]
