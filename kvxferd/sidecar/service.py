@@ -22,14 +22,12 @@ from kvxferd import descriptors
 from kvxferd.config import Config
 from kvxferd.errors import (
     AlreadyRegisteredError,
-    ClaimMismatchError,
     FabricNotReadyError,
     HoldExpiredError,
     MemoryInUseError,
     NotRegisteredError,
     SegmentTooSmallError,
     StaleGenerationError,
-    UnknownHoldError,
 )
 from kvxferd.layout import validate_manifest
 from kvxferd.memory import check_sources, first_shrunk, open_region
@@ -45,7 +43,7 @@ from kvxferd.sidecar.pull_request import ReaderCounts, check_reader_tp
 from kvxferd.sidecar.pulls import Pull, PullRunner
 from kvxferd.sidecar.reads import QUARANTINE_S
 from kvxferd.sidecar.signing import PeerKeys
-from kvxferd.sidecar.tickets import sign_ticket, verify_ticket, verify_tickets
+from kvxferd.sidecar.tickets import check_addressed, sign_ticket, verify_ticket, verify_tickets
 from kvxferd.transport import Agent, ucxenv
 from kvxferd.wire import (
     PROTOCOL_VERSION,
@@ -404,29 +402,11 @@ class Sidecar:
         _, manifest = self._require_memory()
         ticket = req.ticket
         verify_ticket(ticket, self._accepted)
-        if (ticket.engine_id, ticket.epoch) != (self.engine_id, self.epoch):
-            raise UnknownHoldError(
-                f"ticket names engine {ticket.engine_id} epoch {ticket.epoch}; this sidecar is "
-                f"{self.engine_id} epoch {self.epoch} (restarted?)"
-            )
-        if ticket.generation != self.generation:  # its hold went with that registration
-            raise UnknownHoldError(
-                f"ticket names registration generation {ticket.generation}; the engine "
-                f"re-registered (sleep/wake?) and is at generation {self.generation}"
-            )
-        if (ticket.tp_rank, ticket.tp_size) != (manifest.tp_rank, manifest.tp_size):
-            raise ClaimMismatchError(
-                "ticket.tp_rank", f"rank {ticket.tp_rank} of {ticket.tp_size}, but this sidecar "
-                f"holds rank {manifest.tp_rank} of {manifest.tp_size}",
-            )  # fmt: skip
+        check_addressed(ticket, self.engine_id, self.epoch, self.generation, manifest)
         readers = self._readers.expected(manifest, req.reader_tp_size)
         await self._await_hold(ticket.hold_id)
-        holds, _ = self._require_engine()
-        if ticket.generation != self.generation:  # re-registered while the claim waited
-            raise UnknownHoldError(
-                f"ticket names registration generation {ticket.generation}; the engine "
-                f"re-registered while the claim waited and is at generation {self.generation}"
-            )
+        holds, manifest = self._require_engine()  # again: it may have re-registered meanwhile
+        check_addressed(ticket, self.engine_id, self.epoch, self.generation, manifest)
         try:
             grant = holds.claim(
                 ticket.hold_id, req.reader, req.claim_s, readers,

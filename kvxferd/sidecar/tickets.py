@@ -18,8 +18,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-from kvxferd.errors import AuthError, ConfigError
-from kvxferd.wire import Ticket
+from kvxferd.errors import AuthError, ClaimMismatchError, ConfigError, UnknownHoldError
+from kvxferd.wire import Manifest, Ticket
 
 _encoder = msgspec.json.Encoder()
 
@@ -68,3 +68,26 @@ def verify_tickets(tickets: Iterable[Ticket], secret: bytes | Iterable[bytes]) -
             err = AuthError(f"tickets[{i}].{str(exc).removeprefix('ticket.')}")
             err.field = f"tickets[{i}].token"  # type: ignore[attr-defined]
             raise err from None
+
+
+def check_addressed(
+    ticket: Ticket, engine_id: str, epoch: int, generation: int, manifest: Manifest
+) -> None:
+    """That a (verified) ticket names this sidecar as it is now: its engine and boot epoch, its
+    registration generation (404 UnknownHoldError: the hold went with a restart, sleep/wake or
+    re-init) and this rank's TP shape (409 ClaimMismatchError)."""
+    if (ticket.engine_id, ticket.epoch) != (engine_id, epoch):
+        raise UnknownHoldError(
+            f"ticket names engine {ticket.engine_id} epoch {ticket.epoch}; this sidecar is "
+            f"{engine_id} epoch {epoch} (restarted?)"
+        )
+    if ticket.generation != generation:  # its hold went with that registration
+        raise UnknownHoldError(
+            f"ticket names registration generation {ticket.generation}; the engine "
+            f"re-registered (sleep/wake?) and is at generation {generation}"
+        )
+    if (ticket.tp_rank, ticket.tp_size) != (manifest.tp_rank, manifest.tp_size):
+        raise ClaimMismatchError(
+            "ticket.tp_rank", f"rank {ticket.tp_rank} of {ticket.tp_size}, but this sidecar "
+            f"holds rank {manifest.tp_rank} of {manifest.tp_size}",
+        )  # fmt: skip
