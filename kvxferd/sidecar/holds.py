@@ -207,7 +207,6 @@ class HoldTable:
         if default_lease_s > max_lease_s:
             raise ConfigError(f"default_lease_s: {default_lease_s} exceeds max_lease_s")
         self.num_blocks = manifest.num_blocks
-        self.num_groups = len(manifest.groups)
         self.block_sizes = tuple(g.block_size for g in manifest.groups)
         self.default_lease_s = float(default_lease_s)
         self.max_lease_s = float(max_lease_s)

@@ -14,16 +14,13 @@ from kvxferd.descriptors.geometry import iter_parts
 from kvxferd.errors import BlockIdError, HoldRequestError
 from kvxferd.wire import MAX_TP, Group, Manifest, PullRequest
 
-MAX_READER_TP = MAX_TP
-"""Largest decode TP size a claim may announce (its expected readers follow from it)."""
-
 
 def check_reader_tp(manifest: Manifest, reader_tp_size: int) -> None:
     """HoldRequestError (422, ``reader_tp_size``) unless it is a TP size the manifest's units
-    can be split over or replicated to (the ownership rule), at most MAX_READER_TP."""
+    can be split over or replicated to (the ownership rule), at most MAX_TP."""
     tp = reader_tp_size
-    if not (isinstance(tp, int) and 1 <= tp <= MAX_READER_TP):
-        raise HoldRequestError("reader_tp_size", f"must be 1..{MAX_READER_TP}, got {tp!r}")
+    if not (isinstance(tp, int) and 1 <= tp <= MAX_TP):
+        raise HoldRequestError("reader_tp_size", f"must be 1..{MAX_TP}, got {tp!r}")
     for _g, _i, name, _layer, part in iter_parts(manifest):
         ut = part.units_total
         if ut % tp and tp % ut:

@@ -17,8 +17,6 @@ import numpy as np
 from kvxferd.errors import StoreError
 from kvxferd.wire import STORE_KEY_HEX, STORE_KEY_PATTERN
 
-KEY_HEX = STORE_KEY_HEX
-"""Hex digits of a key (a 128-bit blake2b digest)."""
 _KEY_RE = re.compile(STORE_KEY_PATTERN)
 
 
@@ -27,10 +25,10 @@ def chunk_keys(tokens: Sequence[int], chunk_tokens: int, root: bytes = b"") -> l
     if chunk_tokens < 1:
         raise StoreError("chunk_tokens", f"{chunk_tokens} < 1")
     ids = np.asarray(tokens, dtype="<u4")
-    prev = hashlib.blake2b(root, digest_size=KEY_HEX // 2).digest()
+    prev = hashlib.blake2b(root, digest_size=STORE_KEY_HEX // 2).digest()
     keys = []
     for start in range(0, ids.size, chunk_tokens):
-        h = hashlib.blake2b(prev, digest_size=KEY_HEX // 2)
+        h = hashlib.blake2b(prev, digest_size=STORE_KEY_HEX // 2)
         h.update(ids[start : start + chunk_tokens].tobytes())
         prev = h.digest()
         keys.append(prev.hex())
@@ -62,4 +60,4 @@ def check_keys(keys: Sequence[str], num_tokens: int, chunk_tokens: int) -> None:
         )
     for i, key in enumerate(keys):
         if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
-            raise StoreError(f"keys[{i}]", f"not {KEY_HEX} lowercase hex digits")
+            raise StoreError(f"keys[{i}]", f"not {STORE_KEY_HEX} lowercase hex digits")

@@ -41,10 +41,10 @@ from kvxferd.store.canonical import (
     token_map,
 )
 from kvxferd.store.coverage import Plan, plan_sources, unit_runs
-from kvxferd.store.keys import KEY_HEX, check_keys, chunk_spans, window_first_chunk
+from kvxferd.store.keys import check_keys, chunk_spans, window_first_chunk
 from kvxferd.store.pool import BufferPool
 from kvxferd.store.tiers import Cached, DramTier, EntryId, FileTier
-from kvxferd.wire import Manifest
+from kvxferd.wire import STORE_KEY_HEX, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -491,7 +491,7 @@ def max_entry_bytes(fp: str, kind: str, specs: list[PartSpec], tokens: int) -> i
     checks anyway)."""
     widest = (1 << 64) - 1
     header = fmt.Header(
-        key="0" * KEY_HEX, group_fp=fp, kind=kind, chunk=widest, tokens=widest,
+        key="0" * STORE_KEY_HEX, group_fp=fp, kind=kind, chunk=widest, tokens=widest,
         writer_tp_size=widest, writer_tp_rank=widest, writer_block_size=widest,
         writer_kernel_block_size=widest,
         sections=[fmt.Section(widest, p.name, widest, widest, widest, widest) for p in specs],

@@ -134,7 +134,7 @@ class WorkerSide:
         manifest = _shift(manifest, alloc.base - start, mem, device)
         ident = self.client.identity()
         if ident.generation >= 0:
-            self._unregister(ident.generation)
+            self._unregister(ident.generation, ident.max_claim_s)
         resp = self.client.register(manifest, [source])
         self.manifest = manifest
         self.generation = resp.generation
@@ -151,7 +151,7 @@ class WorkerSide:
         self.asleep = True
         try:
             if self.generation >= 0:
-                self._unregister(self.generation)
+                self._unregister(self.generation, self.client.identity().max_claim_s)
         except KvxferdError as exc:  # e.g. the sidecar restarted: nothing is registered there
             log.warning("unregister for sleep failed: %s", exc)
         self.generation = -1
@@ -161,10 +161,11 @@ class WorkerSide:
         self._holds.clear()
         self._close_ipc()
 
-    def _unregister(self, generation: int) -> None:
-        """Unregister, retrying (bounded) while the sidecar refuses because a decode that
-        claimed a hold may still READ this memory: it must not be reused under that READ."""
-        deadline = time.monotonic() + self.client.identity().max_claim_s + _UNREGISTER_SLACK_S
+    def _unregister(self, generation: int, max_claim_s: float) -> None:
+        """Unregister ``generation``, retrying (bounded by the sidecar's longest claim) while it
+        refuses because a decode that claimed a hold may still READ this memory: it must not
+        be reused under that READ."""
+        deadline = time.monotonic() + max_claim_s + _UNREGISTER_SLACK_S
         while True:
             try:
                 return self.client.unregister(generation)

@@ -9,8 +9,10 @@ decode sidecar then tries to pull the aborted hold.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Iterator
 
 import httpx
 import msgspec
@@ -100,15 +102,27 @@ def _pages(views: list[np.ndarray], manifest, block_ids: list[int]) -> list[byte
             for v, r in zip(views, manifest.regions, strict=True) for b in block_ids]  # fmt: skip
 
 
-def test_an_abort_while_a_reader_reads_releases_the_hold_only_after_its_notification(pair):
-    p, d = pair
+@contextlib.contextmanager
+def _claimed(
+    p: Engine, request_id: str, seed: int, claim_s: float
+) -> Iterator[tuple[Ticket, Reader, Handshake]]:
+    """A hold of PIDS (filled with ``seed``'s pattern) that a Reader has handshaken for and
+    claimed for ``claim_s``: (its ticket, the reader, the prefill's handshake); the reader is
+    closed on the way out. The feed is read up to the hold first."""
     p.feed.poll()
-    ticket = p.hold("abort-mid-read", seed=41)
+    ticket = p.hold(request_id, seed=seed)
     reader = Reader()
     try:
         theirs = reader.handshake(p.sidecar.peer)
-        reader.claim(p.sidecar.peer, ticket, 60.0)
+        reader.claim(p.sidecar.peer, ticket, claim_s)
+        yield ticket, reader, theirs
+    finally:
+        reader.close()
 
+
+def test_an_abort_while_a_reader_reads_releases_the_hold_only_after_its_notification(pair):
+    p, d = pair
+    with _claimed(p, "abort-mid-read", 41, 60.0) as (ticket, reader, theirs):
         p.abort(ticket)  # 204 while the reader is between its claim and its READ
         assert p.feed.poll() == []  # not released: the engine must not free the blocks yet
 
@@ -129,8 +143,6 @@ def test_an_abort_while_a_reader_reads_releases_the_hold_only_after_its_notifica
 
         reader.agent.send_notif(theirs.agent_name, ticket.hold_id.encode())
         p.released_once(ticket, "aborted")
-    finally:
-        reader.close()
     wait_no_handles(p.sidecar, d.sidecar)
 
 
@@ -154,20 +166,19 @@ def _unregister(p: Engine) -> None:
         c.unregister(c.identity().generation)
 
 
-def _register_again(p: Engine) -> None:
-    p.register()
-    p.feed.cursor = 0  # a new registration's feed counts from its start
+@contextlib.contextmanager
+def _registered(p: Engine) -> Iterator[None]:
+    """Register the prefill again on the way out (the test unregisters it)."""
+    try:
+        yield
+    finally:
+        p.register()
+        p.feed.cursor = 0  # a new registration's feed counts from its start
 
 
 def test_an_unregister_while_a_reader_may_read_keeps_the_memory_until_its_notification(pair):
     p, d = pair
-    p.feed.poll()
-    ticket = p.hold("unregister-mid-read", seed=44)
-    reader = Reader()
-    try:
-        theirs = reader.handshake(p.sidecar.peer)
-        reader.claim(p.sidecar.peer, ticket, 60.0)
-
+    with _claimed(p, "unregister-mid-read", 44, 60.0) as (ticket, reader, theirs), _registered(p):
         with pytest.raises(MemoryInUseError, match="may still be read by decodes"):
             _unregister(p)  # waits a few seconds for the reader, then refuses: retry
         assert p.feed.poll() == []  # still registered, and the hold's blocks still pinned
@@ -183,25 +194,15 @@ def test_an_unregister_while_a_reader_may_read_keeps_the_memory_until_its_notifi
         reader.agent.send_notif(theirs.agent_name, ticket.hold_id.encode())
         p.released_once(ticket, "unregistered")
         _unregister(p)
-    finally:
-        reader.close()
-        _register_again(p)
     wait_no_handles(p.sidecar, d.sidecar)
 
 
 def test_an_unregister_waits_for_a_claim_to_end_and_then_lets_the_memory_go(pair):
     p, d = pair
-    ticket = p.hold("unregister-claim-ends", seed=45)
-    reader = Reader()
-    try:
-        reader.handshake(p.sidecar.peer)
-        reader.claim(p.sidecar.peer, ticket, 0.5)
+    with _claimed(p, "unregister-claim-ends", 45, 0.5), _registered(p):
         # The reader never notifies; its claim (so any READ of it) ends well inside the wait.
         _unregister(p)
         with p.sidecar.client() as c:
             assert c.identity().generation == -1
-    finally:
-        reader.close()
-        _register_again(p)
     p.feed.poll()
     wait_no_handles(p.sidecar, d.sidecar)
