@@ -83,6 +83,7 @@ class WorkerSide:
         self.model, self.tp_rank, self.tp_size = model, tp_rank, tp_size
         self.conv = conv  # how Mamba/GDN conv states are laid out (None: one shard per rank)
         self.generation = -1
+        self.epoch = -1  # the sidecar's boot epoch at our registration
         self.manifest: Any = None  # what was registered (offsets from the segment start)
         self._pulls: dict[str, _Pull] = {}  # by pull id
         self._registration: tuple[Any, Any, int] | None = None  # what register() was given
@@ -137,7 +138,7 @@ class WorkerSide:
             self._unregister(ident.generation, ident.max_claim_s)
         resp = self.client.register(manifest, [source])
         self.manifest = manifest
-        self.generation = resp.generation
+        self.generation, self.epoch = resp.generation, resp.epoch
         self._cursor = 0  # each registration's released-holds feed counts from the start
         self._stale = True  # a new generation: tickets minted before it can no longer be claimed
 
@@ -343,16 +344,28 @@ class WorkerSide:
         self._refused.add(request_id)
 
     def _recover(self) -> None:
-        """The sidecar answers that no engine is registered (it restarted beside this running
-        engine): register again, give up what the old sidecar held or pulled, and have the
-        scheduler re-read identities (the new sidecar has a new epoch)."""
+        """The sidecar answers that this engine is not registered: if it restarted beside this
+        running engine, or an operator's unregister behind it has ended, register again, give up
+        what the old registration held or pulled, and have the scheduler re-read identities.
+        While that unregister still runs, nothing is given up: a decode may still READ a claimed
+        hold, and a stopping pull's READ may still write (their blocks must not be reused yet)."""
         if self._registration is None or self.asleep:  # asleep: restore() registers
             return
-        log.warning("sidecar lost this engine's registration (restarted?); registering again")
+        try:
+            ident = self.client.identity()
+        except KvxferdError as exc:  # cannot tell what the sidecar has: ask at the next refusal
+            log.warning("sidecar refused this engine and cannot say why: %s", exc)
+            return
+        if (ident.epoch, ident.generation) == (self.epoch, self.generation):
+            log.info("an unregister behind this engine is letting its memory go; waiting")
+            return
+        log.warning("sidecar lost this engine's registration (restarted or unregistered behind "
+                    "it); registering again")  # fmt: skip
         for pull_id in list(self._pulls):
             self._lose(pull_id)
         self._unheld.update(self._holds)
         self._holds.clear()
+        self._unanswered.clear()
         self._cursor = self._pull_cursor = 0
         try:
             self.register(*self._registration)

@@ -5,6 +5,7 @@ scheduler re-reads identities, and a new request moves byte-exact."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
@@ -12,6 +13,7 @@ import msgspec
 import pytest
 
 from kvxferd import pattern
+from kvxferd.errors import MemoryInUseError, NotRegisteredError
 from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.vllm.connector import KvxferdConnector
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
@@ -49,6 +51,19 @@ def _pull(sched: SchedulerSide, decode: Rank, rid: str, params: dict, ids: list[
     sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: [ids]), count)
     done = step_until(decode, sched.take_orders(), 1, 60, f"pull {rid} to end")
     return done, decode.connector.get_block_ids_with_load_errors()
+
+
+def _claim(p_side, params: dict) -> None:  # noqa: ANN001
+    """A slow decode claims the first ticket of ``params`` over the signed peer API, for longer
+    than one unregister waits (5 s), and never READs nor notifies."""
+    ticket = msgspec.convert(params["kvxferd_tickets"][0], Ticket)
+    claim = ClaimRequest(ticket=ticket, reader="slow-decode", reader_tp_size=1, claim_s=8.0)
+    raw = msgspec.json.encode(claim)
+    headers = {"Authorization": sign_request(PeerKeys.of(TOKEN), "POST", "/v1/claims", raw),
+               "Content-Type": "application/json"}  # fmt: skip
+    resp = httpx.post(f"http://{p_side.peer}/v1/claims", content=raw, headers=headers,
+                      timeout=30)  # fmt: skip
+    assert resp.status_code == 200, resp.text
 
 
 def test_sleep_refuses_old_tickets_and_wake_moves_new_requests_byte_exact(engines, tmp_path):
@@ -107,17 +122,52 @@ def test_sleep_waits_for_a_decode_that_claimed_a_hold_before_letting_the_memory_
         sched = _scheduler(p_side)
         params = _finished(sched, "r1", [1, 2, 3])
         assert prefill.step(sched.take_orders()) == (None, None)  # hold placed
-        ticket = msgspec.convert(params["kvxferd_tickets"][0], Ticket)
-        claim = ClaimRequest(ticket=ticket, reader="slow-decode", reader_tp_size=1,
-                             claim_s=8.0)  # longer than one unregister waits (5 s)  # fmt: skip
-        raw = msgspec.json.encode(claim)
-        headers = {"Authorization": sign_request(PeerKeys.of(TOKEN), "POST", "/v1/claims", raw),
-                   "Content-Type": "application/json"}  # fmt: skip
-        resp = httpx.post(f"http://{p_side.peer}/v1/claims", content=raw, headers=headers,
-                          timeout=30)  # fmt: skip
-        assert resp.status_code == 200, resp.text
+        _claim(p_side, params)
 
         prefill.connector.unregister_kv_caches()  # returns once the claim ended
         with p_side.client() as c:
             assert c.identity().generation == -1
         assert prefill.step(StepOrders()) == ({"r1"}, None)  # freed once nobody may read them
+
+
+def test_an_unregister_behind_the_engine_frees_no_block_a_decode_may_still_read(engines, tmp_path):
+    """An operator unregisters the sidecar behind a running engine while a decode holds a claim.
+    While that unregister waits for the READ, the worker's feed calls are refused ("the engine
+    is unregistering"): it keeps the hold's blocks rather than taking the sidecar for restarted.
+    They are freed when the feed releases the hold (its claim ended); a later unregister then
+    succeeds, and the next refused call has the worker register again."""
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    with worker_pair(tmp_path, "LBHNC", engine) as (prefill, _decode, p_side):
+        sched = _scheduler(p_side)
+        params = _finished(sched, "r1", [1, 2, 3])
+        assert prefill.step(sched.take_orders()) == (None, None)  # hold placed
+        _claim(p_side, params)
+
+        def unregister_behind() -> None:
+            with p_side.client() as c:
+                c.unregister(0)
+
+        def leaving() -> bool:
+            with p_side.client() as c:
+                try:
+                    c.released(0)
+                except NotRegisteredError as exc:
+                    return "unregistering" in str(exc)
+            return False
+
+        with ThreadPoolExecutor(1) as pool:
+            behind = pool.submit(unregister_behind)
+            wait_until(leaving, 30, "the operator's unregister to start")
+            assert prefill.step(StepOrders()) == (None, None)  # a decode may still READ them
+            with pytest.raises(MemoryInUseError):  # the claim outlasts the unregister's wait
+                behind.result(timeout=60)
+        assert prefill.step(StepOrders()) == (None, None)  # still claimed
+        sending = wait_until(lambda: prefill.step(StepOrders())[0], 30, "the claim to end")
+        assert sending == {"r1"}
+
+        unregister_behind()  # nothing is claimed now: the memory goes at once
+        _finished(sched, "r2", [4, 5, 6])
+        # Its hold is refused (nothing registered): freed at once, and the worker registers again.
+        assert prefill.step(sched.take_orders()) == ({"r2"}, None)
+        with p_side.client() as c:
+            assert c.identity().generation == 1
