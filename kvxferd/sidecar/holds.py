@@ -42,6 +42,7 @@ import math
 import re
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -73,6 +74,9 @@ logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 REAP_SLICE = 256
+GIVEN_UP_IDS = 4096
+"""Engine-chosen hold ids given up before any hold had them, remembered (newest) so that a
+late hold call with one is refused: the engine freed those blocks when the abort found none."""
 """Holds the reaper releases before it yields the event loop."""
 _HOLD_ID = re.compile(HOLD_ID_PATTERN)
 
@@ -218,6 +222,7 @@ class HoldTable:
         self._by_request: dict[str, str] = {}
         self._deadlines = DeadlineBuckets(reap_resolution_s)
         self._released = ReleasedLog(int(released_log_size), int(released_log_bytes))
+        self._given_up: OrderedDict[str, None] = OrderedDict()  # bounded by GIVEN_UP_IDS
         self._claimed_live = 0
 
     # -- queries ---------------------------------------------------------------------------------
@@ -250,8 +255,9 @@ class HoldTable:
         return hold
 
     def was_released(self, hold_id: str) -> bool:
-        """Whether ``hold_id`` was released recently enough to be remembered."""
-        return self._released.get(hold_id) is not None
+        """Whether ``hold_id`` was released (or given up before it was placed) recently enough
+        to be remembered: no hold will have it."""
+        return self._released.get(hold_id) is not None or hold_id in self._given_up
 
     def find_request(self, request_id: str) -> Hold | None:
         """The live hold of an engine request id, if any."""
@@ -296,6 +302,8 @@ class HoldTable:
         hold_id = request.hold_id
         if hold_id and (hold_id in self._holds or self._released.get(hold_id) is not None):
             raise DuplicateHoldError("hold_id", f"{hold_id!r} is already (or was) a hold here")
+        if hold_id in self._given_up:  # a call that arrived after its engine's abort
+            raise DuplicateHoldError("hold_id", f"{hold_id!r} was given up before it was placed")
         if len(self._holds) >= self.max_holds:
             self.reap(now, REAP_SLICE)  # expired ones the reaper has not reached yet go first
             if len(self._holds) >= self.max_holds:
@@ -432,14 +440,21 @@ class HoldTable:
     ) -> ReleasedHold | None:
         """Give a hold up at the engine's request (``reason``: ``aborted``, or ``unregistered``
         when its memory goes): its release record (``reason``, or ``expired`` if it was), or None
-        when readers that claimed it may still be reading.
+        when readers that claimed it may still be reading. An id no hold has yet is remembered
+        as given up (a hold call with it that arrives later is refused) and UnknownHoldError.
 
         Such a hold takes no new claim and no heartbeat from now on; it is released for
         ``reason`` when the last of its claimed readers notifies, else as ``expired`` when the
         last claim ends (that bounds every READ). Giving it up again changes nothing.
         """
         now = self._now(now)
-        hold = self.get(hold_id)
+        hold = self._holds.get(hold_id)
+        if hold is None:
+            if self._released.get(hold_id) is None and _HOLD_ID.fullmatch(hold_id):
+                self._given_up[hold_id] = None  # a hold call still on its way is refused
+                while len(self._given_up) > GIVEN_UP_IDS:
+                    self._given_up.popitem(last=False)
+            raise UnknownHoldError(self._unknown_detail(hold_id))
         if self._expire_if_due(hold, now):
             record = self._released.get(hold_id)
             assert record is not None  # just appended
@@ -527,6 +542,8 @@ class HoldTable:
         record = self._released.get(hold_id)
         if record is not None:
             return f"hold_id {hold_id!r}: already released ({record.reason})"
+        if hold_id in self._given_up:
+            return f"hold_id {hold_id!r}: no such hold (given up by its engine before placed)"
         return f"hold_id {hold_id!r}: no such hold"
 
     def _expire_if_due(self, hold: Hold, now: float) -> bool:

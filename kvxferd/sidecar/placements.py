@@ -22,7 +22,8 @@ class Placements:
         return len(self._waiting)
 
     def placed(self, hold_id: str) -> None:
-        """The hold ``hold_id`` is live now: wake the claims waiting for it."""
+        """The hold ``hold_id`` is live now (or will never be: its engine gave it up): wake the
+        claims waiting for it."""
         entry = self._waiting.get(hold_id)
         if entry is not None:
             entry[0].set()

@@ -326,7 +326,10 @@ class Sidecar:
         """Give up a hold: released now, or, while a reader that claimed it may be reading,
         once its readers are done (``HoldTable.abort``); the released feed says when."""
         holds, _ = self._require_engine()
-        holds.abort(req.hold_id)
+        try:
+            holds.abort(req.hold_id)
+        finally:  # an id no hold has is never placed now: a claim waiting for it ends at once
+            self._placements.placed(req.hold_id)
         self._after_release()
 
     async def start_pull(self, req: PullRequest) -> PullAccepted:

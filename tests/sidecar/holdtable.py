@@ -34,10 +34,11 @@ def table(clock=None, **kw):
     return HoldTable(manifest(), clock=clock or FakeClock(), **kw)
 
 
-def req(request_id="r1", block_ids=None, lease_s=None, num_tokens=32):
+def req(request_id="r1", block_ids=None, lease_s=None, num_tokens=32, hold_id=""):
     return HoldRequest(
         request_id=request_id,
         block_ids=[[1, 2], [3]] if block_ids is None else block_ids,
         num_tokens=num_tokens,
         lease_s=lease_s,
+        hold_id=hold_id,
     )

@@ -23,7 +23,7 @@ from kvxferd.errors import (
     HoldRequestError,
     UnknownHoldError,
 )
-from kvxferd.sidecar.holds import HoldTable, NotifyOutcome
+from kvxferd.sidecar.holds import GIVEN_UP_IDS, HoldTable, NotifyOutcome
 from kvxferd.sidecar.states import HoldState
 from kvxferd.wire import HOLD_SPARE_BLOCKS, MAX_TOKENS
 from tests.sidecar.holdtable import NUM_BLOCKS, RES, FakeClock, manifest, req, table
@@ -306,6 +306,25 @@ def test_abort():
     clock.t = 2.0
     assert t.abort(b.hold_id).reason == "expired"  # its lease had already ended
     assert {k: v for k, v in t.counters.released.items() if v} == {"expired": 1, "aborted": 1}
+
+
+def test_a_hold_call_that_arrives_after_its_engines_abort_is_refused():
+    """An engine whose hold call got no answer aborts the id it chose; when no hold has it, the
+    engine frees those blocks at once. The hold call may still be on its way: it must not
+    place a hold a decode could claim over freed blocks. The memory of such ids is bounded."""
+    t = table()
+    with pytest.raises(UnknownHoldError, match="given up by its engine before placed"):
+        t.abort("late-1")
+    assert t.was_released("late-1")  # a claim waiting for it stops waiting
+    with pytest.raises(DuplicateHoldError, match="given up before it was placed") as err:
+        t.hold(req("a", hold_id="late-1"))
+    assert err.value.field == "hold_id" and len(t) == 0
+    for i in range(GIVEN_UP_IDS):
+        with pytest.raises(UnknownHoldError):
+            t.abort(f"other-{i}")
+    assert t.hold(req("a", hold_id="late-1")).hold_id == "late-1"  # the oldest is forgotten
+    with pytest.raises(UnknownHoldError, match="no such hold$"):
+        t.abort("not an id!")  # never a hold id: nothing to remember
 
 
 def test_an_abort_of_a_claimed_hold_waits_for_its_reader_and_refuses_new_ones():
