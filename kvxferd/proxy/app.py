@@ -14,9 +14,11 @@ When the decode call fails or is refused, the prefill is told (``POST /v1/kv/rel
 ``kv_transfer_params`` it returned, best effort, in the background) so it frees the blocks it
 holds for that decode now, not at lease expiry; a server without that route just answers 404.
 So is it when the client goes away after the prefill answered but before a byte of the decode
-request went out (the decode's connection still opening). Once the decode may have the request
-it is left to the decode, which reads the hold or declines it: a kvxferd prefill's release
-aborts the hold, which a decode that has not claimed it yet can then no longer read.
+request went out (the decode's connection still opening, or a kept one that failed its write
+being replaced), or while the prefill's answer is still coming (it is read to its end in the
+background, same bounds, for the tickets it carries). Once the decode may have the request it is
+left to the decode, which reads the hold or declines it: a kvxferd prefill's release aborts the
+hold, which a decode that has not claimed it yet can then no longer read.
 """
 
 from __future__ import annotations
@@ -162,6 +164,51 @@ def proxy_app(
             method, target, content=content, headers=out, extensions={"timeout": timeouts}
         )
 
+    def in_background(work: Coroutine[Any, Any, None]) -> None:
+        """Run a release without the client's answer waiting for it (shutdown waits, bounded)."""
+        task = asyncio.create_task(work)
+        releases.add(task)
+        task.add_done_callback(releases.discard)
+
+    async def release(
+        client: httpx.AsyncBaseTransport, prefill: Backend, params: Any, headers: dict[str, bytes]
+    ) -> None:
+        """Ask ``prefill`` to free what it holds under ``params``: no decode will read it."""
+        ask = backend_request("POST", prefill.url + RELEASE_PATH,
+                              {"kv_transfer_params": params}, headers)  # fmt: skip
+        await _release(client, ask, prefill, first_byte, idle, limit)
+
+    async def prefill_answer(
+        client: httpx.AsyncBaseTransport, prefill: Backend, request: httpx.Request,
+        headers: dict[str, bytes],
+    ) -> tuple[httpx.Response, bytes]:  # fmt: skip
+        """The prefill's answer, read whole. Once its head came the prefill holds KV named in
+        the body: a client gone while the body comes leaves it read on (within the same bounds)
+        and what it names released."""
+        resp = await _send(client, request, first_byte)
+        reading = asyncio.ensure_future(_read_all(resp, idle, limit))
+        try:
+            return resp, await asyncio.shield(reading)
+        except asyncio.CancelledError:
+            if settings.release_on_failure:
+                in_background(release_when_read(client, prefill, resp, reading, headers))
+            else:
+                reading.cancel()
+            raise
+
+    async def release_when_read(
+        client: httpx.AsyncBaseTransport, prefill: Backend, resp: httpx.Response,
+        reading: asyncio.Future[bytes], headers: dict[str, bytes],
+    ) -> None:  # fmt: skip
+        """Release what a prefill's answer names once it has been read (nothing if it fails)."""
+        try:
+            content = await reading
+            params = _transfer_params(content) if resp.status_code < 400 else None
+        except (*_BACKEND_ERRORS, ValueError):
+            return
+        if isinstance(params, dict):
+            await release(client, prefill, params, headers)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         def make() -> httpx.AsyncBaseTransport:
@@ -212,9 +259,9 @@ def proxy_app(
 
         prefill = prefills.next()
         try:
-            p_resp, p_content = await _call(client, backend_request(
+            p_resp, p_content = await prefill_answer(client, prefill, backend_request(
                 "POST", prefill.url + path, prefill_body(body, chat), headers
-            ), first_byte, idle, limit)  # fmt: skip
+            ), headers)  # fmt: skip
         except _BACKEND_ERRORS as exc:
             log.warning("request %s: prefill %s failed: %s", request_id, prefill.url,
                         describe_failure(exc))  # fmt: skip
@@ -222,23 +269,18 @@ def proxy_app(
         if p_resp.status_code >= 400:
             return _passthrough(p_resp.status_code, p_content, p_resp.headers, request_id)
         try:
-            params = json.loads(p_content, parse_constant=_no_constant).get("kv_transfer_params")
-        except (ValueError, AttributeError, RecursionError):
+            params = _transfer_params(p_content)
+        except ValueError:
             return bad_backend_reply(prefill, "answered a body that is not a JSON object")
         if not isinstance(params, dict):
             return bad_backend_reply(
                 prefill, "answered without kv_transfer_params (is its KV connector configured?)"
             )
 
-        def release() -> None:
-            """The decode will not read what the prefill holds: tell the prefill, in the
-            background (the client's answer does not wait for it)."""
+        def release_hold() -> None:
+            """The decode will not read what the prefill holds: tell the prefill."""
             if settings.release_on_failure:
-                body = {"kv_transfer_params": params}
-                ask = backend_request("POST", prefill.url + RELEASE_PATH, body, headers)
-                task = asyncio.create_task(_release(client, ask, prefill, first_byte, idle, limit))
-                releases.add(task)
-                task.add_done_callback(releases.discard)
+                in_background(release(client, prefill, params, headers))
 
         decode = decodes.next()
         d_body = dict(body)
@@ -250,23 +292,23 @@ def proxy_app(
         except _BACKEND_ERRORS as exc:
             log.warning("request %s: decode %s failed: %s", request_id, decode.url,
                         describe_failure(exc))  # fmt: skip
-            release()
+            release_hold()
             return unreachable(decode, exc, wait)
         except asyncio.CancelledError:  # the client has gone (_unless_gone)
             if d_req.extensions.get(UNSENT) is True:  # no decode will claim what the prefill holds
-                release()
+                release_hold()
             raise
         media = d_resp.headers.get("content-type", "application/json")
         if d_resp.status_code >= 400 or not media.startswith(_SSE):
             try:
                 content = await _read(d_resp, idle, limit)
             except _BACKEND_ERRORS as exc:
-                release()
+                release_hold()
                 return unreachable(decode, exc, idle)
             finally:
                 await d_resp.aclose()
             if d_resp.status_code >= 400:
-                release()
+                release_hold()
             return _passthrough(d_resp.status_code, content, d_resp.headers, request_id)
         return StreamingResponse(
             _stream(d_resp, decode, request_id, idle),
@@ -368,10 +410,7 @@ async def _call(
     ``limit`` bytes) with at most ``idle`` seconds between chunks. The (closed) response and its
     decoded body."""
     resp = await _send(client, request, first_byte)
-    try:
-        return resp, await _read(resp, idle, limit)
-    finally:
-        await resp.aclose()
+    return resp, await _read_all(resp, idle, limit)
 
 
 async def _send(
@@ -397,6 +436,23 @@ async def _read(resp: httpx.Response, idle: float, limit: int) -> bytes:
             raise AnswerTooLarge(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _read_all(resp: httpx.Response, idle: float, limit: int) -> bytes:
+    """``_read``, then the response closed (whatever the outcome)."""
+    try:
+        return await _read(resp, idle, limit)
+    finally:
+        await resp.aclose()
+
+
+def _transfer_params(content: bytes) -> Any:
+    """The ``kv_transfer_params`` of a prefill's answer (None if it has none); ValueError when
+    the answer is not a JSON object."""
+    try:
+        return json.loads(content, parse_constant=_no_constant).get("kv_transfer_params")
+    except (AttributeError, RecursionError) as exc:
+        raise ValueError("not a JSON object") from exc
 
 
 async def _chunks(resp: httpx.Response, idle: float) -> AsyncIterator[bytes]:

@@ -39,8 +39,9 @@ _BAD_TARGET = re.compile(rb"[\x00-\x20\x7f]")
 _IDEMPOTENT = frozenset({"GET", "HEAD"})
 """Methods the proxy sends that a backend may see twice (its probes); never its POSTs."""
 UNSENT = "kvxferd.unsent"
-"""Request extension KeptTransport sets: True until a byte of the request may have gone to the
-backend (another transport leaves it unset: nothing is known)."""
+"""Request extension KeptTransport sets: True while the backend cannot have the request: until a
+byte of it may have gone out, and again while a kept connection whose write failed is replaced
+(another transport leaves it unset: nothing is known)."""
 
 Origin = tuple[str, str, int]
 
@@ -233,6 +234,7 @@ class KeptTransport(httpx.AsyncBaseTransport):
             except (BrokenPipeError, ConnectionResetError) as exc:
                 # The write did not complete (below the buffer's high-water mark a completed
                 # one returns at once): at most part of the request went out, never acted on.
+                request.extensions[UNSENT] = True
                 raise _Stale("connection closed before the request", request=request) from exc
             while not answer.head_done:
                 data = await conn.reader.read(_READ)

@@ -68,6 +68,9 @@ class FakeBackend:
     encoder would never write: NaN, a lone surrogate, deep nesting)."""
     pad_bytes: int = 0
     """A JSON completion answer carries a ``pad`` field this many bytes long."""
+    cut_body: threading.Event | None = None
+    """A prefill's answer goes out in two parts: its head and the body's first byte, then (once
+    this event is set) the rest, kv_transfer_params included."""
 
     def completion_text(self, body: dict[str, Any]) -> str:
         params = body.get("kv_transfer_params") or {}
@@ -116,6 +119,8 @@ def fake_app(fake: FakeBackend) -> FastAPI:
             answer = Response(raw + b"}", media_type="application/json")
         if fake.set_cookie:
             answer.headers["set-cookie"] = fake.set_cookie
+        if fake.cut_body is not None:
+            return StreamingResponse(_cut(answer.body, fake.cut_body), media_type=answer.media_type)
         return answer
 
     @app.post("/v1/completions")
@@ -171,6 +176,13 @@ def sse_events(name: str, text: str, chat: bool) -> list[bytes]:
     return out
 
 
+async def _cut(content: bytes, until: threading.Event) -> AsyncIterator[bytes]:
+    yield content[:1]
+    while not until.is_set():
+        await asyncio.sleep(0.01)
+    yield content[1:]
+
+
 async def _sse(
     name: str, text: str, chat: bool, gap_s: float = 0.0, stall: threading.Event | None = None
 ) -> AsyncIterator[bytes]:
@@ -222,21 +234,53 @@ def free_port() -> int:
 
 
 class UnopenedDecode(KeptTransport):
-    """The proxy's transport, except that a connection to ``port`` never opens (a decode whose
-    accept queue is full, a lost SYN): ``connecting`` is set once one is being opened, and the
-    attempt waits until it is cancelled."""
+    """The proxy's transport, except that a connection to ``port`` never opens once ``opens`` have
+    (a decode whose accept queue is full, a lost SYN): ``connecting`` is set once one is being
+    opened, and the attempt waits until it is cancelled. With ``break_kept`` a kept connection to
+    ``port`` is handed out broken (reset while idle, unseen until written to: its write fails),
+    counted in ``broken``."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, opens: int = 0, break_kept: bool = False) -> None:
         super().__init__(ssl_context())
         self.port = port
+        self.opens = opens
+        self.break_kept = break_kept
+        self.broken = 0
         self.connecting = threading.Event()
+
+    def _take(self, origin: Any) -> Any:
+        conn = super()._take(origin)
+        if conn is not None and origin[2] == self.port and self.break_kept:
+            fd = conn.writer.get_extra_info("socket").fileno()
+            with socket.socket(fileno=os.dup(fd)) as sock:  # uvloop's own refuses shutdown()
+                sock.shutdown(socket.SHUT_WR)
+            self.broken += 1
+        return conn
 
     async def _open(self, origin: Any, request: httpx.Request, timeout: float | None) -> Any:
         if origin[2] != self.port:
             return await super()._open(origin, request, timeout)
+        if self.opens > 0:
+            self.opens -= 1
+            return await super()._open(origin, request, timeout)
         self.connecting.set()
         await asyncio.Future()  # never done: only a cancellation ends it
         raise AssertionError("unreachable")
+
+
+class HeadWatch(KeptTransport):
+    """The proxy's transport, setting ``headed`` once an answer's head from ``port`` arrived."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(ssl_context())
+        self.port = port
+        self.headed = threading.Event()
+
+    async def _exchange(self, origin: Any, *args: Any) -> httpx.Response:
+        resp = await super()._exchange(origin, *args)
+        if origin[2] == self.port:
+            self.headed.set()
+        return resp
 
 
 READY_TIMEOUT_S = 60.0

@@ -7,15 +7,18 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
 
 from kvxferd.proxy import ProxySettings, proxy_app
 from kvxferd.proxy.app import KV_TRANSFER_STUB
 from tests.proxy.fakes import (
     FakeBackend,
+    HeadWatch,
     Served,
     UnopenedDecode,
     fake_app,
@@ -36,7 +39,8 @@ class Rig:
     decodes: list[FakeBackend]
     proxy: Served
     backends: list[Served]
-    transport: UnopenedDecode | None = None
+    app: FastAPI
+    transport: Any = None
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.proxy.url, timeout=CLIENT_TIMEOUT_S)
@@ -51,7 +55,7 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
         n_decode: int = 1,
         timeout_s: float = 10.0,
         extra_prefill: str = "",
-        unopened_decode: bool = False,
+        transport: Callable[[int, int], Any] | None = None,
         **phases: float,
     ) -> Rig:
         prefills = [FakeBackend(f"P{i}", "prefill") for i in range(n_prefill)]
@@ -61,10 +65,11 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
         p_urls = [b.url for b in backends[:n_prefill]] + ([extra_prefill] if extra_prefill else [])
         d_urls = [b.url for b in backends[n_prefill:]]
         settings = ProxySettings(tuple(p_urls), tuple(d_urls), timeout_s, **phases)  # type: ignore[arg-type]
-        transport = UnopenedDecode(backends[n_prefill].port) if unopened_decode else None
-        proxy = serve_app(proxy_app(settings, transport))
+        made = transport(backends[0].port, backends[n_prefill].port) if transport else None
+        app = proxy_app(settings, made)
+        proxy = serve_app(app)
         started.append(proxy)
-        return Rig(prefills, decodes, proxy, backends, transport)
+        return Rig(prefills, decodes, proxy, backends, app, made)
 
     yield make
     for served in started:
@@ -528,18 +533,58 @@ def test_a_client_gone_before_the_decode_had_the_request_makes_the_proxy_release
     make_rig,
 ) -> None:
     """Nobody will claim the hold then, and the prefill would pin it until its lease ended."""
-    rig = make_rig(timeout_s=120.0, unopened_decode=True)  # far past the waits below
+    rig = make_rig(timeout_s=120.0, transport=lambda p, d: UnopenedDecode(d))  # far past waits
+    _hang_up_when(rig, rig.transport.connecting, "the decode's connection opening")
+    _assert_released_what_the_prefill_answered(rig)
+    assert rig.decodes[0].seen == []
+
+
+def test_a_client_gone_while_a_kept_decode_connection_is_replaced_makes_the_proxy_release(
+    make_rig,
+) -> None:
+    """A kept connection whose write failed never carried the request: until its replacement
+    opens, the decode cannot have it, so the client leaving then leaves the hold to nobody."""
+
+    def transport(prefill: int, decode: int) -> UnopenedDecode:
+        return UnopenedDecode(decode, opens=1, break_kept=True)
+
+    rig = make_rig(timeout_s=120.0, transport=transport)
+    with rig.client() as c:  # leaves a kept connection to the decode
+        assert c.post("/v1/completions", json=completion()).status_code == 200
+    _hang_up_when(rig, rig.transport.connecting, "the decode's connection reopening")
+    assert rig.transport.broken == 1  # the kept connection's write failed
+    _assert_released_what_the_prefill_answered(rig)
+    assert len(rig.decodes[0].seen) == 1  # the first request only
+
+
+def test_a_client_gone_while_the_prefill_answer_comes_makes_the_proxy_release(make_rig) -> None:
+    """The prefill holds KV once it answers, but the tickets come in the answer's body: the
+    proxy reads it to its end (within its bounds) after the client left, then releases."""
+    rig = make_rig(timeout_s=120.0, transport=lambda p, d: HeadWatch(p))
+    rig.prefills[0].cut_body = cut = threading.Event()
+    try:
+        _hang_up_when(rig, rig.transport.headed, "the prefill's answer head")
+        wait_until(lambda: rig.app.state.clients.busy() == 0, 30.0, "the proxy seeing it gone")
+    finally:
+        cut.set()
+    _assert_released_what_the_prefill_answered(rig)
+    assert rig.decodes[0].seen == []
+
+
+def _hang_up_when(rig: Rig, event: threading.Event, what: str) -> None:
+    """Send a completion over a raw socket and close it once ``event`` is set (bounded)."""
     body = json.dumps(completion()).encode()
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
     with socket.create_connection(("127.0.0.1", rig.proxy.port), timeout=30) as sock:
         sock.sendall(head + body)
-        assert rig.transport is not None
-        wait_until(rig.transport.connecting.is_set, 30.0, "the decode's connection opening")
+        wait_until(event.is_set, 30.0, what)
+
+
+def _assert_released_what_the_prefill_answered(rig: Rig) -> None:
     [released] = _wait_release(rig)
-    [prefilled] = [s for s in rig.prefills[0].seen if s.path == "/v1/completions"]
+    prefilled = [s for s in rig.prefills[0].seen if s.path == "/v1/completions"][-1]
     assert released["kv_transfer_params"]["remote_engine_id"] == "P0"  # what the prefill answered
     assert released["kv_transfer_params"]["remote_request_id"] == prefilled.headers["x-request-id"]
-    assert rig.decodes[0].seen == []
 
 
 def test_a_served_decode_releases_nothing(make_rig) -> None:
