@@ -24,7 +24,7 @@ from kvxferd.errors import (
     UnknownHoldError,
 )
 from kvxferd.memory import CudaIpcRegion
-from kvxferd.sidecar.reads import SETTLE_S
+from kvxferd.sidecar.reads import QUARANTINE_S, SETTLE_S
 from kvxferd.vllm.manifest import ConvGeometry, backing_allocation, vllm_manifest
 from kvxferd.vllm.scheduler import StepOrders
 from kvxferd.vllm.storeio import StoreCalls
@@ -43,7 +43,8 @@ _MAX_PAGES = 64  # feed pages read per step (each bounded by the sidecar); the r
 _PULL_SLACK_S = SETTLE_S + 5.0  # past its deadline, a pull the feed never reported was lost
 _UNREGISTER_SLACK_S = 10.0
 """Sleep and re-registration retry an unregister the sidecar refuses because a decode may still
-READ the memory (or a READ write it) for the sidecar's longest claim plus this."""
+READ the memory (or a READ write it) for the sidecar's longest claim, or the longest an unsettled
+READ stays quarantined if that is longer, plus this."""
 
 
 @dataclass
@@ -163,10 +164,11 @@ class WorkerSide:
         self._close_ipc()
 
     def _unregister(self, generation: int, max_claim_s: float) -> None:
-        """Unregister ``generation``, retrying (bounded by the sidecar's longest claim) while it
-        refuses because a decode that claimed a hold may still READ this memory: it must not
-        be reused under that READ."""
-        deadline = time.monotonic() + max_claim_s + _UNREGISTER_SLACK_S
+        """Unregister ``generation``, retrying (bounded by the sidecar's longest claim, or the
+        longest an unsettled READ is quarantined) while it refuses because a decode that claimed
+        a hold may still READ this memory, or a READ may still write it: it must not be reused
+        under that READ."""
+        deadline = time.monotonic() + max(max_claim_s, QUARANTINE_S) + _UNREGISTER_SLACK_S
         while True:
             try:
                 return self.client.unregister(generation)

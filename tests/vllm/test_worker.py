@@ -2,7 +2,8 @@
 MAX_TICKETS_PER_CALL tickets (the sidecar refuses a longer list), every ticket once, in order,
 and a call that fails does not keep the others from being sent. Its holds: one placed without an
 answer (it may be live, and claimed by a decode reading it) is aborted, and its blocks are freed
-only when the released feed says so, or at once when the sidecar does not know it."""
+only when the released feed says so, or at once when the sidecar does not know it. Its
+unregister: retried while refused for as long as a READ may still touch the memory."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import msgspec
 import pytest
 
 from kvxferd.client import SidecarError, SidecarUnreachableError
-from kvxferd.errors import HandshakeError, KvxferdError, UnknownHoldError
+from kvxferd.errors import HandshakeError, KvxferdError, MemoryInUseError, UnknownHoldError
+from kvxferd.sidecar.reads import QUARANTINE_S
 from kvxferd.vllm.scheduler import Decline, HoldOrder, StepOrders
+from kvxferd.vllm import worker as worker_module
 from kvxferd.vllm.worker import WorkerSide
 from kvxferd.wire import (
     MAX_TICKETS_PER_CALL,
@@ -144,3 +147,50 @@ def test_a_hold_the_sidecar_refused_is_freed_at_once_without_an_abort():
     worker = _placed_unanswered(sidecar)
     assert worker.finished() == ({"r1"}, None)
     assert sidecar.aborted == []
+
+
+class _Clock:
+    """Stands in for the worker's ``time``: sleeping moves it on."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class _Unsettled:
+    """Refuses an unregister while a READ stays unsettled: until ``clock`` reaches ``until``."""
+
+    def __init__(self, clock: _Clock, until: float) -> None:
+        self.clock, self.until, self.calls = clock, until, 0
+
+    def unregister(self, generation: int) -> None:
+        self.calls += 1
+        if self.clock.now < self.until:
+            raise MemoryInUseError("unregister: 1 READs still unsettled may write this memory")
+
+
+@pytest.mark.parametrize("accepted", [True, False], ids=["settles", "never"])
+def test_an_unregister_refused_for_an_unsettled_read_is_retried_as_long_as_it_may_write(
+    monkeypatch, accepted
+):
+    """A READ that could not be confirmed stopped stays quarantined (may still write) for up to
+    QUARANTINE_S, longer than any claim: sleep retries that long before it lets memory go."""
+    clock = _Clock()
+    monkeypatch.setattr(worker_module, "time", clock)
+    until = QUARANTINE_S - 1.0 if accepted else float("inf")
+    sidecar = _Unsettled(clock, until)
+    worker = WorkerSide("/nonexistent/kvxferd.sock", model="m", tp_rank=0, tp_size=1)
+    worker.client = sidecar  # type: ignore[assignment]
+    if accepted:
+        worker._unregister(0, max_claim_s=120.0)
+        assert clock.now >= until
+    else:
+        with pytest.raises(MemoryInUseError):
+            worker._unregister(0, max_claim_s=120.0)
+        assert QUARANTINE_S <= clock.now <= QUARANTINE_S + 60.0  # bounded all the same
+    assert sidecar.calls > 1
