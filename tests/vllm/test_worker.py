@@ -13,8 +13,8 @@ import pytest
 from kvxferd.client import SidecarError, SidecarUnreachableError
 from kvxferd.errors import HandshakeError, KvxferdError, MemoryInUseError, UnknownHoldError
 from kvxferd.sidecar.reads import QUARANTINE_S
-from kvxferd.vllm.scheduler import Decline, HoldOrder, StepOrders
 from kvxferd.vllm import worker as worker_module
+from kvxferd.vllm.scheduler import Decline, HoldOrder, StepOrders
 from kvxferd.vllm.worker import WorkerSide
 from kvxferd.wire import (
     MAX_TICKETS_PER_CALL,
