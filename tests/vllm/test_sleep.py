@@ -5,6 +5,7 @@ scheduler re-reads identities, and a new request moves byte-exact."""
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -66,6 +67,19 @@ def _claim(p_side, params: dict) -> None:  # noqa: ANN001
     assert resp.status_code == 200, resp.text
 
 
+@contextlib.contextmanager
+def _claimed_hold(engines, tmp_path):  # noqa: ANN001
+    """A prefill rank beside its sidecar whose request "r1" is held on blocks 1-3, the hold
+    claimed by a slow decode: (prefill, its sidecar, its scheduler side)."""
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    with worker_pair(tmp_path, "LBHNC", engine) as (prefill, _decode, p_side):
+        sched = _scheduler(p_side)
+        params = _finished(sched, "r1", [1, 2, 3])
+        assert prefill.step(sched.take_orders()) == (None, None)  # hold placed
+        _claim(p_side, params)
+        yield prefill, p_side, sched
+
+
 def test_sleep_refuses_old_tickets_and_wake_moves_new_requests_byte_exact(engines, tmp_path):
     assert KvxferdConnector.supports_sleep_mode(None)
     engine = engines("dense", "LBHNC", num_blocks=24)
@@ -117,13 +131,7 @@ def test_sleep_waits_for_a_decode_that_claimed_a_hold_before_letting_the_memory_
 ):
     """A decode that claimed a hold may still READ it: the sidecar keeps the memory (and the
     hold) until its claim ends, and sleep waits for that (bounded) rather than going on."""
-    engine = engines("dense", "LBHNC", num_blocks=24)
-    with worker_pair(tmp_path, "LBHNC", engine) as (prefill, _decode, p_side):
-        sched = _scheduler(p_side)
-        params = _finished(sched, "r1", [1, 2, 3])
-        assert prefill.step(sched.take_orders()) == (None, None)  # hold placed
-        _claim(p_side, params)
-
+    with _claimed_hold(engines, tmp_path) as (prefill, p_side, sched):
         prefill.connector.unregister_kv_caches()  # returns once the claim ended
         with p_side.client() as c:
             assert c.identity().generation == -1
@@ -136,12 +144,7 @@ def test_an_unregister_behind_the_engine_frees_no_block_a_decode_may_still_read(
     is unregistering"): it keeps the hold's blocks rather than taking the sidecar for restarted.
     They are freed when the feed releases the hold (its claim ended); a later unregister then
     succeeds, and the next refused call has the worker register again."""
-    engine = engines("dense", "LBHNC", num_blocks=24)
-    with worker_pair(tmp_path, "LBHNC", engine) as (prefill, _decode, p_side):
-        sched = _scheduler(p_side)
-        params = _finished(sched, "r1", [1, 2, 3])
-        assert prefill.step(sched.take_orders()) == (None, None)  # hold placed
-        _claim(p_side, params)
+    with _claimed_hold(engines, tmp_path) as (prefill, p_side, sched):
 
         def unregister_behind() -> None:
             with p_side.client() as c:
