@@ -62,8 +62,10 @@ class StoreLookupRequest(_Strict, kw_only=True):
 
     keys: list[StoreKey]
     """Chunk keys of the prompt."""
-    num_tokens: int
-    """Prompt tokens the keys cover."""
+    num_tokens: Annotated[
+        int, msgspec.Meta(extra_json_schema={"minimum": 0, "maximum": MAX_TOKENS})
+    ]
+    """Prompt tokens the keys cover (0..MAX_TOKENS, else a 422 naming it)."""
 
 
 class StoreLookup(_Strict, kw_only=True):
