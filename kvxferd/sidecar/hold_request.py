@@ -1,20 +1,28 @@
 """The block ids of a hold request, checked before the hold table keeps them: one list per group,
 no longer than the request's tokens span (plus lookahead spare), ids in range, no repeats but of
-the null block. Store saves and loads share the length rule (``check_id_lists``). Pure functions;
-the pull's counterpart is :mod:`kvxferd.sidecar.pull_request`."""
+the null block. Store calls share the token count's range (``check_num_tokens``) and saves and
+loads the length rule (``check_id_lists``). Pure functions; the pull's counterpart is
+:mod:`kvxferd.sidecar.pull_request`."""
 
 from __future__ import annotations
 
-from collections.abc import Sized
+from collections.abc import Callable, Sized
 
 import numpy as np
 
 from kvxferd.descriptors.geometry import check_block_ids
-from kvxferd.errors import BlockIdError
-from kvxferd.wire import HOLD_SPARE_BLOCKS
+from kvxferd.errors import BlockIdError, KvxferdError
+from kvxferd.wire import HOLD_SPARE_BLOCKS, MAX_TOKENS
 
 NULL_BLOCK = 0
 """vLLM's null block: a placeholder in block lists, never data (it may repeat)."""
+
+
+def check_num_tokens(num_tokens: int, error: Callable[[str, str], KvxferdError]) -> None:
+    """``num_tokens`` lies in 0..MAX_TOKENS, else ``error("num_tokens", why)`` is raised (each
+    caller keeps its own error type: HoldRequestError for holds, StoreError for store calls)."""
+    if not 0 <= num_tokens <= MAX_TOKENS:
+        raise error("num_tokens", f"must be 0..{MAX_TOKENS}, got {num_tokens}")
 
 
 def most_hold_ids(block_size: int, num_tokens: int) -> int:

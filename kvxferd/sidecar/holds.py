@@ -57,12 +57,11 @@ from kvxferd.errors import (
     UnknownHoldError,
 )
 from kvxferd.sidecar.deadlines import DeadlineBuckets
-from kvxferd.sidecar.hold_request import check_hold_ids
+from kvxferd.sidecar.hold_request import check_hold_ids, check_num_tokens
 from kvxferd.sidecar.released import ReleasedLog
 from kvxferd.sidecar.states import HoldState, advance
 from kvxferd.wire import (
     HOLD_ID_PATTERN,
-    MAX_TOKENS,
     HoldReleaseReason,
     HoldRequest,
     Manifest,
@@ -286,10 +285,7 @@ class HoldTable:
         now = self._now(now)
         if request.hold_id and not _HOLD_ID.fullmatch(request.hold_id):
             raise HoldRequestError("hold_id", "1-128 characters of A-Z a-z 0-9 . _ : -")
-        if not 0 <= request.num_tokens <= MAX_TOKENS:
-            raise HoldRequestError(
-                "num_tokens", f"must be 0..{MAX_TOKENS}, got {request.num_tokens}"
-            )
+        check_num_tokens(request.num_tokens, HoldRequestError)
         check_hold_ids(self.num_blocks, self.block_sizes, request.num_tokens, request.block_ids)
         lease = self.default_lease_s
         if request.lease_s is not None:

@@ -22,11 +22,10 @@ import numpy as np
 from kvxferd.config import Config
 from kvxferd.errors import ConfigError, PullError, SegmentTooSmallError, StoreError
 from kvxferd.metrics import STORE_TIERS, Metrics
-from kvxferd.sidecar.hold_request import check_id_lists
+from kvxferd.sidecar.hold_request import check_id_lists, check_num_tokens
 from kvxferd.store import Store
 from kvxferd.store.tiers import TierStats
 from kvxferd.wire import (
-    MAX_TOKENS,
     Manifest,
     StoreLoadRequest,
     StoreLoadStatus,
@@ -65,8 +64,7 @@ def _check_ids(manifest: Manifest, block_ids: list[list[int]], num_tokens: int) 
     """A save's or load's bounds, before any id is looked at: ``num_tokens`` 0..MAX_TOKENS
     (StoreError), then a hold's rule for the lists (one per group, each at most the blocks the
     tokens span plus HOLD_SPARE_BLOCKS; BlockIdError)."""
-    if not 0 <= num_tokens <= MAX_TOKENS:
-        raise StoreError("num_tokens", f"must be 0..{MAX_TOKENS}, got {num_tokens}")
+    check_num_tokens(num_tokens, StoreError)
     check_id_lists(tuple(g.block_size for g in manifest.groups), num_tokens, block_ids)
 
 
@@ -138,6 +136,7 @@ class Offload:
     async def lookup(self, req: StoreLookupRequest) -> StoreLookup:
         """Tokens each group can serve and the prefix all can (the minimum rule)."""
         store, (manifest, _regions) = self._require(), self._target()
+        check_num_tokens(req.num_tokens, StoreError)
         out = await asyncio.to_thread(store.lookup, manifest, req.keys, req.num_tokens)
         self.metrics.store_lookup_tokens.labels("hit").inc(out.matched)
         self.metrics.store_lookup_tokens.labels("miss").inc(req.num_tokens - out.matched)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from kvxferd.wire.engine import (
     DECLINE_REASON_MAX_LENGTH,
     HOLD_SPARE_BLOCKS,
+    MAX_BLOCK_IDS,
     MAX_TICKETS_PER_CALL,
     MAX_TOKENS,
     MAX_TP,
@@ -143,6 +144,7 @@ __all__ = [
     "KeepaliveRequest",
     "Layer",
     "MANIFEST_VERSION",
+    "MAX_BLOCK_IDS",
     "MAX_TICKETS_PER_CALL",
     "MAX_TOKENS",
     "MAX_TP",

@@ -27,6 +27,11 @@ HOLD_SPARE_BLOCKS = 1024
 """Ids a hold's group may list past the blocks its tokens span: vLLM allocates lookahead slots
 for speculative decoding (a Mamba group one more state block per draft token) and a partial
 prefill leaves out the last token. Past any drafter's proposals."""
+MAX_BLOCK_IDS = MAX_TOKENS + HOLD_SPARE_BLOCKS
+"""Most ids one group's list carries (a hold's, a ticket's, a pull's, a store call's): the blocks
+MAX_TOKENS tokens span at the smallest block size (one token), plus HOLD_SPARE_BLOCKS. Refused
+at decode (msgpack and msgspec.convert count before converting any id); the sidecar then bounds
+each list by the call's own tokens and block sizes."""
 MAX_TP = 1024
 """Largest TP size on either side: tickets a pull carries (one per prefill rank), a ticket's
 rank and size, the reader TP size a claim announces."""
@@ -42,6 +47,8 @@ PEER_ADDRESS_PATTERN = rf"^{_HOST}:[0-9]{{1,5}}(?!\n)$"
 """A sidecar's peer address, ``host:port`` with a PEER_HOST_PATTERN host (at most 261
 characters): the decode side connects to it and sends it as the HTTP ``Host``."""
 PeerAddress = Annotated[str, msgspec.Meta(max_length=261, pattern=PEER_ADDRESS_PATTERN)]
+GroupBlockIds = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
+"""One group's block ids (at most MAX_BLOCK_IDS)."""
 
 HoldReleaseReason = Literal["notified", "expired", "aborted", "declined", "unregistered"]
 PullStateName = Literal["pending", "handshaking", "claiming", "transferring", "done", "failed"]
@@ -132,8 +139,8 @@ class HoldRequest(_Strict, kw_only=True):
 
     request_id: RequestId
     """The engine's request id (at most 512 characters on one line, ONE_LINE_PATTERN)."""
-    block_ids: list[list[int]]
-    """Logical block ids per group, in request order."""
+    block_ids: list[GroupBlockIds]
+    """Logical block ids per group, in request order (at most MAX_BLOCK_IDS a group)."""
     num_tokens: Annotated[
         int, msgspec.Meta(extra_json_schema={"minimum": 0, "maximum": MAX_TOKENS})
     ]
@@ -161,8 +168,8 @@ class Ticket(_Strict, kw_only=True):
     """The hold to claim."""
     request_id: RequestId
     """The prefill engine's request id (at most 512 characters on one line, ONE_LINE_PATTERN)."""
-    block_ids: list[list[int]]
-    """Remote logical block ids per group."""
+    block_ids: list[GroupBlockIds]
+    """Remote logical block ids per group (at most MAX_BLOCK_IDS a group)."""
     num_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
     """Prompt tokens covered (0..MAX_TOKENS, as a hold's)."""
     expires_at: float
@@ -195,8 +202,9 @@ class PullRequest(_Strict, kw_only=True):
     ]
     """The tickets of every prefill TP rank, rank order (same request, same block ids; at most
     MAX_TP)."""
-    block_ids: list[list[int]]
-    """Local logical block ids per group, aligned with the tickets' block_ids; -1 skips a block.
+    block_ids: list[GroupBlockIds]
+    """Local logical block ids per group, aligned with the tickets' block_ids; -1 skips a block
+    (at most MAX_BLOCK_IDS a group).
     With ``num_tokens`` given, a group lists at most the blocks those tokens span (at least 1)
     or as many ids as the ticket's list for it."""
     deadline_s: float = 30.0

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kvxferd.wire.engine import MAX_TOKENS
+from kvxferd.wire.engine import MAX_TOKENS, GroupBlockIds
 from kvxferd.wire.manifest import ChosenHoldId, RequestId, _Strict
 
 STORE_KEY_HEX = 32
@@ -25,7 +25,7 @@ class StoreSaveRequest(_Strict, kw_only=True):
     keys: list[StoreKey]
     """Chunk keys of the prompt (``kvxferd.store.chunk_keys``, 32 hex digits each): one per
     ``store_chunk_tokens`` tokens, the last chunk possibly partial."""
-    block_ids: list[list[int]] = []
+    block_ids: list[GroupBlockIds] = []
     """Logical block ids per group, in request order (mamba: the state block last); empty when
     ``hold_id`` names them. A group lists at most the blocks ``num_tokens`` span (at least 1)
     plus HOLD_SPARE_BLOCKS, as a hold's, else a 422 naming it."""
@@ -62,8 +62,10 @@ class StoreLookupRequest(_Strict, kw_only=True):
 
     keys: list[StoreKey]
     """Chunk keys of the prompt."""
-    num_tokens: int
-    """Prompt tokens the keys cover."""
+    num_tokens: Annotated[
+        int, msgspec.Meta(extra_json_schema={"minimum": 0, "maximum": MAX_TOKENS})
+    ]
+    """Prompt tokens the keys cover (0..MAX_TOKENS, else a 422 naming it)."""
 
 
 class StoreLookup(_Strict, kw_only=True):
@@ -84,7 +86,7 @@ class StoreLoadRequest(_Strict, kw_only=True):
 
     keys: list[StoreKey]
     """Chunk keys of the tokens to load (one per chunk of ``num_tokens``)."""
-    block_ids: list[list[int]]
+    block_ids: list[GroupBlockIds]
     """Local logical block ids per group (mamba: the state block last); a group lists at most
     the blocks ``num_tokens`` span (at least 1) plus HOLD_SPARE_BLOCKS, else a 422 naming it."""
     num_tokens: Annotated[

@@ -15,6 +15,7 @@ from kvxferd.api.engine import MAX_WAIT_S, engine_document
 from kvxferd.memory import SHM_DIR
 from kvxferd.wire import (
     HOLD_SPARE_BLOCKS,
+    MAX_BLOCK_IDS,
     MAX_TICKETS_PER_CALL,
     MAX_TOKENS,
     AbortHoldRequest,
@@ -259,6 +260,38 @@ def test_a_decline_or_keepalive_past_max_tickets_per_call_is_a_422_naming_ticket
     assert fake.calls == []  # the sidecar never sees it, and keeps serving
     body["tickets"] = body["tickets"][:MAX_TICKETS_PER_CALL]
     assert fake_engine.post(route, json=body).status_code == 200
+
+
+_FLOOD = msgspec.Raw(b"\xdd" + (MAX_BLOCK_IDS + 1).to_bytes(4, "big") + bytes(MAX_BLOCK_IDS + 1))
+"""A msgpack list of MAX_BLOCK_IDS + 1 ids (one group's)."""
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [("/v1/pulls", {"tickets": [{"block_ids": [[1], _FLOOD]}], "block_ids": [[1], [2]]},
+      "tickets[0].block_ids[1]"),
+     ("/v1/pulls", {"tickets": [{}], "block_ids": [[1], _FLOOD]}, "block_ids[1]"),
+     ("/v1/decline", {"tickets": [{}, {"block_ids": [[1], _FLOOD]}]}, "tickets[1].block_ids[1]"),
+     ("/v1/holds", {"request_id": "r", "block_ids": [[1], _FLOOD], "num_tokens": 1},
+      "block_ids[1]"),
+     ("/v1/store/load", {"keys": [], "block_ids": [[1], _FLOOD], "num_tokens": 0},
+      "block_ids[1]")],
+    ids=["ticket", "pull", "decline", "hold", "store-load"],
+)  # fmt: skip
+def test_a_group_of_more_than_max_block_ids_is_a_422_naming_it_before_the_sidecar(
+    fake_engine, fake, route, body, field
+):
+    ticket = msgspec.to_builtins(Ticket(
+        engine_id="e", epoch=1, hold_id="h", request_id="r", block_ids=[[1], [2]], num_tokens=1,
+        expires_at=0.0, tp_rank=0, tp_size=1, peer="127.0.0.1:9"))  # fmt: skip
+    if "tickets" in body:
+        body = {**body, "tickets": [{**ticket, **t} for t in body["tickets"]]}
+    resp = fake_engine.post(route, content=msgspec.msgpack.encode(body),
+                            headers={"Content-Type": "application/msgpack"})  # fmt: skip
+    err = _error(resp, 422)
+    assert (err.error, err.field) == ("ValidationError", field)
+    assert fake.calls == []  # the sidecar never sees it, and keeps serving
+    assert fake_engine.post("/v1/decline", json={"tickets": [ticket]}).status_code == 200
 
 
 @pytest.mark.parametrize("reason", ["rejected\nkvxferd ready", "rejected\n", "x" * 257])

@@ -132,3 +132,19 @@ def test_a_save_or_load_listing_more_ids_than_its_tokens_span_is_refused_before_
     assert saved.chunks_saved > 0
     assert asyncio.run(calls[1]([flood[0][:most]], tokens)).state == "done"
     off.close()
+
+
+def test_a_lookup_past_max_tokens_is_refused_naming_num_tokens(tmp_path):
+    m = plan(DENSE, blocks=8)
+    regions, _ids = filled(m, m.groups[0].block_size, SEED)
+    chunk = 1 << 20
+    cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=chunk)
+    off = Offload(cfg, Metrics(CollectorRegistry()), lambda: (m, regions))
+    for num_tokens in (MAX_TOKENS + 1, -1):
+        with pytest.raises(StoreError) as err:
+            asyncio.run(off.lookup(StoreLookupRequest(keys=[], num_tokens=num_tokens)))
+        assert err.value.field == "num_tokens"
+    keys = [f"{c:032x}" for c in range(MAX_TOKENS // chunk)]  # the most tokens: looked up
+    lookup = asyncio.run(off.lookup(StoreLookupRequest(keys=keys, num_tokens=MAX_TOKENS)))
+    assert lookup.matched == 0
+    off.close()

@@ -1,6 +1,6 @@
 """The store through a real sidecar's engine API: save from one sidecar, restart, look up and load
 into other blocks from a new sidecar (new process, empty DRAM pool), every byte verified; an
-over-long id list is a 422 naming its group, and the sidecar serves on."""
+over-long id list or token count is a 422 naming it, and the sidecar serves on."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kvxferd.pattern import verify_pattern, write_pattern
 from kvxferd.store import chunk_keys
 from kvxferd.wire import (
     HOLD_SPARE_BLOCKS,
+    MAX_TOKENS,
     HoldRequest,
     StoreLoadRequest,
     StoreLookupRequest,
@@ -166,9 +167,8 @@ def test_save_a_live_hold_by_its_id(tmp_path):
         pool.close()
 
 
-def test_a_store_call_with_more_ids_than_its_tokens_span_is_a_422_and_the_sidecar_serves_on(
-    tmp_path,
-):
+def test_a_store_call_past_its_bounds_is_a_422_naming_the_field_and_the_sidecar_serves_on(tmp_path):
+    """More ids than a save's or load's tokens span, a lookup of more than MAX_TOKENS tokens."""
     manifest = plan(DENSE, num_blocks=8)
     tokens = 16
     keys = chunk_keys(list(range(tokens)), 16)
@@ -190,6 +190,10 @@ def test_a_store_call_with_more_ids_than_its_tokens_span_is_a_422_and_the_sideca
                     call(flood)
                 assert (err.value.status, err.value.field) == (422, "block_ids[0]")
                 call(ids)  # served as ever
+            with pytest.raises(StoreError) as err:
+                client.store_lookup(StoreLookupRequest(keys=[], num_tokens=MAX_TOKENS + 1))
+            assert (err.value.status, err.value.field) == (422, "num_tokens")
+            assert client.store_lookup(StoreLookupRequest(keys=keys, num_tokens=tokens)).matched
     finally:
         assert sidecar.stop() == 0
         pool.close()

@@ -1,6 +1,6 @@
-"""Engine API messages: hold ids, a ticket's peer, token and token count, and the ticket lists
-of declines and keepalives are bounded and shaped at decode (they go into tables, logs, a URL,
-an HTTP Host header and calls to peers), and refusals name the field."""
+"""Engine API messages: hold ids, a ticket's peer, token and token count, the ticket lists of
+declines and keepalives, and every group's block ids are bounded and shaped at decode (they go
+into tables, logs, a URL, an HTTP Host header and calls to peers), and refusals name the field."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import msgspec
 import pytest
 
 from kvxferd.wire import (
+    HOLD_SPARE_BLOCKS,
+    MAX_BLOCK_IDS,
     MAX_TICKETS_PER_CALL,
     MAX_TOKENS,
     MAX_TP,
@@ -125,3 +127,39 @@ def test_a_pull_carries_at_most_max_tp_tickets():
     most = {"tickets": [_TICKET] * MAX_TP, "block_ids": [[1]]}
     assert len(_decode(PullRequest, most).tickets) == MAX_TP
     _refused_at(PullRequest, {**most, "tickets": [_TICKET] * (MAX_TP + 1)}, "tickets")
+
+
+def _zeros(n: int) -> msgspec.Raw:
+    """A msgpack array of ``n`` zero ids, written without building the list."""
+    return msgspec.Raw(b"\xdd" + n.to_bytes(4, "big") + bytes(n))
+
+
+def _with_ids(kind: type, ids: msgspec.Raw) -> tuple[dict, str]:
+    """A body of ``kind`` whose second group lists ``ids``, and that list's path."""
+    ticket = {**_TICKET, "block_ids": [[1], ids]}
+    return {
+        Ticket: (ticket, "block_ids[1]"),
+        HoldRequest: ({**_HOLD, "block_ids": [[1], ids]}, "block_ids[1]"),
+        PullRequest: ({"tickets": [_TICKET], "block_ids": [[1], ids]}, "block_ids[1]"),
+        DeclineRequest: ({"tickets": [_TICKET, ticket]}, "tickets[1].block_ids[1]"),
+        KeepaliveRequest: ({"tickets": [ticket], "extend_s": 1}, "tickets[0].block_ids[1]"),
+    }[kind]
+
+
+_ID_LISTS = [Ticket, HoldRequest, PullRequest, DeclineRequest, KeepaliveRequest]
+
+
+@pytest.mark.parametrize("kind", _ID_LISTS, ids=lambda k: k.__name__)
+def test_a_group_listing_more_than_max_block_ids_is_refused_before_its_ids_and_named(kind):
+    body, path = _with_ids(kind, _zeros(MAX_BLOCK_IDS + 1))
+    with pytest.raises(msgspec.ValidationError) as err:
+        msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=kind)
+    assert str(err.value).endswith(f"at `$.{path}`")
+
+
+def test_a_group_may_list_max_block_ids():
+    """The blocks MAX_TOKENS tokens span at one token a block, plus the lookahead spare."""
+    assert MAX_BLOCK_IDS == MAX_TOKENS + HOLD_SPARE_BLOCKS
+    body, _ = _with_ids(Ticket, _zeros(MAX_BLOCK_IDS))
+    ticket = msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=Ticket)
+    assert len(ticket.block_ids[1]) == MAX_BLOCK_IDS

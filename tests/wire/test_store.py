@@ -1,4 +1,5 @@
-"""Store messages: every chunk key is 32 lowercase hex digits at decode, named by its index."""
+"""Store messages: every chunk key is 32 lowercase hex digits and a group lists at most
+MAX_BLOCK_IDS block ids at decode, each refusal naming the entry."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import msgspec
 import pytest
 
 from kvxferd.store import chunk_keys
-from kvxferd.wire import StoreLoadRequest, StoreLookupRequest, StoreSaveRequest
+from kvxferd.wire import MAX_BLOCK_IDS, StoreLoadRequest, StoreLookupRequest, StoreSaveRequest
 
 _KEY = "0123456789abcdef" * 2
 _BODIES = {
@@ -41,3 +42,11 @@ def test_a_save_names_its_hold_by_a_hold_id_or_leaves_it_empty():
     with pytest.raises(msgspec.ValidationError, match=r"at `\$\.hold_id`$"):
         msgspec.json.decode(msgspec.json.encode({**body, "hold_id": "x" * 129}),
                             type=StoreSaveRequest)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", [StoreSaveRequest, StoreLoadRequest], ids=lambda k: k.__name__)
+def test_a_save_or_load_group_listing_more_than_max_block_ids_is_refused_and_named(kind):
+    flood = msgspec.Raw(b"\xdd" + (MAX_BLOCK_IDS + 1).to_bytes(4, "big") + bytes(MAX_BLOCK_IDS + 1))
+    body = {**_BODIES[kind], "keys": [_KEY], "block_ids": [[1], flood]}
+    with pytest.raises(msgspec.ValidationError, match=r"at `\$\.block_ids\[1\]`$"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=kind)

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from kvxferd.errors import InvalidRequestError
-from kvxferd.wire import MAX_TP, Ticket
+from kvxferd.wire import MAX_BLOCK_IDS, MAX_TP, Ticket
 from kvxferd.wire import transfer_params as tp
 
 
@@ -57,6 +57,15 @@ def test_bad_tickets_name_the_field(tickets, field):
     with pytest.raises(InvalidRequestError) as info:
         tp.parse_tickets({"do_remote_prefill": True, "kvxferd_tickets": tickets})
     assert info.value.field == field
+
+
+def test_a_ticket_group_of_more_than_max_block_ids_is_named_before_its_ids_are_converted():
+    flood = [0] * MAX_BLOCK_IDS + ["x"]  # an id that is not one: never reached
+    ticket = {**msgspec.to_builtins(_ticket(0, 1)), "block_ids": [[1], flood]}
+    with pytest.raises(InvalidRequestError) as info:
+        tp.parse_tickets({"do_remote_prefill": True, "kvxferd_tickets": [ticket]})
+    assert info.value.field == "kv_transfer_params.kvxferd_tickets[0].block_ids[1]"
+    assert f"<= {MAX_BLOCK_IDS}" in info.value.reason
 
 
 @pytest.mark.parametrize("value", ["7", 7.0, True, None, -1, 301, [7]])
