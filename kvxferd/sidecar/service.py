@@ -250,10 +250,11 @@ class Sidecar:
             for hold in list(holds.live()):  # the engine lets its blocks go: no more claims
                 holds.abort(hold.hold_id, reason="unregistered")  # a claimed one once read
             self._after_release()
-            copying, reading = await asyncio.gather(
+            copying, _ = await asyncio.gather(
                 self.offload.stop(STOP_S),  # loads stop, saves end: bounded
                 self._until_read(holds, STOP_S),  # decodes finish READs they were granted
             )
+            reading = len(holds)  # now: some may have been read while the store copies ended
             unsettled = self.pulls.reads.quarantined
             if reading:
                 left = max(h.claimed_until for h in holds.live()) - time.monotonic()

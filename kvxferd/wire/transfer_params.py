@@ -17,6 +17,7 @@ import msgspec
 
 from kvxferd.errors import InvalidRequestError
 from kvxferd.wire.engine import MAX_TP, Ticket
+from kvxferd.wire.manifest import one_line
 
 FIELD = "kv_transfer_params"
 _AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
@@ -47,7 +48,7 @@ def parse_tickets(params: dict[str, Any]) -> list[Ticket]:
     try:
         tickets = msgspec.convert(raw, list[Ticket])
     except msgspec.ValidationError as exc:
-        match = _AT.match(str(exc))
+        match = _AT.match(one_line(str(exc)))  # an unknown field's name is the sender's text
         assert match is not None
         raise InvalidRequestError(field + (match["path"] or ""), match["message"]) from exc
     for i, t in enumerate(tickets):

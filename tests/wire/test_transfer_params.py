@@ -79,3 +79,13 @@ def test_an_absent_integer_field_takes_its_default_and_bounds_are_inclusive():
     assert tp.int_field({}, "remote_block_size", 16, low=1, high=64) == 16
     assert tp.int_field({"n": 0}, "n", 5, low=0, high=3) == 0
     assert tp.int_field({"n": 3}, "n", 5, low=0, high=3) == 3
+
+
+def test_an_unknown_ticket_field_is_named_on_one_line():
+    # The field's name is the sender's text, and the connector logs the error (as the sim does).
+    ticket = {**msgspec.to_builtins(_ticket(0, 1)), "x\nkvxferd ready\u2028\x9b": 1}
+    with pytest.raises(InvalidRequestError) as info:
+        tp.parse_tickets({"do_remote_prefill": True, "kvxferd_tickets": [ticket]})
+    assert info.value.field == "kv_transfer_params.kvxferd_tickets[0]"
+    assert str(info.value).endswith("unknown field `x\\nkvxferd ready\\u2028\\x9b`")
+    assert str(info.value).splitlines() == [str(info.value)]

@@ -1,0 +1,76 @@
+"""An unregister waits for the claimed holds it gave up and for the store's copies together. A
+claimed hold whose reader notifies only after the hold wait gave up, while the store wait still
+runs, is released by then: the unregister goes on (nothing reads the memory any more) instead
+of failing on the holds it counted before.
+
+An in-process Sidecar over POSIX shm (its self-test READ over NIXL loopback), driven directly on
+one event loop; the store's stop is stood in for, so the notification lands after the hold
+wait ended and before the store wait does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvxferd.config import Config
+from kvxferd.sidecar import service
+from kvxferd.sidecar.service import Sidecar
+from kvxferd.wire import HoldRequest, RegisterRequest, UnregisterRequest
+from tests.sidecar.harness import TOKEN, EnginePool, plan
+
+pytestmark = pytest.mark.nixl
+
+
+def test_a_claimed_hold_read_while_the_store_copies_still_run_lets_the_unregister_finish(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    monkeypatch.setattr(service, "STOP_S", 0.2)  # the hold wait gives up after 0.2 s
+    manifest = plan("llama-3.1-8b", num_blocks=8)
+    pool = EnginePool(manifest)
+    sidecar = Sidecar(Config(peer_token=TOKEN, engine_id="unreg-claimed"))
+    sidecar.peer_address = "127.0.0.1:9"
+
+    async def scenario() -> None:
+        try:
+            await read_after_the_hold_wait()
+        finally:
+            await sidecar.close()
+
+    async def read_after_the_hold_wait() -> None:
+        reg = await sidecar.register(RegisterRequest(manifest=manifest, regions=pool.specs()))
+        ticket = sidecar.hold(HoldRequest(request_id="r1", block_ids=[[5]], num_tokens=16))
+        holds = sidecar.holds
+        assert holds is not None
+        holds.claim(ticket.hold_id, "d0", 60.0, block_ids=[[5]], reader_tp_size=1)
+
+        until_read, hold_wait_over = sidecar._until_read, asyncio.Event()
+
+        async def hold_wait(table: object, timeout_s: float) -> int:
+            left = await until_read(table, timeout_s)  # type: ignore[arg-type]
+            hold_wait_over.set()
+            return left
+
+        async def store_copies_end_late(timeout_s: float) -> int:
+            await asyncio.wait_for(hold_wait_over.wait(), 10)
+            holds.notify(ticket.hold_id, "d0")  # the reader is done meanwhile
+            return 0
+
+        monkeypatch.setattr(sidecar, "_until_read", hold_wait)
+        monkeypatch.setattr(sidecar.offload, "stop", store_copies_end_late)
+        try:
+            await asyncio.wait_for(
+                sidecar.unregister(UnregisterRequest(generation=reg.generation)), 30
+            )
+        finally:
+            monkeypatch.undo()
+        assert sidecar.manifest is None and sidecar.generation == -1
+        assert [(h.hold_id, h.reason) for h in holds.released_since(0).holds] == [
+            (ticket.hold_id, "unregistered")
+        ]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.close()
