@@ -358,7 +358,10 @@ class WorkerSide:
         except KvxferdError as exc:  # cannot tell what the sidecar has: ask at the next refusal
             log.warning("sidecar refused this engine and cannot say why: %s", exc)
             return
-        if (ident.epoch, ident.generation) == (self.epoch, self.generation):
+        if ident.epoch == self.epoch and ident.generation >= 0:
+            # Registered and refusing: an unregister behind this engine is letting the memory go
+            # (whatever generation this worker last heard of: a register answer may have been
+            # lost).
             log.info("an unregister behind this engine is letting its memory go; waiting")
             return
         log.warning("sidecar lost this engine's registration (restarted or unregistered behind "

@@ -138,13 +138,19 @@ def test_sleep_waits_for_a_decode_that_claimed_a_hold_before_letting_the_memory_
         assert prefill.step(StepOrders()) == ({"r1"}, None)  # freed once nobody may read them
 
 
-def test_an_unregister_behind_the_engine_frees_no_block_a_decode_may_still_read(engines, tmp_path):
+@pytest.mark.parametrize("heard", ["answer", "no-answer"])
+def test_an_unregister_behind_the_engine_frees_no_block_a_decode_may_still_read(
+    engines, tmp_path, heard
+):
     """An operator unregisters the sidecar behind a running engine while a decode holds a claim.
     While that unregister waits for the READ, the worker's feed calls are refused ("the engine
     is unregistering"): it keeps the hold's blocks rather than taking the sidecar for restarted.
     They are freed when the feed releases the hold (its claim ended); a later unregister then
-    succeeds, and the next refused call has the worker register again."""
+    succeeds, and the next refused call has the worker register again. So too when the worker
+    never heard its registration's generation (that register's answer was lost)."""
     with _claimed_hold(engines, tmp_path) as (prefill, p_side, sched):
+        if heard == "no-answer":
+            prefill.connector._worker.generation += 7
 
         def unregister_behind() -> None:
             with p_side.client() as c:
