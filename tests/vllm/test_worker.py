@@ -3,7 +3,8 @@ MAX_TICKETS_PER_CALL tickets (the sidecar refuses a longer list), every ticket o
 and a call that fails does not keep the others from being sent. Its holds: one placed without an
 answer (it may be live, and claimed by a decode reading it) is aborted, and its blocks are freed
 only when the released feed says so, or at once when the sidecar does not know it. Its
-unregister: retried while refused for as long as a READ may still touch the memory."""
+unregister: retried while refused for as long as a READ may still touch the memory. Its pulls:
+one that ended unsettled keeps its blocks from vLLM for as long as that READ may still write."""
 
 from __future__ import annotations
 
@@ -14,14 +15,18 @@ from kvxferd.client import SidecarError, SidecarUnreachableError
 from kvxferd.errors import HandshakeError, KvxferdError, MemoryInUseError, UnknownHoldError
 from kvxferd.sidecar.reads import QUARANTINE_S
 from kvxferd.vllm import worker as worker_module
-from kvxferd.vllm.scheduler import Decline, HoldOrder, StepOrders
+from kvxferd.vllm.scheduler import Decline, HoldOrder, PullOrder, StepOrders
 from kvxferd.vllm.worker import WorkerSide
 from kvxferd.wire import (
     MAX_TICKETS_PER_CALL,
     DeclineRequest,
     DeclineResponse,
     ErrorBody,
+    FinishedPull,
+    FinishedPulls,
     HoldRequest,
+    PullAccepted,
+    PullRequest,
     ReleasedHold,
     ReleasedHolds,
     Ticket,
@@ -194,3 +199,43 @@ def test_an_unregister_refused_for_an_unsettled_read_is_retried_as_long_as_it_ma
             worker._unregister(0, max_claim_s=120.0)
         assert QUARANTINE_S <= clock.now <= QUARANTINE_S + 60.0  # bounded all the same
     assert sidecar.calls > 1
+
+
+class _UnsettledPull:
+    """Stands in for the engine client: accepts pulls and reports each ended as ``reason``."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        self.feed: list[FinishedPull] = []
+
+    def pull(self, req: PullRequest) -> PullAccepted:
+        self.feed.append(FinishedPull(pull_id=f"p{len(self.feed)}", request_id=req.request_id,
+                                      state="failed", reason=self.reason,
+                                      failed_block_ids=req.block_ids))  # fmt: skip
+        return PullAccepted(pull_id=f"p{len(self.feed) - 1}")
+
+    def finished_pulls(self, cursor: int = 0, limit: int | None = None) -> FinishedPulls:
+        return FinishedPulls(pulls=self.feed[cursor:], cursor=len(self.feed))
+
+
+@pytest.mark.parametrize("reason", ["unsettled", "claim_expired"])
+def test_a_pull_that_ended_unsettled_keeps_its_blocks_from_vllm_while_its_read_may_write(
+    monkeypatch, reason
+):
+    """vLLM recomputes into a failed pull's blocks (load errors) and reuses them once the request
+    ends: a READ that could not be confirmed stopped may still write them until the sidecar
+    gives it up (QUARANTINE_S), so until then the request is not reported ended."""
+    clock = _Clock()
+    monkeypatch.setattr(worker_module, "time", clock)
+    worker = WorkerSide("/nonexistent/kvxferd.sock", model="m", tp_rank=0, tp_size=1)
+    worker.client = _UnsettledPull(reason)  # type: ignore[assignment]
+    worker.run(StepOrders(pulls=[PullOrder("d1", [], [[4, 5, -1]], 48)]))
+    if reason != "unsettled":  # any other failure: nothing can write, recomputed at once
+        assert worker.finished() == (None, {"d1"}) and worker.load_errors() == {4, 5}
+        return
+    assert worker.finished() == (None, None) and worker.load_errors() == set()
+    clock.sleep(QUARANTINE_S - 1.0)
+    assert worker.finished() == (None, None) and worker.load_errors() == set()
+    clock.sleep(1.0)
+    assert worker.finished() == (None, {"d1"}) and worker.load_errors() == {4, 5}
+    assert worker.finished() == (None, None)  # reported once
