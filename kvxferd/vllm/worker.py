@@ -270,13 +270,14 @@ class WorkerSide:
         """(requests whose holds ended, requests whose pulls ended) since the last step: one
         read of each feed, and only while a pull or a hold is outstanding."""
         recving, self._refused = self._refused, set()
+        read_all = False  # the feed was read to its end: a pull not in it went with a restart
         for _ in range(_MAX_PAGES if self._pulls else 0):
             try:
                 page = self.client.finished_pulls(self._pull_cursor)
             except KvxferdError as exc:  # sidecar unreachable: ask again next step
                 log.warning("finished-pulls feed unavailable: %s", exc)
                 break
-            self._pull_cursor = page.cursor
+            self._pull_cursor, read_all = page.cursor, not page.more
             for f in page.pulls:
                 pull = self._pulls.pop(f.pull_id, None)
                 if pull is None:
@@ -297,9 +298,12 @@ class WorkerSide:
                 del self._aside[request_id]
                 self._load_errors.update(failed)
                 recving.add(request_id)
-        for pull_id in [i for i, p in self._pulls.items() if p.ends_by < now]:
-            # The sidecar ends every pull by then: this one went with a restarted sidecar.
-            self._lose(pull_id)
+        for pull_id, p in list(self._pulls.items()):
+            # The sidecar ends every pull by then: one its feed does not list went with a
+            # restarted sidecar. A sidecar that does not answer may be hung, not gone, with a
+            # READ that may still write: its blocks wait as long as a quarantined READ's.
+            if p.ends_by < now and (read_all or p.ends_by + QUARANTINE_S < now):
+                self._lose(pull_id)
         recving |= self._refused
         self._refused = set()
         self._give_up_unanswered()

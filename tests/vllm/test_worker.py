@@ -4,7 +4,8 @@ and a call that fails does not keep the others from being sent. Its holds: one p
 answer (it may be live, and claimed by a decode reading it) is aborted, and its blocks are freed
 only when the released feed says so, or at once when the sidecar does not know it. Its
 unregister: retried while refused for as long as a READ may still touch the memory. Its pulls:
-one that ended unsettled keeps its blocks from vLLM for as long as that READ may still write."""
+one that ended unsettled, or whose sidecar stopped answering past its end, keeps its blocks from
+vLLM for as long as a READ may still write them."""
 
 from __future__ import annotations
 
@@ -239,3 +240,36 @@ def test_a_pull_that_ended_unsettled_keeps_its_blocks_from_vllm_while_its_read_m
     clock.sleep(1.0)
     assert worker.finished() == (None, {"d1"}) and worker.load_errors() == {4, 5}
     assert worker.finished() == (None, None)  # reported once
+
+
+class _SilentPulls(_UnsettledPull):
+    """Accepts pulls whose end its feed never lists; ``reachable`` says whether it answers."""
+
+    reachable = False
+
+    def finished_pulls(self, cursor: int = 0, limit: int | None = None) -> FinishedPulls:
+        if not self.reachable:
+            raise SidecarUnreachableError("GET /v1/pulls/finished: no answer in time (30 s)")
+        return FinishedPulls(pulls=[], cursor=0)
+
+
+@pytest.mark.parametrize("answers", [True, False], ids=["restarted", "hung"])
+def test_a_pull_past_its_end_is_given_up_at_once_only_when_its_sidecar_answers(
+    monkeypatch, answers
+):
+    """A sidecar that answers its feed without a pull past its end lost it with a restart (its
+    READs went with the old process). One that does not answer may be hung with a READ that can
+    still write: the pull's blocks wait as long as a quarantined READ's."""
+    clock = _Clock()
+    monkeypatch.setattr(worker_module, "time", clock)
+    sidecar = _SilentPulls("")
+    sidecar.reachable = answers
+    worker = WorkerSide("/nonexistent/kvxferd.sock", model="m", tp_rank=0, tp_size=1)
+    worker.client = sidecar  # type: ignore[assignment]
+    worker.run(StepOrders(pulls=[PullOrder("d1", [], [[4, 5]], 32)]))
+    clock.sleep(120.0)  # past its deadline (30 s) and every settling allowance
+    if not answers:
+        assert worker.finished() == (None, None) and worker.load_errors() == set()
+        clock.sleep(QUARANTINE_S)
+    assert worker.finished() == (None, {"d1"}) and worker.load_errors() == {4, 5}
+    assert worker.finished() == (None, None)
