@@ -108,6 +108,13 @@ class Hold:
     """Why the engine gave it up while claimed (``aborted``, ``unregistered``): released for
     that reason once its readers are done (see abort); None while it has not."""
 
+    def pinned(self, now: float) -> None:
+        """HoldExpiredError unless its engine still keeps the blocks unchanged (not released,
+        lease not ended): bytes copied out of them before this passed were the held ones."""
+        if self.reason is not None or self.expires_at <= now:
+            raise HoldExpiredError(f"hold {self.hold_id}: let go ({self.reason or 'expired'}); "
+                                   f"its blocks may be reused")  # fmt: skip
+
 
 @dataclass(slots=True, frozen=True)
 class ClaimGrant:

@@ -45,14 +45,15 @@ T = TypeVar("T")
 
 Target = Callable[[], tuple[Manifest, list[np.ndarray]]]
 """Returns the registered manifest and a host view of each region (raises if none)."""
-HoldBlocks = Callable[[str], tuple[list[list[int]], int]]
-"""A live hold's (block ids per group, tokens); raises UnknownHoldError/HoldExpiredError."""
+HoldBlocks = Callable[[str], tuple[list[list[int]], int, Callable[[], None]]]
+"""A live hold's (block ids per group, tokens, a check that raises HoldExpiredError once the hold
+no longer pins them); raises UnknownHoldError/HoldExpiredError."""
 Guard = Callable[[], None]
 """Raises SegmentTooSmallError once a region's segment no longer backs it (run before each
 entry's copy: touching the truncated pages would kill the sidecar with SIGBUS)."""
 
 
-def _no_holds(hold_id: str) -> tuple[list[list[int]], int]:
+def _no_holds(hold_id: str) -> tuple[list[list[int]], int, Callable[[], None]]:
     raise StoreError("hold_id", "this sidecar cannot look holds up")
 
 
@@ -105,11 +106,11 @@ class Offload:
         """Copy a request's blocks (or a live hold's) into the store; entries already there are
         skipped."""
         store, (manifest, regions) = self._require(), self._target()
-        block_ids, num_tokens = req.block_ids, req.num_tokens
+        block_ids, num_tokens, pinned = req.block_ids, req.num_tokens, None
         if req.hold_id:
             if block_ids:
                 raise StoreError("block_ids", "give block_ids or hold_id, not both")
-            block_ids, held_tokens = self._holds(req.hold_id)
+            block_ids, held_tokens, pinned = self._holds(req.hold_id)
             num_tokens = held_tokens if num_tokens < 0 else num_tokens
             if not 0 <= num_tokens <= held_tokens:
                 raise StoreError("num_tokens", f"{num_tokens} outside the hold's {held_tokens}")
@@ -122,7 +123,7 @@ class Offload:
             _check_ids(manifest, block_ids, num_tokens)
         out = await asyncio.shield(self._track(
             threading.Event(), store.save, manifest, regions, block_ids, req.keys, num_tokens,
-            self._guard,
+            self._guard, pinned,  # a hold let go during a copy: that entry is not kept
         ))  # fmt: skip
         self.metrics.store_bytes.labels("dram", "save").inc(out.dram_bytes)
         self.metrics.store_bytes.labels("file", "save").inc(out.file_bytes)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 from msgspec import structs
@@ -23,7 +24,6 @@ from kvxferd.config import Config
 from kvxferd.errors import (
     AlreadyRegisteredError,
     FabricNotReadyError,
-    HoldExpiredError,
     MemoryInUseError,
     NotRegisteredError,
     SegmentTooSmallError,
@@ -501,13 +501,13 @@ class Sidecar:
         if self._shrunk is not None:
             raise SegmentTooSmallError(*self._shrunk)
 
-    def _hold_blocks(self, hold_id: str) -> tuple[list[list[int]], int]:
-        """A live hold's block ids and tokens, for a store save (the hold keeps them pinned)."""
+    def _hold_blocks(self, hold_id: str) -> tuple[list[list[int]], int, Callable[[], None]]:
+        """A live hold's block ids and tokens, for a store save, and a check that it still pins
+        them (run after each entry's copy: hold clocks are monotonic)."""
         holds, _ = self._require_engine()
         hold = holds.get(hold_id)
-        if hold.expires_at <= time.monotonic():  # hold clocks are monotonic
-            raise HoldExpiredError(f"hold {hold_id}: its lease ended; its blocks may be reused")
-        return hold.block_ids, hold.num_tokens
+        hold.pinned(time.monotonic())
+        return hold.block_ids, hold.num_tokens, lambda: hold.pinned(time.monotonic())
 
     def _store_target(self) -> tuple[Manifest, list[Any]]:
         """The registered manifest and a host view of each region, for the store."""

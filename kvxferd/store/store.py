@@ -126,10 +126,13 @@ class Store:
         keys: Sequence[str],
         num_tokens: int,
         guard: Callable[[], None] | None = None,
+        kept: Callable[[], None] | None = None,
     ) -> SaveOutcome:
         """Store every chunk of every group the request's blocks hold (present ones skipped).
         ``guard`` runs before each entry is copied out of ``regions`` and raises to stop the
-        save (the sidecar's: a region's segment was truncated under it)."""
+        save (the sidecar's: a region's segment was truncated under it); ``kept`` runs after
+        each copy and raises to drop that entry and stop (the blocks may have changed under it:
+        the hold that pinned them was let go)."""
         t0 = time.perf_counter()
         ids = self._check(manifest, block_ids, keys, num_tokens)
         out = SaveOutcome()
@@ -162,6 +165,12 @@ class Store:
                 if guard is not None:
                     guard()
                 cached = self._gather(manifest, regions, g, specs, eid, c, e - s, tm, ids[g], out)
+                if kept is not None:
+                    try:
+                        kept()
+                    except BaseException:
+                        cached.buffer.release()
+                        raise
                 if self.dram.put(eid, cached):
                     out.dram_bytes += cached.size
                 if len(writes) >= _AHEAD:  # bounded: at most _AHEAD entries wait for the disk

@@ -327,6 +327,18 @@ def test_a_hold_call_that_arrives_after_its_engines_abort_is_refused():
         t.abort("not an id!")  # never a hold id: nothing to remember
 
 
+def test_a_hold_pins_its_blocks_until_released_or_its_lease_ends():
+    clock = FakeClock(0.0)
+    t = table(clock)
+    a, b = t.hold(req("a", lease_s=10.0)), t.hold(req("b", lease_s=10.0))
+    a.pinned(9.9)
+    with pytest.raises(HoldExpiredError, match="expired"):
+        a.pinned(10.0)
+    t.abort(b.hold_id)
+    with pytest.raises(HoldExpiredError, match="aborted"):
+        b.pinned(0.0)
+
+
 def test_an_abort_of_a_claimed_hold_waits_for_its_reader_and_refuses_new_ones():
     """The reader may be copying the blocks: the hold stays pinned (not in the feed, so the
     engine does not free them) until that reader notifies; nobody else may claim it."""

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvxferd.config import Config
-from kvxferd.errors import BlockIdError, ConfigError, StoreError
+from kvxferd.errors import BlockIdError, ConfigError, HoldExpiredError, StoreError
 from kvxferd.metrics import Metrics
 from kvxferd.pattern import verify_pattern
 from kvxferd.sidecar.offload import Offload
@@ -94,7 +94,8 @@ def test_a_hybrid_hold_saves_all_its_tokens_or_nothing(tmp_path):
     held, prefix = 400, 128
     regions, ids = filled(m, held, SEED)
     cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK)
-    off = Offload(cfg, Metrics(CollectorRegistry()), lambda: (m, regions), lambda _h: (ids, held))
+    off = Offload(cfg, Metrics(CollectorRegistry()), lambda: (m, regions),
+                  lambda _h: (ids, held, lambda: None))  # fmt: skip
     keys = chunk_keys(list(range(prefix)), CHUNK)
     with pytest.raises(StoreError) as err:
         asyncio.run(off.save(StoreSaveRequest(request_id="r", keys=keys, hold_id="h",
@@ -102,6 +103,31 @@ def test_a_hybrid_hold_saves_all_its_tokens_or_nothing(tmp_path):
     assert err.value.field == "num_tokens"
     lookup = asyncio.run(off.lookup(StoreLookupRequest(keys=keys, num_tokens=prefix)))
     assert lookup.matched == 0
+    off.close()
+
+
+def test_a_save_from_a_hold_let_go_during_its_copy_keeps_no_entry_copied_after(tmp_path):
+    """The engine may reuse a hold's blocks once the hold is released: an entry whose copy ended
+    after that may hold other bytes, so it is not stored, and the save fails. Entries copied
+    while the hold still pinned the blocks are kept."""
+    m = plan(DENSE, blocks=24)
+    held = 4 * CHUNK
+    regions, ids = filled(m, held, SEED)
+    checks: list[int] = []
+
+    def pinned() -> None:  # the hold is released while the second entry is copied
+        checks.append(1)
+        if len(checks) >= 2:
+            raise HoldExpiredError("hold h: let go (aborted); its blocks may be reused")
+
+    cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK)
+    off = Offload(cfg, Metrics(CollectorRegistry()), lambda: (m, regions),
+                  lambda _h: (ids, held, pinned))  # fmt: skip
+    keys = chunk_keys(list(range(held)), CHUNK)
+    with pytest.raises(HoldExpiredError):
+        asyncio.run(off.save(StoreSaveRequest(request_id="r", keys=keys, hold_id="h")))
+    lookup = asyncio.run(off.lookup(StoreLookupRequest(keys=keys, num_tokens=held)))
+    assert lookup.matched == CHUNK and len(checks) == 2  # the first entry only
     off.close()
 
 
