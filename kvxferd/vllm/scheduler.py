@@ -34,7 +34,10 @@ NULL_BLOCK = 0
 
 IDENTITY_RETRY_S = 1.0
 """After the prefill's sidecars could not say who they are, how long finished requests go
-without a hold before they are asked again (a hung sidecar must not stall every step)."""
+without a hold before they are asked again (a hung sidecar must not stall every step)..."""
+IDENTITY_RETRY_RATIO = 10.0
+"""...and at least this many times as long as the failed asking took (a sidecar that hangs
+until the client's timeout stalls the scheduler for at most a tenth of its time)."""
 MAX_BLOCK_SIZE = 1 << 20
 """Largest ``remote_block_size`` taken (tokens; vLLM's hybrid block sizes are far below)."""
 
@@ -196,6 +199,7 @@ class SchedulerSide:
         stop vLLM's scheduler, and every request with it)."""
         if self._known is None and time.monotonic() < self._ask_after:
             return None
+        asked = time.monotonic()
         try:
             idents = self.identities()
         except KvxferdError as exc:
@@ -205,7 +209,8 @@ class SchedulerSide:
                 return idents
             log.warning("a prefill sidecar has no engine registered: finishing without holds")
             self._known = None
-        self._ask_after = time.monotonic() + IDENTITY_RETRY_S
+        now = time.monotonic()
+        self._ask_after = now + max(IDENTITY_RETRY_S, IDENTITY_RETRY_RATIO * (now - asked))
         return None
 
     def stale(self, ranks: set[int]) -> None:

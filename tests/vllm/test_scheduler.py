@@ -3,11 +3,15 @@ once with one minted ticket per rank; a decode with those params loads asynchron
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from kvxferd.client import SidecarUnreachableError
 from kvxferd.sidecar.tickets import verify_ticket
+from kvxferd.vllm import scheduler as scheduler_module
 from kvxferd.wire import Identity, Ticket
-from tests.vllm.ranks import request, step
+from tests.vllm.ranks import prefill_side, request, step
 
 SECRET = b"test-secret"
 
@@ -238,3 +242,27 @@ def test_a_prefill_whose_sidecar_cannot_say_who_it_is_finishes_like_a_local_requ
     assert len(params) == 1 and params[0]["kvxferd_tickets"]
     out, _ = step(prefill)
     assert [h.request_id for h in out.kv_connector_metadata.orders.holds] == ["p2"]
+
+
+def test_a_hung_prefill_sidecar_is_asked_who_it_is_seldom_enough_not_to_stall_the_scheduler(
+    monkeypatch,
+):
+    """Asking a hung sidecar blocks the scheduler until the client's timeout: the next ask waits
+    ten times as long as that one took (one second after a quick refusal)."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    asks: list[float] = []
+
+    def identities():
+        asks.append(clock.now)
+        clock.now += 5.0 if len(asks) == 1 else 0.01  # the first ask hangs until its timeout
+        raise SidecarUnreachableError("GET /v1/identity: no answer in time (5 s)")
+
+    side = prefill_side(identities, 128)
+    assert side._minting() is None and asks == [0.0]
+    clock.now = 54.9
+    assert side._minting() is None and asks == [0.0]  # not before 5 s + 10 x 5 s
+    clock.now = 55.0
+    assert side._minting() is None and asks == [0.0, 55.0]
+    clock.now = 56.1  # a quick refusal: asked again a second later
+    assert side._minting() is None and asks == [0.0, 55.0, 56.1]
