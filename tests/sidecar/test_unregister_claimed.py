@@ -14,11 +14,10 @@ import asyncio
 
 import pytest
 
-from kvxferd.config import Config
 from kvxferd.sidecar import service
 from kvxferd.sidecar.service import Sidecar
 from kvxferd.wire import HoldRequest, RegisterRequest, UnregisterRequest
-from tests.sidecar.harness import TOKEN, EnginePool, plan
+from tests.sidecar.inprocess import run_in_process
 
 pytestmark = pytest.mark.nixl
 
@@ -27,19 +26,9 @@ def test_a_claimed_hold_read_while_the_store_copies_still_run_lets_the_unregiste
     monkeypatch: pytest.MonkeyPatch,
 ):
     monkeypatch.setattr(service, "STOP_S", 0.2)  # the hold wait gives up after 0.2 s
-    manifest = plan("llama-3.1-8b", num_blocks=8)
-    pool = EnginePool(manifest)
-    sidecar = Sidecar(Config(peer_token=TOKEN, engine_id="unreg-claimed"))
-    sidecar.peer_address = "127.0.0.1:9"
 
-    async def scenario() -> None:
-        try:
-            await read_after_the_hold_wait()
-        finally:
-            await sidecar.close()
-
-    async def read_after_the_hold_wait() -> None:
-        reg = await sidecar.register(RegisterRequest(manifest=manifest, regions=pool.specs()))
+    async def read_after_the_hold_wait(sidecar: Sidecar, register: RegisterRequest) -> None:
+        reg = await sidecar.register(register)
         ticket = sidecar.hold(HoldRequest(request_id="r1", block_ids=[[5]], num_tokens=16))
         holds = sidecar.holds
         assert holds is not None
@@ -70,7 +59,4 @@ def test_a_claimed_hold_read_while_the_store_copies_still_run_lets_the_unregiste
             (ticket.hold_id, "unregistered")
         ]
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        pool.close()
+    run_in_process(read_after_the_hold_wait, engine_id="unreg-claimed")
