@@ -73,10 +73,10 @@ logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 REAP_SLICE = 256
+"""Holds the reaper releases before it yields the event loop."""
 GIVEN_UP_IDS = 4096
 """Engine-chosen hold ids given up before any hold had them, remembered (newest) so that a
 late hold call with one is refused: the engine freed those blocks when the abort found none."""
-"""Holds the reaper releases before it yields the event loop."""
 _HOLD_ID = re.compile(HOLD_ID_PATTERN)
 
 

@@ -95,9 +95,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._ipc: Any = None  # the exported CUDA IPC region, kept open while registered
         self._refused: set[str] = set()  # pulls the sidecar refused: finished, with errors
-        # request id -> (when, its blocks): a pull that ended unsettled, reported ended (its
-        # blocks load errors) only once its READ can no longer write them
-        self._aside: dict[str, tuple[float, list[int]]] = {}
+        # request id -> (when, its blocks per group): a pull that ended unsettled, failed (_fail)
+        # only once its READ can no longer write them
+        self._aside: dict[str, tuple[float, list[list[int]]]] = {}
         self._unheld: set[str] = set()  # holds the sidecar refused: free the blocks at once
         self._unanswered: dict[str, str] = {}  # request id -> hold id placed with no answer
         self.store = StoreCalls(self.client)  # store saves and loads (issue 12)
@@ -282,22 +282,22 @@ class WorkerSide:
                 pull = self._pulls.pop(f.pull_id, None)
                 if pull is None:
                     continue  # another engine's pull, or one before a restart
-                failed = [b for g in f.failed_block_ids for b in g if b >= 0]
                 if f.reason == "unsettled":  # vLLM would recompute into blocks a READ may write
-                    log.error("pull for %.200r ended unsettled: its %d blocks are set aside for "
-                              "%g s", pull.request_id, len(failed), QUARANTINE_S)  # fmt: skip
-                    self._aside[pull.request_id] = (time.monotonic() + QUARANTINE_S, failed)
+                    log.error("pull for %.200r ended unsettled: its blocks are set aside for %g s",
+                              pull.request_id, QUARANTINE_S)  # fmt: skip
+                    self._aside[pull.request_id] = (
+                        time.monotonic() + QUARANTINE_S, f.failed_block_ids
+                    )  # fmt: skip
                     continue
-                self._load_errors.update(failed)
+                self._load_errors.update(b for g in f.failed_block_ids for b in g if b >= 0)
                 recving.add(pull.request_id)
             if not page.more or not self._pulls:
                 break
         now = time.monotonic()
-        for request_id, (until, failed) in list(self._aside.items()):
+        for request_id, (until, block_ids) in list(self._aside.items()):
             if until <= now:  # the sidecar has given that READ up: the blocks are vLLM's again
                 del self._aside[request_id]
-                self._load_errors.update(failed)
-                recving.add(request_id)
+                self._fail(request_id, block_ids)
         for pull_id, p in list(self._pulls.items()):
             # The sidecar ends every pull by then: one its feed does not list went with a
             # restarted sidecar. A sidecar that does not answer may be hung, not gone, with a
