@@ -204,3 +204,30 @@ def test_sim_with_sane_numbers_gets_to_start():
 )  # fmt: skip
 def test_sim_number_flags_out_of_range_fail_in_one_line_before_anything_starts(flag, value, line):
     assert line in _one_error_line(_sim(flag, value))
+
+
+def test_a_second_sidecar_on_a_running_ones_socket_is_refused_and_the_first_keeps_serving(
+    tmp_path,
+):
+    """Before, the second replaced the first's socket file: the engine would then register its
+    memory with both, and a stopping sidecar unlinked the other's socket."""
+    from kvxferd.sim.sidecars import start_sidecars
+
+    (first,) = start_sidecars(str(tmp_path), ["a"], token="t")
+    sock = tmp_path / "a.sock"
+    try:
+        inode = os.stat(sock).st_ino
+        proc = kvxferd("serve", "--engine-socket", str(sock), "--peer-port", "0",
+                       env={"KVXFERD_PEER_TOKEN": "t"})  # fmt: skip
+        line = _one_error_line(proc)
+        assert line.endswith(
+            f"engine_socket: {sock} is in use by a running sidecar (pid {first.child.proc.pid})"
+        )
+        assert os.stat(sock).st_ino == inode
+        with first.client() as client:
+            assert client.identity().epoch == first.epoch
+    finally:
+        assert first.stop() == 0
+    (after,) = start_sidecars(str(tmp_path), ["a"], token="t")  # the lock went with its process
+    after.stop()
+    assert after.epoch != first.epoch

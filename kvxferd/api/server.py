@@ -35,7 +35,7 @@ from kvxferd.api.limits import BodyLimit, EdgeLimits, uvicorn_limits
 from kvxferd.api.operations import Gate
 from kvxferd.api.peer import FRAME_OPERATIONS as PEER_FRAME_OPERATIONS
 from kvxferd.api.peer import peer_app, peer_gate
-from kvxferd.api.sockets import bind_tcp, bind_unix
+from kvxferd.api.sockets import bind_tcp, bind_unix, lock_socket_path
 from kvxferd.config import HTTP_SERVER_KEEPALIVE_S, Config
 from kvxferd.sidecar.service import Sidecar
 
@@ -124,9 +124,21 @@ def _bind_frames(config: Config) -> tuple[socket.socket | None, socket.socket | 
 
 
 async def serve(config: Config) -> None:
-    """Run until SIGINT/SIGTERM; then stop accepting, finish, release everything."""
-    ensure_fd_budget(listener_limits(config))
-    log.info("event loop: %s, http: %s", loop_name(config.event_loop), http_parser(config.http))
+    """Run until SIGINT/SIGTERM; then stop accepting, finish, release everything. The Unix
+    socket paths stay locked until then: a second sidecar on them is refused."""
+    locks = [lock_socket_path(config.engine_socket)]
+    try:
+        if config.frames_socket:
+            locks.append(lock_socket_path(config.frames_socket, "engine_frames_socket"))
+        ensure_fd_budget(listener_limits(config))
+        log.info("event loop: %s, http: %s", loop_name(config.event_loop), http_parser(config.http))
+        await _serve(config)
+    finally:
+        for fd in locks:
+            os.close(fd)
+
+
+async def _serve(config: Config) -> None:
     engine_sock = bind_unix(config.engine_socket)
     try:
         peer_sock = bind_tcp(config.peer_host, config.peer_port)

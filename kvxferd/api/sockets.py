@@ -4,6 +4,7 @@ sim use it too."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import stat
@@ -11,8 +12,37 @@ import stat
 from kvxferd.errors import ConfigError
 
 
+def lock_socket_path(path: str, field: str = "engine_socket") -> int:
+    """Hold ``path``'s lock file (``path + ".lock"``) for as long as the returned fd stays open.
+
+    A second sidecar on the same socket is refused while the first runs (it would replace the
+    first's socket file, and the engine would register the same memory twice), and the kernel
+    drops the lock only with its process. The file stays: unlinking it would let two processes
+    lock two different files."""
+    lock = path + ".lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"{field}: cannot open {lock}: {exc.strerror}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        os.close(fd)
+        raise ConfigError(
+            f"{field}: {path} is in use by a running sidecar (pid {holder or 'unknown'})"
+        ) from None
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError(f"{field}: cannot lock {lock}: {exc.strerror}") from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def bind_unix(path: str, field: str = "engine_socket") -> socket.socket:
-    """Bind a 0600 Unix stream socket at ``path``, replacing a stale socket file."""
+    """Bind a 0600 Unix stream socket at ``path``, replacing a socket file left there (stale
+    once :func:`lock_socket_path` holds ``path``)."""
     if os.path.exists(path):
         if not stat.S_ISSOCK(os.stat(path).st_mode):
             raise ConfigError(f"{field}: {path} exists and is not a socket")

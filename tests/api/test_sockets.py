@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from kvxferd.api.sockets import bind_tcp, bind_unix
+from kvxferd.api.sockets import bind_tcp, bind_unix, lock_socket_path
 from kvxferd.errors import ConfigError
 
 
@@ -30,6 +30,18 @@ def test_a_regular_file_in_the_way_is_never_removed(tmp_path):
     with pytest.raises(ConfigError, match="^engine_socket: .* exists and is not a socket"):
         bind_unix(str(path))
     assert path.read_text() == "keep me"
+
+
+def test_a_socket_path_is_locked_once_until_its_holder_lets_go(tmp_path):
+    path = str(tmp_path / "e.sock")
+    held = lock_socket_path(path)
+    try:
+        with pytest.raises(ConfigError, match=rf"^engine_frames_socket: {path} is in use by a "
+                           rf"running sidecar \(pid {os.getpid()}\)$"):  # fmt: skip
+            lock_socket_path(path, "engine_frames_socket")
+    finally:
+        os.close(held)
+    os.close(lock_socket_path(path))
 
 
 def test_a_failed_tcp_bind_names_the_setting():
