@@ -13,7 +13,13 @@ import msgspec
 import pytest
 
 from kvxferd.client import SidecarError, SidecarUnreachableError
-from kvxferd.errors import HandshakeError, KvxferdError, MemoryInUseError, UnknownHoldError
+from kvxferd.errors import (
+    HandshakeError,
+    KvxferdError,
+    MemoryInUseError,
+    NotRegisteredError,
+    UnknownHoldError,
+)
 from kvxferd.sidecar.reads import QUARANTINE_S
 from kvxferd.vllm import worker as worker_module
 from kvxferd.vllm.scheduler import Decline, HoldOrder, PullOrder, StepOrders
@@ -26,6 +32,7 @@ from kvxferd.wire import (
     FinishedPull,
     FinishedPulls,
     HoldRequest,
+    Identity,
     PullAccepted,
     PullRequest,
     ReleasedHold,
@@ -273,3 +280,39 @@ def test_a_pull_past_its_end_is_given_up_at_once_only_when_its_sidecar_answers(
         clock.sleep(QUARANTINE_S)
     assert worker.finished() == (None, {"d1"}) and worker.load_errors() == {4, 5}
     assert worker.finished() == (None, None)
+
+
+class _Restarted(_UnsettledPull):
+    """Its first pull ends unsettled; then its process restarts (a new epoch) or an operator's
+    unregister ends behind the engine (``epoch`` unchanged, nothing registered)."""
+
+    def __init__(self, epoch: int) -> None:
+        super().__init__("unsettled")
+        self.epoch = epoch
+
+    def pull(self, req: PullRequest) -> PullAccepted:
+        if self.feed:
+            raise NotRegisteredError("pull: no engine is registered")
+        return super().pull(req)
+
+    def identity(self) -> Identity:
+        return Identity(engine_id="e", epoch=self.epoch, generation=-1, peer_address="h:1",
+                        tp_rank=-1, tp_size=0, default_lease_s=30.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("epoch", [8, 7], ids=["restarted", "unregistered"])
+def test_a_pull_set_aside_unsettled_is_freed_once_its_registration_is_gone(monkeypatch, epoch):
+    """Its READ went with the old process (one sidecar per socket), or the unregister that
+    ended waited for every unsettled READ: nothing can write its blocks any more."""
+    clock = _Clock()
+    monkeypatch.setattr(worker_module, "time", clock)
+    worker = WorkerSide("/nonexistent/kvxferd.sock", model="m", tp_rank=0, tp_size=1)
+    worker.client = _Restarted(epoch)  # type: ignore[assignment]
+    worker.epoch, worker._registration = 7, ("caches",)  # type: ignore[assignment]
+    registered: list[tuple[object, ...]] = []
+    monkeypatch.setattr(worker, "register", lambda *args: registered.append(args))
+    worker.run(StepOrders(pulls=[PullOrder("d1", [], [[4, 5]], 32)]))
+    assert worker.finished() == (None, None)  # set aside: its READ may still write
+    worker.run(StepOrders(pulls=[PullOrder("d2", [], [[6]], 16)]))  # refused: not registered
+    assert registered == [("caches",)]
+    assert worker.finished() == (None, {"d1", "d2"}) and worker.load_errors() == {4, 5, 6}
