@@ -547,15 +547,15 @@ class Sidecar:
         _, manifest = self._require_engine()
         return descriptors.compare_manifests(manifest, remote)
 
-    async def _until_read(self, holds: HoldTable, timeout_s: float) -> int:
+    async def _until_read(self, holds: HoldTable, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the holds left live (given up while claimed: their
-        readers may still READ) to be released by notification or claim end: how many remain."""
+        readers may still READ) to be released by notification or claim end (the caller counts
+        what remains once every wait has ended)."""
         deadline = time.monotonic() + timeout_s
         while len(holds) and (left := deadline - time.monotonic()) > 0:
             self._a_release.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._a_release.wait(), left)
-        return len(holds)
 
     def _after_release(self) -> None:
         """Bring the hold gauges and release counters up to date with the HoldTable."""
