@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvxferd.client import EngineClient, frames_available
+from kvxferd.errors import ConfigError
 from kvxferd.vllm.manifest import ConvGeometry, conv_geometry
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
 from kvxferd.vllm.storeplan import StoreOptions, StorePlanner
@@ -94,11 +95,25 @@ def _secret(extra: dict[str, Any]) -> bytes:
     return os.environ.get("KVXFERD_PEER_TOKEN", "").encode()
 
 
+def _check_parallelism(parallel: Any) -> None:
+    """ConfigError for layouts whose ranks would share a sidecar: ``{rank}`` in
+    ``sidecar_socket`` names only the TP rank, and a second engine on a sidecar's socket would
+    take its registration from the first."""
+    for field in ("pipeline_parallel_size", "data_parallel_size_local"):
+        if (size := getattr(parallel, field, 1) or 1) > 1:
+            raise ConfigError(
+                f"{field}={size} is not supported: {{rank}} in sidecar_socket names the TP "
+                "rank only, so ranks would share a sidecar; run one engine per pod with tensor "
+                "parallelism only (data parallel across pods)"
+            )
+
+
 class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
     """The connector vLLM loads by ``kv_connector_module_path: kvxferd.vllm``."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _check_parallelism(vllm_config.parallel_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._socket = extra.get("sidecar_socket", DEFAULT_SOCKET)
         tp_size = vllm_config.parallel_config.tensor_parallel_size

@@ -79,13 +79,21 @@ class Rank:
             engine.config.kv_transfer_config.kv_connector_extra_config["sidecar_socket"] = (
                 sidecar_socket
             )
-        buf = torch.frombuffer(self.shm.host_view(), dtype=torch.int8)
-        self.views = cpu.allocate(engine, layout, buffer=buf)
-        with cpu.tp_rank(engine.config.parallel_config.tensor_parallel_size, tp_rank):
-            self.connector = KvxferdConnector(
-                engine.config, KVConnectorRole.WORKER, engine.kv_cache_config
-            )
-        self.connector.register_kv_caches(self.views)
+        try:
+            buf = torch.frombuffer(self.shm.host_view(), dtype=torch.int8)
+            self.views = cpu.allocate(engine, layout, buffer=buf)
+            with cpu.tp_rank(engine.config.parallel_config.tensor_parallel_size, tp_rank):
+                self.connector = KvxferdConnector(
+                    engine.config, KVConnectorRole.WORKER, engine.kv_cache_config
+                )
+            try:
+                self.connector.register_kv_caches(self.views)
+            except BaseException:
+                self.connector.shutdown()
+                raise
+        except BaseException:  # the segment goes with a rank that could not start
+            self.shm.close()
+            raise
         self.manifest = self.connector._worker.manifest
 
     def arrays(self) -> list[np.ndarray]:

@@ -17,6 +17,7 @@ import msgspec
 
 from kvxferd.client import EngineClient, SidecarError, frames_available
 from kvxferd.errors import (
+    ConfigError,
     KvxferdError,
     MemoryInUseError,
     MemoryRegionError,
@@ -80,6 +81,7 @@ class WorkerSide:
         conv: ConvGeometry | None = None,
     ) -> None:
         # Frames when the sidecar serves them as this worker starts (else HTTP for its life).
+        self.socket_path = socket_path
         self.client = EngineClient(socket_path, frames=frames_available(socket_path))
         self.model, self.tp_rank, self.tp_size = model, tp_rank, tp_size
         self.conv = conv  # how Mamba/GDN conv states are laid out (None: one shard per rank)
@@ -138,6 +140,14 @@ class WorkerSide:
         )
         manifest = _shift(manifest, alloc.base - start, mem, device)
         ident = self.client.identity()
+        if ident.generation >= 0 and ident.tp_rank != self.tp_rank:
+            # Not an earlier engine of this rank: another rank's live registration, which an
+            # unregister would take from under it (ranks sharing one socket).
+            raise ConfigError(
+                f"sidecar at {self.socket_path} is registered by TP rank "
+                f"{ident.tp_rank}, not this rank {self.tp_rank}: each rank needs its own "
+                "sidecar ({rank} in sidecar_socket)"
+            )
         if ident.generation >= 0:
             self._unregister(ident.generation, ident.max_claim_s)
         resp = self.client.register(manifest, [source])

@@ -6,6 +6,7 @@ scheduler re-reads identities, and a new request moves byte-exact."""
 from __future__ import annotations
 
 import contextlib
+import re
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ import msgspec
 import pytest
 
 from kvxferd import pattern
-from kvxferd.errors import MemoryInUseError, NotRegisteredError
+from kvxferd.errors import ConfigError, MemoryInUseError, NotRegisteredError
 from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.vllm.connector import KvxferdConnector
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
@@ -180,3 +181,19 @@ def test_an_unregister_behind_the_engine_frees_no_block_a_decode_may_still_read(
         assert prefill.step(sched.take_orders()) == ({"r2"}, None)
         with p_side.client() as c:
             assert c.identity().generation == 1
+
+
+def test_a_rank_whose_sidecar_another_rank_registered_refuses_to_take_it_over(engines, tmp_path):
+    """Ranks sharing one socket (``sidecar_socket`` without ``{rank}``): the second used to
+    unregister the first's live memory to register its own."""
+    engine = engines("dense", "LBHNC", num_blocks=24, tp_size=2)
+    with worker_pair(tmp_path, "LBHNC", engine) as (first, _, p_side):
+        with p_side.client() as c:
+            before = c.identity()
+        taken = f"sidecar at {p_side.socket} is registered by TP rank 0, not this rank 1: "
+        with pytest.raises(ConfigError, match="^" + re.escape(taken) + "each rank needs its own"):
+            Rank(engine, "LBHNC", p_side, tp_rank=1)
+        with p_side.client() as c:
+            after = c.identity()
+        assert (after.generation, after.tp_rank) == (before.generation, 0)
+        assert first.step(StepOrders()) == (None, None)  # still registered: not refused
