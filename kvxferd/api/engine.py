@@ -12,6 +12,7 @@ from kvxferd.api.codec import StructResponse
 from kvxferd.api.openapi import HEALTH, document, install_openapi
 from kvxferd.api.operations import Gate, Operation, Query, mount
 from kvxferd.wire import (
+    MAX_PAGE_ENTRIES,
     AbortHoldRequest,
     DeclineRequest,
     DeclineResponse,
@@ -203,7 +204,7 @@ CURSOR = Query(
 )
 LIMIT = Query(
     "limit",
-    Annotated[int, msgspec.Meta(ge=1, le=4096)],
+    Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGE_ENTRIES)],
     1024,
     "Most entries in one page (a page is also cut at 1 MiB).",
 )

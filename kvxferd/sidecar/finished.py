@@ -11,7 +11,7 @@ from collections import deque
 
 import msgspec
 
-from kvxferd.wire import FinishedPull, FinishedPulls
+from kvxferd.wire import MAX_PAGE_ENTRIES, FinishedPull, FinishedPulls
 
 MAX_RECORDS = 65536
 """Entries kept at most."""
@@ -19,7 +19,7 @@ MAX_BYTES = 32 << 20
 """Encoded bytes kept at most (a failed pull of 8k blocks costs ~50 KB)."""
 PAGE_BYTES = 1 << 20
 """Encoded bytes one page carries at most (always at least one entry)."""
-MAX_LIMIT = 4096
+MAX_LIMIT = MAX_PAGE_ENTRIES
 """Largest page size in entries."""
 
 

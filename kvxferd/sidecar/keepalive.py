@@ -95,10 +95,11 @@ async def keep_alive(
 
 
 def _for_asked(cls: type[_Answer], answer: _Answer | None, asked: list[str]) -> _Answer:
-    """A peer's answer kept to the holds we asked about; a hold it did not mention either way
-    (or every hold, when it gave no usable answer) is ``unanswered``: its lease is unknown."""
+    """A peer's answer kept to the holds we asked about, each once a list (so the merged answer
+    stays within the call's tickets); a hold it did not mention either way (or every hold, when
+    it gave no usable answer) is ``unanswered``: its lease is unknown."""
     wanted = set(asked)
-    lists = {f: [h for h in getattr(answer, f) if h in wanted] if answer else []
+    lists = {f: [h for h in dict.fromkeys(getattr(answer, f)) if h in wanted] if answer else []
              for f in cls.__struct_fields__ if f != "unanswered"}  # fmt: skip
     told = {h for ids in lists.values() for h in ids}
     return cls(**lists, unanswered=[h for h in asked if h not in told])

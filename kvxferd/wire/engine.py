@@ -8,6 +8,8 @@ import msgspec
 
 from kvxferd.wire.manifest import (
     _POSITIVE,
+    MAX_GROUPS,
+    MAX_REGIONS,
     ONE_LINE_PATTERN,
     ChosenHoldId,
     EngineId,
@@ -38,6 +40,9 @@ rank and size, the reader TP size a claim announces."""
 MAX_TICKETS_PER_CALL = 4096
 """Most tickets one decline or keepalive carries, and hold ids one heartbeat names: a step's
 declines of 256 requests from TP-16 prefills. A caller with more sends several calls."""
+MAX_PAGE_ENTRIES = 4096
+"""Most entries one page of a feed (released holds, finished pulls) carries: the largest
+``limit`` a feed call may ask for."""
 DECLINE_REASON_MAX_LENGTH = 256
 """Most characters of a decline's reason (for the prefill sides' logs)."""
 _HOST = r"[A-Za-z0-9._:%\[\]-]{1,255}"
@@ -49,6 +54,10 @@ characters): the decode side connects to it and sends it as the HTTP ``Host``.""
 PeerAddress = Annotated[str, msgspec.Meta(max_length=261, pattern=PEER_ADDRESS_PATTERN)]
 GroupBlockIds = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
 """One group's block ids (at most MAX_BLOCK_IDS)."""
+BlockIdsPerGroup = Annotated[list[GroupBlockIds], msgspec.Meta(max_length=MAX_GROUPS)]
+"""A call's block ids, one list per group (at most MAX_GROUPS lists of MAX_BLOCK_IDS ids)."""
+_FED_PER_GROUP = msgspec.Meta(extra_json_schema={"maxItems": MAX_GROUPS})
+"""MAX_GROUPS in the schema only, on what a sidecar feeds its own engine (as FedRequestId)."""
 
 HoldReleaseReason = Literal["notified", "expired", "aborted", "declined", "unregistered"]
 PullStateName = Literal["pending", "handshaking", "claiming", "transferring", "done", "failed"]
@@ -82,9 +91,10 @@ class RegisterRequest(_Strict, kw_only=True):
 
     manifest: Manifest
     """The engine's KV manifest (identity fields are filled in by the sidecar)."""
-    regions: list[AnyRegionSpec]
+    regions: Annotated[list[AnyRegionSpec], msgspec.Meta(max_length=MAX_REGIONS)]
     """Memory sources (allocations), each registered with NIXL once. Without ``Region.source``
-    one per ``manifest.regions`` entry, same order; with it, any number that regions point into."""
+    one per ``manifest.regions`` entry, same order; with it, any number that regions point into
+    (at most MAX_REGIONS)."""
 
 
 class RegisterResponse(_Strict, kw_only=True):
@@ -139,8 +149,9 @@ class HoldRequest(_Strict, kw_only=True):
 
     request_id: RequestId
     """The engine's request id (at most 512 characters on one line, ONE_LINE_PATTERN)."""
-    block_ids: list[GroupBlockIds]
-    """Logical block ids per group, in request order (at most MAX_BLOCK_IDS a group)."""
+    block_ids: BlockIdsPerGroup
+    """Logical block ids per group, in request order (at most MAX_GROUPS lists of
+    MAX_BLOCK_IDS)."""
     num_tokens: Annotated[
         int, msgspec.Meta(extra_json_schema={"minimum": 0, "maximum": MAX_TOKENS})
     ]
@@ -168,8 +179,8 @@ class Ticket(_Strict, kw_only=True):
     """The hold to claim."""
     request_id: RequestId
     """The prefill engine's request id (at most 512 characters on one line, ONE_LINE_PATTERN)."""
-    block_ids: list[GroupBlockIds]
-    """Remote logical block ids per group (at most MAX_BLOCK_IDS a group)."""
+    block_ids: BlockIdsPerGroup
+    """Remote logical block ids per group (at most MAX_GROUPS lists of MAX_BLOCK_IDS)."""
     num_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
     """Prompt tokens covered (0..MAX_TOKENS, as a hold's)."""
     expires_at: float
@@ -202,9 +213,9 @@ class PullRequest(_Strict, kw_only=True):
     ]
     """The tickets of every prefill TP rank, rank order (same request, same block ids; at most
     MAX_TP)."""
-    block_ids: list[GroupBlockIds]
+    block_ids: BlockIdsPerGroup
     """Local logical block ids per group, aligned with the tickets' block_ids; -1 skips a block
-    (at most MAX_BLOCK_IDS a group).
+    (at most MAX_GROUPS lists of MAX_BLOCK_IDS).
     With ``num_tokens`` given, a group lists at most the blocks those tokens span (at least 1)
     or as many ids as the ticket's list for it."""
     deadline_s: float = 30.0
@@ -282,7 +293,7 @@ class ReleasedHold(_Strict, kw_only=True):
     """The hold."""
     request_id: FedRequestId
     """The engine's request id."""
-    block_ids: list[list[int]]
+    block_ids: Annotated[list[list[int]], _FED_PER_GROUP]
     """The blocks it pinned, per group."""
     reason: HoldReleaseReason
     """Why it ended."""
@@ -291,7 +302,9 @@ class ReleasedHold(_Strict, kw_only=True):
 class ReleasedHolds(_Strict, kw_only=True):
     """Feed of released holds since a cursor (one page)."""
 
-    holds: list[ReleasedHold]
+    holds: Annotated[
+        list[ReleasedHold], msgspec.Meta(extra_json_schema={"maxItems": MAX_PAGE_ENTRIES})
+    ]
     """Released holds, oldest first."""
     cursor: int
     """Pass back to get only newer entries."""
@@ -310,14 +323,16 @@ class FinishedPull(_Strict, kw_only=True):
     """How it ended."""
     reason: str = ""
     """Failure reason code when failed."""
-    failed_block_ids: list[list[int]] = []
+    failed_block_ids: Annotated[list[list[int]], _FED_PER_GROUP] = []
     """Local block ids per group whose bytes are not valid (all of the pull's when failed)."""
 
 
 class FinishedPulls(_Strict, kw_only=True):
     """Feed of finished pulls since a cursor (one page); one local call per engine step."""
 
-    pulls: list[FinishedPull]
+    pulls: Annotated[
+        list[FinishedPull], msgspec.Meta(extra_json_schema={"maxItems": MAX_PAGE_ENTRIES})
+    ]
     """Finished pulls, oldest first."""
     cursor: int
     """Pass back to get only newer entries."""

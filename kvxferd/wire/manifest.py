@@ -59,6 +59,22 @@ ChosenHoldId = Annotated[
 MANIFEST_VERSION = 1
 """Bump when the manifest's meaning changes. 1: first version."""
 
+# How long a manifest's lists may be, so no absurd count reaches the descriptor math. Refused at
+# decode (a 422 naming the list, or an invalid handshake): msgpack before any entry is built, JSON
+# once the list is parsed (within the body limit; msgspec counts a JSON list at its end).
+MAX_GROUPS = 256
+"""Most KV-cache groups, so id lists per hold, ticket, pull or store call. vLLM cuts each layer
+kind into groups as large as its rarest kind: 1-10 in real models (granite-4.0-h-tiny: 10)."""
+MAX_LAYERS = 1024
+"""Most layers in one group: models have up to a few hundred, a drafter's included."""
+MAX_REGIONS = 1024
+"""Most regions, memory sources and a handshake's region bases: a region per layer slot
+(per_layer) or per tensor (cross_layer), so no more than a model's layers."""
+MAX_CONV_PARTS = 16
+"""Most conv parts of a Mamba layer: a section each (x|B|C, q|k|v: 3) or one."""
+MAX_SHAPE_DIMS = 8
+"""Most dimensions of a conv or SSM state shape (2 or 3 today)."""
+
 Dtype = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"]
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -157,19 +173,19 @@ class MambaLayer(_Strict, kw_only=True, tag="mamba"):
     """Index into ``Manifest.regions`` of the pooled tensor that holds this layer."""
     mamba_type: MambaType
     """Which mixer: mamba1, mamba2 or gated delta net."""
-    conv_shape: list[int]
-    """Conv state shape per rank, in ``conv_layout`` order."""
+    conv_shape: Annotated[list[int], msgspec.Meta(max_length=MAX_SHAPE_DIMS)]
+    """Conv state shape per rank, in ``conv_layout`` order (at most MAX_SHAPE_DIMS)."""
     conv_dtype: Dtype
     """Conv state element type."""
-    ssm_shape: list[int]
-    """SSM (temporal) state shape per rank."""
+    ssm_shape: Annotated[list[int], msgspec.Meta(max_length=MAX_SHAPE_DIMS)]
+    """SSM (temporal) state shape per rank (at most MAX_SHAPE_DIMS)."""
     ssm_dtype: Dtype
     """SSM state element type."""
     conv_layout: ConvLayout
     """SD: (state_len, dim); DS: (dim, state_len), so x/B/C (or q/k/v) sections are contiguous."""
-    conv: list[Part]
+    conv: Annotated[list[Part], msgspec.Meta(max_length=MAX_CONV_PARTS)]
     """Conv parts: one per section (x, B, C / q, k, v; SD: one run per conv row), or a single
-    unsliceable part when the sections are unknown."""
+    unsliceable part when the sections are unknown (at most MAX_CONV_PARTS)."""
     ssm: Part
     """The SSM state part."""
 
@@ -186,8 +202,9 @@ class Group(_Strict, kw_only=True):
     """Tokens per logical block (the id the engine's block table holds)."""
     kernel_block_size: int
     """Tokens per kernel block; attention blocks split into block_size // kernel_block_size."""
-    layers: list[Layer]
-    """The group's layers, ``layers[i]`` living in pooled region ``layers[i].region``."""
+    layers: Annotated[list[Layer], msgspec.Meta(max_length=MAX_LAYERS)]
+    """The group's layers, ``layers[i]`` living in pooled region ``layers[i].region`` (at most
+    MAX_LAYERS)."""
     sliding_window: int | None = None
     """Window in tokens, for sliding_window groups."""
 
@@ -222,10 +239,10 @@ class Manifest(_Strict, kw_only=True):
     """Model name or architecture, informational."""
     num_blocks: int
     """Logical block ids are 0..num_blocks-1, shared by all groups (vLLM's one block pool)."""
-    regions: list[Region]
-    """Pooled tensors, each registered once."""
-    groups: list[Group]
-    """KV-cache groups in engine order."""
+    regions: Annotated[list[Region], msgspec.Meta(max_length=MAX_REGIONS)]
+    """Pooled tensors, each registered once (at most MAX_REGIONS)."""
+    groups: Annotated[list[Group], msgspec.Meta(max_length=MAX_GROUPS)]
+    """KV-cache groups in engine order (at most MAX_GROUPS)."""
     tp_rank: int = 0
     """This rank's tensor-parallel index."""
     tp_size: int = 1

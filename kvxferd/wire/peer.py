@@ -7,7 +7,11 @@ from typing import Annotated
 import msgspec
 
 from kvxferd.wire.engine import MAX_TICKETS_PER_CALL, Ticket
-from kvxferd.wire.manifest import _POSITIVE, EngineId, HoldId, Manifest
+from kvxferd.wire.manifest import _POSITIVE, MAX_REGIONS, EngineId, HoldId, Manifest
+
+HoldIdsAnswered = Annotated[list[str], msgspec.Meta(max_length=MAX_TICKETS_PER_CALL)]
+"""Hold ids a heartbeat or decline answer names in one of its lists: at most the holds the call
+asked about (MAX_TICKETS_PER_CALL); a prefill side's longer answer is an invalid one."""
 
 
 class Handshake(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,8 +29,9 @@ class Handshake(msgspec.Struct, frozen=True, kw_only=True):
     """Sender's NIXL agent metadata (base64 in JSON)."""
     manifest: Manifest
     """Sender's KV manifest."""
-    region_bases: list[int]
-    """Base address of each manifest region in the sender's process (for READ descriptors)."""
+    region_bases: Annotated[list[int], msgspec.Meta(max_length=MAX_REGIONS)]
+    """Base address of each manifest region in the sender's process (for READ descriptors; at
+    most MAX_REGIONS)."""
     frames_port: int = 0
     """TCP port of the sender's framed peer API on its peer host (claims, heartbeats, declines);
     0: none, call it over HTTP."""
@@ -75,27 +80,28 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class HeartbeatResponse(msgspec.Struct, frozen=True, kw_only=True):
-    """Which holds were extended and which are gone."""
+    """Which holds were extended and which are gone (at most MAX_TICKETS_PER_CALL a list)."""
 
-    extended: list[str]
+    extended: HoldIdsAnswered
     """Holds whose lease was extended."""
-    missing: list[str]
+    missing: HoldIdsAnswered
     """Holds that no longer exist (expired or released)."""
-    unanswered: list[str] = []
+    unanswered: HoldIdsAnswered = []
     """Holds whose prefill sidecar gave no usable answer (unreachable, timed out, refused), so
     their lease is unknown; only a decode sidecar's keepalive answer has any."""
 
 
 class DeclineResponse(msgspec.Struct, frozen=True, kw_only=True):
-    """What a decline did to each hold (the engine API merges every prefill side's answer)."""
+    """What a decline did to each hold (the engine API merges every prefill side's answer; each
+    list at most MAX_TICKETS_PER_CALL)."""
 
-    released: list[str]
+    released: HoldIdsAnswered
     """Holds released now, reason ``declined``."""
-    missing: list[str]
+    missing: HoldIdsAnswered
     """Holds that were already gone (released, expired) or do not match their ticket."""
-    busy: list[str] = []
+    busy: HoldIdsAnswered = []
     """Holds a reader has claimed and may be reading: left to its notification or expiry."""
-    unanswered: list[str] = []
+    unanswered: HoldIdsAnswered = []
     """Holds whose prefill sidecar gave no usable answer (they expire with their lease)."""
 
 

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kvxferd.wire.engine import MAX_TOKENS, GroupBlockIds
+from kvxferd.wire.engine import _FED_PER_GROUP, MAX_TOKENS, BlockIdsPerGroup
 from kvxferd.wire.manifest import ChosenHoldId, RequestId, _Strict
 
 STORE_KEY_HEX = 32
@@ -15,6 +15,8 @@ STORE_KEY_PATTERN = rf"^[0-9a-f]{{{STORE_KEY_HEX}}}(?!\n)$"
 """A chunk key's text (kvxferd.store.keys checks keys an engine hands over with it)."""
 StoreKey = Annotated[str, msgspec.Meta(max_length=STORE_KEY_HEX, pattern=STORE_KEY_PATTERN)]
 """A chunk key: 32 lowercase hex digits."""
+StoreKeys = Annotated[list[StoreKey], msgspec.Meta(max_length=MAX_TOKENS)]
+"""A prompt's chunk keys: at most MAX_TOKENS (one chunk a token, the smallest chunk)."""
 
 
 class StoreSaveRequest(_Strict, kw_only=True):
@@ -22,10 +24,10 @@ class StoreSaveRequest(_Strict, kw_only=True):
 
     request_id: RequestId
     """The engine's request id, for logs (at most 512 characters on one line, ONE_LINE_PATTERN)."""
-    keys: list[StoreKey]
+    keys: StoreKeys
     """Chunk keys of the prompt (``kvxferd.store.chunk_keys``, 32 hex digits each): one per
-    ``store_chunk_tokens`` tokens, the last chunk possibly partial."""
-    block_ids: list[GroupBlockIds] = []
+    ``store_chunk_tokens`` tokens, the last chunk possibly partial (at most MAX_TOKENS)."""
+    block_ids: BlockIdsPerGroup = []
     """Logical block ids per group, in request order (mamba: the state block last); empty when
     ``hold_id`` names them. A group lists at most the blocks ``num_tokens`` span (at least 1)
     plus HOLD_SPARE_BLOCKS, as a hold's, else a 422 naming it."""
@@ -60,8 +62,8 @@ class StoreSaved(_Strict, kw_only=True):
 class StoreLookupRequest(_Strict, kw_only=True):
     """Engine -> sidecar: how much of this prompt can the store serve?"""
 
-    keys: list[StoreKey]
-    """Chunk keys of the prompt."""
+    keys: StoreKeys
+    """Chunk keys of the prompt (at most MAX_TOKENS)."""
     num_tokens: Annotated[
         int, msgspec.Meta(extra_json_schema={"minimum": 0, "maximum": MAX_TOKENS})
     ]
@@ -71,7 +73,7 @@ class StoreLookupRequest(_Strict, kw_only=True):
 class StoreLookup(_Strict, kw_only=True):
     """Sidecar -> engine: tokens each group can serve, and the prefix all of them can."""
 
-    matched_tokens: list[int]
+    matched_tokens: Annotated[list[int], _FED_PER_GROUP]
     """Per group: attention, the chunks present from the start; mamba, the end of the latest
     chunk with a saved state."""
     matched: int
@@ -84,9 +86,9 @@ class StoreLookup(_Strict, kw_only=True):
 class StoreLoadRequest(_Strict, kw_only=True):
     """Engine -> sidecar: write a prompt's first tokens from the store into local blocks."""
 
-    keys: list[StoreKey]
-    """Chunk keys of the tokens to load (one per chunk of ``num_tokens``)."""
-    block_ids: list[GroupBlockIds]
+    keys: StoreKeys
+    """Chunk keys of the tokens to load (one per chunk of ``num_tokens``; at most MAX_TOKENS)."""
+    block_ids: BlockIdsPerGroup
     """Local logical block ids per group (mamba: the state block last); a group lists at most
     the blocks ``num_tokens`` span (at least 1) plus HOLD_SPARE_BLOCKS, else a 422 naming it."""
     num_tokens: Annotated[

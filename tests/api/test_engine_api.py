@@ -16,6 +16,9 @@ from kvxferd.memory import SHM_DIR
 from kvxferd.wire import (
     HOLD_SPARE_BLOCKS,
     MAX_BLOCK_IDS,
+    MAX_GROUPS,
+    MAX_LAYERS,
+    MAX_REGIONS,
     MAX_TICKETS_PER_CALL,
     MAX_TOKENS,
     AbortHoldRequest,
@@ -292,6 +295,46 @@ def test_a_group_of_more_than_max_block_ids_is_a_422_naming_it_before_the_sideca
     assert (err.error, err.field) == ("ValidationError", field)
     assert fake.calls == []  # the sidecar never sees it, and keeps serving
     assert fake_engine.post("/v1/decline", json={"tickets": [ticket]}).status_code == 200
+
+
+_PLANNED = msgspec.to_builtins(plan("llama-3.1-8b"))
+_GROUPS = [[1]] * (MAX_GROUPS + 1)
+
+
+def _manifest_with(key: str, n: int) -> dict:
+    """The planned manifest with ``n`` copies of its first region or group, or of group 0's
+    first layer (``layers``)."""
+    if key == "layers":
+        group = _PLANNED["groups"][0]
+        return {**_PLANNED, "groups": [{**group, "layers": group["layers"][:1] * n}]}
+    return {**_PLANNED, key: _PLANNED[key][:1] * n}
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [("/v1/register", {"manifest": _manifest_with("groups", MAX_GROUPS + 1), "regions": []},
+      "manifest.groups"),
+     ("/v1/register", {"manifest": _manifest_with("regions", MAX_REGIONS + 1), "regions": []},
+      "manifest.regions"),
+     ("/v1/register", {"manifest": _manifest_with("layers", MAX_LAYERS + 1), "regions": []},
+      "manifest.groups[0].layers"),
+     ("/v1/holds", _hold_body(block_ids=_GROUPS), "block_ids"),
+     ("/v1/pulls", {"tickets": [], "block_ids": _GROUPS}, "block_ids"),
+     ("/v1/store/save", {"request_id": "r", "keys": [], "block_ids": _GROUPS}, "block_ids"),
+     ("/v1/store/load", {"keys": [], "block_ids": _GROUPS, "num_tokens": 0}, "block_ids")],
+    ids=["groups", "regions", "layers", "hold", "pull", "store-save", "store-load"],
+)  # fmt: skip
+@pytest.mark.parametrize("wire", ["json", "msgpack"])
+def test_a_list_past_its_bound_is_a_422_naming_it_before_the_sidecar(
+    fake_engine, fake, route, body, field, wire
+):
+    encode = msgspec.json.encode if wire == "json" else msgspec.msgpack.encode
+    resp = fake_engine.post(route, content=encode(body),
+                            headers={"Content-Type": f"application/{wire}"})  # fmt: skip
+    err = _error(resp, 422)
+    assert (err.error, err.field) == ("ValidationError", field)
+    assert fake.calls == []  # the sidecar never sees it, and keeps serving
+    assert fake_engine.post("/v1/decline", json={"tickets": []}).status_code == 200
 
 
 @pytest.mark.parametrize("reason", ["rejected\nkvxferd ready", "rejected\n", "x" * 257])

@@ -13,6 +13,7 @@ import pytest
 
 from kvxferd.api.engine import OPERATIONS
 from kvxferd.client import frames_available
+from kvxferd.wire import MAX_GROUPS
 from tests.api.frameio import call, closed_by_server, connect, http_call, read_answer, request_bytes
 from tests.sidecar.harness import EnginePool, plan, start_sidecar
 
@@ -55,6 +56,10 @@ def test_every_operation_answers_as_over_http(sidecar, op):
     assert framed == http_call(sidecar.socket, name, body)
 
 
+_PAST_GROUPS = [[1]] * (MAX_GROUPS + 1)
+"""One id list more than a call may name."""
+
+
 def _hold(block_ids: list[list[int]]) -> dict:
     return {"request_id": f"r-{uuid.uuid4().hex[:8]}", "block_ids": block_ids, "num_tokens": 3}
 
@@ -65,6 +70,7 @@ def _hold(block_ids: list[list[int]]) -> dict:
         ("POST /v1/holds", _hold([[1, 99]]), None, 422, "block_ids[0][1]"),
         ("POST /v1/holds", {"request_id": 5, "block_ids": [[1]]}, None, 422, "request_id"),
         ("POST /v1/holds", "not an object", None, 422, ""),
+        ("POST /v1/pulls/run", {"tickets": [], "block_ids": _PAST_GROUPS}, None, 422, "block_ids"),
         ("POST /v1/pulls/run", {"tickets": []}, None, 422, "block_ids"),
         ("GET /v1/pulls/finished", None, {"cursor": -1}, 422, "cursor"),
         ("GET /v1/released", None, {"limit": "many"}, 422, "limit"),

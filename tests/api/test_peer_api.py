@@ -15,6 +15,8 @@ from kvxferd.api.peer import peer_document
 from kvxferd.sidecar.signing import PeerKeys
 from kvxferd.sidecar.tickets import sign_ticket
 from kvxferd.wire import (
+    MAX_GROUPS,
+    MAX_REGIONS,
     MAX_TICKETS_PER_CALL,
     PROTOCOL_VERSION,
     ClaimResponse,
@@ -169,6 +171,25 @@ def test_a_bad_peer_body_is_a_422_naming_the_field(fake_peer):
     resp = post(fake_peer, "/v1/heartbeat", {"hold_ids": [1], "extend_s": 1.0})
     err = _error(resp, 422)
     assert err.field == "hold_ids[0]" and err.detail.startswith("hold_ids[0]: ")
+
+
+@pytest.mark.parametrize(
+    ("key", "most", "field"),
+    [("groups", MAX_GROUPS, "manifest.groups"), ("regions", MAX_REGIONS, "manifest.regions"),
+     ("region_bases", MAX_REGIONS, "region_bases")],
+    ids=["groups", "regions", "region-bases"],
+)  # fmt: skip
+def test_a_handshake_listing_past_a_bound_is_a_422_naming_it_before_the_sidecar(
+    fake_peer, fake, key, most, field
+):
+    hs = msgspec.to_builtins(Handshake(
+        protocol_version=PROTOCOL_VERSION, engine_id="other", epoch=1, agent_name="a",
+        agent_metadata=b"", manifest=plan("qwen3-8b"), region_bases=[0]))  # fmt: skip
+    where = hs if key == "region_bases" else hs["manifest"]
+    where[key] = where[key][:1] * (most + 1)
+    err = _error(post(fake_peer, "/v1/handshake", hs), 422)
+    assert (err.error, err.field) == ("ValidationError", field)
+    assert fake.calls == []
 
 
 def test_an_unexpected_exception_is_a_500_and_the_peer_app_keeps_answering(fake_peer, fake):

@@ -1,16 +1,27 @@
-"""Grouping a keepalive's tickets by prefill sidecar: MACs checked, repeats once, order kept."""
+"""Grouping a keepalive's tickets by prefill sidecar: MACs checked, repeats once, order kept; a
+prefill side's answer is kept to the holds asked about, each once a list, so the merged answer
+stays within the call's tickets (MAX_TICKETS_PER_CALL a list)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 
+import msgspec
 import pytest
 from msgspec import structs
 
 from kvxferd.errors import AuthError
-from kvxferd.sidecar.keepalive import holds_by_peer
+from kvxferd.sidecar.keepalive import decline_at_peers, holds_by_peer, keep_alive
 from kvxferd.sidecar.tickets import sign_ticket
-from kvxferd.wire import Ticket
+from kvxferd.wire import (
+    MAX_TICKETS_PER_CALL,
+    DeclineRequest,
+    DeclineResponse,
+    HeartbeatResponse,
+    KeepaliveRequest,
+    Ticket,
+)
 
 SECRET = b"keepalive-secret"
 
@@ -43,3 +54,30 @@ def test_a_ticket_whose_mac_does_not_match_is_named(mutate, detail):
         holds_by_peer(tickets, SECRET)
     with pytest.raises(AuthError):
         holds_by_peer([_ticket("a", "p1:1")], b"another-secret")
+
+
+class _Repeating:
+    """Prefill sides that name every hold they were asked about ``times`` times, in every list."""
+
+    def __init__(self, times: int) -> None:
+        self.times = times
+
+    async def heartbeat(self, _peer: str, req) -> HeartbeatResponse:  # noqa: ANN001
+        ids = list(req.hold_ids) * self.times
+        return HeartbeatResponse(extended=ids, missing=ids)
+
+    async def decline(self, _peer: str, req) -> DeclineResponse:  # noqa: ANN001
+        ids = [t.hold_id for t in req.tickets] * self.times
+        return DeclineResponse(released=ids, missing=ids, busy=ids)
+
+
+def test_a_hold_a_prefill_side_names_repeatedly_counts_once_a_list():
+    tickets = [_ticket(f"h{i}", f"p{i % 2}:1", i % 2) for i in range(MAX_TICKETS_PER_CALL)]
+    peers = _Repeating(times=2)  # each answer at its bound: 2048 holds asked, twice each
+    kept = asyncio.run(keep_alive(peers, KeepaliveRequest(tickets=tickets, extend_s=1), SECRET))
+    declined = asyncio.run(decline_at_peers(peers, DeclineRequest(tickets=tickets), SECRET))
+    ids = sorted(t.hold_id for t in tickets)
+    assert sorted(kept.extended) == sorted(kept.missing) == ids and kept.unanswered == []
+    assert sorted(declined.released) == sorted(declined.busy) == ids
+    for answer in (kept, declined):  # the engine's client decodes it within the bounds
+        assert msgspec.json.decode(msgspec.json.encode(answer), type=type(answer)) == answer

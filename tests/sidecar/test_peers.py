@@ -11,6 +11,7 @@ import pytest
 from kvxferd.errors import HandshakeError
 from kvxferd.sidecar.peers import PeerTable
 from kvxferd.sidecar.signing import PeerKeys
+from kvxferd.wire import MAX_GROUPS, MAX_REGIONS
 
 
 def _table() -> PeerTable:
@@ -157,6 +158,18 @@ def _their_handshake(bases=lambda n: [1 << 30] * n, engine_id: str = "e") -> byt
     return msgspec.json.encode(answer)
 
 
+def _their_long_manifest(key: str, n: int) -> bytes:
+    """A handshake answer whose manifest repeats its first ``key`` entry (regions or groups) to
+    ``n``, with a base per region."""
+    import msgspec
+
+    answer = msgspec.json.decode(_their_handshake())
+    manifest = answer["manifest"]
+    manifest[key] = manifest[key][:1] * n
+    answer["region_bases"] = [1 << 30] * len(manifest["regions"])
+    return msgspec.json.encode(answer)
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [
@@ -165,6 +178,8 @@ def _their_handshake(bases=lambda n: [1 << 30] * n, engine_id: str = "e") -> byt
         (_their_handshake(lambda n: [-1] * n), "region_bases[0]"),
         (_their_handshake(lambda n: [1 << 30] * (n - 1) + [(1 << 63) - 1]), "region_bases["),
         (_their_handshake(engine_id="e\n"), "engine_id"),
+        (_their_long_manifest("groups", MAX_GROUPS + 1), "manifest.groups"),
+        (_their_long_manifest("regions", MAX_REGIONS + 1), "manifest.regions"),
     ],
     ids=[
         "not-json",
@@ -172,6 +187,8 @@ def _their_handshake(bases=lambda n: [1 << 30] * n, engine_id: str = "e") -> byt
         "negative-base",
         "region-past-the-address-space",
         "engine-id-with-a-newline",
+        "more-groups-than-max-groups",
+        "more-regions-than-max-regions",
     ],  # fmt: skip
 )
 def test_an_unusable_handshake_answer_is_a_handshake_error_and_loads_no_agent(body, field):

@@ -1,6 +1,7 @@
 """Engine API messages: hold ids, a ticket's peer, token and token count, the ticket lists of
-declines and keepalives, and every group's block ids are bounded and shaped at decode (they go
-into tables, logs, a URL, an HTTP Host header and calls to peers), and refusals name the field."""
+declines and keepalives, the id lists per group and every group's block ids, and a registration's
+memory sources are bounded and shaped at decode (they go into tables, logs, a URL, an HTTP Host
+header and calls to peers), and refusals name the field."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 from kvxferd.wire import (
     HOLD_SPARE_BLOCKS,
     MAX_BLOCK_IDS,
+    MAX_GROUPS,
+    MAX_REGIONS,
     MAX_TICKETS_PER_CALL,
     MAX_TOKENS,
     MAX_TP,
@@ -18,6 +21,7 @@ from kvxferd.wire import (
     HoldRequest,
     KeepaliveRequest,
     PullRequest,
+    RegisterRequest,
     Ticket,
 )
 
@@ -163,3 +167,39 @@ def test_a_group_may_list_max_block_ids():
     body, _ = _with_ids(Ticket, _zeros(MAX_BLOCK_IDS))
     ticket = msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=Ticket)
     assert len(ticket.block_ids[1]) == MAX_BLOCK_IDS
+
+
+def _with_groups(kind: type, n: int) -> tuple[dict, str]:
+    """A body of ``kind`` naming ``n`` id lists (one per group), and that list's path."""
+    groups = [[1]] * n
+    ticket = {**_TICKET, "block_ids": groups}
+    return {
+        Ticket: (ticket, "block_ids"),
+        HoldRequest: ({**_HOLD, "block_ids": groups}, "block_ids"),
+        PullRequest: ({"tickets": [_TICKET], "block_ids": groups}, "block_ids"),
+        DeclineRequest: ({"tickets": [_TICKET, ticket]}, "tickets[1].block_ids"),
+        KeepaliveRequest: ({"tickets": [ticket], "extend_s": 1}, "tickets[0].block_ids"),
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", _ID_LISTS, ids=lambda k: k.__name__)
+def test_more_id_lists_than_max_groups_are_refused_before_any_list_and_named(kind):
+    body, path = _with_groups(kind, MAX_GROUPS + 1)
+    with pytest.raises(msgspec.ValidationError) as err:
+        msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=kind)
+    assert str(err.value) == f"Expected `array` of length <= {MAX_GROUPS} - at `$.{path}`"
+    _refused_at(kind, body, path.replace("[", r"\[").replace("]", r"\]"))  # JSON alike
+
+
+@pytest.mark.parametrize("kind", _ID_LISTS, ids=lambda k: k.__name__)
+def test_a_call_may_name_max_groups_id_lists(kind):
+    body, _ = _with_groups(kind, MAX_GROUPS)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=kind)
+
+
+def test_a_registration_names_at_most_max_regions_memory_sources():
+    spec = {"type": "shm", "name": "seg", "size_bytes": 1}
+    body = {"manifest": {"model": "m", "num_blocks": 1, "regions": [], "groups": []},
+            "regions": [spec] * MAX_REGIONS}  # fmt: skip
+    assert len(_decode(RegisterRequest, body).regions) == MAX_REGIONS
+    _refused_at(RegisterRequest, {**body, "regions": [spec] * (MAX_REGIONS + 1)}, "regions")

@@ -1,5 +1,6 @@
-"""Store messages: every chunk key is 32 lowercase hex digits and a group lists at most
-MAX_BLOCK_IDS block ids at decode, each refusal naming the entry."""
+"""Store messages: every chunk key is 32 lowercase hex digits, a call names at most MAX_TOKENS
+keys and MAX_GROUPS id lists, and a group lists at most MAX_BLOCK_IDS block ids at decode, each
+refusal naming the entry."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import msgspec
 import pytest
 
 from kvxferd.store import chunk_keys
-from kvxferd.wire import MAX_BLOCK_IDS, StoreLoadRequest, StoreLookupRequest, StoreSaveRequest
+from kvxferd.wire import (
+    MAX_BLOCK_IDS,
+    MAX_GROUPS,
+    MAX_TOKENS,
+    StoreLoadRequest,
+    StoreLookupRequest,
+    StoreSaveRequest,
+)
 
 _KEY = "0123456789abcdef" * 2
 _BODIES = {
@@ -50,3 +58,20 @@ def test_a_save_or_load_group_listing_more_than_max_block_ids_is_refused_and_nam
     body = {**_BODIES[kind], "keys": [_KEY], "block_ids": [[1], flood]}
     with pytest.raises(msgspec.ValidationError, match=r"at `\$\.block_ids\[1\]`$"):
         msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=kind)
+
+
+@pytest.mark.parametrize("kind", list(_BODIES), ids=lambda k: k.__name__)
+def test_more_keys_than_max_tokens_are_refused_before_any_key_and_named(kind):
+    flood = msgspec.Raw(b"\xdd" + (MAX_TOKENS + 1).to_bytes(4, "big"))  # the count alone
+    body = msgspec.msgpack.encode({**_BODIES[kind], "keys": flood})
+    with pytest.raises(msgspec.ValidationError, match=r"at `\$\.keys`$"):
+        msgspec.msgpack.decode(body, type=kind)
+
+
+@pytest.mark.parametrize("kind", [StoreSaveRequest, StoreLoadRequest], ids=lambda k: k.__name__)
+def test_a_save_or_load_naming_more_id_lists_than_max_groups_is_refused_and_named(kind):
+    body = {**_BODIES[kind], "keys": [_KEY], "block_ids": [[1]] * MAX_GROUPS}
+    assert len(msgspec.json.decode(msgspec.json.encode(body), type=kind).block_ids) == MAX_GROUPS
+    body["block_ids"] = [[1]] * (MAX_GROUPS + 1)
+    with pytest.raises(msgspec.ValidationError, match=r"at `\$\.block_ids`$"):
+        msgspec.json.decode(msgspec.json.encode(body), type=kind)
