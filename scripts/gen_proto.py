@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 if proto/ is out of date")
     args = parser.parse_args(argv)
     stale = []
-    for rel, text in render().items():
+    files = render()
+    for rel, text in files.items():
         path = PROTO / rel
         if not path.exists() or path.read_text() != text:
             stale.append(rel)
@@ -428,7 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check and stale:
         print(f"proto/ is stale ({', '.join(stale)}); run scripts/gen_proto.py", file=sys.stderr)
         return 1
-    print(f"{'stale' if stale else 'up to date'}: {len(stale)} file(s)")
+    if stale:
+        print(f"wrote {len(stale)} of {len(files)} files: {', '.join(stale)}")
+    else:
+        print(f"proto/ is up to date ({len(files)} files)")
     return 0
 
 
