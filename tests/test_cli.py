@@ -134,6 +134,16 @@ raise SystemExit(status)
             {"KVXFERD_PEER_TOKEN": "t"},
             "engine_frames_socket",
         ),  # fmt: skip
+        (
+            [
+                "--engine-socket",
+                "/tmp/kvx-same.sock",
+                "--engine-frames-socket",
+                "/tmp/kvx-same.sock",
+            ],
+            {"KVXFERD_PEER_TOKEN": "t"},
+            "engine_frames_socket: /tmp/kvx-same.sock is the engine socket",
+        ),  # fmt: skip
         ([], {"KVXFERD_PEER_TOKEN": "t", "KVXFERD_EVENT_LOOP": "tokio"}, "event_loop"),
         (["--engine-id", "rank\n0"], {"KVXFERD_PEER_TOKEN": "t"}, "engine_id"),
     ],
@@ -145,6 +155,7 @@ raise SystemExit(status)
         "socket-length",
         "port",
         "frames-length",
+        "frames-same-path",
         "event-loop",
         "engine-id",
     ],  # fmt: skip

@@ -166,7 +166,7 @@ def _load(args: argparse.Namespace) -> Config:
 def check_startable(config: Config) -> None:
     """ConfigError for what would stop the sidecar later: no peer token, an unknown log level,
     an event loop that is not installed, an engine socket whose directory is missing or whose
-    path is too long for AF_UNIX."""
+    path is too long for AF_UNIX, a frames socket at the engine socket's path."""
     if not config.peer_token:
         raise ConfigError(
             "no peer token: set KVXFERD_PEER_TOKEN or --peer-token-file (peers must authenticate)"
@@ -184,6 +184,11 @@ def check_startable(config: Config) -> None:
             f"engine_socket: {path}: longer than {_UNIX_PATH_MAX} bytes (the AF_UNIX limit)"
         )
     frames = config.frames_socket
+    if frames and os.path.abspath(frames) == os.path.abspath(path):
+        raise ConfigError(
+            f"engine_frames_socket: {frames} is the engine socket; give the frames their own "
+            "path (or off)"
+        )
     if frames and len(os.fsencode(frames)) > _UNIX_PATH_MAX:
         raise ConfigError(
             f"engine_frames_socket: {frames}: longer than {_UNIX_PATH_MAX} bytes (the AF_UNIX "
