@@ -46,6 +46,7 @@ _UNREGISTER_SLACK_S = 10.0
 """Sleep and re-registration retry an unregister the sidecar refuses because a decode may still
 READ the memory (or a READ write it) for the sidecar's longest claim, or the longest an unsettled
 READ stays quarantined if that is longer, plus this."""
+_WAITING_LOG_S = 30.0  # at most one "waiting for an unregister" line this often
 
 
 @dataclass
@@ -100,6 +101,7 @@ class WorkerSide:
         # request id -> (when, its blocks per group): a pull that ended unsettled, failed (_fail)
         # only once its READ can no longer write them
         self._aside: dict[str, tuple[float, list[list[int]]]] = {}
+        self._waiting_told = -_WAITING_LOG_S  # when "waiting for an unregister" was last logged
         self._unheld: set[str] = set()  # holds the sidecar refused: free the blocks at once
         self._unanswered: dict[str, str] = {}  # request id -> hold id placed with no answer
         self.store = StoreCalls(self.client)  # store saves and loads (issue 12)
@@ -396,7 +398,10 @@ class WorkerSide:
             # Registered and refusing: an unregister behind this engine is letting the memory go
             # (whatever generation this worker last heard of: a register answer may have been
             # lost).
-            log.info("an unregister behind this engine is letting its memory go; waiting")
+            now = time.monotonic()
+            if now - self._waiting_told >= _WAITING_LOG_S:  # asked every step: told seldom
+                self._waiting_told = now
+                log.info("an unregister behind this engine is letting its memory go; waiting")
             return
         log.warning("sidecar lost this engine's registration (restarted or unregistered behind "
                     "it); registering again")  # fmt: skip

@@ -316,3 +316,33 @@ def test_a_pull_set_aside_unsettled_is_freed_once_its_registration_is_gone(monke
     worker.run(StepOrders(pulls=[PullOrder("d2", [], [[6]], 16)]))  # refused: not registered
     assert registered == [("caches",)]
     assert worker.finished() == (None, {"d1", "d2"}) and worker.load_errors() == {4, 5, 6}
+
+
+class _Unregistering:
+    """An operator's unregister runs behind the engine: calls are refused, identity unchanged."""
+
+    def released(self, cursor: int = 0, limit: int | None = None) -> object:
+        raise NotRegisteredError("the engine is unregistering: its memory is being let go")
+
+    def identity(self) -> Identity:
+        return Identity(engine_id="e", epoch=7, generation=3, peer_address="h:1",
+                        tp_rank=0, tp_size=1, default_lease_s=30.0)  # fmt: skip
+
+
+def test_waiting_for_an_unregister_behind_the_engine_is_logged_seldom_and_frees_nothing(
+    monkeypatch, caplog
+):
+    """The worker asks at every step (vLLM steps many times a second); one line per
+    _WAITING_LOG_S says it waits, and its hold's blocks stay held."""
+    clock = _Clock()
+    monkeypatch.setattr(worker_module, "time", clock)
+    worker = WorkerSide("/nonexistent/kvxferd.sock", model="m", tp_rank=0, tp_size=1)
+    worker.client = _Unregistering()  # type: ignore[assignment]
+    worker.epoch, worker._registration = 7, ("caches",)  # type: ignore[assignment]
+    worker._holds["r1"] = "h1"
+    caplog.set_level("INFO", logger=worker_module.__name__)
+    for _ in range(600):  # a minute of steps, 10 a second
+        assert worker.finished() == (None, None)
+        clock.sleep(0.1)
+    waits = [r for r in caplog.records if "letting its memory go; waiting" in r.message]
+    assert len(waits) == 2
