@@ -174,12 +174,6 @@ class WorkerSide:
         self.generation = -1
         for pull_id in list(self._pulls):
             self._lose(pull_id)
-        # The old registration's READs can no longer write: an unregister ends only once none
-        # is unsettled, and a new epoch means the old process has exited (one sidecar per
-        # socket: its lock goes only with its process).
-        for request_id, (_, block_ids) in list(self._aside.items()):
-            del self._aside[request_id]
-            self._fail(request_id, block_ids)
         self._unheld.update(self._holds)
         self._holds.clear()
         self._close_ipc()
