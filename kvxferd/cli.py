@@ -1,4 +1,4 @@
-"""The ``kvxferd`` command: ``layout`` (inspect a model's KV layout) and ``serve`` (the sidecar).
+"""The ``kvxferd`` command: ``layout``, ``serve`` (the sidecar), ``proxy``, ``demo`` and ``sim``.
 
 Errors end the command with exit status 2 and one line on stderr: ``kvxferd: error: ...``.
 """

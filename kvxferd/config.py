@@ -85,7 +85,8 @@ class Config:
     max_lease_s: float = 600.0
     """Upper bound of any lease or heartbeat extension."""
     claim_s: float = 30.0
-    """How long a claim pins a hold while the decode side reads."""
+    """Not used (kept so existing environments still load): a claim lasts what its reader asks,
+    the time its pull has left, at most max_claim_s."""
     max_pull_deadline_s: float = 600.0
     """Longest deadline a pull may ask for; a larger ``deadline_s`` is a 422 naming it."""
     max_pulls_in_flight: int = 1024

@@ -311,7 +311,7 @@ outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
   `Authorization: KVX1 key=<key id>, ts=<unix seconds>, nonce=<hex>, sig=<hex>`, where `sig` is
   HMAC-SHA256, under `HMAC-SHA256(secret, "kvxferd peer request v1")`, of the lines `KVX1`,
   the method, the path with its query, the hex SHA-256 of the body, `ts`, `nonce` and the key id,
-  joined by `\n`. The key id is the first 16 hex characters of
+  joined by `\\n`. The key id is the first 16 hex characters of
   `HMAC-SHA256(secret, "kvxferd key id v1")`: it names a key without revealing it. The server
   checks it before decoding the body: known key id, `ts` within the replay window of its clock
   (`--auth-skew`, ±30 s by default), signature compared in constant time, and a nonce not seen

@@ -46,6 +46,18 @@ def test_serve_help_lists_every_environment_variable():
     assert "--engine-socket" in proc.stdout and "--peer-token-file" in proc.stdout
 
 
+def test_serve_help_shows_the_default_of_each_setting_flag():
+    proc = kvxferd("serve", "--help")
+    text = " ".join(proc.stdout.split())  # argparse wraps help lines
+    for flag, default in (("--engine-socket PATH", "/tmp/kvxferd.sock"),
+                          ("--peer-port N", "0"), ("--lease S", "30.0"),
+                          ("--max-claim S", "120.0"), ("--max-holds N", "65536"),
+                          ("--store-dram-bytes N", "1073741824"),
+                          ("--log-level LEVEL", "info")):  # fmt: skip
+        shown = text.split(flag, 2)[2]  # past the usage line, at the flag's own help
+        assert shown.split(" --", 1)[0].endswith(f"(default: {default})"), flag
+
+
 def test_serve_without_a_token_refuses_in_one_line(tmp_path):
     line = _one_error_line(kvxferd("serve", "--engine-socket", str(tmp_path / "s.sock")))
     assert "KVXFERD_PEER_TOKEN" in line

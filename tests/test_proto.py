@@ -77,3 +77,7 @@ def test_the_readme_lists_every_route_and_carries_the_wire_rules(rendered):
 def _read(rel: str) -> str | None:
     path = ROOT / "proto" / rel
     return path.read_text() if path.exists() else None
+
+
+def test_the_readme_shows_the_signature_line_separator_as_an_escape(rendered):
+    assert "joined by `\\n`." in rendered["README.md"]

@@ -40,7 +40,7 @@ def ensure_fd_budget(listeners: Sequence[EdgeLimits], reserve: int = FD_RESERVE)
         raise ConfigError(
             f"connection caps {caps} need {need} open files (with accept bursts and a reserve of "
             f"{reserve}), but the open-file limit is {soft} (hard {hard}): lower "
-            "--engine-max-connections / --peer-max-connections or raise `ulimit -n`",
+            "KVXFERD_ENGINE_MAX_CONNECTIONS / KVXFERD_PEER_MAX_CONNECTIONS or raise `ulimit -n`",
         )
     resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
     return need

@@ -79,8 +79,9 @@ class Operation:
 
     @property
     def summary(self) -> str:
-        """First line of the handler docstring (or of ``doc``)."""
-        return self.description.split("\n", 1)[0]
+        """First paragraph of the handler docstring (or of ``doc``), on one line: a sentence
+        that wraps is not cut."""
+        return " ".join(self.description.split("\n\n", 1)[0].split())
 
     @property
     def description(self) -> str:

@@ -24,15 +24,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--config", default=None, metavar="PATH|NAME",
                    help="HF config.json path or bundled name (default granite-4.0-h-tiny, "
                         "a Mamba2/attention hybrid)")  # fmt: skip
-    p.add_argument("--prefill-tp", type=int, default=1, metavar="N", help="prefill TP size")
-    p.add_argument("--decode-tp", type=int, default=1, metavar="N", help="decode TP size")
+    p.add_argument(
+        "--prefill-tp", type=int, default=1, metavar="N", help="prefill TP size (default 1)"
+    )
+    p.add_argument(
+        "--decode-tp", type=int, default=1, metavar="N", help="decode TP size (default 1)"
+    )
     p.add_argument("--requests", type=int, default=32, metavar="N",
                    help="requests to send (default 32)")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=4, metavar="N",
                    help="requests in flight (default 4)")  # fmt: skip
     p.add_argument("--pool-blocks", type=int, default=None, metavar="N",
                    help="KV blocks per sim pool (default: sized to fit memory)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="workload seed")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="workload seed (default 0)")
     p.add_argument("--store", metavar="DIR", default="",
                    help="prefill sims keep and reuse KV in a store in DIR (a prefix-cache tier; "
                    "run twice with the same DIR to see hits across a full restart)")  # fmt: skip

@@ -36,7 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--config", required=True, metavar="PATH|NAME",
                    help="HF config.json path, or the name of a bundled config")  # fmt: skip
-    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size")
+    p.add_argument(
+        "--tp", type=int, default=1, metavar="N", help="tensor-parallel size (default 1)"
+    )
     p.add_argument("--kv-cache-dtype", default="auto", metavar="D",
                    help="auto, bfloat16, float16, fp8 (= float8_e4m3fn)...")  # fmt: skip
     p.add_argument("--mamba-cache-dtype", default="auto", metavar="D", help="conv state dtype")
@@ -50,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    f"{MAX_SPECULATIVE_TOKENS})")  # fmt: skip
     p.add_argument("--tokens", type=int, default=4096, metavar="T",
                    help=f"request size for the bytes/descriptor figures (1 to "
-                   f"{MAX_TOKENS:,})")  # fmt: skip
+                   f"{MAX_TOKENS:,}; default 4096)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

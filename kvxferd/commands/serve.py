@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 
@@ -28,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--engine-socket", metavar="PATH", help="engine API Unix socket path")
     p.add_argument("--engine-frames-socket", metavar="PATH",
-                   help="framed engine API socket (default: engine socket + .frames)")  # fmt: skip
+                   help="framed engine API socket, or off "
+                   "(default: engine socket + .frames)")  # fmt: skip
     p.add_argument("--peer-host", metavar="HOST", help="peer API bind address")
     p.add_argument("--peer-port", type=int, metavar="N", help="peer API TCP port (0 = any free)")
     p.add_argument("--peer-frames-port", type=int, metavar="N",
@@ -55,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="engine rank identity: 1-128 printable ASCII characters, no space "
                    "(default: random)")  # fmt: skip
     p.add_argument("--backend", action="append", dest="backends", metavar="NAME",
-                   help="NIXL backend (repeatable; default UCX)")  # fmt: skip
+                   help="NIXL backend (repeatable)")  # fmt: skip
     p.add_argument("--lease", type=float, dest="default_lease_s", metavar="S",
                    help="default hold lease in seconds")  # fmt: skip
     p.add_argument("--max-lease", type=float, dest="max_lease_s", metavar="S",
@@ -66,7 +68,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="most pulls running at once (more: 503)")  # fmt: skip
     p.add_argument("--max-holds", type=int, dest="max_holds", metavar="N",
                    help="most live holds (more: 503)")  # fmt: skip
-    p.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning, error")
+    p.add_argument("--log-level", metavar="LEVEL",
+                   help="debug, info, warning, error or critical")  # fmt: skip
     p.add_argument("--store-dir", metavar="PATH", help="store file-tier directory (enables it)")
     p.add_argument("--store-dram-bytes", type=int, metavar="N", help="store DRAM pool bytes")
     p.add_argument("--store-file-bytes", type=int, metavar="N", help="store file-tier bytes")
@@ -84,7 +87,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "installed (default)")  # fmt: skip
     p.add_argument("--ucx-proto-log", metavar="PATH|off", dest="ucx_proto_log",
                    help="file UCX logs its protocol choices to (default: a temp file)")  # fmt: skip
+    _show_defaults(p)
     p.set_defaults(func=run)
+
+
+def _show_defaults(p: argparse.ArgumentParser) -> None:
+    """Append Config's default to each flag's help that does not state one already."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    for action in p._actions:
+        value = defaults.get(action.dest)
+        if action.help and value not in (None, "") and "(default" not in action.help:
+            shown = ",".join(value) if isinstance(value, tuple) else value
+            action.help += f" (default: {shown})"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,9 +37,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    "transfer (the reference output)")  # fmt: skip
     p.add_argument("--config", required=True, metavar="NAME|PATH",
                    help="HF config.json path, or the name of a bundled config")  # fmt: skip
-    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size (ranks)")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP and peer bind address")
-    p.add_argument("--port", type=int, default=0, metavar="N", help="HTTP port (0 = any free)")
+    p.add_argument(
+        "--tp", type=int, default=1, metavar="N", help="tensor-parallel size (ranks; default 1)"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="HTTP and peer bind address (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--port", type=int, default=0, metavar="N", help="HTTP port (default 0: any free)"
+    )
     p.add_argument("--pool-blocks", type=int, metavar="N",
                    help="logical KV blocks per rank (block 0 is reserved); default: as many as "
                    "fit in 1 GiB over all ranks, at most 4096")  # fmt: skip
@@ -49,11 +55,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="model name in /v1/models and responses (default: the config's HF name)",
     )
     p.add_argument("--on-pull-failure", choices=["recompute", "fail"], default="recompute",
-                   help="decode: prefill locally and go on (counted), or answer 502")  # fmt: skip
+                   help="decode: prefill locally and go on (counted; the default), or "
+                   "answer 502")  # fmt: skip
     p.add_argument("--lease", type=float, metavar="S",
                    help="prefill: hold lease in seconds (default: the sidecar's, 30)")  # fmt: skip
     p.add_argument("--pull-timeout", type=float, default=30.0, metavar="S",
-                   help="decode: deadline of one request's pull")  # fmt: skip
+                   help="decode: deadline of one request's pull in seconds "
+                   "(default 30)")  # fmt: skip
     p.add_argument("--kv-cache-dtype", default="auto", metavar="D",
                    help="auto, bfloat16, float16, fp8...")  # fmt: skip
     p.add_argument("--attn-pack-size", type=int, default=1, metavar="N",
@@ -65,7 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    "share /dev/shm with the sim")  # fmt: skip
     p.add_argument("--sidecar-timeout", type=float, default=60.0, metavar="S",
                    help="how long to wait for the sidecars to start or, attached, to answer "
-                   "/healthz; also the bound of each call to them")  # fmt: skip
+                   "/healthz; also the bound of each call to them, in seconds "
+                   "(default 60)")  # fmt: skip
     p.add_argument("--store", metavar="DIR", default="",
                    help="prefill: use the sidecars' store in DIR as a prefix-cache tier (hits "
                    "survive restarts; loaded bytes are verified)")  # fmt: skip

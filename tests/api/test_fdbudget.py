@@ -58,8 +58,10 @@ def test_a_hard_limit_too_low_is_a_config_error_naming_the_settings():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= fds_needed([_limits(1 << 20)]):
         pytest.skip("the open-file limit is too high to fail")
-    with pytest.raises(ConfigError, match="ulimit -n"):
+    with pytest.raises(ConfigError, match="ulimit -n") as refused:
         ensure_fd_budget([_limits(1 << 20)])  # far past any hard limit we could be given
+    for setting in ("KVXFERD_ENGINE_MAX_CONNECTIONS", "KVXFERD_PEER_MAX_CONNECTIONS"):
+        assert setting in str(refused.value)  # the names an operator can set (no such flags)
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == (soft, hard)  # left as it was
 
 

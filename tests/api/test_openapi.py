@@ -50,12 +50,18 @@ def test_the_document_is_openapi_3_1_with_every_route_of_the_table(api):
     assert len(ids) == len(set(ids))
 
 
-def test_each_summary_is_the_first_line_of_the_handler_docstring(api):
+def test_each_summary_is_the_first_paragraph_of_the_handler_docstring_on_one_line(api):
     doc, operations = api
     for op in operations:
         entry = doc["paths"][op.path][op.method.lower()]
         source = inspect.getdoc(op.handler) if op.handler else op.doc
-        assert entry["summary"] == source.splitlines()[0]
+        assert entry["summary"] == " ".join(source.split("\n\n")[0].split())
+
+
+def test_a_summary_that_wraps_is_not_cut_mid_sentence():
+    doc = engine.engine_document()
+    summary = doc["paths"]["/v1/identity"]["get"]["summary"]
+    assert summary.endswith("generation -1 while nothing is registered."), summary
 
 
 def test_every_reference_resolves(api):

@@ -27,7 +27,7 @@ def serve_flags() -> dict[str, str]:
     out = {}
     for action in sub.choices["serve"]._actions:
         if action.option_strings and action.dest != "help":
-            out[_FLAG_FIELD.get(action.dest, action.dest)] = action.option_strings[-1]
+            out[_FLAG_FIELD.get(action.dest, action.dest)] = action.option_strings[0]
     return out
 
 

@@ -24,6 +24,10 @@ def test_every_env_var_and_serve_flag_is_documented():
         assert f"`{flag}" in text, flag
 
 
+def test_the_config_table_names_the_flag_that_turns_a_switch_on():
+    assert "| `KVXFERD_PREPPED_READS` | `--prepped-reads` |" in _readme()
+
+
 def test_every_metric_and_alert_is_documented():
     text = _readme()
     for name in family_names():
