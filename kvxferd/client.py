@@ -194,8 +194,8 @@ def _msgpack_decoder(kind: type) -> msgspec.msgpack.Decoder[Any]:
     return decoder
 
 
-def _register(manifest: Manifest, regions: list[AnyRegionSpec]) -> _Call:
-    req = RegisterRequest(manifest=manifest, regions=regions)
+def _register(manifest: Manifest, regions: list[AnyRegionSpec], instance: str = "") -> _Call:
+    req = RegisterRequest(manifest=manifest, regions=regions, instance=instance)
     return _Call("POST", "/v1/register", RegisterResponse, req)
 
 
@@ -374,9 +374,12 @@ class EngineClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def register(self, manifest: Manifest, regions: list[AnyRegionSpec]) -> RegisterResponse:
-        """Register the KV manifest and where each region's memory is (once)."""
-        return self._send(_register(manifest, regions))  # type: ignore[no-any-return]
+    def register(
+        self, manifest: Manifest, regions: list[AnyRegionSpec], instance: str = ""
+    ) -> RegisterResponse:
+        """Register the KV manifest and where each region's memory is (once); ``instance``:
+        this engine process's own id (``RegisterRequest.instance``)."""
+        return self._send(_register(manifest, regions, instance))  # type: ignore[no-any-return]
 
     def hold(self, req: HoldRequest) -> Ticket:
         """Pin blocks of a prefilled request; returns its ticket."""
@@ -501,9 +504,12 @@ class AsyncEngineClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def register(self, manifest: Manifest, regions: list[AnyRegionSpec]) -> RegisterResponse:
-        """Register the KV manifest and where each region's memory is (once)."""
-        return await self._send(_register(manifest, regions))  # type: ignore[no-any-return]
+    async def register(
+        self, manifest: Manifest, regions: list[AnyRegionSpec], instance: str = ""
+    ) -> RegisterResponse:
+        """Register the KV manifest and where each region's memory is (once); ``instance``:
+        this engine process's own id (``RegisterRequest.instance``)."""
+        return await self._send(_register(manifest, regions, instance))  # type: ignore[no-any-return]
 
     async def hold(self, req: HoldRequest) -> Ticket:
         """Pin blocks of a prefilled request; returns its ticket."""

@@ -279,6 +279,7 @@ class StaleGenerationError(KvxferdError):
     """The call names a registration generation that is not the current one."""
 
     status = 409
+    field = "generation"  # the offending field, in the API's ErrorBody
 
 
 class MemoryInUseError(KvxferdError):

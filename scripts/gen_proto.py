@@ -282,6 +282,23 @@ sidecar (`POST /v1/decline`); the sidecar checks every MAC and asks each prefill
 release its hold now (reason `declined`), so the prefill frees the blocks without waiting for
 the lease.
 
+## Registrations: one engine at a time, named
+
+A sidecar serves one engine's memory at a time: a register while one is registered is a 409,
+so an engine unregisters what it finds there first (vLLM restarted beside a running sidecar).
+Each `POST /v1/register` starts a new registration generation and may carry the engine
+process's own id (`RegisterRequest.instance`); `GET /v1/identity` shows both. A hold, pull,
+store save or store load names the generation its block ids refer to
+(`HoldRequest.generation` and the like): any other is a 409 `StaleGenerationError` (field
+`generation`) before anything is touched. Without that check, an engine whose registration a
+second engine replaced (two engines given one socket) would have its block ids mean the second
+engine's memory: its holds would serve those bytes to decodes, and its pulls and store loads
+would write them. Calls naming no generation (tools, the sim) are not checked. The vLLM worker
+names its generation in every such call. When refused, it reads the identity: another engine's
+instance there means it gives up what it held and pulled, says so (an error, once per 30 s) and
+does not register again (the two would keep unregistering each other); its own instance with
+another generation (a register whose answer was lost) is adopted.
+
 ## Trust model
 
 Who is trusted: the engine rank and its sidecar trust each other (the engine API is a Unix socket

@@ -43,8 +43,9 @@ STOP_S = 5.0
 """Seconds :meth:`Offload.stop` waits for the loads and saves on the engine's memory to end."""
 T = TypeVar("T")
 
-Target = Callable[[], tuple[Manifest, list[np.ndarray]]]
-"""Returns the registered manifest and a host view of each region (raises if none)."""
+Target = Callable[[int | None], tuple[Manifest, list[np.ndarray]]]
+"""Returns the registered manifest and a host view of each region (raises if none, or if the
+call's registration generation, when given, is not the registered one)."""
 HoldBlocks = Callable[[str], tuple[list[list[int]], int, Callable[[], None]]]
 """A live hold's (block ids per group, tokens, a check that raises HoldExpiredError once the hold
 no longer pins them); raises UnknownHoldError/HoldExpiredError."""
@@ -105,7 +106,7 @@ class Offload:
     async def save(self, req: StoreSaveRequest) -> StoreSaved:
         """Copy a request's blocks (or a live hold's) into the store; entries already there are
         skipped."""
-        store, (manifest, regions) = self._require(), self._target()
+        store, (manifest, regions) = self._require(), self._target(req.generation)
         block_ids, num_tokens, pinned = req.block_ids, req.num_tokens, None
         if req.hold_id:
             if block_ids:
@@ -136,7 +137,7 @@ class Offload:
 
     async def lookup(self, req: StoreLookupRequest) -> StoreLookup:
         """Tokens each group can serve and the prefix all can (the minimum rule)."""
-        store, (manifest, _regions) = self._require(), self._target()
+        store, (manifest, _regions) = self._require(), self._target(None)
         check_num_tokens(req.num_tokens, StoreError)
         out = await asyncio.to_thread(store.lookup, manifest, req.keys, req.num_tokens)
         self.metrics.store_lookup_tokens.labels("hit").inc(out.matched)
@@ -150,7 +151,7 @@ class Offload:
         entry is missing or corrupt."""
         if not (math.isfinite(req.deadline_s) and 0 < req.deadline_s <= MAX_STORE_DEADLINE_S):
             raise StoreError("deadline_s", f"must be in (0, {MAX_STORE_DEADLINE_S:g}]")
-        store, (manifest, regions) = self._require(), self._target()
+        store, (manifest, regions) = self._require(), self._target(req.generation)
         _check_ids(manifest, req.block_ids, req.num_tokens)
         stop_at, stop = time.monotonic() + req.deadline_s, threading.Event()
         try:

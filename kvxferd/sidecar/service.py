@@ -121,6 +121,7 @@ class Sidecar:
         self._a_release = asyncio.Event()  # set on every release (unregister waits on it)
         self._readers = ReaderCounts()
         self.generation = -1  # registration generation; -1 while no engine is registered
+        self.instance = ""  # the registered engine's RegisterRequest.instance
         self._leaving = False  # an unregister is letting the memory go: refuse new work on it
         self._next_generation = 0
         self._registrations: list[Any] = []  # NIXL registrations of the memory sources
@@ -204,6 +205,7 @@ class Sidecar:
         ]
         self.generation = self._next_generation
         self._next_generation += 1
+        self.instance = req.instance
         self.manifest = structs.replace(req.manifest, engine_id=self.engine_id, epoch=self.epoch)
         self.holds = HoldTable(
             self.manifest,
@@ -282,6 +284,7 @@ class Sidecar:
             self._regions, self._registrations, self._bases = [], [], []
             self.manifest = None
             self.generation = -1
+            self.instance = ""
         finally:
             self._leaving = False
         log.info("unregistered generation %d", req.generation)
@@ -298,11 +301,13 @@ class Sidecar:
             tp_size=m.tp_size if m is not None else 0,
             default_lease_s=self.config.default_lease_s,
             max_claim_s=self.config.max_claim_s,
+            instance=self.instance,
         )
 
     def hold(self, req: HoldRequest) -> Ticket:
         """Pin a request's blocks under a lease; the ticket authorises one pull of them."""
         holds, manifest = self._require_memory()
+        self._check_generation(req.generation)
         hold = holds.hold(req)
         self._placements.placed(hold.hold_id)  # a claim for this engine-chosen id came first
         self.metrics.holds_created.inc()
@@ -336,6 +341,7 @@ class Sidecar:
     async def start_pull(self, req: PullRequest) -> PullAccepted:
         """Validate a pull and start it in the background."""
         self._require_engine()
+        self._check_generation(req.generation)
         # Every ticket's MAC before anything else: a forged ticket never causes a connection.
         verify_tickets(req.tickets, self._accepted)
         pull = self.pulls.start(req)
@@ -482,6 +488,13 @@ class Sidecar:
             raise NotRegisteredError("the engine is unregistering: its memory is being let go")
         return self.holds, self.manifest
 
+    def _check_generation(self, generation: int | None) -> None:
+        """Refuse an engine call whose block ids mean an earlier registration's memory (None:
+        unchecked): an engine that registered since (two given one socket) would be written."""
+        if generation is not None and generation != self.generation:
+            raise StaleGenerationError(f"generation: {generation} is not the registered "
+                                       f"{self.generation} (registered again since)")  # fmt: skip
+
     def _require_memory(self) -> tuple[HoldTable, Manifest]:
         """:meth:`_require_engine`, and the engine's memory still all there (for work that
         touches it or lets a READ touch it)."""
@@ -491,9 +504,9 @@ class Sidecar:
 
     def _check_memory(self) -> None:
         """SegmentTooSmallError, from the first time a registered segment is seen shrunk until
-        the engine registers again: its owner truncated it, and a store copy (or a READ over
-        TCP) touching the missing pages would kill this process with SIGBUS. One fstat per
-        source; a truncation during a copy that already passed this check is not caught."""
+        the engine registers again: a store copy (or a READ over TCP) touching its missing pages
+        would kill this process (SIGBUS). One fstat per source; not caught: a truncation during
+        a copy that passed this check."""
         if self._shrunk is None:
             self._shrunk = first_shrunk(self._regions)
             if self._shrunk is not None:
@@ -504,14 +517,14 @@ class Sidecar:
     def _hold_blocks(self, hold_id: str) -> tuple[list[list[int]], int, Callable[[], None]]:
         """A live hold's block ids and tokens, for a store save, and a check that it still pins
         them (run after each entry's copy: hold clocks are monotonic)."""
-        holds, _ = self._require_engine()
-        hold = holds.get(hold_id)
+        hold = self._require_engine()[0].get(hold_id)
         hold.pinned(time.monotonic())
         return hold.block_ids, hold.num_tokens, lambda: hold.pinned(time.monotonic())
 
-    def _store_target(self) -> tuple[Manifest, list[Any]]:
+    def _store_target(self, generation: int | None) -> tuple[Manifest, list[Any]]:
         """The registered manifest and a host view of each region, for the store."""
         _, manifest = self._require_engine()
+        self._check_generation(generation)
         views = [region.host_view() for region in self._regions]
         return manifest, [
             views[src][r.source_offset : r.source_offset + r.size_bytes]
@@ -548,9 +561,8 @@ class Sidecar:
         return descriptors.compare_manifests(manifest, remote)
 
     async def _until_read(self, holds: HoldTable, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for the holds left live (given up while claimed: their
-        readers may still READ) to be released by notification or claim end (the caller counts
-        what remains once every wait has ended)."""
+        """Wait up to ``timeout_s`` for the holds left live (given up while claimed: readers may
+        still READ) to be released by notification or claim end (the caller counts the rest)."""
         deadline = time.monotonic() + timeout_s
         while len(holds) and (left := deadline - time.monotonic()) > 0:
             self._a_release.clear()
@@ -580,11 +592,8 @@ class Sidecar:
                     if self.holds is None:
                         break
                 self._after_release()
-            if self.holds is not None:
-                nxt = self.holds.next_deadline()
-                delay = _REAP_MAX_SLEEP_S if nxt is None else max(0.0, nxt - time.monotonic())
-            else:
-                delay = _REAP_MAX_SLEEP_S
+            nxt = self.holds.next_deadline() if self.holds is not None else None
+            delay = _REAP_MAX_SLEEP_S if nxt is None else max(0.0, nxt - time.monotonic())
             await asyncio.sleep(min(delay, _REAP_MAX_SLEEP_S) + 0.001)
 
 

@@ -13,6 +13,7 @@ loads the same orders.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from kvxferd.client import EngineClient
 from kvxferd.errors import KvxferdError
@@ -25,16 +26,22 @@ log = logging.getLogger(__name__)
 class StoreCalls:
     """One rank's store calls and what they leave for ``get_finished`` and the load errors."""
 
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: EngineClient, generation: Callable[[], int]) -> None:
         self.client = client
+        self._generation = generation  # the rank's registration: the sidecar checks it
         self._done: set[str] = set()  # loads ended (done or failed) since the last take
         self._errors: set[int] = set()  # blocks of failed loads
 
     def save(self, orders: list[SaveOrder]) -> None:
         """Save each finished request's blocks (a failure is logged: nothing else depends on it)."""
         for o in orders:
-            req = StoreSaveRequest(request_id=o.request_id, keys=o.keys, block_ids=o.block_ids,
-                                   num_tokens=o.num_tokens)  # fmt: skip
+            req = StoreSaveRequest(
+                request_id=o.request_id,
+                keys=o.keys,
+                block_ids=o.block_ids,
+                num_tokens=o.num_tokens,
+                generation=self._generation(),
+            )
             try:
                 self.client.store_save(req)
             except KvxferdError as exc:
@@ -51,6 +58,7 @@ class StoreCalls:
                     block_ids=o.block_ids,
                     num_tokens=o.num_tokens,
                     request_id=o.request_id,
+                    generation=self._generation(),
                 )
                 try:
                     status = self.client.store_load(req)

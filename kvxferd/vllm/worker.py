@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from kvxferd.errors import (
     MemoryInUseError,
     MemoryRegionError,
     NotRegisteredError,
+    StaleGenerationError,
     UnknownHoldError,
 )
 from kvxferd.memory import CudaIpcRegion
@@ -46,7 +48,7 @@ _UNREGISTER_SLACK_S = 10.0
 """Sleep and re-registration retry an unregister the sidecar refuses because a decode may still
 READ the memory (or a READ write it) for the sidecar's longest claim, or the longest an unsettled
 READ stays quarantined if that is longer, plus this."""
-_WAITING_LOG_S = 30.0  # at most one "waiting for an unregister" line this often
+_WAITING_LOG_S = 30.0  # at most one line this often for a state asked every step (_tell)
 
 
 @dataclass
@@ -86,8 +88,9 @@ class WorkerSide:
         self.client = EngineClient(socket_path, frames=frames_available(socket_path))
         self.model, self.tp_rank, self.tp_size = model, tp_rank, tp_size
         self.conv = conv  # how Mamba/GDN conv states are laid out (None: one shard per rank)
-        self.generation = -1
+        self.generation = -1  # sent with every hold, pull and store call: the sidecar checks it
         self.epoch = -1  # the sidecar's boot epoch at our registration
+        self.instance = uuid.uuid4().hex  # this process's own id, told apart from another's
         self.manifest: Any = None  # what was registered (offsets from the segment start)
         self._pulls: dict[str, _Pull] = {}  # by pull id
         self._registration: tuple[Any, Any, int] | None = None  # what register() was given
@@ -101,10 +104,10 @@ class WorkerSide:
         # request id -> (when, its blocks per group): a pull that ended unsettled, failed (_fail)
         # only once its READ can no longer write them
         self._aside: dict[str, tuple[float, list[list[int]]]] = {}
-        self._waiting_told = -_WAITING_LOG_S  # when "waiting for an unregister" was last logged
+        self._waiting_told = -_WAITING_LOG_S  # when _tell last logged
         self._unheld: set[str] = set()  # holds the sidecar refused: free the blocks at once
         self._unanswered: dict[str, str] = {}  # request id -> hold id placed with no answer
-        self.store = StoreCalls(self.client)  # store saves and loads (issue 12)
+        self.store = StoreCalls(self.client, lambda: self.generation)  # saves and loads
         self.asleep = False  # unregistered for vLLM's sleep mode until restore()
 
     def register(self, kv_caches: dict[str, Any], kv_cache_config: Any, total_heads: int) -> None:
@@ -151,8 +154,13 @@ class WorkerSide:
                 "sidecar ({rank} in sidecar_socket)"
             )
         if ident.generation >= 0:
+            if ident.instance not in ("", self.instance):
+                log.warning("sidecar at %s: replacing the registration of another engine of TP "
+                            "rank %d (instance %s); if that engine still runs, it shares this "
+                            "sidecar and its KV transfers stop", self.socket_path,
+                            ident.tp_rank, ident.instance)  # fmt: skip
             self._unregister(ident.generation, ident.max_claim_s)
-        resp = self.client.register(manifest, [source])
+        resp = self.client.register(manifest, [source], instance=self.instance)
         self.manifest = manifest
         self.generation, self.epoch = resp.generation, resp.epoch
         self._cursor = 0  # each registration's released-holds feed counts from the start
@@ -213,6 +221,7 @@ class WorkerSide:
                         block_ids=h.block_ids,
                         num_tokens=h.num_tokens,
                         hold_id=h.hold_id,
+                        generation=self.generation,
                     )
                 )
             except KvxferdError as exc:
@@ -225,7 +234,7 @@ class WorkerSide:
                 # refused: no hold, so nobody can read; free the blocks now
                 log.warning("hold for %.200r refused: %s", h.request_id, exc)
                 self._unheld.add(h.request_id)
-                if isinstance(exc, NotRegisteredError):
+                if isinstance(exc, (NotRegisteredError, StaleGenerationError)):
                     self._recover()
                 continue
             minted = h.minted[self.tp_rank] if len(h.minted) > self.tp_rank else None
@@ -248,13 +257,14 @@ class WorkerSide:
                 block_ids=p.block_ids,
                 request_id=p.request_id,
                 num_tokens=p.num_tokens,
+                generation=self.generation,
             )
             try:
                 accepted = self.client.pull(req)
             except KvxferdError as exc:  # refused: vLLM recomputes these blocks
                 log.warning("pull for %.200r refused: %s", p.request_id, exc)
                 self._fail(p.request_id, p.block_ids)
-                if isinstance(exc, NotRegisteredError):
+                if isinstance(exc, (NotRegisteredError, StaleGenerationError)):
                     self._recover()
                 continue
             ends_by = time.monotonic() + req.deadline_s + _PULL_SLACK_S
@@ -376,11 +386,13 @@ class WorkerSide:
         self._refused.add(request_id)
 
     def _recover(self) -> None:
-        """The sidecar answers that this engine is not registered: if it restarted beside this
-        running engine, or an operator's unregister behind it has ended, register again, give up
-        what the old registration held or pulled, and have the scheduler re-read identities.
-        While that unregister still runs, nothing is given up: a decode may still READ a claimed
-        hold, and a stopping pull's READ may still write (their blocks must not be reused yet)."""
+        """The sidecar refused this engine as not registered, or as naming another registration:
+        if it restarted beside this running engine, or an operator's unregister behind it has
+        ended, give up what the old registration held or pulled, register again, and have the
+        scheduler re-read identities. While that unregister still runs, nothing is given up: a
+        decode may still READ a claimed hold, and a stopping pull's READ may still write (their
+        blocks must not be reused yet). Another engine registered there since: give up the same,
+        but do not take the sidecar back (each would keep unregistering the other)."""
         if self._registration is None or self.asleep:  # asleep: restore() registers
             return
         try:
@@ -389,21 +401,41 @@ class WorkerSide:
             log.warning("sidecar refused this engine and cannot say why: %s", exc)
             return
         if ident.epoch == self.epoch and ident.generation >= 0:
-            # Registered and refusing: an unregister behind this engine is letting the memory go
-            # (whatever generation this worker last heard of: a register answer may have been
-            # lost).
-            now = time.monotonic()
-            if now - self._waiting_told >= _WAITING_LOG_S:  # asked every step: told seldom
-                self._waiting_told = now
-                log.info("an unregister behind this engine is letting its memory go; waiting")
+            if ident.instance not in ("", self.instance):
+                # Its register came after our registration's unregister had ended: no READ
+                # of ours can still write, and what we hold or pull went with it.
+                self._give_up_registration()
+                self._tell(
+                    f"sidecar at {self.socket_path} is registered by another engine (instance "
+                    f"{ident.instance}): KV transfers of this one are off until it unregisters;"
+                    " give each engine its own sidecar",
+                    error=True,
+                )
+                return
+            if ident.instance == self.instance and ident.generation != self.generation:
+                log.warning("adopting registration generation %d (its answer was lost)",
+                            ident.generation)  # fmt: skip
+                self.generation, self._stale = ident.generation, True
+                return
+            # Registered and refusing: an unregister behind this engine is letting the memory go.
+            self._tell("an unregister behind this engine is letting its memory go; waiting")
             return
         log.warning("sidecar lost this engine's registration (restarted or unregistered behind "
                     "it); registering again")  # fmt: skip
-        for pull_id in list(self._pulls):
-            self._lose(pull_id)
         # The old registration's READs can no longer write: an unregister ends only once none
         # is unsettled, and a new epoch means the old process has exited (one sidecar per
         # socket: its lock goes only with its process).
+        self._give_up_registration()
+        try:
+            self.register(*self._registration)
+        except KvxferdError as exc:  # still down: the next refused call tries again
+            log.warning("registering again failed: %s", exc)
+
+    def _give_up_registration(self) -> None:
+        """The registration is gone, and none of its READs can write any more: every pull and
+        hold it had has ended (their blocks: load errors and freed)."""
+        for pull_id in list(self._pulls):
+            self._lose(pull_id)
         for request_id, (_, block_ids) in list(self._aside.items()):
             del self._aside[request_id]
             self._fail(request_id, block_ids)
@@ -411,10 +443,14 @@ class WorkerSide:
         self._holds.clear()
         self._unanswered.clear()
         self._cursor = self._pull_cursor = 0
-        try:
-            self.register(*self._registration)
-        except KvxferdError as exc:  # still down: the next refused call tries again
-            log.warning("registering again failed: %s", exc)
+
+    def _tell(self, line: str, error: bool = False) -> None:
+        """Log ``line`` at most once per _WAITING_LOG_S (the state it reports is asked every
+        step)."""
+        now = time.monotonic()
+        if now - self._waiting_told >= _WAITING_LOG_S:
+            self._waiting_told = now
+            log.log(logging.ERROR if error else logging.INFO, line)
 
     def take_stale(self) -> bool:
         """Whether a hold placed since the last call named a stale epoch/generation."""

@@ -13,9 +13,11 @@ from kvxferd.wire.manifest import (
     ONE_LINE_PATTERN,
     ChosenHoldId,
     EngineId,
+    EngineInstance,
     FedRequestId,
     HoldId,
     Manifest,
+    RegistrationGeneration,
     RequestId,
     _Strict,
 )
@@ -95,6 +97,9 @@ class RegisterRequest(_Strict, kw_only=True):
     """Memory sources (allocations), each registered with NIXL once. Without ``Region.source``
     one per ``manifest.regions`` entry, same order; with it, any number that regions point into
     (at most MAX_REGIONS)."""
+    instance: EngineInstance = ""
+    """The registering engine process's own id; ``Identity.instance`` shows it, so an engine
+    whose registration another engine replaced can tell (empty: none given)."""
 
 
 class RegisterResponse(_Strict, kw_only=True):
@@ -142,6 +147,9 @@ class Identity(_Strict, kw_only=True):
     max_claim_s: float = 120.0
     """Longest a claim pins a hold here: how long an unregister may have to wait for a
     decode that claimed one to finish its READ."""
+    instance: EngineInstance = ""
+    """``RegisterRequest.instance`` of the engine registered now (empty while none is, or it
+    gave none)."""
 
 
 class HoldRequest(_Strict, kw_only=True):
@@ -162,6 +170,9 @@ class HoldRequest(_Strict, kw_only=True):
     hold_id: ChosenHoldId = ""
     """Hold id chosen by the engine (a ticket minted ahead by the scheduler names it): 1-128 of
     A-Z a-z 0-9 . _ : -; empty: the sidecar picks one."""
+    generation: RegistrationGeneration = None
+    """The registration generation these block ids refer to; another one is a 409
+    (StaleGenerationError) and nothing is held. None: not checked."""
 
 
 class Ticket(_Strict, kw_only=True):
@@ -228,6 +239,9 @@ class PullRequest(_Strict, kw_only=True):
     """Prompt tokens the decode wants moved (-1: the tickets' num_tokens). Fewer than the
     tickets' (Mamba partial prefill) or block sizes that differ between the sides (re-blocking)
     map token ranges instead of block ids."""
+    generation: RegistrationGeneration = None
+    """The registration generation these block ids refer to; another one is a 409
+    (StaleGenerationError) and nothing is read. None: not checked."""
 
 
 class DeclineRequest(_Strict, kw_only=True):

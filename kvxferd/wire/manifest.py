@@ -55,6 +55,15 @@ ChosenHoldId = Annotated[
     str, msgspec.Meta(max_length=128, pattern=rf"^{_HOLD_ID_CHAR}{{0,128}}(?!\n)$")
 ]
 """A hold id an engine may leave empty (the sidecar then picks one)."""
+EngineInstance = Annotated[
+    str, msgspec.Meta(max_length=64, pattern=rf"^{_HOLD_ID_CHAR}{{0,64}}(?!\n)$")
+]
+"""An engine process's own id (0-64 of A-Z a-z 0-9 . _ : -; each process picks a new one), so
+an engine can tell its registration from another engine's."""
+RegistrationGeneration = int | None
+"""The registration generation an engine call's block ids refer to (the ``generation`` its
+register answer gave): any other, -1 included, is a 409 StaleGenerationError and the call
+touches nothing; None is not checked (tools, sims)."""
 
 MANIFEST_VERSION = 1
 """Bump when the manifest's meaning changes. 1: first version."""

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvxferd.wire.engine import _FED_PER_GROUP, MAX_TOKENS, BlockIdsPerGroup
-from kvxferd.wire.manifest import ChosenHoldId, RequestId, _Strict
+from kvxferd.wire.manifest import ChosenHoldId, RegistrationGeneration, RequestId, _Strict
 
 STORE_KEY_HEX = 32
 """Hex digits of a store key (a 128-bit blake2b digest, ``kvxferd.store.chunk_keys``)."""
@@ -38,6 +38,9 @@ class StoreSaveRequest(_Strict, kw_only=True):
     MAX_TOKENS); -1 with ``hold_id``: the hold's."""
     hold_id: ChosenHoldId = ""
     """Save the blocks of this live hold (pinned while it lasts) instead of ``block_ids``."""
+    generation: RegistrationGeneration = None
+    """The registration generation these block ids refer to; another one is a 409
+    (StaleGenerationError) and nothing is saved. None: not checked."""
 
 
 class StoreSaved(_Strict, kw_only=True):
@@ -101,6 +104,9 @@ class StoreLoadRequest(_Strict, kw_only=True):
     deadline_s: float = 30.0
     """Past this the load stops before its next chunk and answers failed (``deadline``); the
     answer comes only once nothing more is written (a client waits a margin longer)."""
+    generation: RegistrationGeneration = None
+    """The registration generation these block ids refer to; another one is a 409
+    (StaleGenerationError) and nothing is written. None: not checked."""
 
 
 class StoreLoadStatus(_Strict, kw_only=True):

@@ -400,3 +400,60 @@ def test_unregister_keeps_the_memory_while_a_store_load_does_not_stop(stored, mo
     assert loaded[0].json()["reason"] == "cancelled"  # it stopped after that entry
     assert stored.engine.post("/v1/unregister", json={"generation": 0}).status_code == 204
     assert sidecar.manifest is None and sidecar._regions == []
+
+
+def test_the_identity_names_the_registered_engines_instance_until_it_unregisters(fresh):
+    req = RegisterRequest(manifest=fresh.manifest, regions=fresh.pool.specs(), instance="e-1.a")
+    assert _post(fresh.engine, "/v1/register", req).status_code == 200
+    ident = msgspec.json.decode(fresh.engine.get("/v1/identity").content, type=Identity)
+    assert (ident.generation, ident.instance) == (0, "e-1.a")
+    assert fresh.engine.post("/v1/unregister", json={"generation": 0}).status_code == 204
+    ident = msgspec.json.decode(fresh.engine.get("/v1/identity").content, type=Identity)
+    assert (ident.generation, ident.instance) == (-1, "")
+    bad = msgspec.json.encode(req).replace(b'"e-1.a"', b'"e 1"')
+    refused = fresh.engine.post("/v1/register", content=bad, headers=JSON)
+    assert refused.status_code == 422 and "instance" in refused.json()["field"], refused.text
+
+
+def _pull_body(stored, generation: int) -> dict:
+    """A pull into blocks 4-6 (its ticket is never looked at: the generation is checked first)."""
+    ticket = {"engine_id": "p", "epoch": 1, "hold_id": "h1", "request_id": "r", "block_ids": [[1]],
+              "num_tokens": 3, "expires_at": time.time() + 60, "tp_rank": 0, "tp_size": 1,
+              "peer": "127.0.0.1:1", "token": "0" * 64}  # fmt: skip
+    return {"tickets": [ticket], "block_ids": [[4]], "num_tokens": 3, "generation": generation}
+
+
+@pytest.mark.parametrize("generation", [1, -1])
+@pytest.mark.parametrize("call", ["holds", "pulls", "store/save", "store/load"])
+def test_a_call_naming_another_registration_is_refused_and_touches_nothing(
+    stored, call, generation
+):
+    """Two engines given one socket: the one registered earlier still sends block ids meaning
+    its own memory, which the sidecar no longer has. Each call names its generation and is
+    refused (409 naming the field): nothing is held, pulled, saved or written."""
+    sidecar, pool, engine = stored.sidecar, stored.pool, stored.engine
+    chunk = stored.manifest.groups[0].block_size
+    other_keys = chunk_keys([5] * stored.tokens, chunk)  # not in the store
+    bodies = {
+        "holds": {"request_id": "r9", "block_ids": [[1, 2, 3]], "num_tokens": stored.tokens},
+        "pulls": _pull_body(stored, generation),
+        "store/save": {**stored.save, "keys": other_keys},
+        "store/load": {"block_ids": [[4, 5, 6]], "keys": stored.keys, "num_tokens": stored.tokens},
+    }
+    before = pool.snapshot()
+    refused = engine.post(f"/v1/{call}", json={**bodies[call], "generation": generation})
+    assert refused.status_code == 409, refused.text
+    body = msgspec.json.decode(refused.content, type=ErrorBody)
+    assert (body.error, body.field) == ("StaleGenerationError", "generation")
+    assert f"generation: {generation} is not the registered 0" in body.detail
+    assert len(sidecar.holds) == 0 and not sidecar.pulls._pulls
+    lookup = {"keys": other_keys, "num_tokens": stored.tokens}
+    assert engine.post("/v1/store/lookup", json=lookup).json()["matched"] == 0
+    for now, then in zip(pool.views, before, strict=True):
+        assert np.array_equal(now, then)
+    # The registration's own generation, or none, is served.
+    if call in ("holds", "store/load", "store/save"):
+        for i, named in enumerate(({"generation": 0}, {})):
+            ok = {**bodies[call], **named, "request_id": f"ok{i}"}
+            served = engine.post(f"/v1/{call}", json=ok)
+            assert served.status_code == 200, served.text

@@ -197,3 +197,66 @@ def test_a_rank_whose_sidecar_another_rank_registered_refuses_to_take_it_over(en
             after = c.identity()
         assert (after.generation, after.tp_rank) == (before.generation, 0)
         assert first.step(StepOrders()) == (None, None)  # still registered: not refused
+
+
+def test_an_engine_whose_sidecar_another_engine_took_never_touches_that_engines_memory(
+    engines, tmp_path, caplog
+):
+    """Two engines of TP rank 0 given one sidecar (two deployments configured alike): the
+    second replaces the first's registration, as a restarted engine does. The first's block ids
+    would now mean the second's memory. Its holds and pulls name its own registration and are
+    refused: it neither serves nor writes the second's blocks, a decode reading its ticket fails
+    (load errors), what it held is freed, it says why once, and it leaves the sidecar alone."""
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    with worker_pair(tmp_path, "LBHNC", engine) as (first, decode, p_side):
+        sched = _scheduler(p_side)
+        _finished(sched, "r1", [1, 2, 3])
+        assert first.step(sched.take_orders()) == (None, None)  # held on the first's memory
+        second = Rank(engine, "LBHNC", p_side)
+        try:
+            with p_side.client() as c:
+                taken = c.identity()
+            assert taken.generation == 1
+            assert taken.instance == second.connector._worker.instance
+            assert taken.instance != first.connector._worker.instance
+            meta = first.connector.build_connector_worker_meta()
+            sched.stale(meta.stale_ranks)
+            theirs = [a.copy() for a in second.arrays()]
+            mine_before = [a.copy() for a in decode.arrays()]
+            caplog.set_level("INFO", logger="kvxferd.vllm.worker")
+            params = _finished(sched, "r2", [1, 2, 3])  # the second's blocks 1-3 are live
+            pattern.write_pattern(first.manifest, first.arrays(), [[1, 2, 3]], seed=8)
+            # Refused (it names generation 0): r1 went with its registration, r2 was never held.
+            assert first.step(sched.take_orders()) == ({"r1", "r2"}, None)
+            assert _pull(sched, decode, "d2", params, [7, 8, 9]) == ({"d2"}, {7, 8, 9})
+            assert changed_outside(mine_before, decode.arrays(), decode.manifest,
+                                   [[7, 8, 9]]) == 0  # fmt: skip
+            for _ in range(3):  # asked at every step, told once
+                _finished(sched, "r3", [4, 5, 6])
+                assert first.step(sched.take_orders()) == ({"r3"}, None)
+            for now, then in zip(second.arrays(), theirs, strict=True):
+                assert (now == then).all()
+            with p_side.client() as c:
+                assert c.identity() == taken  # not taken back
+            told = [r for r in caplog.records if "registered by another engine" in r.message]
+            assert len(told) == 1 and told[0].levelname == "ERROR"
+        finally:
+            second.close()
+
+
+def test_an_engine_that_never_heard_its_registrations_generation_adopts_it(engines, tmp_path):
+    """Its register's answer was lost: its calls name an older generation and are refused. The
+    registration is its own (its instance), so it takes that generation and goes on, without
+    registering again."""
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    with worker_pair(tmp_path, "LBHNC", engine) as (prefill, _decode, p_side):
+        worker = prefill.connector._worker
+        worker.generation += 7  # as if the answer naming generation 0 never came
+        sched = _scheduler(p_side)
+        _finished(sched, "r1", [1, 2, 3])
+        assert prefill.step(sched.take_orders()) == ({"r1"}, None)  # refused: freed
+        assert worker.generation == 0
+        _finished(sched, "r2", [4, 5, 6])
+        assert prefill.step(sched.take_orders()) == (None, None)  # held
+        with p_side.client() as c:
+            assert c.identity().generation == 0
