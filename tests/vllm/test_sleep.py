@@ -219,12 +219,12 @@ def test_an_engine_whose_sidecar_another_engine_took_never_touches_that_engines_
             assert taken.generation == 1
             assert taken.instance == second.connector._worker.instance
             assert taken.instance != first.connector._worker.instance
-            meta = first.connector.build_connector_worker_meta()
-            sched.stale(meta.stale_ranks)
+            sched.stale({0})  # its tickets name the sidecar's registration as it is now
             theirs = [a.copy() for a in second.arrays()]
             mine_before = [a.copy() for a in decode.arrays()]
             caplog.set_level("INFO", logger="kvxferd.vllm.worker")
             params = _finished(sched, "r2", [1, 2, 3])  # the second's blocks 1-3 are live
+            assert params["remote_registration_generation"] == 1
             pattern.write_pattern(first.manifest, first.arrays(), [[1, 2, 3]], seed=8)
             # Refused (it names generation 0): r1 went with its registration, r2 was never held.
             assert first.step(sched.take_orders()) == ({"r1", "r2"}, None)
