@@ -35,13 +35,9 @@ class StoreCalls:
     def save(self, orders: list[SaveOrder]) -> None:
         """Save each finished request's blocks (a failure is logged: nothing else depends on it)."""
         for o in orders:
-            req = StoreSaveRequest(
-                request_id=o.request_id,
-                keys=o.keys,
-                block_ids=o.block_ids,
-                num_tokens=o.num_tokens,
-                generation=self._generation(),
-            )
+            req = StoreSaveRequest(request_id=o.request_id, keys=o.keys, block_ids=o.block_ids,
+                                   num_tokens=o.num_tokens,
+                                   generation=self._generation())  # fmt: skip
             try:
                 self.client.store_save(req)
             except KvxferdError as exc:
