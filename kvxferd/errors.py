@@ -17,6 +17,7 @@ An empty cell (st. = status) is inherited from the parent class.
     class                          st.  code              meaning
     KvxferdError                   400  transfer          base of every error kvxferd raises
     ├── ConfigError                500                    a flag, env var or config file is wrong
+    │   └── PathInUseError                                another running process holds its lock
     ├── ManifestError              422                    a manifest is inconsistent (names field)
     │   └── UnsupportedModelError                         the planner cannot lay out this config
     ├── BlockIdError               422  block_ids         bad block ids (names the field)
@@ -75,6 +76,11 @@ class ConfigError(KvxferdError):
     """A flag, environment variable or config file value is wrong."""
 
     status = 500
+
+
+class PathInUseError(ConfigError):
+    """Another running process holds the lock of a path this one must own (a second sidecar
+    on a socket, a second engine on a sidecar)."""
 
 
 class ManifestError(KvxferdError):

@@ -294,10 +294,12 @@ store save or store load names the generation its block ids refer to
 second engine replaced (two engines given one socket) would have its block ids mean the second
 engine's memory: its holds would serve those bytes to decodes, and its pulls and store loads
 would write them. Calls naming no generation (tools, the sim) are not checked. The vLLM worker
-names its generation in every such call. When refused, it reads the identity: another engine's
-instance there means it gives up what it held and pulled, says so (an error, once per 30 s) and
-does not register again (the two would keep unregistering each other); its own instance with
-another generation (a register whose answer was lost) is adopted.
+first holds a lock beside the socket (`<socket>.engine.lock`, flock, for its process's life),
+so a second engine given the same sidecar stops at start; where it cannot create that file it
+goes on unlocked. It names its generation in every such call. When refused, it reads the
+identity: another engine's instance there means it gives up what it held and pulled, says so
+(an error, once per 30 s) and does not register again (the two would keep unregistering each
+other); its own instance with another generation (a register whose answer was lost) is adopted.
 
 ## Trust model
 

@@ -9,17 +9,23 @@ import os
 import socket
 import stat
 
-from kvxferd.errors import ConfigError
+from kvxferd.errors import ConfigError, PathInUseError
 
 
 def lock_socket_path(path: str, field: str = "engine_socket") -> int:
     """Hold ``path``'s lock file (``path + ".lock"``) for as long as the returned fd stays open.
 
     A second sidecar on the same socket is refused while the first runs (it would replace the
-    first's socket file, and the engine would register the same memory twice), and the kernel
-    drops the lock only with its process. The file stays: unlinking it would let two processes
-    lock two different files."""
-    lock = path + ".lock"
+    first's socket file, and the engine would register the same memory twice)."""
+    return hold_lock(path + ".lock", field, f"{path} is in use by a running sidecar")
+
+
+def hold_lock(lock: str, field: str, in_use: str) -> int:
+    """Hold an exclusive flock on the file ``lock`` (made 0600, our pid written in it) for as
+    long as the returned fd stays open; the kernel drops it only with its process. The file
+    stays: unlinking it would let two processes lock two different files. PathInUseError
+    (``field: in_use (pid N)``) while another process holds it, ConfigError if it cannot be
+    opened or locked."""
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
@@ -29,9 +35,7 @@ def lock_socket_path(path: str, field: str = "engine_socket") -> int:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
         os.close(fd)
-        raise ConfigError(
-            f"{field}: {path} is in use by a running sidecar (pid {holder or 'unknown'})"
-        ) from None
+        raise PathInUseError(f"{field}: {in_use} (pid {holder or 'unknown'})") from None
     except OSError as exc:
         os.close(fd)
         raise ConfigError(f"{field}: cannot lock {lock}: {exc.strerror}") from exc

@@ -9,6 +9,7 @@ declines, and turns the sidecar's finished-pulls and released-holds feeds into v
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from kvxferd.api.sockets import hold_lock
 from kvxferd.client import EngineClient, SidecarError, frames_available
 from kvxferd.errors import (
     ConfigError,
@@ -23,6 +25,7 @@ from kvxferd.errors import (
     MemoryInUseError,
     MemoryRegionError,
     NotRegisteredError,
+    PathInUseError,
     StaleGenerationError,
     UnknownHoldError,
 )
@@ -91,6 +94,7 @@ class WorkerSide:
         self.generation = -1  # sent with every hold, pull and store call: the sidecar checks it
         self.epoch = -1  # the sidecar's boot epoch at our registration
         self.instance = uuid.uuid4().hex  # this process's own id, told apart from another's
+        self._lock: int | None = None  # fd holding <sidecar_socket>.engine.lock, once taken
         self.manifest: Any = None  # what was registered (offsets from the segment start)
         self._pulls: dict[str, _Pull] = {}  # by pull id
         self._registration: tuple[Any, Any, int] | None = None  # what register() was given
@@ -153,6 +157,8 @@ class WorkerSide:
                 f"{ident.tp_rank}, not this rank {self.tp_rank}: each rank needs its own "
                 "sidecar ({rank} in sidecar_socket)"
             )
+        if self._lock is None:
+            self._lock = self._lock_sidecar()
         if ident.generation >= 0:
             if ident.instance not in ("", self.instance):
                 log.warning("sidecar at %s: replacing the registration of another engine of TP "
@@ -165,6 +171,20 @@ class WorkerSide:
         self.generation, self.epoch = resp.generation, resp.epoch
         self._cursor = 0  # each registration's released-holds feed counts from the start
         self._stale = True  # a new generation: tickets minted before it can no longer be claimed
+
+    def _lock_sidecar(self) -> int | None:
+        """Hold ``<sidecar_socket>.engine.lock`` for this process's life: a second engine given
+        the same sidecar is refused at start (PathInUseError), while one restarted after its
+        predecessor exited finds it free. Where the engine may not make that file, it goes on
+        unlocked: the registration generation still keeps two engines' memory apart."""
+        try:
+            return hold_lock(self.socket_path + ".engine.lock", "sidecar_socket",
+                             f"{self.socket_path} is in use by another engine")  # fmt: skip
+        except PathInUseError:
+            raise
+        except ConfigError as exc:
+            log.warning("%s: a second engine on this sidecar is not refused at start", exc)
+            return None
 
     def unregister(self) -> None:
         """vLLM's sleep (or discard): drop the registration so the sidecar no longer reads or
@@ -487,6 +507,9 @@ class WorkerSide:
             log.warning("unregister at shutdown failed: %s", exc)
         self._close_ipc()
         self.client.close()
+        if self._lock is not None:  # (the kernel drops it with the process anyway)
+            os.close(self._lock)
+            self._lock = None
 
 
 def _placed_maybe(exc: KvxferdError) -> bool:

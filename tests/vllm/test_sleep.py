@@ -6,6 +6,7 @@ scheduler re-reads identities, and a new request moves byte-exact."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -15,8 +16,9 @@ import msgspec
 import pytest
 
 from kvxferd import pattern
-from kvxferd.errors import ConfigError, MemoryInUseError, NotRegisteredError
+from kvxferd.errors import ConfigError, MemoryInUseError, NotRegisteredError, PathInUseError
 from kvxferd.sidecar.signing import PeerKeys, sign_request
+from kvxferd.vllm import worker as worker_module
 from kvxferd.vllm.connector import KvxferdConnector
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
 from kvxferd.wire import ClaimRequest, Ticket
@@ -199,19 +201,44 @@ def test_a_rank_whose_sidecar_another_rank_registered_refuses_to_take_it_over(en
         assert first.step(StepOrders()) == (None, None)  # still registered: not refused
 
 
-def test_an_engine_whose_sidecar_another_engine_took_never_touches_that_engines_memory(
-    engines, tmp_path, caplog
-):
+def test_a_second_engine_given_a_running_engines_sidecar_is_refused_at_start(engines, tmp_path):
     """Two engines of TP rank 0 given one sidecar (two deployments configured alike): the
-    second replaces the first's registration, as a restarted engine does. The first's block ids
-    would now mean the second's memory. Its holds and pulls name its own registration and are
-    refused: it neither serves nor writes the second's blocks, a decode reading its ticket fails
-    (load errors), what it held is freed, it says why once, and it leaves the sidecar alone."""
+    second would replace the first's registration, as a restarted engine does. The first holds
+    the sidecar's engine lock for its life, so the second stops at start naming it; once the
+    first has gone (a restart), the lock is free."""
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    with worker_pair(tmp_path, "LBHNC", engine) as (first, _decode, p_side):
+        with p_side.client() as c:
+            before = c.identity()
+        taken = f"sidecar_socket: {p_side.socket} is in use by another engine (pid {os.getpid()})"
+        with pytest.raises(PathInUseError, match="^" + re.escape(taken) + "$"):
+            Rank(engine, "LBHNC", p_side)
+        with p_side.client() as c:
+            assert c.identity() == before  # the first's registration, untouched
+        assert first.step(StepOrders()) == (None, None)
+        first.close()
+        Rank(engine, "LBHNC", p_side).close()  # the next engine on this sidecar starts
+
+
+def test_an_engine_whose_sidecar_another_engine_took_never_touches_that_engines_memory(
+    engines, tmp_path, caplog, monkeypatch
+):
+    """A second engine that could not take the sidecar's engine lock (it may not write beside
+    the socket) replaces the first's registration, as a restarted engine does. The first's
+    block ids would now mean the second's memory. Its holds and pulls name its own registration
+    and are refused: it neither serves nor writes the second's blocks, a decode reading its
+    ticket fails (load errors), what it held is freed, it says why once, and it leaves the
+    sidecar alone."""
     engine = engines("dense", "LBHNC", num_blocks=24)
     with worker_pair(tmp_path, "LBHNC", engine) as (first, decode, p_side):
         sched = _scheduler(p_side)
         _finished(sched, "r1", [1, 2, 3])
         assert first.step(sched.take_orders()) == (None, None)  # held on the first's memory
+
+        def unwritable(lock: str, field: str, in_use: str) -> int:
+            raise ConfigError(f"{field}: cannot open {lock}: Permission denied")
+
+        monkeypatch.setattr(worker_module, "hold_lock", unwritable)
         second = Rank(engine, "LBHNC", p_side)
         try:
             with p_side.client() as c:
