@@ -122,6 +122,7 @@ class Sidecar:
         self._readers = ReaderCounts()
         self.generation = -1  # registration generation; -1 while no engine is registered
         self.instance = ""  # the registered engine's RegisterRequest.instance
+        self._registering = False  # a register is mapping and registering its memory
         self._leaving = False  # an unregister is letting the memory go: refuse new work on it
         self._next_generation = 0
         self._registrations: list[Any] = []  # NIXL registrations of the memory sources
@@ -179,13 +180,26 @@ class Sidecar:
     # ---------------------------------------------------------------- engine API
 
     async def register(self, req: RegisterRequest) -> RegisterResponse:
-        """Map the engine's regions, register them with NIXL once each, adopt the manifest."""
-        if self.manifest is not None:
+        """Map the engine's regions, register them with NIXL once each, adopt the manifest.
+
+        One at a time: a register that arrives while another is still mapping and registering
+        is refused like one that finds an engine registered (both would otherwise succeed and
+        be told the same generation)."""
+        if self.manifest is not None or self._registering:
             raise AlreadyRegisteredError(
                 "register: this sidecar already has an engine; restart it first"
+                if self.manifest is not None
+                else "register: another engine's register is in progress"
             )
         validate_manifest(req.manifest)
         sources = check_sources(req)
+        self._registering = True  # set before the first await: no second register gets past
+        try:
+            return await self._register(req, sources)
+        finally:
+            self._registering = False
+
+    async def _register(self, req: RegisterRequest, sources: list[int]) -> RegisterResponse:
         regions = []
         try:
             for i, spec in enumerate(req.regions):
@@ -203,7 +217,7 @@ class Sidecar:
             regions[src].base_addr + region.source_offset
             for src, region in zip(sources, req.manifest.regions, strict=True)
         ]
-        self.generation = self._next_generation
+        generation = self.generation = self._next_generation
         self._next_generation += 1
         self.instance = req.instance
         self.manifest = structs.replace(req.manifest, engine_id=self.engine_id, epoch=self.epoch)
@@ -229,7 +243,7 @@ class Sidecar:
             engine_id=self.engine_id,
             epoch=self.epoch,
             peer_address=self.peer_address,
-            generation=self.generation,
+            generation=generation,  # ours, even if an unregister ran during the self-test
         )
 
     async def unregister(self, req: UnregisterRequest) -> None:
@@ -354,6 +368,7 @@ class Sidecar:
     async def run_pull(self, req: PullRequest) -> PullStatus:
         """Run a pull to its end and answer its final status."""
         self._require_engine()
+        self._check_generation(req.generation)
         verify_tickets(req.tickets, self._accepted)  # before any network call, as start_pull
         return await self.pulls.run(req)
 

@@ -424,7 +424,7 @@ def _pull_body(stored, generation: int) -> dict:
 
 
 @pytest.mark.parametrize("generation", [1, -1])
-@pytest.mark.parametrize("call", ["holds", "pulls", "store/save", "store/load"])
+@pytest.mark.parametrize("call", ["holds", "pulls", "pulls/run", "store/save", "store/load"])
 def test_a_call_naming_another_registration_is_refused_and_touches_nothing(
     stored, call, generation
 ):
@@ -437,6 +437,7 @@ def test_a_call_naming_another_registration_is_refused_and_touches_nothing(
     bodies = {
         "holds": {"request_id": "r9", "block_ids": [[1, 2, 3]], "num_tokens": stored.tokens},
         "pulls": _pull_body(stored, generation),
+        "pulls/run": _pull_body(stored, generation),
         "store/save": {**stored.save, "keys": other_keys},
         "store/load": {"block_ids": [[4, 5, 6]], "keys": stored.keys, "num_tokens": stored.tokens},
     }

@@ -1,0 +1,50 @@
+"""Two registers that arrive together leave one registration: the second is refused (409) while
+the first still maps and registers its memory, so no two engines are ever told the same
+generation, and the refused one's memory is neither kept mapped nor registered with NIXL.
+
+An in-process Sidecar over POSIX shm (its self-test READ over NIXL loopback), driven directly on
+one event loop so the second register lands while the first awaits its NIXL registration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvxferd.errors import AlreadyRegisteredError, StaleGenerationError
+from kvxferd.sidecar.service import Sidecar
+from kvxferd.wire import HoldRequest, RegisterRequest
+from tests.sidecar.harness import EnginePool, plan
+from tests.sidecar.inprocess import run_in_process
+
+pytestmark = pytest.mark.nixl
+
+
+def test_a_register_while_another_is_in_progress_is_refused_and_keeps_nothing():
+    async def two_at_once(sidecar: Sidecar, first: RegisterRequest) -> None:
+        other = EnginePool(plan("llama-3.1-8b", num_blocks=8))  # a second engine's memory
+        try:
+            second = RegisterRequest(manifest=other.manifest, regions=other.specs(),
+                                     instance="engine-b")  # fmt: skip
+            first = RegisterRequest(manifest=first.manifest, regions=first.regions,
+                                    instance="engine-a")  # fmt: skip
+            a, b = await asyncio.gather(
+                sidecar.register(first), sidecar.register(second), return_exceptions=True
+            )
+            assert isinstance(b, AlreadyRegisteredError), b
+            assert "in progress" in str(b)
+            assert not isinstance(a, BaseException), a
+            assert (sidecar.generation, sidecar.instance) == (a.generation, "engine-a")
+            assert len(sidecar._regions) == len(first.regions)  # b's memory was not mapped
+            # Engine b, told nothing, cannot place a hold on a's memory under any generation.
+            with pytest.raises(StaleGenerationError):
+                sidecar.hold(HoldRequest(request_id="rb", block_ids=[[1]], num_tokens=16,
+                                         generation=a.generation + 1))  # fmt: skip
+            # Once a's register ended, a register is refused as before (an engine is there).
+            with pytest.raises(AlreadyRegisteredError, match="already has an engine"):
+                await sidecar.register(second)
+        finally:
+            other.close()
+
+    run_in_process(two_at_once, engine_id="register-race")
