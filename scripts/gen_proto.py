@@ -284,8 +284,9 @@ the lease.
 
 ## Registrations: one engine at a time, named
 
-A sidecar serves one engine's memory at a time: a register while one is registered is a 409,
-so an engine unregisters what it finds there first (vLLM restarted beside a running sidecar).
+A sidecar serves one engine's memory at a time: a register while one is registered, or while
+another register is still in progress, is a 409, so an engine unregisters what it finds there
+first (vLLM restarted beside a running sidecar).
 Each `POST /v1/register` starts a new registration generation and may carry the engine
 process's own id (`RegisterRequest.instance`); `GET /v1/identity` shows both. A hold, pull,
 store save or store load names the generation its block ids refer to
@@ -297,9 +298,11 @@ would write them. Calls naming no generation (tools, the sim) are not checked. T
 first holds a lock beside the socket (`<socket>.engine.lock`, flock, for its process's life),
 so a second engine given the same sidecar stops at start; where it cannot create that file it
 goes on unlocked. It names its generation in every such call. When refused, it reads the
-identity: another engine's instance there means it gives up what it held and pulled, says so
-(an error, once per 30 s) and does not register again (the two would keep unregistering each
-other); its own instance with another generation (a register whose answer was lost) is adopted.
+identity: another engine's instance there (also after the sidecar restarted) means it gives up
+what it held and pulled, forgets its generation (generations restart with each sidecar epoch, so
+the number could name the other engine's registration), says so (an error, once per 30 s) and
+does not register again (the two would keep unregistering each other); its own instance with
+another generation (a register whose answer was lost) is adopted.
 
 ## Trust model
 

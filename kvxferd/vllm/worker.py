@@ -160,7 +160,8 @@ class WorkerSide:
         if self._lock is None:
             self._lock = self._lock_sidecar()
         if ident.generation >= 0:
-            if ident.instance not in ("", self.instance):
+            if ident.instance not in ("", self.instance) and self._lock is None:
+                # With the engine lock held, the engine that registered there has exited.
                 log.warning("sidecar at %s: replacing the registration of another engine of TP "
                             "rank %d (instance %s); if that engine still runs, it shares this "
                             "sidecar and its KV transfers stop", self.socket_path,
@@ -420,18 +421,21 @@ class WorkerSide:
         except KvxferdError as exc:  # cannot tell what the sidecar has: ask at the next refusal
             log.warning("sidecar refused this engine and cannot say why: %s", exc)
             return
+        if ident.generation >= 0 and ident.instance not in ("", self.instance):
+            # Another engine registered there: in this epoch after our registration's
+            # unregister had ended, in a new one after the sidecar restarted (its old process
+            # exited). Either way no READ of ours can still write, and what we held or pulled
+            # went with it. Generations restart with each epoch, so ours is forgotten: a call
+            # naming it could otherwise match the other engine's registration.
+            self._give_up_registration()
+            self._tell(
+                f"sidecar at {self.socket_path} is registered by another engine (instance "
+                f"{ident.instance}): KV transfers of this one are off until it unregisters;"
+                " give each engine its own sidecar",
+                error=True,
+            )
+            return
         if ident.epoch == self.epoch and ident.generation >= 0:
-            if ident.instance not in ("", self.instance):
-                # Its register came after our registration's unregister had ended: no READ
-                # of ours can still write, and what we hold or pull went with it.
-                self._give_up_registration()
-                self._tell(
-                    f"sidecar at {self.socket_path} is registered by another engine (instance "
-                    f"{ident.instance}): KV transfers of this one are off until it unregisters;"
-                    " give each engine its own sidecar",
-                    error=True,
-                )
-                return
             if ident.instance == self.instance and ident.generation != self.generation:
                 log.warning("adopting registration generation %d (its answer was lost)",
                             ident.generation)  # fmt: skip
@@ -463,6 +467,7 @@ class WorkerSide:
         self._holds.clear()
         self._unanswered.clear()
         self._cursor = self._pull_cursor = 0
+        self.generation = -1  # named by no registration: every call of ours is refused (409)
 
     def _tell(self, line: str, error: bool = False) -> None:
         """Log ``line`` at most once per _WAITING_LOG_S (the state it reports is asked every

@@ -22,7 +22,7 @@ from kvxferd.vllm import worker as worker_module
 from kvxferd.vllm.connector import KvxferdConnector
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
 from kvxferd.wire import ClaimRequest, Ticket
-from tests.sidecar.harness import TOKEN, changed_outside, wait_until
+from tests.sidecar.harness import TOKEN, changed_outside, start_sidecars, wait_until
 from tests.vllm.ranks import Rank, finish, prefill_side, step_until, worker_pair
 
 pytestmark = pytest.mark.nixl
@@ -269,6 +269,54 @@ def test_an_engine_whose_sidecar_another_engine_took_never_touches_that_engines_
             assert len(told) == 1 and told[0].levelname == "ERROR"
         finally:
             second.close()
+
+
+def test_an_engine_that_gave_its_sidecar_up_stays_off_it_after_the_sidecar_restarts(
+    engines, tmp_path, monkeypatch
+):
+    """Generations restart with each sidecar epoch: after a restart the engine that took the
+    sidecar registers generation 0 again, the very number the first engine's registration had.
+    The first forgot its generation when it gave the sidecar up, so its calls are still refused:
+    its hold is never placed on the other engine's memory, a decode reading its ticket fails,
+    and it does not take the restarted sidecar from the engine registered there."""
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    with worker_pair(tmp_path, "LBHNC", engine) as (first, decode, p_side):
+
+        def unwritable(lock: str, field: str, in_use: str) -> int:
+            raise ConfigError(f"{field}: cannot open {lock}: Permission denied")
+
+        monkeypatch.setattr(worker_module, "hold_lock", unwritable)
+        second = Rank(engine, "LBHNC", p_side)  # takes the sidecar: generation 1
+        restarted = None
+        try:
+            sched = _scheduler(p_side)
+            sched.stale({0})
+            _finished(sched, "r1", [1, 2, 3])
+            assert first.step(sched.take_orders()) == ({"r1"}, None)  # refused: gave it up
+            assert first.connector._worker.generation == -1
+
+            p_side.stop()  # the sidecar restarts; the second engine registers there first
+            restarted = start_sidecars(str(tmp_path), ["p"])[0]
+            second.connector._worker._recover()  # (what its next refused call does)
+            with restarted.client() as c:
+                taken = c.identity()
+            assert (taken.generation, taken.instance) == (0, second.connector._worker.instance)
+
+            sched = _scheduler(restarted)
+            sched.stale({0})
+            theirs = [a.copy() for a in second.arrays()]
+            params = _finished(sched, "r2", [1, 2, 3])  # a ticket for generation 0
+            pattern.write_pattern(first.manifest, first.arrays(), [[1, 2, 3]], seed=8)
+            assert first.step(sched.take_orders()) == ({"r2"}, None)  # refused, not held
+            assert _pull(sched, decode, "d2", params, [7, 8, 9]) == ({"d2"}, {7, 8, 9})
+            for now, then in zip(second.arrays(), theirs, strict=True):
+                assert (now == then).all()
+            with restarted.client() as c:
+                assert c.identity() == taken  # left to the engine registered there
+        finally:
+            second.close()
+            if restarted is not None:
+                restarted.stop()
 
 
 def test_an_engine_that_never_heard_its_registrations_generation_adopts_it(engines, tmp_path):
