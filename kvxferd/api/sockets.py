@@ -4,6 +4,7 @@ sim use it too."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -39,8 +40,9 @@ def hold_lock(lock: str, field: str, in_use: str) -> int:
     except OSError as exc:
         os.close(fd)
         raise ConfigError(f"{field}: cannot lock {lock}: {exc.strerror}") from exc
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    with contextlib.suppress(OSError):  # the pid only names the holder; the lock is held
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 
