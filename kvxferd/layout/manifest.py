@@ -118,11 +118,18 @@ def _check_identity(m: Manifest) -> None:
 
 def _check_regions(m: Manifest) -> None:
     names: set[str] = set()
+    first = m.regions[0]
     for r, region in enumerate(m.regions):
         f = f"regions[{r}]"
         if not region.name or region.name in names:
             raise _fail(f"{f}.name", f"empty or duplicate name {region.name!r}")
         names.add(region.name)
+        # One READ's descriptors on each side share one NIXL memory type and device.
+        for attr in ("mem", "device_id"):
+            if getattr(region, attr) != getattr(first, attr):
+                raise _fail(f"{f}.{attr}", f"{getattr(region, attr)!r} differs from regions[0]'s "
+                                           f"{getattr(first, attr)!r}: one rank's regions share "
+                                           "one memory")  # fmt: skip
         if region.num_blocks != m.num_blocks:
             raise _fail(f"{f}.num_blocks", f"{region.num_blocks} != manifest {m.num_blocks}")
         if region.page_bytes < 1:

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -76,6 +76,26 @@ beyond it. A row costs about 140 bytes (tables and NIXL's two lists): about 290 
 (measured: scripts/bench_prepped.py)."""
 
 
+class Memory(NamedTuple):
+    """Where one side's regions live, as NIXL names it (every region of a manifest shares it:
+    ``validate_manifest``); a READ's descriptor lists carry it, or NIXL finds no registration
+    covering VRAM posted as DRAM."""
+
+    mem: str
+    """NIXL memory type: DRAM or VRAM."""
+    device_id: int
+    """GPU index (0 for DRAM)."""
+
+
+DRAM = Memory("DRAM", 0)
+
+
+def memory_of(manifest: Manifest) -> Memory:
+    """The memory of ``manifest``'s regions."""
+    region = manifest.regions[0]
+    return Memory(region.mem, region.device_id)
+
+
 @dataclass(frozen=True, eq=False)
 class PeerRead:
     """What one prefill rank's READ moves, and how it is posted: by index into the peer's
@@ -88,6 +108,8 @@ class PeerRead:
     """``((local addrs, lens), (remote addrs, lens))`` of the plain path."""
     prepped: tuple[Any, np.ndarray, Any, np.ndarray] | None = None
     """``(local list, local indices, remote list, remote indices)`` of the prepped path."""
+    memory: tuple[Memory, Memory] = (DRAM, DRAM)
+    """``(local, remote)`` memory of the plain path's tables (prepped lists carry their own)."""
 
     @property
     def total_bytes(self) -> int:
@@ -99,11 +121,17 @@ class PeerRead:
         if self.prepped is not None:
             return functools.partial(transport.read_prepped, *self.prepped, notif)
         assert self.tables is not None
-        return functools.partial(transport.read, remote, *self.tables, notif)
+        (mem, dev), (remote_mem, remote_dev) = self.memory
+        return functools.partial(transport.read, remote, *self.tables, notif, mem=mem,
+                                 device_id=dev, remote_mem=remote_mem,
+                                 remote_device_id=remote_dev)  # fmt: skip
 
 
-def table_read(plan: descriptors.ReadPlan, local_bases: Sequence[int], peer: Peer) -> PeerRead:
-    """``plan`` as coalesced descriptor tables at the two sides' region bases."""
+def table_read(
+    plan: descriptors.ReadPlan, local_bases: Sequence[int], peer: Peer, local: Memory
+) -> PeerRead:
+    """``plan`` as coalesced descriptor tables at the two sides' region bases (``local``: our
+    regions' memory; the peer's comes from its manifest)."""
     if plan.num_descriptors == 0:
         return PeerRead(0, 0, 0)
     lb = np.asarray(local_bases, dtype=np.int64)
@@ -115,6 +143,7 @@ def table_read(plan: descriptors.ReadPlan, local_bases: Sequence[int], peer: Pee
         plan.state_bytes,
         plan.num_descriptors,
         tables=((local_addr, plan.length), (remote_addr, plan.length)),
+        memory=(local, memory_of(peer.manifest)),
     )
 
 
@@ -198,10 +227,10 @@ class PeerViews:
                     idx.num_descriptors,
                     prepped=(loc, idx.local_idx, rem, idx.remote_idx),
                 )
-            return table_read(merged, local_bases, peer)
+            return table_read(merged, local_bases, peer, memory_of(local))
         plan = descriptors.plan_pull(geometry, local_ids, remote_ids, num_tokens, remote_tokens,
                                      local_checked=local_checked)  # fmt: skip
-        return table_read(plan, local_bases, peer)
+        return table_read(plan, local_bases, peer, memory_of(local))
 
     def _get(
         self,
@@ -226,7 +255,7 @@ class PeerViews:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvxferd-prep")
         job = self._executor.submit(
             self._prepare, geometry, list(local_bases), list(peer.region_bases),
-            peer.agent_name, peer.address,
+            peer.agent_name, peer.address, (memory_of(local), memory_of(peer.manifest)),
         )  # fmt: skip
         self._jobs.add(job)
         loop = asyncio.get_running_loop()
@@ -243,16 +272,19 @@ class PeerViews:
         remote_bases: list[int],
         agent: str,
         address: str,
+        memory: tuple[Memory, Memory],
     ) -> tuple[descriptors.PreppedGeometry | None, tuple[Any, Any] | None]:
         """Build a pair's tables and prepare its lists (on the views' thread)."""
         tables = descriptors.prepped_geometry(geometry, PREP_MAX_ROWS)
         if tables is None or self._closing:
             return tables, None
         (la, ll), (ra, rl) = tables.addresses(local_bases, remote_bases)
+        (mem, dev), (remote_mem, remote_dev) = memory
         try:
-            loc = self._transport.prep_local((la, ll))
+            loc = self._transport.prep_local((la, ll), mem=mem, device_id=dev)
             try:
-                rem = self._transport.prep_remote(agent, (ra, rl))
+                rem = self._transport.prep_remote(agent, (ra, rl), mem=remote_mem,
+                                                  device_id=remote_dev)  # fmt: skip
             except KvxferdError:
                 loc.release()
                 raise

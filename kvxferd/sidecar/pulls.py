@@ -39,7 +39,7 @@ from kvxferd.errors import (
 )
 from kvxferd.metrics import BYTE_KINDS, PHASES
 from kvxferd.sidecar.finished import FinishedFeed
-from kvxferd.sidecar.peerviews import PeerRead, PeerViews, RankPlans, table_read
+from kvxferd.sidecar.peerviews import PeerRead, PeerViews, RankPlans, memory_of, table_read
 from kvxferd.sidecar.pull_request import validate_pull
 from kvxferd.sidecar.reads import SETTLE_S, Reads, run_to_end
 from kvxferd.sidecar.states import PullState, advance
@@ -373,7 +373,9 @@ class PullRunner:
             fan = self._fan_in(geometries) if all(t.block_ids == ids for t in tickets) else None
             if fan is not None:
                 plans = fan.plan(req.block_ids, ids, local_checked=checked)
-                return [table_read(p, bases, peer) for p, peer in zip(plans, peers, strict=True)]
+                memory = memory_of(local)
+                return [table_read(p, bases, peer, memory)
+                        for p, peer in zip(plans, peers, strict=True)]  # fmt: skip
         return [
             self.views.plan(
                 peer,

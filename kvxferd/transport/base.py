@@ -65,9 +65,12 @@ class Transport(Protocol):
         """**prepare**: a descriptor list over a peer's memory."""
         ...
 
-    def read(self, remote: str, local: Any, remote_descs: Any, notif: bytes = b"") -> PostedRead:
-        """**read**: post a READ of ``remote_descs`` (the peer's) into ``local`` (ours); the
-        peer receives ``notif`` after the data. Posting may copy bytes (loopback/CMA)."""
+    def read(self, remote: str, local: Any, remote_descs: Any, notif: bytes = b"", *,
+             mem: str = "DRAM", device_id: int = 0, remote_mem: str = "DRAM",
+             remote_device_id: int = 0) -> PostedRead:  # fmt: skip
+        """**read**: post a READ of ``remote_descs`` (the peer's, in ``remote_mem``) into
+        ``local`` (ours, in ``mem``); the peer receives ``notif`` after the data. Posting may
+        copy bytes (loopback/CMA)."""
         ...
 
     def read_prepped(self, local: Any, local_idx: Any, remote: Any, remote_idx: Any,

@@ -86,6 +86,21 @@ def test_layer_region_out_of_range():
     assert field_of(with_layer(GRANITE, 0, 0, region=4)) == "groups[0].layers[0].region"
 
 
+@pytest.mark.parametrize(("change", "field"), [
+    ({"mem": "VRAM"}, "regions[1].mem"),
+    ({"mem": "VRAM", "device_id": 1}, "regions[1].mem"),
+    ({"device_id": 1}, "regions[1].device_id"),
+])  # fmt: skip
+def test_one_ranks_regions_share_one_memory(change, field):
+    """A READ's descriptor list has one NIXL memory type: a rank's regions are all in DRAM or
+    all in one GPU's VRAM."""
+    regions = list(GRANITE.regions)
+    regions[1] = replace(regions[1], **change)
+    assert field_of(replace(GRANITE, regions=regions)) == field
+    gpu = [replace(r, mem="VRAM", device_id=2) for r in GRANITE.regions]
+    validate_manifest(replace(GRANITE, regions=gpu))
+
+
 def test_attention_unit_bytes_must_match_heads_and_kernel_block():
     layer = GRANITE.groups[ATTN].layers[0]
     half = replace(layer.k, unit_bytes=layer.k.unit_bytes // 2)

@@ -50,8 +50,9 @@ def test_a_plan_is_kept_per_registration_and_prefill_tp():
 
 
 class _List:
-    def __init__(self) -> None:
+    def __init__(self, mem: str = "DRAM", device_id: int = 0) -> None:
         self.released = False
+        self.memory = (mem, device_id)
 
     def release(self) -> None:
         self.released = True
@@ -63,18 +64,21 @@ class _Transport:
     def __init__(self) -> None:
         self.lists: list[_List] = []
 
-    def prep_local(self, table):  # noqa: ANN001
-        self.lists.append(_List())
+    def prep_local(self, table, *, mem="DRAM", device_id=0):  # noqa: ANN001
+        self.lists.append(_List(mem, device_id))
         return self.lists[-1]
 
-    def prep_remote(self, agent, table):  # noqa: ANN001
-        return self.prep_local(table)
+    def prep_remote(self, agent, table, *, mem="DRAM", device_id=0):  # noqa: ANN001
+        return self.prep_local(table, mem=mem, device_id=device_id)
+
+    def read(self, remote, local, remote_descs, notif=b"", **memory):  # noqa: ANN001
+        return memory
 
 
 def _peer(i: int, m):  # noqa: ANN001
     bases = [0x10000000 * (k + 1) for k in range(len(m.regions))]
     return SimpleNamespace(address=f"p{i}", engine_id=f"e{i}", epoch=1, agent_name=f"a{i}",
-                           region_bases=bases)  # fmt: skip
+                           region_bases=bases, manifest=m)  # fmt: skip
 
 
 async def _plan_until_prepped(views: PeerViews, peer, m, ids) -> None:  # noqa: ANN001
@@ -123,5 +127,47 @@ def test_disabled_views_prepare_nothing():
                               ).tables is not None  # fmt: skip
         views.close()
         assert t.lists == []
+
+    asyncio.run(run())
+
+
+def _in_vram(m, device_id: int):  # noqa: ANN001
+    regions = [msgspec.structs.replace(r, mem="VRAM", device_id=device_id) for r in m.regions]
+    return msgspec.structs.replace(m, regions=regions)
+
+
+def test_reads_and_lists_carry_each_sides_memory_type_and_device():
+    """vLLM's KV lives in VRAM: NIXL finds no registration covering VRAM posted as DRAM, so
+    every READ and prepared list names the memory of its side's regions (ours, the peer's)."""
+    host = render(hybrid_spec(), 1, 0)
+    ours, theirs = _in_vram(host, 1), _in_vram(host, 3)
+
+    async def run() -> None:
+        t = _Transport()
+        views = PeerViews(t, enabled=True)
+        peer = _peer(0, theirs)
+        geo = descriptors.read_geometry(ours, theirs)
+        bases = [0] * len(ours.regions)
+        read = views.plan(peer, ours, bases, geo, *[_fragmented(ours)] * 2)
+        assert read.tables is not None
+        assert read.post(t, "a0", b"")() == {
+            "mem": "VRAM",
+            "device_id": 1,
+            "remote_mem": "VRAM",
+            "remote_device_id": 3,
+        }
+        await _plan_until_prepped(views, peer, ours, _fragmented(ours))
+        assert [x.memory for x in t.lists] == [("VRAM", 1), ("VRAM", 3)]  # local, remote
+        views.close()
+        # A host peer's tables say DRAM on its side.
+        mixed = views.plan(_peer(1, host), ours, bases, descriptors.read_geometry(ours, host),
+                           *[_fragmented(ours)] * 2)  # fmt: skip
+        assert mixed.post(t, "a1", b"")() == {
+            "mem": "VRAM",
+            "device_id": 1,
+            "remote_mem": "DRAM",
+            "remote_device_id": 0,
+        }
+        views.close()
 
     asyncio.run(run())
