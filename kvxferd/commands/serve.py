@@ -111,8 +111,10 @@ def run(args: argparse.Namespace) -> int:
     check_startable(config)
     from kvxferd.api.server import serve
     from kvxferd.cli import setup_logging
+    from kvxferd.transport import ucxenv
 
     setup_logging(config.log_level)
+    ucxenv.no_memtype_cache()  # before the agent: VRAM mapped through CUDA IPC registers
     run_main(serve(_with_proto_log(config)), config.event_loop)
     return 0
 

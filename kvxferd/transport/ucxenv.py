@@ -1,4 +1,5 @@
-"""The UCX TCP segment sizes of this process, and which pairs of them can READ over TCP.
+"""UCX settings a sidecar depends on: the TCP segment sizes of this process, which pairs of them
+can READ over TCP, and the memory-type cache (off, so VRAM mapped through CUDA IPC registers).
 
 A READ over UCX's TCP transport (pods without an RDMA NIC) is emulated: the target answers with
 active messages of at most ``UCX_TCP_TX_SEG_SIZE`` bytes (UCX's default 8 KiB), and the reader
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 TCP_SEGMENT_VARS = ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE")
 UCX_DEFAULT_SEGMENTS = (8 * 1024, 64 * 1024)
@@ -52,7 +53,28 @@ def segment_diff(target_tx: int, reader_rx: int, *, local: str) -> dict[str, tup
     return {"tcp_segments": (receives, sends) if local == "reader" else (sends, receives)}
 
 
+MEMTYPE_CACHE_VAR = "UCX_MEMTYPE_CACHE"
+
+
+def no_memtype_cache(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Turn UCX's memory-type cache off unless the operator set it (call before the first
+    agent); whether this set it.
+
+    The cache learns where memory lives by hooking the allocating process's CUDA calls. A
+    sidecar maps its engine's VRAM through CUDA IPC, which the cache never saw: UCX calls that
+    memory host memory and NIXL refuses its VRAM registration (NIXL_ERR_BACKEND, measured on an
+    H100 with ``scripts/gpu/vram_pull.py``). Without the cache UCX asks CUDA about each buffer;
+    with no CUDA driver loaded there is nothing to ask.
+    """
+    if MEMTYPE_CACHE_VAR in environ:
+        return False
+    environ[MEMTYPE_CACHE_VAR] = "n"
+    return True
+
+
 __all__ = [
+    "MEMTYPE_CACHE_VAR",
+    "no_memtype_cache",
     "TCP_SEGMENT_VARS",
     "UCX_DEFAULT_SEGMENTS",
     "parse_size",

@@ -1,5 +1,6 @@
 """UCX TCP segment sizes: read as UCX reads them, and the check that keeps a reader from READing
-a target whose segments it cannot receive (or an agent from starting with sizes UCX refuses)."""
+a target whose segments it cannot receive (or an agent from starting with sizes UCX refuses);
+the memory-type cache off unless the operator chose."""
 
 from __future__ import annotations
 
@@ -42,3 +43,14 @@ def test_an_agent_sending_larger_segments_than_it_receives_is_refused_by_name(mo
     monkeypatch.delenv("UCX_TCP_RX_SEG_SIZE", raising=False)
     with pytest.raises(TransportError, match="UCX_TCP_TX_SEG_SIZE .* exceeds UCX_TCP_RX_SEG_SIZE"):
         Agent("never-created")
+
+
+def test_the_memtype_cache_goes_off_unless_the_operator_chose():
+    """A sidecar maps its engine's VRAM through CUDA IPC, which UCX's memory-type cache never
+    saw (it calls it host memory and the VRAM registration fails), so serve turns it off."""
+    env: dict[str, str] = {}
+    assert ucxenv.no_memtype_cache(env) is True
+    assert env == {"UCX_MEMTYPE_CACHE": "n"}
+    chosen = {"UCX_MEMTYPE_CACHE": "y"}
+    assert ucxenv.no_memtype_cache(chosen) is False
+    assert chosen == {"UCX_MEMTYPE_CACHE": "y"}
