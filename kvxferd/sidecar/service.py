@@ -19,7 +19,7 @@ from typing import Any
 
 from msgspec import structs
 
-from kvxferd import descriptors
+from kvxferd import __version__, descriptors
 from kvxferd.config import Config
 from kvxferd.errors import (
     AlreadyRegisteredError,
@@ -316,6 +316,8 @@ class Sidecar:
             default_lease_s=self.config.default_lease_s,
             max_claim_s=self.config.max_claim_s,
             instance=self.instance,
+            protocol_version=PROTOCOL_VERSION,
+            kvxferd_version=__version__,
         )
 
     def hold(self, req: HoldRequest) -> Ticket:

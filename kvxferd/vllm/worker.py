@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from kvxferd import __version__
 from kvxferd.api.sockets import hold_lock
 from kvxferd.client import EngineClient, SidecarError, frames_available
 from kvxferd.errors import (
@@ -36,6 +37,7 @@ from kvxferd.vllm.scheduler import StepOrders
 from kvxferd.vllm.storeio import StoreCalls
 from kvxferd.wire import (
     MAX_TICKETS_PER_CALL,
+    PROTOCOL_VERSION,
     CudaRegionSpec,
     HoldRequest,
     PullRequest,
@@ -149,6 +151,14 @@ class WorkerSide:
         )
         manifest = _shift(manifest, alloc.base - start, mem, device)
         ident = self.client.identity()
+        if ident.protocol_version != PROTOCOL_VERSION:
+            # The engine and sidecar images carry kvxferd separately: say so, not a 422 later.
+            raise ConfigError(
+                f"sidecar at {self.socket_path} speaks protocol {ident.protocol_version} "
+                f"(kvxferd {ident.kvxferd_version or 'older than 0.1.0'}), this connector "
+                f"{PROTOCOL_VERSION} (kvxferd {__version__}): run one kvxferd release in the "
+                "engine and sidecar images"
+            )
         if ident.generation >= 0 and ident.tp_rank != self.tp_rank:
             # Not an earlier engine of this rank: another rank's live registration, which an
             # unregister would take from under it (ranks sharing one socket).

@@ -127,8 +127,12 @@ class UnregisterRequest(_Strict, kw_only=True):
     """The generation being unregistered (a stale one is a 409)."""
 
 
-class Identity(_Strict, kw_only=True):
-    """Sidecar -> engine: who this sidecar is, so a scheduler process can mint tickets itself."""
+class Identity(msgspec.Struct, frozen=True, kw_only=True):
+    """Sidecar -> engine: who this sidecar is, so a scheduler process can mint tickets itself.
+
+    Unlike requests, unknown fields are ignored: an engine's connector still reads a newer
+    sidecar's identity, and so its ``protocol_version``, to say why the two cannot work together.
+    """
 
     engine_id: EngineId
     """Engine identity used in tickets and handshakes."""
@@ -150,6 +154,11 @@ class Identity(_Strict, kw_only=True):
     instance: EngineInstance = ""
     """``RegisterRequest.instance`` of the engine registered now (empty while none is, or it
     gave none)."""
+    protocol_version: int = 0
+    """PROTOCOL_VERSION of the sidecar (0: a sidecar from before this field); an engine whose
+    own differs refuses to start."""
+    kvxferd_version: str = ""
+    """The sidecar's kvxferd release, for that refusal's message."""
 
 
 class HoldRequest(_Strict, kw_only=True):

@@ -15,6 +15,7 @@ import httpx
 import msgspec
 import pytest
 
+import kvxferd
 from kvxferd import pattern
 from kvxferd.errors import ConfigError, MemoryInUseError, NotRegisteredError, PathInUseError
 from kvxferd.sidecar.signing import PeerKeys, sign_request
@@ -199,6 +200,23 @@ def test_a_rank_whose_sidecar_another_rank_registered_refuses_to_take_it_over(en
             after = c.identity()
         assert (after.generation, after.tp_rank) == (before.generation, 0)
         assert first.step(StepOrders()) == (None, None)  # still registered: not refused
+
+
+def test_an_engine_refuses_at_start_a_sidecar_of_another_protocol(engines, tmp_path, monkeypatch):
+    """The engine and sidecar images carry kvxferd separately; a connector whose protocol
+    differs from its sidecar's says so at start, naming both releases, and touches nothing."""
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    with worker_pair(tmp_path, "LBHNC", engine) as (_prefill, _decode, p_side):
+        with p_side.client() as c:
+            before = c.identity()
+        monkeypatch.setattr(worker_module, "PROTOCOL_VERSION", 2)
+        said = (f"sidecar at {p_side.socket} speaks protocol 1 (kvxferd {kvxferd.__version__}), "
+                f"this connector 2 (kvxferd {kvxferd.__version__}): run one kvxferd release in "
+                "the engine and sidecar images")  # fmt: skip
+        with pytest.raises(ConfigError, match="^" + re.escape(said) + "$"):
+            Rank(engine, "LBHNC", p_side)
+        with p_side.client() as c:
+            assert c.identity() == before  # the running engine's registration, untouched
 
 
 def test_a_second_engine_given_a_running_engines_sidecar_is_refused_at_start(engines, tmp_path):

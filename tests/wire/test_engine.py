@@ -19,6 +19,7 @@ from kvxferd.wire import (
     AbortHoldRequest,
     DeclineRequest,
     HoldRequest,
+    Identity,
     KeepaliveRequest,
     PullRequest,
     RegisterRequest,
@@ -203,3 +204,17 @@ def test_a_registration_names_at_most_max_regions_memory_sources():
             "regions": [spec] * MAX_REGIONS}  # fmt: skip
     assert len(_decode(RegisterRequest, body).regions) == MAX_REGIONS
     _refused_at(RegisterRequest, {**body, "regions": [spec] * (MAX_REGIONS + 1)}, "regions")
+
+
+_IDENTITY = {"engine_id": "e", "epoch": 1, "generation": 0, "peer_address": "h:1", "tp_rank": 0,
+             "tp_size": 1, "default_lease_s": 30.0}  # fmt: skip
+
+
+def test_an_identity_is_read_whatever_release_of_sidecar_sent_it():
+    """A connector reads any sidecar's identity, so it can say the two releases differ instead
+    of failing on a field it does not know: a newer sidecar's extra fields are ignored, an older
+    one's missing version reads 0."""
+    newer = msgspec.json.encode({**_IDENTITY, "protocol_version": 9, "shiny_new_field": [1]})
+    assert msgspec.json.decode(newer, type=Identity).protocol_version == 9
+    older = msgspec.json.decode(msgspec.json.encode(_IDENTITY), type=Identity)
+    assert (older.protocol_version, older.kvxferd_version) == (0, "")
