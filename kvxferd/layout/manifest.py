@@ -124,6 +124,8 @@ def _check_regions(m: Manifest) -> None:
         if not region.name or region.name in names:
             raise _fail(f"{f}.name", f"empty or duplicate name {region.name!r}")
         names.add(region.name)
+        if region.device_id < 0 or (region.mem == "DRAM" and region.device_id != 0):
+            raise _fail(f"{f}.device_id", f"{region.device_id}: a GPU index, 0 for DRAM")
         # One READ's descriptors on each side share one NIXL memory type and device.
         for attr in ("mem", "device_id"):
             if getattr(region, attr) != getattr(first, attr):

@@ -29,7 +29,9 @@ def check_sources(req: RegisterRequest) -> list[int]:
 
     A region with ``source == -1`` is its own source (one allocation per region, the same index);
     otherwise it is ``source_offset`` bytes into ``req.regions[source]`` (vLLM's one backing
-    buffer per worker, many regions). Raises ManifestError naming the field.
+    buffer per worker, many regions). Each region's memory (``mem``, ``device_id``) must be its
+    source's: shared memory is DRAM, a CUDA IPC source VRAM on its device. Raises ManifestError
+    naming the field.
     """
     regions = req.manifest.regions
     legacy = all(r.source < 0 for r in regions)
@@ -52,6 +54,16 @@ def check_sources(req: RegisterRequest) -> list[int]:
                 f"{req.regions[src].size_bytes} < manifest region size {region.size_bytes}"
                 if legacy
                 else f"region ends at {end}, past source {src} ({req.regions[src].size_bytes} B)",
+            )
+        spec = req.regions[src]
+        # READs name each region's memory as the manifest says; NIXL registered the source
+        # as what it really is, and a mismatch would fail every pull (NIXL_ERR_NOT_FOUND).
+        real = ("DRAM", 0) if isinstance(spec, RegionSpec) else ("VRAM", spec.device_id)
+        if (region.mem, region.device_id) != real:
+            raise ManifestError(
+                f"manifest.regions[{i}].mem",
+                f"{region.mem} on device {region.device_id}, but its source is {real[0]}"
+                + (f" on device {real[1]}" if real[0] == "VRAM" else ""),
             )
         out.append(src)
     return out

@@ -89,7 +89,8 @@ def test_layer_region_out_of_range():
 @pytest.mark.parametrize(("change", "field"), [
     ({"mem": "VRAM"}, "regions[1].mem"),
     ({"mem": "VRAM", "device_id": 1}, "regions[1].mem"),
-    ({"device_id": 1}, "regions[1].device_id"),
+    ({"device_id": 1}, "regions[1].device_id"),  # DRAM is device 0
+    ({"mem": "VRAM", "device_id": -1}, "regions[1].device_id"),
 ])  # fmt: skip
 def test_one_ranks_regions_share_one_memory(change, field):
     """A READ's descriptor list has one NIXL memory type: a rank's regions are all in DRAM or
