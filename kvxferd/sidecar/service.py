@@ -46,6 +46,7 @@ from kvxferd.sidecar.signing import PeerKeys
 from kvxferd.sidecar.tickets import check_addressed, sign_ticket, verify_ticket, verify_tickets
 from kvxferd.transport import Agent, ucxenv
 from kvxferd.wire import (
+    ENGINE_API_VERSION,
     PROTOCOL_VERSION,
     AbortHoldRequest,
     ClaimRequest,
@@ -256,6 +257,10 @@ class Sidecar:
         read it, or a store copy still runs, pulls and holds end all the same but the memory
         stays registered and mapped (MemoryInUseError, 503: retry once those ended)."""
         holds, _ = self._require_engine()
+        if self._registering:  # its self-test READ may still read the memory
+            raise MemoryInUseError(
+                "unregister: the registration is still being set up (its self-test READ); retry"
+            )
         if req.generation != self.generation:
             raise StaleGenerationError(
                 f"unregister: generation {req.generation} is not the registered {self.generation}"
@@ -316,7 +321,7 @@ class Sidecar:
             default_lease_s=self.config.default_lease_s,
             max_claim_s=self.config.max_claim_s,
             instance=self.instance,
-            protocol_version=PROTOCOL_VERSION,
+            engine_api_version=ENGINE_API_VERSION,
             kvxferd_version=__version__,
         )
 
