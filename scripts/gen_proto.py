@@ -385,6 +385,10 @@ fields that disagree).
 - Manifest version {manifest_version} (`Manifest.version`), peer protocol version
   {protocol_version} (`Handshake.protocol_version`, checked first at handshake: a mismatch answers
   409 with `field` = `protocol_version`). Both are bumped when a meaning changes.
+- Engine API version {engine_api_version} (`Identity.engine_api_version`, bumped when engine and
+  sidecar must both know a change): the vLLM connector reads it at start and refuses a sidecar
+  whose version differs, naming both kvxferd releases (the engine's image and the sidecar's
+  carry kvxferd separately). `Identity` ignores unknown fields, so that check can always read it.
 - Schema evolution: new fields get defaults, field types never change, fields are never renamed
   or removed, objects are always maps (never arrays).
 - Messages an engine sends (the manifest, register, hold, pull) reject unknown fields (422
@@ -415,6 +419,7 @@ def readme() -> str:
         max_wait=engine.MAX_WAIT_S,
         manifest_version=wire.MANIFEST_VERSION,
         protocol_version=wire.PROTOCOL_VERSION,
+        engine_api_version=wire.ENGINE_API_VERSION,
         addressing=_wire_paragraph("Byte addressing"),
     )
 

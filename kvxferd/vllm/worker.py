@@ -36,8 +36,8 @@ from kvxferd.vllm.manifest import ConvGeometry, backing_allocation, vllm_manifes
 from kvxferd.vllm.scheduler import StepOrders
 from kvxferd.vllm.storeio import StoreCalls
 from kvxferd.wire import (
+    ENGINE_API_VERSION,
     MAX_TICKETS_PER_CALL,
-    PROTOCOL_VERSION,
     CudaRegionSpec,
     HoldRequest,
     PullRequest,
@@ -97,6 +97,7 @@ class WorkerSide:
         self.epoch = -1  # the sidecar's boot epoch at our registration
         self.instance = uuid.uuid4().hex  # this process's own id, told apart from another's
         self._lock: int | None = None  # fd holding <sidecar_socket>.engine.lock, once taken
+        self._given_up_to = ""  # instance of the engine this one left the sidecar to, if any
         self.manifest: Any = None  # what was registered (offsets from the segment start)
         self._pulls: dict[str, _Pull] = {}  # by pull id
         self._registration: tuple[Any, Any, int] | None = None  # what register() was given
@@ -151,13 +152,14 @@ class WorkerSide:
         )
         manifest = _shift(manifest, alloc.base - start, mem, device)
         ident = self.client.identity()
-        if ident.protocol_version != PROTOCOL_VERSION:
+        if ident.engine_api_version != ENGINE_API_VERSION:
             # The engine and sidecar images carry kvxferd separately: say so, not a 422 later.
+            theirs = f"kvxferd {ident.kvxferd_version}" if ident.kvxferd_version else (
+                "a kvxferd from before engine API versions")  # fmt: skip
             raise ConfigError(
-                f"sidecar at {self.socket_path} speaks protocol {ident.protocol_version} "
-                f"(kvxferd {ident.kvxferd_version or 'older than 0.1.0'}), this connector "
-                f"{PROTOCOL_VERSION} (kvxferd {__version__}): run one kvxferd release in the "
-                "engine and sidecar images"
+                f"sidecar at {self.socket_path} speaks engine API {ident.engine_api_version} "
+                f"({theirs}), this connector {ENGINE_API_VERSION} (kvxferd {__version__}): run "
+                "one kvxferd release in the engine and sidecar images"
             )
         if ident.generation >= 0 and ident.tp_rank != self.tp_rank:
             # Not an earlier engine of this rank: another rank's live registration, which an
@@ -167,17 +169,28 @@ class WorkerSide:
                 f"{ident.tp_rank}, not this rank {self.tp_rank}: each rank needs its own "
                 "sidecar ({rank} in sidecar_socket)"
             )
-        if self._lock is None:
+        if ident.generation >= 0 and ident.instance and ident.instance == self._given_up_to:
+            # The engine this one left the sidecar to (vLLM's wake-up, or a first start after
+            # a sidecar restart) is still registered: taking it back, the two would keep
+            # unregistering each other. Our calls are refused until it has gone.
+            self._tell(f"sidecar at {self.socket_path} is still registered by another engine "
+                       f"(instance {ident.instance}): not taking it back; KV transfers of this "
+                       "one stay off until it unregisters", error=True)  # fmt: skip
+            return
+        fresh = self._lock is None
+        if fresh:
             self._lock = self._lock_sidecar()
         if ident.generation >= 0:
-            if ident.instance not in ("", self.instance) and self._lock is None:
-                # With the engine lock held, the engine that registered there has exited.
+            if ident.instance not in ("", self.instance) and not (fresh and self._lock):
+                # Unless this engine took the engine lock just now (so the engine registered
+                # there has exited), that engine runs without the lock and may still be live.
                 log.warning("sidecar at %s: replacing the registration of another engine of TP "
                             "rank %d (instance %s); if that engine still runs, it shares this "
                             "sidecar and its KV transfers stop", self.socket_path,
                             ident.tp_rank, ident.instance)  # fmt: skip
             self._unregister(ident.generation, ident.max_claim_s)
         resp = self.client.register(manifest, [source], instance=self.instance)
+        self._given_up_to = ""
         self.manifest = manifest
         self.generation, self.epoch = resp.generation, resp.epoch
         self._cursor = 0  # each registration's released-holds feed counts from the start
@@ -438,6 +451,7 @@ class WorkerSide:
             # went with it. Generations restart with each epoch, so ours is forgotten: a call
             # naming it could otherwise match the other engine's registration.
             self._give_up_registration()
+            self._given_up_to = ident.instance
             self._tell(
                 f"sidecar at {self.socket_path} is registered by another engine (instance "
                 f"{ident.instance}): KV transfers of this one are off until it unregisters;"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from kvxferd.wire.engine import (
     DECLINE_REASON_MAX_LENGTH,
+    ENGINE_API_VERSION,
     HOLD_SPARE_BLOCKS,
     MAX_BLOCK_IDS,
     MAX_PAGE_ENTRIES,
@@ -170,6 +171,7 @@ __all__ = [
     "ONE_LINE_PATTERN",
     "PEER_ADDRESS_PATTERN",
     "PEER_HOST_PATTERN",
+    "ENGINE_API_VERSION",
     "PROTOCOL_VERSION",
     "Part",
     "PoolLayout",

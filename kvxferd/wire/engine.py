@@ -24,6 +24,10 @@ from kvxferd.wire.manifest import (
 
 PROTOCOL_VERSION = 1
 """Peer protocol version, checked first at handshake. 1: first version."""
+ENGINE_API_VERSION = 1
+"""Engine API version, in ``Identity``: bumped when engine and sidecar must both know a change
+(a request field, a meaning); the vLLM connector refuses a sidecar whose version differs.
+1: registrations name their generation and instance (sidecars from before report 0)."""
 
 MAX_TOKENS = 1 << 24
 """Most tokens a hold may cover (16,777,216): past every model's context."""
@@ -131,7 +135,8 @@ class Identity(msgspec.Struct, frozen=True, kw_only=True):
     """Sidecar -> engine: who this sidecar is, so a scheduler process can mint tickets itself.
 
     Unlike requests, unknown fields are ignored: an engine's connector still reads a newer
-    sidecar's identity, and so its ``protocol_version``, to say why the two cannot work together.
+    sidecar's identity, and so its ``engine_api_version``, to say why the two cannot work
+    together.
     """
 
     engine_id: EngineId
@@ -154,8 +159,8 @@ class Identity(msgspec.Struct, frozen=True, kw_only=True):
     instance: EngineInstance = ""
     """``RegisterRequest.instance`` of the engine registered now (empty while none is, or it
     gave none)."""
-    protocol_version: int = 0
-    """PROTOCOL_VERSION of the sidecar (0: a sidecar from before this field); an engine whose
+    engine_api_version: int = 0
+    """ENGINE_API_VERSION of the sidecar (0: a sidecar from before this field); an engine whose
     own differs refuses to start."""
     kvxferd_version: str = ""
     """The sidecar's kvxferd release, for that refusal's message."""

@@ -209,10 +209,10 @@ def test_an_engine_refuses_at_start_a_sidecar_of_another_protocol(engines, tmp_p
     with worker_pair(tmp_path, "LBHNC", engine) as (_prefill, _decode, p_side):
         with p_side.client() as c:
             before = c.identity()
-        monkeypatch.setattr(worker_module, "PROTOCOL_VERSION", 2)
-        said = (f"sidecar at {p_side.socket} speaks protocol 1 (kvxferd {kvxferd.__version__}), "
-                f"this connector 2 (kvxferd {kvxferd.__version__}): run one kvxferd release in "
-                "the engine and sidecar images")  # fmt: skip
+        monkeypatch.setattr(worker_module, "ENGINE_API_VERSION", 2)
+        said = (f"sidecar at {p_side.socket} speaks engine API 1 (kvxferd "
+                f"{kvxferd.__version__}), this connector 2 (kvxferd {kvxferd.__version__}): run "
+                "one kvxferd release in the engine and sidecar images")  # fmt: skip
         with pytest.raises(ConfigError, match="^" + re.escape(said) + "$"):
             Rank(engine, "LBHNC", p_side)
         with p_side.client() as c:
@@ -285,6 +285,10 @@ def test_an_engine_whose_sidecar_another_engine_took_never_touches_that_engines_
                 assert c.identity() == taken  # not taken back
             told = [r for r in caplog.records if "registered by another engine" in r.message]
             assert len(told) == 1 and told[0].levelname == "ERROR"
+            first.connector.unregister_kv_caches()  # vLLM's sleep, then wake-up:
+            first.connector.restore_kv_caches()
+            with p_side.client() as c:
+                assert c.identity() == taken  # still not taken back
         finally:
             second.close()
 

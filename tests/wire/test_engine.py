@@ -214,7 +214,7 @@ def test_an_identity_is_read_whatever_release_of_sidecar_sent_it():
     """A connector reads any sidecar's identity, so it can say the two releases differ instead
     of failing on a field it does not know: a newer sidecar's extra fields are ignored, an older
     one's missing version reads 0."""
-    newer = msgspec.json.encode({**_IDENTITY, "protocol_version": 9, "shiny_new_field": [1]})
-    assert msgspec.json.decode(newer, type=Identity).protocol_version == 9
+    newer = msgspec.json.encode({**_IDENTITY, "engine_api_version": 9, "shiny_new_field": [1]})
+    assert msgspec.json.decode(newer, type=Identity).engine_api_version == 9
     older = msgspec.json.decode(msgspec.json.encode(_IDENTITY), type=Identity)
-    assert (older.protocol_version, older.kvxferd_version) == (0, "")
+    assert (older.engine_api_version, older.kvxferd_version) == (0, "")
