@@ -1,11 +1,14 @@
 """A pull's READ tables for every prefill rank: planned together where the ranks read the same
 ids, rank by rank otherwise, and the same bytes either way. Pure planning: no NIXL, no peers
-reached (a transfer of these tables is covered end to end in test_hetero_tp_e2e.py)."""
+reached (a transfer of these tables is covered end to end in test_hetero_tp_e2e.py). Each READ
+names both sides' memory (DRAM, or VRAM on a GPU) whichever way it was planned."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
+import msgspec
 import numpy as np
 from prometheus_client import CollectorRegistry
 
@@ -83,3 +86,31 @@ def test_ranks_reading_different_ids_are_planned_one_by_one():
     b = [[g * 4, g * 4 + 3] for g in range(num_groups(SPEC))]
     _plan(runner, [a, b])
     assert not runner._fan_ins
+
+
+def _in_vram(manifest, device: int):  # noqa: ANN001
+    regions = [msgspec.structs.replace(r, mem="VRAM", device_id=device) for r in manifest.regions]
+    return msgspec.structs.replace(manifest, regions=regions)
+
+
+def test_every_ranks_read_names_each_sides_memory_planned_together_or_alone():
+    """vLLM's KV lives in VRAM: whichever way a pull is planned, each rank's READ names our
+    memory and that rank's, or NIXL finds no registration covering it."""
+    local = _in_vram(LOCAL, 1)
+    runner = PullRunner(
+        local=lambda: (local, LOCAL_BASES),
+        transport=types.SimpleNamespace(name="decode"),  # type: ignore[arg-type]
+        peers=types.SimpleNamespace(forget=None),  # type: ignore[arg-type]
+        metrics=Metrics(registry=CollectorRegistry()),
+    )
+    peers = [dataclasses.replace(p, manifest=_in_vram(p.manifest, 3)) for p in
+             (_peer(0), _peer(1))]  # fmt: skip
+    local_ids = [[g * 4 + 1, g * 4 + 2] for g in range(num_groups(SPEC))]
+    a = [[g * 4 + 3, g * 4] for g in range(num_groups(SPEC))]
+    b = [[g * 4, g * 4 + 3] for g in range(num_groups(SPEC))]
+    for remote_ids in ([a, a], [a, b]):  # stacked (fan-in), then rank by rank
+        tickets = [_ticket(p, r, remote_ids[r]) for r, p in enumerate(peers)]
+        pull = Pull("p", PullRequest(tickets=tickets, block_ids=local_ids))
+        reads = runner._plan(pull, peers, tickets, local, LOCAL_BASES)
+        assert [r.memory for r in reads] == [(("VRAM", 1), ("VRAM", 3))] * 2
+    assert len(runner._fan_ins) == 1  # the first went stacked
