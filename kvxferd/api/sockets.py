@@ -34,8 +34,12 @@ def hold_lock(lock: str, field: str, in_use: str) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        os.close(fd)
+        try:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        except OSError:
+            holder = ""
+        finally:
+            os.close(fd)
         raise PathInUseError(f"{field}: {in_use} (pid {holder or 'unknown'})") from None
     except OSError as exc:
         os.close(fd)
