@@ -30,7 +30,7 @@ from kvxferd.errors import (
     StaleGenerationError,
 )
 from kvxferd.layout import validate_manifest
-from kvxferd.memory import check_sources, first_shrunk, open_region
+from kvxferd.memory import check_sources, first_shrunk
 from kvxferd.metrics import Metrics
 from kvxferd.sidecar.fabric import Fabric
 from kvxferd.sidecar.holds import REAP_SLICE, DeclineOutcome, HoldTable
@@ -43,6 +43,7 @@ from kvxferd.sidecar.pull_request import ReaderCounts, check_reader_tp
 from kvxferd.sidecar.pulls import Pull, PullRunner
 from kvxferd.sidecar.reads import QUARANTINE_S
 from kvxferd.sidecar.signing import PeerKeys
+from kvxferd.sidecar.sources import close_sources, host_views, map_sources, release_sources
 from kvxferd.sidecar.tickets import check_addressed, sign_ticket, verify_ticket, verify_tickets
 from kvxferd.transport import Agent, ucxenv
 from kvxferd.wire import (
@@ -174,8 +175,7 @@ class Sidecar:
         await asyncio.to_thread(self.offload.close)
         await asyncio.to_thread(self.agent.close)
         self.fabric.close()
-        for region in self._regions:
-            region.close()
+        close_sources(self._regions)
         self._regions = []
 
     # ---------------------------------------------------------------- engine API
@@ -201,23 +201,8 @@ class Sidecar:
             self._registering = False
 
     async def _register(self, req: RegisterRequest, sources: list[int]) -> RegisterResponse:
-        regions = []
-        try:
-            for i, spec in enumerate(req.regions):
-                regions.append(open_region(spec, field=f"regions[{i}]"))
-            registrations = await asyncio.to_thread(self.agent.register, regions)
-        except BaseException:
-            for region in regions:
-                region.close()
-            raise
-        self._regions = regions
-        self._shrunk = None
-        self._sources = sources
-        self._registrations = registrations
-        self._bases = [
-            regions[src].base_addr + region.source_offset
-            for src, region in zip(sources, req.manifest.regions, strict=True)
-        ]
+        regions, self._registrations, self._bases = await map_sources(self.agent, req, sources)
+        self._regions, self._sources, self._shrunk = regions, sources, None
         generation = self.generation = self._next_generation
         self._next_generation += 1
         self.instance = req.instance
@@ -296,10 +281,7 @@ class Sidecar:
                     f"{STOP_S:g} s, so it stays registered (pulls and holds ended); retry"
                 )
             await self.pulls.close()
-            for reg in self._registrations:
-                await asyncio.to_thread(self.agent.deregister, reg)
-            for region in self._regions:
-                region.close()
+            await release_sources(self.agent, self._registrations, self._regions)
             self._regions, self._registrations, self._bases = [], [], []
             self.manifest = None
             self.generation = -1
@@ -547,11 +529,7 @@ class Sidecar:
         """The registered manifest and a host view of each region, for the store."""
         _, manifest = self._require_engine()
         self._check_generation(generation)
-        views = [region.host_view() for region in self._regions]
-        return manifest, [
-            views[src][r.source_offset : r.source_offset + r.size_bytes]
-            for src, r in zip(self._sources, manifest.regions, strict=True)
-        ]
+        return manifest, host_views(self._regions, self._sources, manifest)
 
     @property
     def region_bases(self) -> list[int]:
