@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
 from kvxferd.errors import AuthError, ClaimMismatchError, ConfigError, UnknownHoldError
-from kvxferd.wire import Manifest, Ticket
+from kvxferd.wire import Identity, Manifest, Ticket
 
 _encoder = msgspec.json.Encoder()
 
@@ -39,6 +40,35 @@ def ticket_mac(ticket: Ticket, secret: bytes) -> str:
 def sign_ticket(ticket: Ticket, secret: bytes) -> Ticket:
     """A copy of ``ticket`` whose ``token`` is its MAC."""
     return msgspec.structs.replace(ticket, token=ticket_mac(ticket, secret))
+
+
+def mint_tickets(
+    idents: Sequence[Identity], secret: bytes, *, hold_id: str, request_id: str,
+    block_ids: list[list[int]], num_tokens: int, lease_s: float | None = None,
+) -> list[Ticket]:  # fmt: skip
+    """An engine's signed tickets (one per rank, rank order) for a hold it places itself with
+    the chosen ``hold_id``: the request is answered without waiting for its sidecars. The
+    expiry counts from now, so a ticket never outlives its hold (placed after)."""
+    now = time.time()
+    return [
+        sign_ticket(
+            Ticket(
+                engine_id=ident.engine_id,
+                epoch=ident.epoch,
+                hold_id=hold_id,
+                request_id=request_id,
+                block_ids=block_ids,
+                num_tokens=num_tokens,
+                expires_at=now + (ident.default_lease_s if lease_s is None else lease_s),
+                tp_rank=ident.tp_rank,
+                tp_size=ident.tp_size,
+                peer=ident.peer_address,
+                generation=ident.generation,
+            ),
+            secret,
+        )
+        for ident in idents
+    ]
 
 
 def verify_ticket(ticket: Ticket, secret: bytes | Iterable[bytes]) -> None:

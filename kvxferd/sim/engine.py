@@ -1,7 +1,8 @@
 """The simulated engine: what prefill, decode and colocated ranks do with a prompt's KV blocks.
 
 Prefill writes the verification pattern into freshly allocated blocks on every rank, holds them
-through every rank's sidecar and frees them when every sidecar reports the hold released.
+through every rank's sidecar (after answering, with tickets it minted, once it may: see
+kvxferd.sim.minting) and frees them when every sidecar reports the hold released.
 Decode reuses full attention blocks from its prefix cache, pulls the rest on every rank,
 verifies every byte and generates. Colocated (and any request without kv_transfer_params)
 writes the pattern locally. The generated text is a pure function of the request's KV bytes.
@@ -43,6 +44,7 @@ from kvxferd.pattern import (
 from kvxferd.sim import storecache
 from kvxferd.sim.blocks import BlockAllocator, PrefixCache, PrefixKey
 from kvxferd.sim.kvpool import RankPool
+from kvxferd.sim.minting import Minter
 from kvxferd.sim.pulls import pull_all
 from kvxferd.sim.stats import SimStats
 from kvxferd.sim.tokens import generate, prompt_seed
@@ -137,6 +139,7 @@ class SimEngine:
         clients: Sequence[AsyncEngineClient] = (),
         peer: str = "",
         alive: Callable[[], str] = lambda: "",
+        secret: bytes | None = None,
     ) -> None:
         self.settings = settings
         self.pools = list(pools)
@@ -152,6 +155,8 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._declines: set[asyncio.Task[None]] = set()
+        self.minter = Minter(self.clients, secret, settings.lease_s)  # prefill: tickets minted here
+        self._placing: set[asyncio.Task[None]] = set()  # holds of minted tickets being placed
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -167,9 +172,9 @@ class SimEngine:
         """Finish pending declines (bounded), stop the pollers and close the sidecar clients."""
         if self._declines:
             await asyncio.wait(self._declines, timeout=self.settings.decline_timeout_s)
-        for t in self._tasks:
+        for t in [*self._tasks, *self._placing]:
             t.cancel()
-        for t in self._tasks:
+        for t in [*self._tasks, *self._placing]:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         for c in self.clients:
@@ -226,13 +231,25 @@ class SimEngine:
             else:
                 await self._on_ranks(write_token_pattern, ids, n, prompt_seed(prompt.tokens))
             digest = await self._digest(ids, n)
-            tickets = await self._hold(prompt.request_id, ids, len(prompt.tokens))
+            minted = self.minter.ready
+            if minted:  # answered now, held just after (as the vLLM connector does)
+                tickets = self.minter.mint(prompt.request_id, ids, n)
+                self.stats.tickets_minted += 1
+            else:
+                tickets = await self._hold(prompt.request_id, ids, n)
         except BaseException:
             self.blocks.free(flat)
             raise
         hold_ids = [t.hold_id for t in tickets]
         self._held[prompt.request_id] = _Held(flat, set(range(len(self.clients))), hold_ids)
         self._wake.set()
+        if minted:
+            task = asyncio.create_task(self._place(prompt.request_id, ids, n, tickets),
+                                       name="place-holds")  # fmt: skip
+            self._placing.add(task)
+            task.add_done_callback(self._placing.discard)
+        else:
+            await self.minter.learn(tickets)
         params = tp.prefill_answer(
             engine_id=self.settings.engine_id,
             request_id=prompt.request_id,
@@ -486,6 +503,34 @@ class SimEngine:
             raise exc
         raise HoldError(f"sidecar of rank {rank} did not hold the blocks: {exc}") from exc
 
+    async def _place(
+        self, request_id: str, ids: list[list[int]], num_tokens: int, tickets: list[Ticket]
+    ) -> None:
+        """Place the holds of tickets minted here. If a rank does not, the request's hold is
+        given up on every rank (a claim waiting for it ends at once, so its decode recomputes
+        or fails) and its blocks come back once each rank that placed it released it."""
+        reqs = [HoldRequest(request_id=request_id, block_ids=ids, num_tokens=num_tokens,
+                            lease_s=self.settings.lease_s, hold_id=t.hold_id,
+                            generation=t.generation) for t in tickets]  # fmt: skip
+        calls = (c.hold(r) for c, r in zip(self.clients, reqs, strict=True))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [(r, e) for r, e in enumerate(results) if isinstance(e, BaseException)]
+        if not failed:
+            return
+        self.minter.forget()
+        self.stats.holds_failed += 1
+        log.warning("request %s: the sidecar of rank %d did not place its hold (%s); giving it "
+                    "up on every rank", request_id, failed[0][0], failed[0][1])  # fmt: skip
+        for c in self.clients:  # also where it was not placed: a later hold call is refused
+            with contextlib.suppress(KvxferdError, httpx.HTTPError):
+                await c.abort(tickets[0].hold_id)
+        held = self._held.get(request_id)
+        if held is None or held.hold_ids != [t.hold_id for t in tickets]:
+            return  # released already (every rank that placed it)
+        held.pending &= {r for r, t in enumerate(results) if isinstance(t, Ticket)}
+        if not held.pending:
+            self._free_held(request_id, held)
+
     async def _poll_released(self, rank: int, client: AsyncEngineClient) -> None:
         """Follow one rank's released-holds feed; free a request's blocks once all ranks did."""
         cursor = 0
@@ -510,11 +555,15 @@ class SimEngine:
             return
         held.pending.discard(rank)
         held.reasons.add(hold.reason)
-        if held.pending:
-            return
-        del self._held[hold.request_id]
+        if not held.pending:
+            self._free_held(hold.request_id, held)
+
+    def _free_held(self, request_id: str, held: _Held) -> None:
+        """Every rank that held the request released it: its blocks are ours again."""
+        del self._held[request_id]
         self.blocks.free(held.blocks)
-        self.stats.holds_released += 1
+        if held.reasons:
+            self.stats.holds_released += 1
         if "expired" in held.reasons:
             self.stats.holds_expired += 1
-        log.debug("request %s released (%s)", hold.request_id, ",".join(sorted(held.reasons)))
+        log.debug("request %s released (%s)", request_id, ",".join(sorted(held.reasons)))

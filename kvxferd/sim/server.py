@@ -115,6 +115,9 @@ def run_sim(opts: SimOptions) -> int:
     sidecars: list[RankSidecar] = []
     _sweep_stale_dirs()
     tmp = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
+    # The peer secret: prefill mints its tickets with it (kvxferd.sim.minting) once it has seen
+    # the sidecars sign with the same; unknown for attached sidecars unless set in the env.
+    token = os.environ.get("KVXFERD_PEER_TOKEN") or ""
     try:
         for m in manifests:
             pools.append(RankPool(m))
@@ -122,11 +125,12 @@ def run_sim(opts: SimOptions) -> int:
             sidecars = list(attach_sidecars(opts.sidecar_sockets, opts.sidecar_timeout_s))
             register_pools(sidecars, pools, opts.sidecar_timeout_s)
         elif opts.role != "colocated":
-            sidecars = list(_start_sidecars(opts, tmp, engine_id, pools))
+            token = token or secrets.token_hex(32)
+            sidecars = list(_start_sidecars(opts, tmp, engine_id, pools, token))
         for p in pools:
             p.unlink()
         log.info("%s: %d ranks, %d blocks per rank", engine_id, opts.tp, blocks)
-        run_main(_serve(opts, engine_id, model, pools, sidecars), opts.event_loop)
+        run_main(_serve(opts, engine_id, model, pools, sidecars, token), opts.event_loop)
     except KeyboardInterrupt:
         pass
     finally:
@@ -189,10 +193,10 @@ def sidecar_args(opts: SimOptions) -> list[str]:
 
 
 def _start_sidecars(
-    opts: SimOptions, tmp: str, engine_id: str, pools: list[RankPool]
+    opts: SimOptions, tmp: str, engine_id: str, pools: list[RankPool], token: str
 ) -> list[SidecarProcess]:
-    """One ``kvxferd serve`` per rank (killed with us), each registering its rank's pool."""
-    token = os.environ.get("KVXFERD_PEER_TOKEN") or secrets.token_hex(32)
+    """One ``kvxferd serve`` per rank (killed with us), each registering its rank's pool;
+    ``token`` is their peer secret."""
     extra = sidecar_args(opts)
     names = [f"{engine_id}-tp{r}" for r in range(opts.tp)]
     sidecars = start_sidecars(tmp, names, *extra, token=token,
@@ -214,7 +218,7 @@ def _child_level(level: str) -> str:
 
 async def _serve(
     opts: SimOptions, engine_id: str, model: str, pools: list[RankPool],
-    sidecars: list[RankSidecar],
+    sidecars: list[RankSidecar], token: str,
 ) -> None:  # fmt: skip
     sock = bind_tcp(opts.host, opts.port, "--port")
     settings = EngineSettings(role=opts.role, engine_id=engine_id,
@@ -232,6 +236,7 @@ async def _serve(
         clients=[s.async_client(timeout_s=opts.sidecar_timeout_s) for s in sidecars],
         peer=sidecars[0].peer if sidecars else "",
         alive=alive,
+        secret=token.encode() or None,
     )
     server = _Server(front_door_config(sim_app(engine, model), opts.limits, "sim",
                                        log_level=opts.log_level.lower(), lifespan="off",

@@ -47,6 +47,13 @@ class SimStats:
     holds_given_up: int = 0
     """Prefill requests whose holds were aborted because their decode will not read them
     (``POST /v1/kv/release``, e.g. from the proxy when the decode refused)."""
+    tickets_minted: int = 0
+    """Prefill requests answered with tickets the sim minted itself, their holds placed after
+    the answer (kvxferd.sim.minting; the first request, and any after a failed placement, is
+    held first)."""
+    holds_failed: int = 0
+    """Prefill requests answered with tickets minted here whose hold some rank then did not
+    place (given up on every rank; their decodes recompute or fail)."""
     declined: int = 0
     """Decode requests refused or failed before reading, whose tickets were declined (the
     prefill holds released at once instead of at lease expiry)."""

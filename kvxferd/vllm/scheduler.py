@@ -22,9 +22,9 @@ from typing import Any
 import msgspec
 
 from kvxferd.errors import InvalidRequestError, KvxferdError
-from kvxferd.sidecar.tickets import sign_ticket
+from kvxferd.sidecar.tickets import mint_tickets
 from kvxferd.vllm.storeplan import LoadOrder, SaveOrder, StorePlanner
-from kvxferd.wire import Identity, Ticket
+from kvxferd.wire import Identity
 from kvxferd.wire import transfer_params as tp
 
 log = logging.getLogger(__name__)
@@ -355,23 +355,9 @@ class SchedulerSide:
         if self.partial_prefill:
             num_tokens = max(0, num_tokens - 1)
         hold_id = secrets.token_hex(16)
-        now = time.time()
-        tickets = []
-        for ident in idents:
-            ticket = Ticket(
-                engine_id=ident.engine_id,
-                epoch=ident.epoch,
-                hold_id=hold_id,
-                request_id=request.request_id,
-                block_ids=ids,
-                num_tokens=num_tokens,
-                expires_at=now + ident.default_lease_s,
-                tp_rank=ident.tp_rank,
-                tp_size=ident.tp_size,
-                peer=ident.peer_address,
-                generation=ident.generation,
-            )
-            tickets.append(msgspec.to_builtins(sign_ticket(ticket, self._secret)))
+        signed = mint_tickets(idents, self._secret, hold_id=hold_id, request_id=request.request_id,
+                              block_ids=ids, num_tokens=num_tokens)  # fmt: skip
+        tickets = [msgspec.to_builtins(t) for t in signed]
         minted = [(i.epoch, i.generation) for i in idents]
         self.orders.holds.append(HoldOrder(request.request_id, hold_id, ids, num_tokens, minted))
         first = idents[0]
@@ -386,7 +372,7 @@ class SchedulerSide:
             "tp_size": self.tp_size,
             "remote_num_tokens": num_tokens,
             "remote_block_size": self.block_size,
-            "remote_blocks_expiry_time": now + first.default_lease_s,
+            "remote_blocks_expiry_time": signed[0].expires_at,
             "remote_registration_generation": first.generation,
             "kvxferd_tickets": tickets,
         }
