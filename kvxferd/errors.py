@@ -43,6 +43,7 @@ An empty cell (st. = status) is inherited from the parent class.
     │   └── ClaimMismatchError     409                    a signed ticket not binding to its hold
     ├── NotRegisteredError         503                    no engine has registered yet
     ├── AlreadyRegisteredError     409                    this sidecar already has an engine
+    │   └── RegisterInProgressError                       another register is being set up (retry)
     ├── StaleGenerationError       409                    not the current registration generation
     ├── MemoryInUseError           503                    a READ or store copy may still use it
     ├── UnknownPullError           404                    no pull with that id here
@@ -279,6 +280,11 @@ class AlreadyRegisteredError(KvxferdError):
     """The sidecar already has an engine; a new layout needs a new sidecar (restart it)."""
 
     status = 409
+
+
+class RegisterInProgressError(AlreadyRegisteredError):
+    """Another register is still mapping its memory or running its self-test: transient (the
+    vLLM worker tries again, bounded), unlike an engine registered there."""
 
 
 class StaleGenerationError(KvxferdError):

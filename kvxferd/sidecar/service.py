@@ -26,6 +26,7 @@ from kvxferd.errors import (
     FabricNotReadyError,
     MemoryInUseError,
     NotRegisteredError,
+    RegisterInProgressError,
     SegmentTooSmallError,
     StaleGenerationError,
 )
@@ -77,6 +78,10 @@ log = logging.getLogger(__name__)
 _REAP_MAX_SLEEP_S = 1.0
 
 
+GENERATION_SPAN = 1 << 48
+"""Registration generations start at a random number below this (exact in JSON doubles)."""
+
+
 class Sidecar:
     """One engine rank's transfer daemon; the engine and peer APIs are thin layers over it."""
 
@@ -126,7 +131,11 @@ class Sidecar:
         self.instance = ""  # the registered engine's RegisterRequest.instance
         self._registering = False  # a register is mapping and registering its memory
         self._leaving = False  # an unregister is letting the memory go: refuse new work on it
-        self._next_generation = 0
+        # Each process numbers its registrations from a random point, so a generation an engine
+        # kept from before a sidecar restart names no registration of this process: numbered
+        # from 0, the first registrant after a restart had the very number the engine kept, and
+        # that engine's holds and pulls went to the other's memory.
+        self._next_generation = secrets.randbelow(GENERATION_SPAN)
         self._registrations: list[Any] = []  # NIXL registrations of the memory sources
         self._shrunk: tuple[str, str] | None = None  # (field, why) once a segment shrank
         self.offload = Offload(config, self.metrics, self._store_target, self._hold_blocks,
@@ -186,11 +195,11 @@ class Sidecar:
         One at a time: a register that arrives while another is still mapping and registering
         is refused like one that finds an engine registered (both would otherwise succeed and
         be told the same generation)."""
-        if self.manifest is not None or self._registering:
+        if self._registering:  # checked first: its manifest is set before its self-test ends
+            raise RegisterInProgressError("register: another engine's register is in progress")
+        if self.manifest is not None:
             raise AlreadyRegisteredError(
                 "register: this sidecar already has an engine; restart it first"
-                if self.manifest is not None
-                else "register: another engine's register is in progress"
             )
         validate_manifest(req.manifest)
         sources = check_sources(req)

@@ -116,8 +116,9 @@ class RegisterResponse(_Strict, kw_only=True):
     peer_address: str
     """host:port of this sidecar's peer API."""
     generation: int = 0
-    """Registration generation: 0 for the first registration of this epoch, +1 per
-    re-registration after an unregister (vLLM sleep mode, KV-cache re-init)."""
+    """Registration generation: a random number below 2**48 for the first registration of
+    this epoch (so none repeats one of an earlier sidecar process), +1 per re-registration
+    after an unregister (vLLM sleep mode, KV-cache re-init)."""
 
 
 class UnregisterRequest(_Strict, kw_only=True):

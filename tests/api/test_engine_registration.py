@@ -98,15 +98,16 @@ def test_unregister_then_register_again_starts_the_next_generation(fresh):
     first = msgspec.json.decode(
         _post(fresh.engine, "/v1/register", req).content, type=RegisterResponse
     )
-    assert first.generation == 0
+    assert 0 <= first.generation < service_mod.GENERATION_SPAN  # a random start: see below
     held = fresh.engine.post(
         "/v1/holds", json={"request_id": "r1", "block_ids": [[1]], "num_tokens": 3}
     )
     assert held.status_code == 200, held.text
     assert _post(fresh.engine, "/v1/register", req).status_code == 409  # still registered
-    stale = fresh.engine.post("/v1/unregister", json={"generation": 5})
+    stale = fresh.engine.post("/v1/unregister", json={"generation": first.generation + 5})
     assert stale.status_code == 409
-    assert fresh.engine.post("/v1/unregister", json={"generation": 0}).status_code == 204
+    gone = fresh.engine.post("/v1/unregister", json={"generation": first.generation})
+    assert gone.status_code == 204
     assert fresh.sidecar.holds.released_since(0).holds[0].reason == "unregistered"
     assert (
         fresh.engine.post(
@@ -117,14 +118,37 @@ def test_unregister_then_register_again_starts_the_next_generation(fresh):
     again = msgspec.json.decode(
         _post(fresh.engine, "/v1/register", req).content, type=RegisterResponse
     )
-    assert again.generation == 1 and again.epoch == first.epoch
+    assert again.generation == first.generation + 1 and again.epoch == first.epoch
     ident = msgspec.json.decode(fresh.engine.get("/v1/identity").content, type=Identity)
-    assert (ident.generation, ident.engine_id, ident.tp_size) == (1, first.engine_id, 1)
+    assert (ident.generation, ident.engine_id, ident.tp_size) == (again.generation,
+                                                                  first.engine_id, 1)  # fmt: skip
     assert ident.max_claim_s == Config().max_claim_s  # how long an unregister may have to wait
     ticket = fresh.engine.post(
         "/v1/holds", json={"request_id": "r3", "block_ids": [[1]], "num_tokens": 3}
     ).json()
-    assert ticket["generation"] == 1
+    assert ticket["generation"] == again.generation
+
+
+def test_a_generation_kept_from_before_a_sidecar_restart_names_nothing_after_it(fresh):
+    """Each sidecar process numbers its registrations from a random start. Numbered from 0,
+    the first registrant after a restart was told the very number an engine still kept from
+    before it, and that engine's holds and pulls landed on the other registrant's memory."""
+    req = RegisterRequest(manifest=fresh.manifest, regions=fresh.pool.specs())
+    kept = msgspec.json.decode(_post(fresh.engine, "/v1/register", req).content,
+                               type=RegisterResponse).generation  # fmt: skip
+    restarted = Sidecar(Config(peer_token=TOKEN))  # the next process at the engine's socket
+    try:
+        with TestClient(engine_app(restarted), raise_server_exceptions=False) as engine:
+            first = _post(engine, "/v1/register", req)  # another registrant comes first
+            assert first.status_code == 200, first.text
+            assert first.json()["generation"] != kept
+            hold = {"request_id": "r1", "block_ids": [[1]], "num_tokens": 3, "generation": kept}
+            refused = engine.post("/v1/holds", json=hold)
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["field"] == "generation"
+            assert len(restarted.holds) == 0
+    finally:
+        asyncio.run(restarted.close())
 
 
 class _Frozen:
@@ -174,7 +198,8 @@ def test_unregister_keeps_the_memory_while_an_unsettled_read_may_still_write_it(
     nixl.ended = True  # the peer resumed: the READ ends on its own and leaves quarantine
     wait_until(lambda: sidecar.pulls.reads.quarantined == 0, what="the quarantine to drain")
     assert read.released
-    assert fresh.engine.post("/v1/unregister", json={"generation": 0}).status_code == 204
+    gone = fresh.engine.post("/v1/unregister", json={"generation": sidecar.generation})
+    assert gone.status_code == 204
     assert sidecar.manifest is None and sidecar._regions == []
 
 
@@ -198,7 +223,7 @@ def test_a_pull_started_while_unregister_lets_the_memory_go_is_refused(fresh, mo
     answers: list[int] = []
     leaving = threading.Thread(
         target=lambda: answers.append(
-            fresh.engine.post("/v1/unregister", json={"generation": 0}).status_code
+            fresh.engine.post("/v1/unregister", json={"generation": sidecar.generation}).status_code
         )
     )
     leaving.start()
@@ -231,7 +256,8 @@ def test_unregister_cancels_a_running_pull_which_ends_failed_cancelled(fresh):
         pull_id = started.json()["pull_id"]
         running = sidecar.pulls._pulls[pull_id]
         wait_until(lambda: running.state is PullState.HANDSHAKING, what="the handshake to hang")
-        assert fresh.engine.post("/v1/unregister", json={"generation": 0}).status_code == 204
+        gone = fresh.engine.post("/v1/unregister", json={"generation": sidecar.generation})
+        assert gone.status_code == 204
         status = running.status()
         assert (status.state, status.reason) == ("failed", "cancelled"), status
         assert sidecar.manifest is None and sidecar._regions == []
@@ -318,14 +344,15 @@ def _unregister_while_held(sidecar, inside, go_on, work, unregister, what: str) 
 
 
 def _refused_keeping_memory(engine, sidecar: Sidecar, why: str) -> None:
-    """Unregister answers 503 MemoryInUseError saying ``why``; generation 0's regions and NIXL
-    registrations stay as they were."""
+    """Unregister answers 503 MemoryInUseError saying ``why``; the registration's regions and
+    NIXL registrations stay as they were."""
     regions, registrations = list(sidecar._regions), list(sidecar._registrations)
-    refused = engine.post("/v1/unregister", json={"generation": 0})
+    generation = sidecar.generation
+    refused = engine.post("/v1/unregister", json={"generation": generation})
     assert refused.status_code == 503, refused.text
     body = msgspec.json.decode(refused.content, type=ErrorBody)
     assert body.error == "MemoryInUseError" and why in body.detail
-    assert sidecar.generation == 0 and sidecar.manifest is not None
+    assert sidecar.generation == generation and sidecar.manifest is not None
     assert sidecar._regions == regions and sidecar._registrations == registrations
 
 
@@ -337,7 +364,7 @@ def test_unregister_answers_after_a_store_load_stopped_writing_the_memory(stored
     loading, loaded = _in_thread(lambda: stored.engine.post("/v1/store/load", json=load))
 
     def unregister():  # noqa: ANN202 - the answer, and the engine's memory as it was then
-        answer = stored.engine.post("/v1/unregister", json={"generation": 0})
+        answer = stored.engine.post("/v1/unregister", json={"generation": sidecar.generation})
         return answer.status_code, pool.snapshot()
 
     # The load is in the middle of copying its first entry.
@@ -375,7 +402,7 @@ def test_unregister_answers_after_a_store_save_stopped_reading_the_memory(stored
     saver, saved = _in_thread(lambda: stored.engine.post("/v1/store/save", json=again))
 
     def unregister():  # noqa: ANN202 - the answer, and whether the save had ended then
-        answer = stored.engine.post("/v1/unregister", json={"generation": 0})
+        answer = stored.engine.post("/v1/unregister", json={"generation": sidecar.generation})
         return answer.status_code, ended.is_set()
 
     # The save is in the middle of gathering its first entry.
@@ -398,7 +425,8 @@ def test_unregister_keeps_the_memory_while_a_store_load_does_not_stop(stored, mo
         go_on.set()
         loading.join(30)
     assert loaded[0].json()["reason"] == "cancelled"  # it stopped after that entry
-    assert stored.engine.post("/v1/unregister", json={"generation": 0}).status_code == 204
+    gone = stored.engine.post("/v1/unregister", json={"generation": sidecar.generation})
+    assert gone.status_code == 204
     assert sidecar.manifest is None and sidecar._regions == []
 
 
@@ -406,8 +434,10 @@ def test_the_identity_names_the_registered_engines_instance_until_it_unregisters
     req = RegisterRequest(manifest=fresh.manifest, regions=fresh.pool.specs(), instance="e-1.a")
     assert _post(fresh.engine, "/v1/register", req).status_code == 200
     ident = msgspec.json.decode(fresh.engine.get("/v1/identity").content, type=Identity)
-    assert (ident.generation, ident.instance) == (0, "e-1.a")
-    assert fresh.engine.post("/v1/unregister", json={"generation": 0}).status_code == 204
+    assert (ident.generation, ident.instance) == (fresh.sidecar.generation, "e-1.a")
+    assert ident.generation >= 0
+    gone = fresh.engine.post("/v1/unregister", json={"generation": ident.generation})
+    assert gone.status_code == 204
     ident = msgspec.json.decode(fresh.engine.get("/v1/identity").content, type=Identity)
     assert (ident.generation, ident.instance) == (-1, "")
     bad = msgspec.json.encode(req).replace(b'"e-1.a"', b'"e 1"')
@@ -423,15 +453,15 @@ def _pull_body(stored, generation: int) -> dict:
     return {"tickets": [ticket], "block_ids": [[4]], "num_tokens": 3, "generation": generation}
 
 
-@pytest.mark.parametrize("generation", [1, -1])
+@pytest.mark.parametrize("other", ["next", "none"])
 @pytest.mark.parametrize("call", ["holds", "pulls", "pulls/run", "store/save", "store/load"])
-def test_a_call_naming_another_registration_is_refused_and_touches_nothing(
-    stored, call, generation
-):
+def test_a_call_naming_another_registration_is_refused_and_touches_nothing(stored, call, other):
     """Two engines given one socket: the one registered earlier still sends block ids meaning
     its own memory, which the sidecar no longer has. Each call names its generation and is
     refused (409 naming the field): nothing is held, pulled, saved or written."""
     sidecar, pool, engine = stored.sidecar, stored.pool, stored.engine
+    registered = sidecar.generation
+    generation = registered + 1 if other == "next" else -1
     chunk = stored.manifest.groups[0].block_size
     other_keys = chunk_keys([5] * stored.tokens, chunk)  # not in the store
     bodies = {
@@ -446,7 +476,7 @@ def test_a_call_naming_another_registration_is_refused_and_touches_nothing(
     assert refused.status_code == 409, refused.text
     body = msgspec.json.decode(refused.content, type=ErrorBody)
     assert (body.error, body.field) == ("StaleGenerationError", "generation")
-    assert f"generation: {generation} is not the registered 0" in body.detail
+    assert f"generation: {generation} is not the registered {registered}" in body.detail
     assert len(sidecar.holds) == 0 and not sidecar.pulls._pulls
     lookup = {"keys": other_keys, "num_tokens": stored.tokens}
     assert engine.post("/v1/store/lookup", json=lookup).json()["matched"] == 0
@@ -454,7 +484,7 @@ def test_a_call_naming_another_registration_is_refused_and_touches_nothing(
         assert np.array_equal(now, then)
     # The registration's own generation, or none, is served.
     if call in ("holds", "store/load", "store/save"):
-        for i, named in enumerate(({"generation": 0}, {})):
+        for i, named in enumerate(({"generation": registered}, {})):
             ok = {**bodies[call], **named, "request_id": f"ok{i}"}
             served = engine.post(f"/v1/{call}", json=ok)
             assert served.status_code == 200, served.text

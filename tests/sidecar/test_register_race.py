@@ -13,7 +13,12 @@ import asyncio
 
 import pytest
 
-from kvxferd.errors import AlreadyRegisteredError, MemoryInUseError, StaleGenerationError
+from kvxferd.errors import (
+    AlreadyRegisteredError,
+    MemoryInUseError,
+    RegisterInProgressError,
+    StaleGenerationError,
+)
 from kvxferd.sidecar.service import Sidecar
 from kvxferd.wire import HoldRequest, RegisterRequest, UnregisterRequest
 from tests.sidecar.harness import EnginePool, plan
@@ -33,8 +38,7 @@ def test_a_register_while_another_is_in_progress_is_refused_and_keeps_nothing():
             a, b = await asyncio.gather(
                 sidecar.register(first), sidecar.register(second), return_exceptions=True
             )
-            assert isinstance(b, AlreadyRegisteredError), b
-            assert "in progress" in str(b)
+            assert isinstance(b, RegisterInProgressError), b  # transient: an engine retries
             assert not isinstance(a, BaseException), a
             assert (sidecar.generation, sidecar.instance) == (a.generation, "engine-a")
             assert len(sidecar._regions) == len(first.regions)  # b's memory was not mapped
@@ -43,8 +47,9 @@ def test_a_register_while_another_is_in_progress_is_refused_and_keeps_nothing():
                 sidecar.hold(HoldRequest(request_id="rb", block_ids=[[1]], num_tokens=16,
                                          generation=a.generation + 1))  # fmt: skip
             # Once a's register ended, a register is refused as before (an engine is there).
-            with pytest.raises(AlreadyRegisteredError, match="already has an engine"):
+            with pytest.raises(AlreadyRegisteredError, match="already has an engine") as got:
                 await sidecar.register(second)
+            assert not isinstance(got.value, RegisterInProgressError)
         finally:
             other.close()
 
@@ -54,7 +59,8 @@ def test_a_register_while_another_is_in_progress_is_refused_and_keeps_nothing():
 def test_an_unregister_while_the_register_runs_its_self_test_is_refused_until_it_ends():
     """The registration is published before its self-test READ of the memory; an unregister
     meanwhile (a restarted engine read the identity) would unmap what that READ reads, so it
-    is refused (503, retried) until the register has answered."""
+    is refused (503, retried) until the register has answered. A register meanwhile is told
+    the first is in progress (which an engine retries), not that an engine is registered."""
 
     async def unregister_during_self_test(sidecar: Sidecar, register: RegisterRequest) -> None:
         testing, go_on = asyncio.Event(), asyncio.Event()
@@ -71,6 +77,8 @@ def test_an_unregister_while_the_register_runs_its_self_test_is_refused_until_it
         with pytest.raises(MemoryInUseError, match="still being set up"):
             await sidecar.unregister(UnregisterRequest(generation=sidecar.generation))
         assert sidecar.manifest is not None and len(sidecar._regions) == len(register.regions)
+        with pytest.raises(RegisterInProgressError):
+            await sidecar.register(register)
         go_on.set()
         answer = await asyncio.wait_for(registering, 30)
         assert sidecar.fabric.self_test == "ok"
