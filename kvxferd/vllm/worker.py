@@ -21,12 +21,14 @@ from kvxferd import __version__
 from kvxferd.api.sockets import hold_lock
 from kvxferd.client import EngineClient, SidecarError, frames_available
 from kvxferd.errors import (
+    AlreadyRegisteredError,
     ConfigError,
     KvxferdError,
     MemoryInUseError,
     MemoryRegionError,
     NotRegisteredError,
     PathInUseError,
+    RegisterInProgressError,
     StaleGenerationError,
     UnknownHoldError,
 )
@@ -54,6 +56,7 @@ _UNREGISTER_SLACK_S = 10.0
 READ the memory (or a READ write it) for the sidecar's longest claim, or the longest an unsettled
 READ stays quarantined if that is longer, plus this."""
 _WAITING_LOG_S = 30.0  # at most one line this often for a state asked every step (_tell)
+_REGISTER_WAIT_S = 30.0  # longest a register waits for another one the sidecar still sets up
 
 
 @dataclass
@@ -97,7 +100,7 @@ class WorkerSide:
         self.epoch = -1  # the sidecar's boot epoch at our registration
         self.instance = uuid.uuid4().hex  # this process's own id, told apart from another's
         self._lock: int | None = None  # fd holding <sidecar_socket>.engine.lock, once taken
-        self._given_up_to = ""  # instance of the engine this one left the sidecar to, if any
+        self._given_up_to: str | None = None  # instance ("": none named) it left the sidecar to
         self.manifest: Any = None  # what was registered (offsets from the segment start)
         self._pulls: dict[str, _Pull] = {}  # by pull id
         self._registration: tuple[Any, Any, int] | None = None  # what register() was given
@@ -119,8 +122,53 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, Any], kv_cache_config: Any, total_heads: int) -> None:
         """Describe the allocation and register it; a sidecar left registered by an earlier
-        engine is unregistered first (a restarted engine beside a running sidecar)."""
+        engine is unregistered first (a restarted engine beside a running sidecar). While the
+        sidecar still sets up another engine's register, try again (bounded): that one may end
+        registered, so each try reads the identity and decides afresh."""
         self._registration = (kv_caches, kv_cache_config, total_heads)
+        manifest, source = self._describe(kv_caches, kv_cache_config, total_heads)
+        deadline, pause = time.monotonic() + _REGISTER_WAIT_S, 0.05
+        took: bool | None = None  # whether this call took the engine lock (None: not tried)
+        while True:
+            ident = self.client.identity()
+            if not self._may_register(ident):
+                return
+            if took is None:
+                took = self._lock is None and self._lock_sidecar()
+            if ident.generation >= 0:
+                if ident.instance not in ("", self.instance) and not took:
+                    # Unless this engine took the engine lock just now (the engine registered
+                    # there has exited), that engine runs without the lock and may be live.
+                    log.warning("sidecar at %s: replacing the registration of another engine "
+                                "of TP rank %d (instance %s); if that engine still runs, it "
+                                "shares this sidecar and its KV transfers stop",
+                                self.socket_path, ident.tp_rank, ident.instance)  # fmt: skip
+                self._unregister(ident.generation, ident.max_claim_s)
+            try:
+                resp = self.client.register(manifest, [source], instance=self.instance)
+                break
+            except RegisterInProgressError as exc:  # transient, unlike an engine registered
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AlreadyRegisteredError(
+                        f"sidecar at {self.socket_path}: another engine's register was still in "
+                        f"progress after {_REGISTER_WAIT_S:g} s (is the sidecar hung? restart "
+                        "it, then this engine)"
+                    ) from exc
+                if pause == 0.05:  # its first refusal
+                    log.info("sidecar at %s: another engine's register is in progress; "
+                             "trying again for up to %g s", self.socket_path,
+                             _REGISTER_WAIT_S)  # fmt: skip
+                time.sleep(min(pause, left))  # a retry's backoff
+                pause = min(2 * pause, 1.0)
+        self._given_up_to = None
+        self.manifest = manifest
+        self.generation, self.epoch = resp.generation, resp.epoch
+        self._cursor = 0  # each registration's released-holds feed counts from the start
+        self._stale = True  # a new generation: tickets minted before it can no longer be claimed
+
+    def _describe(self, kv_caches: Any, kv_cache_config: Any, heads: int) -> tuple[Any, Any]:
+        """(manifest, source) of vLLM's one backing allocation (offsets from the source's)."""
         alloc = backing_allocation(kv_caches)
         first = next(iter(kv_caches.values()))
         if first.is_cuda:  # GPU: the sidecar maps the allocation by CUDA IPC (untested here)
@@ -146,12 +194,15 @@ class WorkerSide:
             model=self.model,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
-            total_kv_heads=total_heads,
+            total_kv_heads=heads,
             region_prefix=f"{name}-r",
             conv=self.conv,
         )
-        manifest = _shift(manifest, alloc.base - start, mem, device)
-        ident = self.client.identity()
+        return _shift(manifest, alloc.base - start, mem, device), source
+
+    def _may_register(self, ident: Any) -> bool:
+        """Whether this engine may register at the sidecar that answered ``ident``: ConfigError
+        if it never can, False while the engine it gave the sidecar up to is registered."""
         if ident.engine_api_version != ENGINE_API_VERSION:
             # The engine and sidecar images carry kvxferd separately: say so, not a 422 later.
             theirs = f"kvxferd {ident.kvxferd_version}" if ident.kvxferd_version else (
@@ -169,46 +220,30 @@ class WorkerSide:
                 f"{ident.tp_rank}, not this rank {self.tp_rank}: each rank needs its own "
                 "sidecar ({rank} in sidecar_socket)"
             )
-        if ident.generation >= 0 and ident.instance and ident.instance == self._given_up_to:
+        if ident.generation >= 0 and ident.instance == self._given_up_to:
             # The engine this one left the sidecar to (vLLM's wake-up, or a first start after
             # a sidecar restart) is still registered: taking it back, the two would keep
             # unregistering each other. Our calls are refused until it has gone.
             self._tell(f"sidecar at {self.socket_path} is still registered by another engine "
-                       f"(instance {ident.instance}): not taking it back; KV transfers of this "
-                       "one stay off until it unregisters", error=True)  # fmt: skip
-            return
-        fresh = self._lock is None
-        if fresh:
-            self._lock = self._lock_sidecar()
-        if ident.generation >= 0:
-            if ident.instance not in ("", self.instance) and not (fresh and self._lock):
-                # Unless this engine took the engine lock just now (so the engine registered
-                # there has exited), that engine runs without the lock and may still be live.
-                log.warning("sidecar at %s: replacing the registration of another engine of TP "
-                            "rank %d (instance %s); if that engine still runs, it shares this "
-                            "sidecar and its KV transfers stop", self.socket_path,
-                            ident.tp_rank, ident.instance)  # fmt: skip
-            self._unregister(ident.generation, ident.max_claim_s)
-        resp = self.client.register(manifest, [source], instance=self.instance)
-        self._given_up_to = ""
-        self.manifest = manifest
-        self.generation, self.epoch = resp.generation, resp.epoch
-        self._cursor = 0  # each registration's released-holds feed counts from the start
-        self._stale = True  # a new generation: tickets minted before it can no longer be claimed
+                       f"(instance {ident.instance or 'none'}): not taking it back; KV transfers "
+                       "of this one stay off until it unregisters", error=True)  # fmt: skip
+            return False
+        return True
 
-    def _lock_sidecar(self) -> int | None:
-        """Hold ``<sidecar_socket>.engine.lock`` for this process's life: a second engine given
-        the same sidecar is refused at start (PathInUseError), while one restarted after its
-        predecessor exited finds it free. Where the engine may not make that file, it goes on
-        unlocked: the registration generation still keeps two engines' memory apart."""
+    def _lock_sidecar(self) -> bool:
+        """Hold ``<sidecar_socket>.engine.lock`` for this process's life (whether it is held
+        now): a second engine given the same sidecar is refused at start (PathInUseError), while
+        one restarted after its predecessor exited finds it free. Where the engine may not make
+        that file, it goes on unlocked: the registration generation still keeps two engines'
+        memory apart."""
         try:
-            return hold_lock(self.socket_path + ".engine.lock", "sidecar_socket",
-                             f"{self.socket_path} is in use by another engine")  # fmt: skip
+            self._lock = hold_lock(self.socket_path + ".engine.lock", "sidecar_socket",
+                                   f"{self.socket_path} is in use by another engine")  # fmt: skip
         except PathInUseError:
             raise
         except ConfigError as exc:
             log.warning("%s: a second engine on this sidecar is not refused at start", exc)
-            return None
+        return self._lock is not None
 
     def unregister(self) -> None:
         """vLLM's sleep (or discard): drop the registration so the sidecar no longer reads or
@@ -444,18 +479,18 @@ class WorkerSide:
         except KvxferdError as exc:  # cannot tell what the sidecar has: ask at the next refusal
             log.warning("sidecar refused this engine and cannot say why: %s", exc)
             return
-        if ident.generation >= 0 and ident.instance not in ("", self.instance):
-            # Another engine registered there: in this epoch after our registration's
-            # unregister had ended, in a new one after the sidecar restarted (its old process
-            # exited). Either way no READ of ours can still write, and what we held or pulled
-            # went with it. Generations restart with each epoch, so ours is forgotten: a call
-            # naming it could otherwise match the other engine's registration.
+        if ident.generation >= 0 and ident.instance != self.instance:
+            # Another engine registered there (ours always name our instance; a tool's or the
+            # simulator's name none): in this epoch after our registration's unregister had
+            # ended, in a new one after the sidecar restarted (its old process exited). Either
+            # way no READ of ours can still write, and what we held or pulled went with it.
+            # Ours is forgotten all the same: no call of ours may name a registration again.
             self._give_up_registration()
             self._given_up_to = ident.instance
             self._tell(
                 f"sidecar at {self.socket_path} is registered by another engine (instance "
-                f"{ident.instance}): KV transfers of this one are off until it unregisters;"
-                " give each engine its own sidecar",
+                f"{ident.instance or 'none'}): KV transfers of this one are off until it "
+                "unregisters; give each engine its own sidecar",
                 error=True,
             )
             return

@@ -90,7 +90,8 @@ def test_sleep_refuses_old_tickets_and_wake_moves_new_requests_byte_exact(engine
     with worker_pair(tmp_path, "LBHNC", engine) as (prefill, decode, p_side):
         sched = _scheduler(p_side)
         old = _finished(sched, "r1", [1, 2, 3])
-        assert old["remote_registration_generation"] == 0
+        registered = prefill.connector._worker.generation
+        assert old["remote_registration_generation"] == registered >= 0
         pattern.write_pattern(prefill.manifest, prefill.arrays(), [[1, 2, 3]], seed=5)
         assert prefill.step(sched.take_orders()) == (None, None)  # hold placed
 
@@ -109,7 +110,7 @@ def test_sleep_refuses_old_tickets_and_wake_moves_new_requests_byte_exact(engine
         prefill.connector.restore_kv_caches()
         prefill.connector.restore_kv_caches()  # idempotent
         with p_side.client() as c:
-            assert c.identity().generation == 1
+            assert c.identity().generation == registered + 1
         assert _pull(sched, decode, "d2", old, [10, 11, 12]) == ({"d2"}, {10, 11, 12})
         assert changed_outside(before, decode.arrays(), decode.manifest,
                                [[7, 8, 9, 10, 11, 12]]) == 0  # fmt: skip
@@ -119,7 +120,7 @@ def test_sleep_refuses_old_tickets_and_wake_moves_new_requests_byte_exact(engine
         meta = prefill.connector.build_connector_worker_meta()
         sched.stale(meta.stale_ranks)
         new = _finished(sched, "r2", [4, 5, 6])
-        assert new["remote_registration_generation"] == 1
+        assert new["remote_registration_generation"] == registered + 1
         pattern.write_pattern(prefill.manifest, prefill.arrays(), [[4, 5, 6]], seed=6)
         assert prefill.step(sched.take_orders()) == (None, None)
         assert _pull(sched, decode, "d3", new, [13, 14, 15]) == ({"d3"}, set())
@@ -153,12 +154,13 @@ def test_an_unregister_behind_the_engine_frees_no_block_a_decode_may_still_read(
     succeeds, and the next refused call has the worker register again. So too when the worker
     never heard its registration's generation (that register's answer was lost)."""
     with _claimed_hold(engines, tmp_path) as (prefill, p_side, sched):
+        registered = prefill.connector._worker.generation
         if heard == "no-answer":
             prefill.connector._worker.generation += 7
 
         def unregister_behind() -> None:
             with p_side.client() as c:
-                c.unregister(0)
+                c.unregister(registered)
 
         def leaving() -> bool:
             with p_side.client() as c:
@@ -183,7 +185,7 @@ def test_an_unregister_behind_the_engine_frees_no_block_a_decode_may_still_read(
         # Its hold is refused (nothing registered): freed at once, and the worker registers again.
         assert prefill.step(sched.take_orders()) == ({"r2"}, None)
         with p_side.client() as c:
-            assert c.identity().generation == 1
+            assert c.identity().generation == registered + 1
 
 
 def test_a_rank_whose_sidecar_another_rank_registered_refuses_to_take_it_over(engines, tmp_path):
@@ -251,6 +253,7 @@ def test_an_engine_whose_sidecar_another_engine_took_never_touches_that_engines_
     with worker_pair(tmp_path, "LBHNC", engine) as (first, decode, p_side):
         sched = _scheduler(p_side)
         _finished(sched, "r1", [1, 2, 3])
+        registered = first.connector._worker.generation
         assert first.step(sched.take_orders()) == (None, None)  # held on the first's memory
 
         def unwritable(lock: str, field: str, in_use: str) -> int:
@@ -261,7 +264,7 @@ def test_an_engine_whose_sidecar_another_engine_took_never_touches_that_engines_
         try:
             with p_side.client() as c:
                 taken = c.identity()
-            assert taken.generation == 1
+            assert taken.generation == registered + 1
             assert taken.instance == second.connector._worker.instance
             assert taken.instance != first.connector._worker.instance
             sched.stale({0})  # its tickets name the sidecar's registration as it is now
@@ -269,9 +272,9 @@ def test_an_engine_whose_sidecar_another_engine_took_never_touches_that_engines_
             mine_before = [a.copy() for a in decode.arrays()]
             caplog.set_level("INFO", logger="kvxferd.vllm.worker")
             params = _finished(sched, "r2", [1, 2, 3])  # the second's blocks 1-3 are live
-            assert params["remote_registration_generation"] == 1
+            assert params["remote_registration_generation"] == registered + 1
             pattern.write_pattern(first.manifest, first.arrays(), [[1, 2, 3]], seed=8)
-            # Refused (it names generation 0): r1 went with its registration, r2 was never held.
+            # Refused (it names its own generation): r1 went with its registration, r2 never held.
             assert first.step(sched.take_orders()) == ({"r1", "r2"}, None)
             assert _pull(sched, decode, "d2", params, [7, 8, 9]) == ({"d2"}, {7, 8, 9})
             assert changed_outside(mine_before, decode.arrays(), decode.manifest,
@@ -296,9 +299,10 @@ def test_an_engine_whose_sidecar_another_engine_took_never_touches_that_engines_
 def test_an_engine_that_gave_its_sidecar_up_stays_off_it_after_the_sidecar_restarts(
     engines, tmp_path, monkeypatch
 ):
-    """Generations restart with each sidecar epoch: after a restart the engine that took the
-    sidecar registers generation 0 again, the very number the first engine's registration had.
-    The first forgot its generation when it gave the sidecar up, so its calls are still refused:
+    """After a sidecar restart the engine that took the sidecar registers there first. The first
+    forgot its generation when it gave the sidecar up (and the new sidecar process numbers its
+    registrations from a random start, so no number it kept would match), so its calls are
+    still refused:
     its hold is never placed on the other engine's memory, a decode reading its ticket fails,
     and it does not take the restarted sidecar from the engine registered there."""
     engine = engines("dense", "LBHNC", num_blocks=24)
@@ -308,7 +312,7 @@ def test_an_engine_that_gave_its_sidecar_up_stays_off_it_after_the_sidecar_resta
             raise ConfigError(f"{field}: cannot open {lock}: Permission denied")
 
         monkeypatch.setattr(worker_module, "hold_lock", unwritable)
-        second = Rank(engine, "LBHNC", p_side)  # takes the sidecar: generation 1
+        second = Rank(engine, "LBHNC", p_side)  # takes the sidecar: the next generation
         restarted = None
         try:
             sched = _scheduler(p_side)
@@ -322,12 +326,12 @@ def test_an_engine_that_gave_its_sidecar_up_stays_off_it_after_the_sidecar_resta
             second.connector._worker._recover()  # (what its next refused call does)
             with restarted.client() as c:
                 taken = c.identity()
-            assert (taken.generation, taken.instance) == (0, second.connector._worker.instance)
+            assert taken.generation >= 0 and taken.instance == second.connector._worker.instance
 
             sched = _scheduler(restarted)
             sched.stale({0})
             theirs = [a.copy() for a in second.arrays()]
-            params = _finished(sched, "r2", [1, 2, 3])  # a ticket for generation 0
+            params = _finished(sched, "r2", [1, 2, 3])  # a ticket for the second's registration
             pattern.write_pattern(first.manifest, first.arrays(), [[1, 2, 3]], seed=8)
             assert first.step(sched.take_orders()) == ({"r2"}, None)  # refused, not held
             assert _pull(sched, decode, "d2", params, [7, 8, 9]) == ({"d2"}, {7, 8, 9})
@@ -348,12 +352,13 @@ def test_an_engine_that_never_heard_its_registrations_generation_adopts_it(engin
     engine = engines("dense", "LBHNC", num_blocks=24)
     with worker_pair(tmp_path, "LBHNC", engine) as (prefill, _decode, p_side):
         worker = prefill.connector._worker
-        worker.generation += 7  # as if the answer naming generation 0 never came
+        registered = worker.generation
+        worker.generation += 7  # as if the answer naming its generation never came
         sched = _scheduler(p_side)
         _finished(sched, "r1", [1, 2, 3])
         assert prefill.step(sched.take_orders()) == ({"r1"}, None)  # refused: freed
-        assert worker.generation == 0
+        assert worker.generation == registered
         _finished(sched, "r2", [4, 5, 6])
         assert prefill.step(sched.take_orders()) == (None, None)  # held
         with p_side.client() as c:
-            assert c.identity().generation == 0
+            assert c.identity().generation == registered

@@ -319,14 +319,19 @@ def test_a_pull_set_aside_unsettled_is_freed_once_its_registration_is_gone(monke
 
 
 class _Unregistering:
-    """An operator's unregister runs behind the engine: calls are refused, identity unchanged."""
+    """An operator's unregister of the engine ``instance``'s registration (generation 3) runs
+    behind it: calls are refused, identity unchanged."""
+
+    def __init__(self, instance: str) -> None:
+        self.instance = instance
 
     def released(self, cursor: int = 0, limit: int | None = None) -> object:
         raise NotRegisteredError("the engine is unregistering: its memory is being let go")
 
     def identity(self) -> Identity:
         return Identity(engine_id="e", epoch=7, generation=3, peer_address="h:1",
-                        tp_rank=0, tp_size=1, default_lease_s=30.0)  # fmt: skip
+                        tp_rank=0, tp_size=1, default_lease_s=30.0,
+                        instance=self.instance)  # fmt: skip
 
 
 def test_waiting_for_an_unregister_behind_the_engine_is_logged_seldom_and_frees_nothing(
@@ -337,8 +342,9 @@ def test_waiting_for_an_unregister_behind_the_engine_is_logged_seldom_and_frees_
     clock = _Clock()
     monkeypatch.setattr(worker_module, "time", clock)
     worker = WorkerSide("/nonexistent/kvxferd.sock", model="m", tp_rank=0, tp_size=1)
-    worker.client = _Unregistering()  # type: ignore[assignment]
-    worker.epoch, worker._registration = 7, ("caches",)  # type: ignore[assignment]
+    worker.client = _Unregistering(worker.instance)  # type: ignore[assignment]
+    worker.epoch, worker.generation = 7, 3
+    worker._registration = ("caches",)  # type: ignore[assignment]
     worker._holds["r1"] = "h1"
     caplog.set_level("INFO", logger=worker_module.__name__)
     for _ in range(600):  # a minute of steps, 10 a second
