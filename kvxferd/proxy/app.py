@@ -15,10 +15,14 @@ When the decode call fails or is refused, the prefill is told (``POST /v1/kv/rel
 holds for that decode now, not at lease expiry; a server without that route just answers 404.
 So is it when the client goes away after the prefill answered but before a byte of the decode
 request went out (the decode's connection still opening, or a kept one that failed its write
-being replaced), or while the prefill's answer is still coming (it is read to its end in the
-background, same bounds, for the tickets it carries). Once the decode may have the request it is
-left to the decode, which reads the hold or declines it: a kvxferd prefill's release aborts the
-hold, which a decode that has not claimed it yet can then no longer read.
+being replaced), or once the prefill may have the request but before its answer has all come
+(a sim prefill finishes it anyway: its answer is awaited and read in the background, same
+bounds, for the tickets it carries; vLLM, whose release is a 404, aborts a request whose caller
+hangs up, so once a prefill answered a release 404 the proxy hangs up on it instead). Once the
+decode may have the request it is left to the decode, which reads the hold or declines it: a
+kvxferd prefill's release aborts the hold, which a decode that has not claimed it yet can then no
+longer read. Releases in the background are capped (``BACKGROUND_CAP``); past that a hold is
+left to its lease.
 """
 
 from __future__ import annotations
@@ -66,6 +70,10 @@ KV_TRANSFER_STUB: dict[str, Any] = {
 RELEASE_PATH = "/v1/kv/release"
 """Prefill route freeing the KV it holds for a decode that will not read it (kvxferd sim)."""
 _BACKEND_ERRORS = (httpx.HTTPError, TimeoutError, AnswerTooLarge)
+BACKGROUND_CAP = 1024
+"""Most releases (each with the prefill answer it waits for) in the background at once. They
+outlive the requests that started them, so the requests in flight do not bound them; past this
+many (the front door's default connection cap) a hold is left to its lease."""
 KEEPALIVE_PER_CLIENT = 16
 """Idle connections one backend client keeps (to prefills and decodes together; a client
 serves one request at a time until the proxy has more in flight than clients)."""
@@ -92,7 +100,8 @@ class ProxySettings:
     is its whole answer: this bound (at least ``first_byte``) replaces the first-byte one."""
     release_on_failure: bool = True
     """Tell the prefill (``POST /v1/kv/release``) when its decode call fails or is refused, or
-    the client went away before a byte of the decode request went out."""
+    the client went away while the prefill call was in flight or before a byte of the decode
+    request went out. Off, a gone client's prefill call is cancelled."""
     max_answer_bytes: int = 256 << 20
     """Largest backend answer the proxy reads whole (a prefill's, a non-streaming decode's,
     /health, /v1/models); a larger one is a 502. Streamed (SSE) answers are relayed, not held."""
@@ -140,6 +149,7 @@ def proxy_app(
     first_byte, idle, generation = settings.first_byte, settings.idle, settings.generation
     limit = settings.max_answer_bytes
     releases: set[asyncio.Task[None]] = set()
+    no_release: set[str] = set()  # prefills whose release route is a 404 (vLLM); <= backends
 
     # Reads are bounded per phase below (first byte, idle); the transport bounds connect and
     # writes. Backend calls go straight to the transport: an httpx client would add a cookie
@@ -164,11 +174,19 @@ def proxy_app(
             method, target, content=content, headers=out, extensions={"timeout": timeouts}
         )
 
-    def in_background(work: Coroutine[Any, Any, None]) -> None:
-        """Run a release without the client's answer waiting for it (shutdown waits, bounded)."""
+    def in_background(work: Coroutine[Any, Any, None]) -> bool:
+        """Run a release without the client's answer waiting for it (shutdown waits, bounded);
+        False (``work`` dropped: the hold is left to its lease) past ``BACKGROUND_CAP``."""
+        if len(releases) >= BACKGROUND_CAP:
+            work.close()
+            log.warning(
+                "%d releases in the background: this one is left to the lease", BACKGROUND_CAP
+            )
+            return False
         task = asyncio.create_task(work)
         releases.add(task)
         task.add_done_callback(releases.discard)
+        return True
 
     async def release(
         client: httpx.AsyncBaseTransport, prefill: Backend, params: Any, headers: dict[str, bytes]
@@ -176,33 +194,35 @@ def proxy_app(
         """Ask ``prefill`` to free what it holds under ``params``: no decode will read it."""
         ask = backend_request("POST", prefill.url + RELEASE_PATH,
                               {"kv_transfer_params": params}, headers)  # fmt: skip
-        await _release(client, ask, prefill, first_byte, idle, limit)
+        if await _release(client, ask, prefill, first_byte, idle, limit) == 404:
+            no_release.add(prefill.url)
 
     async def prefill_answer(
         client: httpx.AsyncBaseTransport, prefill: Backend, request: httpx.Request,
         headers: dict[str, bytes],
     ) -> tuple[httpx.Response, bytes]:  # fmt: skip
-        """The prefill's answer, read whole. Once its head came the prefill holds KV named in
-        the body: a client gone while the body comes leaves it read on (within the same bounds)
-        and what it names released."""
-        resp = await _send(client, request, first_byte)
-        reading = asyncio.ensure_future(_read_all(resp, idle, limit))
+        """The prefill's answer, read whole. A prefill that has the request finishes it and holds
+        KV named only in its answer, even if the client has gone meanwhile: then the call goes
+        on in the background (within the same bounds) and what the answer names is released."""
+        answer = asyncio.ensure_future(_call(client, request, first_byte, idle, limit))
         try:
-            return resp, await asyncio.shield(reading)
-        except asyncio.CancelledError:
-            if settings.release_on_failure:
-                in_background(release_when_read(client, prefill, resp, reading, headers))
-            else:
-                reading.cancel()
+            return await asyncio.shield(answer)
+        except asyncio.CancelledError:  # the client has gone (_unless_gone)
+            # UNSENT: its connection still opening, the prefill has nothing to hold. One without
+            # the release route (vLLM) aborts a request whose caller hangs up: let it.
+            keep = settings.release_on_failure and prefill.url not in no_release
+            keep = keep and request.extensions.get(UNSENT) is not True
+            if not (keep and in_background(release_when_read(client, prefill, answer, headers))):
+                answer.cancel()
             raise
 
     async def release_when_read(
-        client: httpx.AsyncBaseTransport, prefill: Backend, resp: httpx.Response,
-        reading: asyncio.Future[bytes], headers: dict[str, bytes],
+        client: httpx.AsyncBaseTransport, prefill: Backend,
+        answer: asyncio.Future[tuple[httpx.Response, bytes]], headers: dict[str, bytes],
     ) -> None:  # fmt: skip
         """Release what a prefill's answer names once it has been read (nothing if it fails)."""
         try:
-            content = await reading
+            resp, content = await answer
             params = _transfer_params(content) if resp.status_code < 400 else None
         except (*_BACKEND_ERRORS, ValueError):
             return
@@ -220,9 +240,10 @@ def proxy_app(
             make, limit=1 if transport else SLOTS
         )
         app.state.clients = slots
+        app.state.background = releases
         try:
             yield
-            if releases:  # bounded: each release is bounded by connect + first byte
+            if releases:  # bounded: what is not done by then is dropped (holds left to lease)
                 await asyncio.wait(releases, timeout=settings.connect + first_byte)
         finally:
             for client in slots.made():
@@ -476,15 +497,17 @@ async def _release(
     first_byte: float,
     idle: float,
     limit: int,
-) -> None:
-    """Ask the prefill to free what it holds for a decode that will not read it (best effort)."""
+) -> int | None:
+    """Ask the prefill to free what it holds for a decode that will not read it (best effort):
+    the status it answered (None if it did not)."""
     try:
         resp, _ = await _call(client, request, first_byte, idle, limit)
     except _BACKEND_ERRORS as exc:
         log.warning("prefill %s: release failed: %s", prefill.url, describe_failure(exc))
-        return
+        return None
     if resp.status_code >= 400 and resp.status_code != 404:  # 404: no such route (vLLM)
         log.warning("prefill %s: release answered %d", prefill.url, resp.status_code)
+    return resp.status_code
 
 
 async def _probe(

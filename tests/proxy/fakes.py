@@ -52,7 +52,15 @@ class FakeBackend:
     """Completions wait for this event (set it to release them), or until their caller hangs
     up (recorded in ``left``)."""
     left: list[str] = field(default_factory=list)
-    """Paths of hanging completions whose caller closed the connection."""
+    """Paths of hanging or held completions whose caller closed the connection."""
+    hold: threading.Event | None = None
+    """Completions wait for this event, then answer as usual even if their caller has gone (an
+    engine finishes a request whose caller left: uvicorn does not cancel it); a caller gone while
+    they wait is recorded in ``left``."""
+    answered: list[dict[str, Any]] = field(default_factory=list)
+    """The ``kv_transfer_params`` a prefill answered, in order, read by anyone or not."""
+    release_status: int = 200
+    """The status ``/v1/kv/release`` answers (404: a server without the route, like vLLM)."""
     omit_params: bool = False
     """Prefill answers without kv_transfer_params (like an engine without a KV connector)."""
     healthy: bool = True
@@ -90,6 +98,11 @@ def fake_app(fake: FakeBackend) -> FastAPI:
                     fake.left.append(request.url.path)
                     return Response(status_code=499)
                 await asyncio.sleep(0.01)
+        noticed = False
+        while fake.hold is not None and not fake.hold.is_set():
+            if not noticed and (noticed := await request.is_disconnected()):
+                fake.left.append(request.url.path)
+            await asyncio.sleep(0.01)
         if fake.fail_status is not None:
             error = {"message": f"{fake.name} refuses", "type": "BadRequestError", "code": 7}
             return JSONResponse({"error": error}, status_code=fake.fail_status)
@@ -110,6 +123,7 @@ def fake_app(fake: FakeBackend) -> FastAPI:
                 "remote_request_id": request.headers.get("x-request-id"),
                 "tp_size": 1,
             }
+            fake.answered.append(reply["kv_transfer_params"])
         if fake.pad_bytes:
             reply["pad"] = "x" * fake.pad_bytes
         answer: Response = JSONResponse(reply)
@@ -132,9 +146,9 @@ def fake_app(fake: FakeBackend) -> FastAPI:
         return await complete(request, chat=True)
 
     @app.post("/v1/kv/release")
-    async def release(request: Request) -> dict[str, Any]:
+    async def release(request: Request) -> Response:
         fake.seen.append(Seen(request.url.path, await request.json(), dict(request.headers)))
-        return {"released": 1}
+        return JSONResponse({"released": 1}, status_code=fake.release_status)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -236,9 +250,9 @@ def free_port() -> int:
 class UnopenedDecode(KeptTransport):
     """The proxy's transport, except that a connection to ``port`` never opens once ``opens`` have
     (a decode whose accept queue is full, a lost SYN): ``connecting`` is set once one is being
-    opened, and the attempt waits until it is cancelled. With ``break_kept`` a kept connection to
-    ``port`` is handed out broken (reset while idle, unseen until written to: its write fails),
-    counted in ``broken``."""
+    opened, and the attempt waits until it is cancelled (then ``abandoned`` is set). With
+    ``break_kept`` a kept connection to ``port`` is handed out broken (reset while idle, unseen
+    until written to: its write fails), counted in ``broken``."""
 
     def __init__(self, port: int, opens: int = 0, break_kept: bool = False) -> None:
         super().__init__(ssl_context())
@@ -247,6 +261,7 @@ class UnopenedDecode(KeptTransport):
         self.break_kept = break_kept
         self.broken = 0
         self.connecting = threading.Event()
+        self.abandoned = threading.Event()
 
     def _take(self, origin: Any) -> Any:
         conn = super()._take(origin)
@@ -264,22 +279,35 @@ class UnopenedDecode(KeptTransport):
             self.opens -= 1
             return await super()._open(origin, request, timeout)
         self.connecting.set()
-        await asyncio.Future()  # never done: only a cancellation ends it
+        try:
+            await asyncio.Future()  # never done: only a cancellation ends it
+        except asyncio.CancelledError:
+            self.abandoned.set()
+            raise
         raise AssertionError("unreachable")
 
 
 class HeadWatch(KeptTransport):
-    """The proxy's transport, setting ``headed`` once an answer's head from ``port`` arrived."""
+    """The proxy's transport, setting ``headed`` once an answer's head from ``port`` arrived. With
+    ``hold`` that answer reaches the proxy only once ``hold`` is set: to the proxy, the backend
+    has not answered yet (a real engine that cannot be told to wait)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, hold: threading.Event | None = None) -> None:
         super().__init__(ssl_context())
         self.port = port
+        self.hold = hold
         self.headed = threading.Event()
 
     async def _exchange(self, origin: Any, *args: Any) -> httpx.Response:
         resp = await super()._exchange(origin, *args)
         if origin[2] == self.port:
             self.headed.set()
+            try:
+                while self.hold is not None and not self.hold.is_set():
+                    await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                await resp.aclose()
+                raise
         return resp
 
 

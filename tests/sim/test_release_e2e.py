@@ -1,12 +1,13 @@
 """A decode that will not read frees the prefill's blocks at once, not at lease expiry: through
-the proxy, a refused decode, or a client gone before the decode had the request, makes the proxy
-release the prefill's holds (``/v1/kv/release``), and the decode declines the tickets it refused.
-Real sims and sidecars, the proxy in-process."""
+the proxy, a refused decode, or a client gone before the prefill answered or before the decode
+had the request, makes the proxy release the prefill's holds (``/v1/kv/release``), and the decode
+declines the tickets it refused. Real sims and sidecars, the proxy in-process."""
 
 from __future__ import annotations
 
 import json
 import socket
+import threading
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from kvxferd.proxy import ProxySettings, proxy_app
-from tests.proxy.fakes import UnopenedDecode, serve_app
+from tests.proxy.fakes import HeadWatch, UnopenedDecode, serve_app
 from tests.sidecar.harness import wait_until
 from tests.sim.procs import STUB, Sim, start_sims
 
@@ -94,6 +95,34 @@ def test_a_client_gone_before_the_decode_had_the_request_leaves_no_hold(sims):
             assert p.stats()["holds_outstanding"] == 1
         wait_until(lambda: _all_free(p), BOUND_S, "the prefill's hold to be released")
     finally:
+        served.stop()
+    after = p.stats()
+    assert after["holds_given_up"] == before["holds_given_up"] + 1  # by the proxy's release
+    assert after["holds_expired"] == before["holds_expired"]
+
+
+def test_a_client_gone_before_the_prefill_answered_leaves_no_hold(sims):
+    """The prefill finishes the request and holds its KV whether or not the client is still
+    there; the proxy reads the answer after the client left and releases the hold."""
+    p, d = sims["prefill"], sims["decode"]
+    wait_until(lambda: _all_free(p), BOUND_S, "earlier holds to end")
+    before = p.stats()
+    answered = threading.Event()  # the prefill's answer reaches the proxy once this is set
+    watch = HeadWatch(urlsplit(p.url).port or 80, hold=answered)
+    app = proxy_app(ProxySettings((p.url,), (d.url,), timeout_s=BOUND_S), watch)
+    served = serve_app(app)
+    try:
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode()
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", served.port), timeout=BOUND_S) as sock:
+            sock.sendall(head % len(body) + body)
+            wait_until(watch.headed.is_set, BOUND_S, "the prefill's answer (held from the proxy)")
+            assert p.stats()["holds_outstanding"] == 1
+        wait_until(lambda: app.state.clients.busy() == 0, BOUND_S, "the proxy seeing it gone")
+        answered.set()
+        wait_until(lambda: _all_free(p), BOUND_S, "the prefill's hold to be released")
+    finally:
+        answered.set()
         served.stop()
     after = p.stats()
     assert after["holds_given_up"] == before["holds_given_up"] + 1  # by the proxy's release
