@@ -26,6 +26,7 @@ import httpx
 
 from kvxferd.client import AsyncEngineClient
 from kvxferd.errors import (
+    DuplicateHoldError,
     HoldError,
     HoldExpiredError,
     InvalidRequestError,
@@ -517,10 +518,14 @@ class SimEngine:
         failed = [(r, e) for r, e in enumerate(results) if isinstance(e, BaseException)]
         if not failed:
             return
-        self.minter.forget()
-        self.stats.holds_failed += 1
-        log.warning("request %s: the sidecar of rank %d did not place its hold (%s); giving it "
-                    "up on every rank", request_id, failed[0][0], failed[0][1])  # fmt: skip
+        if all(isinstance(e, DuplicateHoldError) for _, e in failed):
+            # Given up before it was placed (give_up: the proxy's release came first).
+            log.debug("request %s: given up before its hold was placed", request_id)
+        else:
+            self.minter.forget()
+            self.stats.holds_failed += 1
+            log.warning("request %s: the sidecar of rank %d did not place its hold (%s); giving "
+                        "it up on every rank", request_id, *failed[0])  # fmt: skip
         for c in self.clients:  # also where it was not placed: a later hold call is refused
             with contextlib.suppress(KvxferdError, httpx.HTTPError):
                 await c.abort(tickets[0].hold_id)
