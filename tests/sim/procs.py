@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,19 @@ def start_sims(specs: Mapping[str, Sequence[str]]) -> dict[str, Sim]:
             child.kill()
         raise
     return sims
+
+
+@contextlib.contextmanager
+def running_sims(specs: Mapping[str, Sequence[str]]) -> Iterator[dict[str, Sim]]:
+    """``start_sims``; when the block ends, every sim is told to stop, then each waited for."""
+    sims = start_sims(specs)
+    try:
+        yield sims
+    finally:
+        for sim in sims.values():
+            sim.child.terminate()
+        for sim in sims.values():
+            sim.child.stop()
 
 
 def text_of(kind: str, resp: httpx.Response) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from kvxferd.sim.children import Child
 from tests.sidecar.harness import Sidecar, start_sidecar, wait_until
-from tests.sim.procs import PATHS, STUB, TOKEN, Sim, start_sims, text_of
+from tests.sim.procs import PATHS, STUB, TOKEN, Sim, running_sims, text_of
 
 pytestmark = pytest.mark.nixl
 
@@ -24,17 +24,13 @@ BOUND_S = 60.0
 
 @pytest.fixture(scope="module")
 def sims() -> Iterator[dict[str, Sim]]:
-    procs = start_sims({
+    with running_sims({
         "prefill_tp2": ["--role", "prefill", "--tp", "2", *POOL],
         "decode": ["--role", "decode", "--on-pull-failure", "fail", *POOL],
         "decode_recompute": ["--role", "decode", *POOL],
         "colocated": ["--role", "colocated", *POOL],
-    })  # fmt: skip
-    yield procs
-    for sim in procs.values():
-        sim.child.terminate()
-    for sim in procs.values():
-        sim.child.stop()
+    }) as procs:  # fmt: skip
+        yield procs
 
 
 def _prefill(p: Sim, prompt: str) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 import httpx
@@ -17,7 +17,7 @@ import pytest
 from kvxferd.proxy import ProxySettings, proxy_app
 from tests.proxy.fakes import HeadWatch, UnopenedDecode, serve_app
 from tests.sidecar.harness import wait_until
-from tests.sim.procs import STUB, Sim, start_sims
+from tests.sim.procs import STUB, Sim, running_sims
 
 pytestmark = pytest.mark.nixl
 
@@ -30,15 +30,11 @@ PROMPT = "The quick brown fox jumps over the lazy dog, twice."
 
 @pytest.fixture(scope="module")
 def sims() -> Iterator[dict[str, Sim]]:
-    procs = start_sims({
+    with running_sims({
         "prefill": ["--role", "prefill", "--lease", str(LEASE_S), *POOL],
         "decode": ["--role", "decode", *POOL],
-    })  # fmt: skip
-    yield procs
-    for sim in procs.values():
-        sim.child.terminate()
-    for sim in procs.values():
-        sim.child.stop()
+    }) as procs:  # fmt: skip
+        yield procs
 
 
 @pytest.fixture
@@ -79,6 +75,17 @@ def test_a_decode_refusing_through_the_proxy_leaves_no_hold_on_the_prefill(sims,
     wait_until(lambda: d.stats()["declined"] == d_before["declined"] + 1, BOUND_S, "decline")
 
 
+def _hang_up_once(port: int, p: Sim, reached: Callable[[], bool], what: str) -> None:
+    """A client sends one completion through the proxy at ``port`` and hangs up once
+    ``reached()``: by then the prefill ``p`` holds the request's KV."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=BOUND_S) as sock:
+        sock.sendall(head % len(body) + body)
+        wait_until(reached, BOUND_S, what)
+        assert p.stats()["holds_outstanding"] == 1
+
+
 def test_a_client_gone_before_the_decode_had_the_request_leaves_no_hold(sims):
     p, d = sims["prefill"], sims["decode"]
     wait_until(lambda: _all_free(p), BOUND_S, "earlier holds to end")
@@ -87,12 +94,7 @@ def test_a_client_gone_before_the_decode_had_the_request_leaves_no_hold(sims):
     settings = ProxySettings((p.url,), (d.url,), timeout_s=BOUND_S)
     served = serve_app(proxy_app(settings, unopened))
     try:
-        body = json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode()
-        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-        with socket.create_connection(("127.0.0.1", served.port), timeout=BOUND_S) as sock:
-            sock.sendall(head % len(body) + body)
-            wait_until(unopened.connecting.is_set, BOUND_S, "the decode's connection opening")
-            assert p.stats()["holds_outstanding"] == 1
+        _hang_up_once(served.port, p, unopened.connecting.is_set, "the decode's connection")
         wait_until(lambda: _all_free(p), BOUND_S, "the prefill's hold to be released")
     finally:
         served.stop()
@@ -112,12 +114,7 @@ def test_a_client_gone_before_the_prefill_answered_leaves_no_hold(sims):
     app = proxy_app(ProxySettings((p.url,), (d.url,), timeout_s=BOUND_S), watch)
     served = serve_app(app)
     try:
-        body = json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode()
-        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-        with socket.create_connection(("127.0.0.1", served.port), timeout=BOUND_S) as sock:
-            sock.sendall(head % len(body) + body)
-            wait_until(watch.headed.is_set, BOUND_S, "the prefill's answer (held from the proxy)")
-            assert p.stats()["holds_outstanding"] == 1
+        _hang_up_once(served.port, p, watch.headed.is_set, "the prefill's answer (held back)")
         wait_until(lambda: app.state.clients.busy() == 0, BOUND_S, "the proxy seeing it gone")
         answered.set()
         wait_until(lambda: _all_free(p), BOUND_S, "the prefill's hold to be released")

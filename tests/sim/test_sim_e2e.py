@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.sidecar.harness import wait_until
-from tests.sim.procs import PATHS, STUB, Sim, start_sims, text_of
+from tests.sim.procs import PATHS, STUB, Sim, running_sims, text_of
 
 pytestmark = pytest.mark.nixl
 
@@ -30,18 +30,14 @@ TP2_LEASE_S = 5  # short, so an unpulled hold expires soon; long enough for a lo
 
 @pytest.fixture(scope="module")
 def sims():
-    procs = start_sims({
+    with running_sims({
         "prefill": ["--role", "prefill", *POOL],
         "decode": ["--role", "decode", "--on-pull-failure", "fail", *POOL],
         "colocated": ["--role", "colocated", *POOL],
         "prefill_tp2": ["--role", "prefill", "--tp", "2", "--lease", str(TP2_LEASE_S), *POOL],
         "decode_recompute": ["--role", "decode", "--on-pull-failure", "recompute", *POOL],
-    })  # fmt: skip
-    yield procs
-    for sim in procs.values():
-        sim.child.terminate()
-    for sim in procs.values():
-        sim.child.stop()
+    }) as procs:  # fmt: skip
+        yield procs
 
 
 def _body(kind: str, prompt: str, **extra: object) -> dict[str, object]:
