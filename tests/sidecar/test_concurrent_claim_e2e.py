@@ -40,9 +40,12 @@ def _mint(p: Rank, hold_id: str, seed: int) -> Ticket:
     for a hold id the worker places later."""
     write_pattern(p.manifest, p.pool.views, PIDS, seed=seed)
     s = p.sidecar
+    with s.client() as c:
+        generation = c.identity().generation  # the scheduler reads it once per rank
     return sign_ticket(Ticket(
         engine_id=s.engine_id, epoch=s.epoch, hold_id=hold_id, request_id=f"req-{hold_id}",
         block_ids=PIDS, num_tokens=60, expires_at=0.0, tp_rank=0, tp_size=1, peer=s.peer,
+        generation=generation,
     ), TOKEN.encode())  # fmt: skip
 
 

@@ -189,10 +189,12 @@ def test_a_claim_waits_for_a_hold_the_scheduler_minted_before_the_worker_placed_
     before the ticket goes out): the READ may run before the worker places the hold."""
     p, d = pair
     write_pattern(p.manifest, p.pool.views, PIDS, seed=6)
+    with p.sidecar.client() as c:
+        generation = c.identity().generation  # the scheduler reads it once per rank
     minted = sign_ticket(Ticket(
         engine_id=p.sidecar.engine_id, epoch=p.sidecar.epoch, hold_id="sched-1",
         request_id="minted-1", block_ids=PIDS, num_tokens=60, expires_at=0.0, tp_rank=0,
-        tp_size=1, peer=p.sidecar.peer), TOKEN.encode())  # fmt: skip
+        tp_size=1, peer=p.sidecar.peer, generation=generation), TOKEN.encode())  # fmt: skip
     before = d.pool.snapshot()
     with d.sidecar.client() as c:
         accepted = c.pull(PullRequest(tickets=[minted], block_ids=DIDS, deadline_s=60))
