@@ -15,7 +15,7 @@ from kvxferd.errors import ManifestError, UnsupportedModelError
 from kvxferd.layout.models import LayerKind, LayerSpec, ModelGeometry, read_geometry
 from kvxferd.layout.placement import KVPacking, Placement, place_layers
 from kvxferd.layout.states import MambaState, mamba_state
-from kvxferd.wire import DTYPE_BYTES, ConvLayout, HeadLayout, KVOrder, Manifest
+from kvxferd.wire import DTYPE_BYTES, MODEL_MAX_LENGTH, ConvLayout, HeadLayout, KVOrder, Manifest
 
 _CACHE_DTYPES = {
     "bfloat16": "bfloat16",
@@ -269,7 +269,7 @@ def plan_manifest(hf_config: dict[str, Any], options: PlanOptions | None = None)
     )
     regions, wire_groups = place_layers(placement, [(g.kind, g.slots) for g in groups])
     return Manifest(
-        model=geom.name,
+        model=geom.name[:MODEL_MAX_LENGTH],  # a config's _name_or_path may be a long path
         num_blocks=opts.num_blocks,
         regions=regions,
         groups=wire_groups,

@@ -25,6 +25,7 @@ from kvxferd.layout import validate_manifest
 from kvxferd.layout.models import read_mamba_geometry
 from kvxferd.layout.states import ConvSection, mamba_state
 from kvxferd.wire import (
+    MODEL_MAX_LENGTH,
     AttentionLayer,
     Group,
     Layer,
@@ -325,7 +326,7 @@ def vllm_manifest(
             )
         )
     manifest = Manifest(
-        model=model,
+        model=model[:MODEL_MAX_LENGTH],  # vLLM's model may be a long local path
         num_blocks=kv_cache_config.num_blocks,
         regions=regions,
         groups=groups,

@@ -97,6 +97,13 @@ DTYPE_BYTES: dict[str, int] = {
 
 MemType = Literal["DRAM", "VRAM"]
 GroupKind = Literal["full_attention", "sliding_window", "mamba"]
+NAME_MAX_LENGTH = 255
+Name = Annotated[str, msgspec.Meta(max_length=NAME_MAX_LENGTH)]
+"""A name inside a manifest (part, layer, region: a POSIX shm name is at most 255 bytes): bounded
+so a manifest's size follows from its list bounds, whatever the body limit."""
+MODEL_MAX_LENGTH = 1024
+"""Longest ``Manifest.model`` (a model name or path; longer ones are cut by the planners)."""
+
 HeadLayout = Literal["NHD", "HND"]
 KVOrder = Literal["kv_first", "blocks_first"]
 ConvLayout = Literal["SD", "DS"]
@@ -116,7 +123,7 @@ class Part(_Strict, kw_only=True):
     ``unit_stride == unit_bytes`` the part is one contiguous run of ``units * unit_bytes``.
     """
 
-    name: str
+    name: Name
     """What the part is: ``k``, ``v``, ``conv``, ``conv_x``, ``conv_b``, ``conv_c``, ``ssm``..."""
     offset: int
     """Bytes from the region base to this part in block unit 0."""
@@ -143,7 +150,7 @@ class Part(_Strict, kw_only=True):
 class AttentionLayer(_Strict, kw_only=True, tag="attention"):
     """Where one attention layer's K and V live, and their head geometry (per rank)."""
 
-    name: str
+    name: Name
     """Layer name, e.g. ``model.layers.3.self_attn``."""
     index: int
     """Layer index in the model (0-based)."""
@@ -174,7 +181,7 @@ class AttentionLayer(_Strict, kw_only=True, tag="attention"):
 class MambaLayer(_Strict, kw_only=True, tag="mamba"):
     """Where one Mamba/GDN layer's conv and SSM state live inside a page (unpadded)."""
 
-    name: str
+    name: Name
     """Layer name, e.g. ``model.layers.0.mixer``."""
     index: int
     """Layer index in the model (0-based)."""
@@ -221,7 +228,7 @@ class Group(_Strict, kw_only=True):
 class Region(_Strict, kw_only=True):
     """One pooled memory tensor, registered with NIXL once."""
 
-    name: str
+    name: Name
     """Stable name; for DRAM regions the POSIX shared-memory segment name."""
     size_bytes: int
     """Bytes of the region."""
@@ -244,8 +251,8 @@ class Region(_Strict, kw_only=True):
 class Manifest(_Strict, kw_only=True):
     """An engine rank's KV-cache layout: identity, pooled regions and groups."""
 
-    model: str
-    """Model name or architecture, informational."""
+    model: Annotated[str, msgspec.Meta(max_length=MODEL_MAX_LENGTH)]
+    """Model name or architecture (at most MODEL_MAX_LENGTH characters), informational."""
     num_blocks: int
     """Logical block ids are 0..num_blocks-1, shared by all groups (vLLM's one block pool)."""
     regions: Annotated[list[Region], msgspec.Meta(max_length=MAX_REGIONS)]
@@ -260,8 +267,8 @@ class Manifest(_Strict, kw_only=True):
     """per_layer: a tensor per layer slot; cross_layer: a tensor per page-size group (seed 001)."""
     attn_pack_size: int = 1
     """Attention layers sharing one page (seed 000)."""
-    engine_id: str = ""
-    """Engine identity, set by the sidecar at registration."""
+    engine_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    """Engine identity, set by the sidecar at registration (an EngineId, or empty)."""
     epoch: int = 0
     """Boot epoch of the engine/sidecar; a restart gets a new one."""
     version: int = MANIFEST_VERSION

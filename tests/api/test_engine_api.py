@@ -21,6 +21,8 @@ from kvxferd.wire import (
     MAX_REGIONS,
     MAX_TICKETS_PER_CALL,
     MAX_TOKENS,
+    MODEL_MAX_LENGTH,
+    NAME_MAX_LENGTH,
     AbortHoldRequest,
     DeclineRequest,
     ErrorBody,
@@ -310,6 +312,17 @@ def _manifest_with(key: str, n: int) -> dict:
     return {**_PLANNED, key: _PLANNED[key][:1] * n}
 
 
+def _manifest_naming(what: str, name: str) -> dict:
+    """The planned manifest with ``name`` as its model, its first region's or first layer's."""
+    if what == "model":
+        return {**_PLANNED, "model": name}
+    if what == "region":
+        return {**_PLANNED, "regions": [{**_PLANNED["regions"][0], "name": name}]}
+    group = _PLANNED["groups"][0]
+    layers = [{**group["layers"][0], "name": name}]
+    return {**_PLANNED, "groups": [{**group, "layers": layers}]}
+
+
 @pytest.mark.parametrize(
     ("route", "body", "field"),
     [("/v1/register", {"manifest": _manifest_with("groups", MAX_GROUPS + 1), "regions": []},
@@ -318,11 +331,18 @@ def _manifest_with(key: str, n: int) -> dict:
       "manifest.regions"),
      ("/v1/register", {"manifest": _manifest_with("layers", MAX_LAYERS + 1), "regions": []},
       "manifest.groups[0].layers"),
+     ("/v1/register", {"manifest": _manifest_naming("model", "m" * (MODEL_MAX_LENGTH + 1)),
+                       "regions": []}, "manifest.model"),
+     ("/v1/register", {"manifest": _manifest_naming("region", "r" * (NAME_MAX_LENGTH + 1)),
+                       "regions": []}, "manifest.regions[0].name"),
+     ("/v1/register", {"manifest": _manifest_naming("layer", "l" * (NAME_MAX_LENGTH + 1)),
+                       "regions": []}, "manifest.groups[0].layers[0].name"),
      ("/v1/holds", _hold_body(block_ids=_GROUPS), "block_ids"),
      ("/v1/pulls", {"tickets": [], "block_ids": _GROUPS}, "block_ids"),
      ("/v1/store/save", {"request_id": "r", "keys": [], "block_ids": _GROUPS}, "block_ids"),
      ("/v1/store/load", {"keys": [], "block_ids": _GROUPS, "num_tokens": 0}, "block_ids")],
-    ids=["groups", "regions", "layers", "hold", "pull", "store-save", "store-load"],
+    ids=["groups", "regions", "layers", "model-name", "region-name", "layer-name", "hold", "pull",
+         "store-save", "store-load"],
 )  # fmt: skip
 @pytest.mark.parametrize("wire", ["json", "msgpack"])
 def test_a_list_past_its_bound_is_a_422_naming_it_before_the_sidecar(

@@ -15,7 +15,14 @@ from kvxferd.layout import (
     preset_names,
     validate_manifest,
 )
-from kvxferd.wire import AttentionLayer, MambaLayer, Manifest, decode_manifest, encode_manifest
+from kvxferd.wire import (
+    MODEL_MAX_LENGTH,
+    AttentionLayer,
+    MambaLayer,
+    Manifest,
+    decode_manifest,
+    encode_manifest,
+)
 
 
 def plan(name: str, **options) -> Manifest:
@@ -326,4 +333,13 @@ def test_every_planned_manifest_validates_and_round_trips(name, variant):
         assert exc.field in ("options.cross_layer", "options.attn_pack_size", "options.kv_order")
         return
     validate_manifest(m)
+    assert decode_manifest(encode_manifest(m)) == m
+
+
+def test_a_model_path_past_the_manifests_bound_is_cut_and_still_round_trips():
+    """``_name_or_path`` may be a long local path; the manifest's model is informational and
+    bounded on the wire, so the planner keeps its first MODEL_MAX_LENGTH characters."""
+    config = {**load_hf_config("llama-3.1-8b"), "_name_or_path": "/models/" + "x" * 2000}
+    m = plan_manifest(config, PlanOptions(num_blocks=4))
+    assert m.model == config["_name_or_path"][:MODEL_MAX_LENGTH]
     assert decode_manifest(encode_manifest(m)) == m
