@@ -30,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "'kvxferd sim ready url=http://HOST:PORT role=ROLE tp=N model=NAME' when ready.",
         epilog="The peer secret comes from KVXFERD_PEER_TOKEN (random if unset; prefill and "
         "decode sims that talk to each other need the same one; attached sidecars have their "
-        "own). Bundled configs: " + ", ".join(preset_names()),
+        "own). A prefill that knows its sidecars' secret mints its tickets with it, as the "
+        "vLLM connector does, and places its holds after answering. Bundled configs: "
+        + ", ".join(preset_names()),
     )
     p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"],
                    help="prefill: hold KV for a decode; decode: pull it; colocated: no "

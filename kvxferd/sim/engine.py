@@ -117,6 +117,8 @@ class _Held:
     hold_ids: list[str] = field(default_factory=list)
     """Each rank's hold id (the tickets' ``hold_id``, rank order)."""
     reasons: set[str] = field(default_factory=set)
+    placing: bool = False
+    """Minted here, its holds still being placed (an abort now refuses the placement)."""
 
 
 @dataclass
@@ -242,7 +244,8 @@ class SimEngine:
             self.blocks.free(flat)
             raise
         hold_ids = [t.hold_id for t in tickets]
-        self._held[prompt.request_id] = _Held(flat, set(range(len(self.clients))), hold_ids)
+        self._held[prompt.request_id] = _Held(flat, set(range(len(self.clients))), hold_ids,
+                                              placing=minted)  # fmt: skip
         self._wake.set()
         if minted:
             task = asyncio.create_task(self._place(prompt.request_id, ids, n, tickets),
@@ -353,6 +356,8 @@ class SimEngine:
                 await self.clients[rank].abort(held.hold_ids[rank])
                 aborted += 1
             except (UnknownHoldError, HoldExpiredError):
+                if held.placing:  # given up before its placement, which is refused now
+                    aborted += 1
                 continue  # released meanwhile (read, expired, declined): the feed says so
             except (KvxferdError, httpx.HTTPError) as exc:
                 log.warning("rank %d: giving up hold %s failed: %s", rank, held.hold_ids[rank],
@@ -515,6 +520,9 @@ class SimEngine:
                             generation=t.generation) for t in tickets]  # fmt: skip
         calls = (c.hold(r) for c, r in zip(self.clients, reqs, strict=True))
         results = await asyncio.gather(*calls, return_exceptions=True)
+        held = self._held.get(request_id)
+        if held is not None and held.hold_ids == [t.hold_id for t in tickets]:
+            held.placing = False
         failed = [(r, e) for r, e in enumerate(results) if isinstance(e, BaseException)]
         if not failed:
             return
