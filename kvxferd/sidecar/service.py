@@ -24,6 +24,7 @@ from kvxferd.config import Config
 from kvxferd.errors import (
     AlreadyRegisteredError,
     FabricNotReadyError,
+    IncompatiblePeerError,
     MemoryInUseError,
     NotRegisteredError,
     RegisterInProgressError,
@@ -34,6 +35,7 @@ from kvxferd.layout import validate_manifest
 from kvxferd.memory import check_sources, first_shrunk
 from kvxferd.metrics import Metrics
 from kvxferd.sidecar.fabric import Fabric
+from kvxferd.sidecar.handshake import mismatch, our_handshake
 from kvxferd.sidecar.holds import REAP_SLICE, DeclineOutcome, HoldTable
 from kvxferd.sidecar.keepalive import decline_at_peers, keep_alive
 from kvxferd.sidecar.notifs import NotificationPoller
@@ -46,10 +48,9 @@ from kvxferd.sidecar.reads import QUARANTINE_S
 from kvxferd.sidecar.signing import PeerKeys
 from kvxferd.sidecar.sources import close_sources, host_views, map_sources, release_sources
 from kvxferd.sidecar.tickets import check_addressed, sign_ticket, verify_ticket, verify_tickets
-from kvxferd.transport import Agent, ucxenv
+from kvxferd.transport import Agent
 from kvxferd.wire import (
     ENGINE_API_VERSION,
-    PROTOCOL_VERSION,
     AbortHoldRequest,
     ClaimRequest,
     ClaimResponse,
@@ -394,20 +395,10 @@ class Sidecar:
 
     async def accept_handshake(self, theirs: Handshake) -> Handshake:
         """Answer a reader's handshake with ours (after checking compatibility)."""
-        self._require_engine()
-        if theirs.protocol_version != PROTOCOL_VERSION:
-            self.metrics.handshakes.labels("incompatible").inc()
-            from kvxferd.errors import IncompatiblePeerError
-
-            raise IncompatiblePeerError(
-                {"protocol_version": (PROTOCOL_VERSION, theirs.protocol_version)}
-            )
-        diff = {**self._compare(theirs.manifest), **ucxenv.segment_diff(
-            self.agent.tcp_segments[0], theirs.tcp_rx_seg_bytes, local="target")}  # fmt: skip
+        _, manifest = self._require_engine()
+        diff = mismatch(manifest, theirs, self.agent.tcp_segments[0])
         if diff:
             self.metrics.handshakes.labels("incompatible").inc()
-            from kvxferd.errors import IncompatiblePeerError
-
             raise IncompatiblePeerError(diff)
         self.metrics.handshakes.labels("accepted").inc()
         return self._local_handshake()
@@ -552,18 +543,8 @@ class Sidecar:
 
     def _local_handshake(self) -> Handshake:
         _, manifest = self._require_engine()
-        return Handshake(
-            protocol_version=PROTOCOL_VERSION,
-            engine_id=self.engine_id,
-            epoch=self.epoch,
-            agent_name=self.agent.name,
-            agent_metadata=self.agent.get_agent_metadata(),
-            manifest=manifest,
-            region_bases=self._bases,
-            frames_port=self.frames_port,
-            tcp_tx_seg_bytes=self.agent.tcp_segments[0],
-            tcp_rx_seg_bytes=self.agent.tcp_segments[1],
-        )
+        return our_handshake(self.agent, manifest, self._bases, engine_id=self.engine_id,
+                             epoch=self.epoch, frames_port=self.frames_port)  # fmt: skip
 
     def _compare(self, remote: Manifest) -> dict[str, tuple[object, object]]:
         _, manifest = self._require_engine()

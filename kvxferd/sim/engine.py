@@ -520,8 +520,9 @@ class SimEngine:
                             generation=t.generation) for t in tickets]  # fmt: skip
         calls = (c.hold(r) for c, r in zip(self.clients, reqs, strict=True))
         results = await asyncio.gather(*calls, return_exceptions=True)
+        hold_ids = [t.hold_id for t in tickets]
         held = self._held.get(request_id)
-        if held is not None and held.hold_ids == [t.hold_id for t in tickets]:
+        if held is not None and held.hold_ids == hold_ids:
             held.placing = False
         failed = [(r, e) for r, e in enumerate(results) if isinstance(e, BaseException)]
         if not failed:
@@ -536,9 +537,9 @@ class SimEngine:
                         "it up on every rank", request_id, *failed[0])  # fmt: skip
         for c in self.clients:  # also where it was not placed: a later hold call is refused
             with contextlib.suppress(KvxferdError, httpx.HTTPError):
-                await c.abort(tickets[0].hold_id)
-        held = self._held.get(request_id)
-        if held is None or held.hold_ids != [t.hold_id for t in tickets]:
+                await c.abort(hold_ids[0])
+        held = self._held.get(request_id)  # again: the aborts awaited
+        if held is None or held.hold_ids != hold_ids:
             return  # released already (every rank that placed it)
         held.pending &= {r for r, t in enumerate(results) if isinstance(t, Ticket)}
         if not held.pending:

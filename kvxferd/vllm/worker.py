@@ -57,6 +57,7 @@ READ the memory (or a READ write it) for the sidecar's longest claim, or the lon
 READ stays quarantined if that is longer, plus this."""
 _WAITING_LOG_S = 30.0  # at most one line this often for a state asked every step (_tell)
 _REGISTER_WAIT_S = 30.0  # longest a register waits for another one the sidecar still sets up
+_REGISTER_PAUSES_S = (0.05, 1.0)  # first and longest pause between those tries (doubling)
 
 
 @dataclass
@@ -127,7 +128,7 @@ class WorkerSide:
         registered, so each try reads the identity and decides afresh."""
         self._registration = (kv_caches, kv_cache_config, total_heads)
         manifest, source = self._describe(kv_caches, kv_cache_config, total_heads)
-        deadline, pause = time.monotonic() + _REGISTER_WAIT_S, 0.05
+        deadline, pause = time.monotonic() + _REGISTER_WAIT_S, _REGISTER_PAUSES_S[0]
         took: bool | None = None  # whether this call took the engine lock (None: not tried)
         while True:
             ident = self.client.identity()
@@ -155,12 +156,12 @@ class WorkerSide:
                         f"progress after {_REGISTER_WAIT_S:g} s (is the sidecar hung? restart "
                         "it, then this engine)"
                     ) from exc
-                if pause == 0.05:  # its first refusal
+                if pause == _REGISTER_PAUSES_S[0]:  # its first refusal
                     log.info("sidecar at %s: another engine's register is in progress; "
                              "trying again for up to %g s", self.socket_path,
                              _REGISTER_WAIT_S)  # fmt: skip
                 time.sleep(min(pause, left))  # a retry's backoff
-                pause = min(2 * pause, 1.0)
+                pause = min(2 * pause, _REGISTER_PAUSES_S[1])
         self._given_up_to = None
         self.manifest = manifest
         self.generation, self.epoch = resp.generation, resp.epoch

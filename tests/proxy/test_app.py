@@ -5,83 +5,18 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
-import httpx
 import openai
 import pytest
-from fastapi import FastAPI
 
-from kvxferd.proxy import ProxySettings, proxy_app
-from kvxferd.proxy import app as proxy_app_module
 from kvxferd.proxy.app import KV_TRANSFER_STUB
 from tests.proxy.fakes import (
-    FakeBackend,
-    HeadWatch,
-    Seen,
-    Served,
-    UnopenedDecode,
-    fake_app,
     free_port,
-    serve_app,
     sse_events,
 )
+from tests.proxy.rig import CLIENT_TIMEOUT_S, Rig, completion, release_bodies, wait_release
 from tests.sidecar.harness import wait_until
-
-CLIENT_TIMEOUT_S = 30.0
-
-
-@dataclass
-class Rig:
-    """Fake prefills and decodes behind a proxy."""
-
-    prefills: list[FakeBackend]
-    decodes: list[FakeBackend]
-    proxy: Served
-    backends: list[Served]
-    app: FastAPI
-    transport: Any = None
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.proxy.url, timeout=CLIENT_TIMEOUT_S)
-
-
-@pytest.fixture
-def make_rig() -> Iterator[Callable[..., Rig]]:
-    started: list[Served] = []
-
-    def make(
-        n_prefill: int = 1,
-        n_decode: int = 1,
-        timeout_s: float = 10.0,
-        extra_prefill: str = "",
-        transport: Callable[[int, int], Any] | None = None,
-        **options: Any,
-    ) -> Rig:
-        prefills = [FakeBackend(f"P{i}", "prefill") for i in range(n_prefill)]
-        decodes = [FakeBackend(f"D{i}", "decode") for i in range(n_decode)]
-        backends = [serve_app(fake_app(f)) for f in prefills + decodes]
-        started.extend(backends)
-        p_urls = [b.url for b in backends[:n_prefill]] + ([extra_prefill] if extra_prefill else [])
-        d_urls = [b.url for b in backends[n_prefill:]]
-        settings = ProxySettings(tuple(p_urls), tuple(d_urls), timeout_s, **options)
-        made = transport(backends[0].port, backends[n_prefill].port) if transport else None
-        app = proxy_app(settings, made)
-        proxy = serve_app(app)
-        started.append(proxy)
-        return Rig(prefills, decodes, proxy, backends, app, made)
-
-    yield make
-    for served in started:
-        served.server.should_exit = True
-    for served in started:
-        served.stop()
-
-
-def completion(prompt: str = "hello world", **extra: object) -> dict[str, object]:
-    return {"model": "m", "prompt": prompt, "max_tokens": 16, **extra}
 
 
 def test_prefill_gets_one_token_no_stream_and_the_stub(make_rig: Callable[..., Rig]) -> None:
@@ -363,7 +298,7 @@ def test_a_decode_answer_past_the_limit_is_a_502_and_frees_the_prefill(make_rig)
         assert rig.backends[1].url in message and f"answer over {LIMIT} bytes" in message
         rig.decodes[0].pad_bytes = 0
         assert c.post("/v1/completions", json=completion()).status_code == 200
-    _wait_release(rig)
+    wait_release(rig)
 
 
 def test_health_needs_one_prefill_and_one_decode(make_rig: Callable[..., Rig]) -> None:
@@ -423,14 +358,6 @@ def test_stub_is_vllms_shape() -> None:
 SHORT_S = 0.3  # every per-phase bound of the proxy in these tests
 
 
-def _released(fake: FakeBackend) -> list[dict[str, object]]:
-    return [s.body for s in fake.seen if s.path == "/v1/kv/release"]
-
-
-def _prefilled(fake: FakeBackend) -> list[Seen]:
-    return [s for s in fake.seen if s.path == "/v1/completions"]
-
-
 def test_a_slow_but_alive_stream_longer_than_every_bound_is_relayed_whole(make_rig) -> None:
     rig = make_rig(timeout_s=SHORT_S, generation_s=SHORT_S)
     rig.decodes[0].delay_s = SHORT_S / 3  # 6 events: twice the bound in all, never silent long
@@ -439,7 +366,7 @@ def test_a_slow_but_alive_stream_longer_than_every_bound_is_relayed_whole(make_r
     expected = sse_events("D0", "D0 decoded from P0", chat=False)
     assert len(expected) * rig.decodes[0].delay_s > SHORT_S
     assert got == b"".join(expected)
-    assert _released(rig.prefills[0]) == []
+    assert release_bodies(rig.prefills[0]) == []
 
 
 def test_a_long_non_streaming_generation_is_bound_by_the_generation_timeout(make_rig) -> None:
@@ -465,7 +392,7 @@ def test_a_generation_past_its_bound_is_a_502_naming_the_decode_and_frees_the_pr
     message = resp.json()["error"]["message"]
     assert rig.backends[1].url in message and "decode" in message
     assert f"no first byte within {SHORT_S:g} s" in message
-    _wait_release(rig)
+    wait_release(rig)
 
 
 def test_a_stream_silent_past_the_idle_bound_ends_with_an_error_event(make_rig) -> None:
@@ -491,7 +418,7 @@ def test_a_refused_decode_connection_is_still_a_502_naming_it(make_rig) -> None:
     assert resp.status_code == 502
     message = resp.json()["error"]["message"]
     assert rig.backends[1].url in message and "ConnectError" in message
-    _wait_release(rig)
+    wait_release(rig)
 
 
 def test_a_client_that_hangs_up_is_not_served_by_the_decode_any_longer(make_rig) -> None:
@@ -512,164 +439,4 @@ def test_a_client_that_hangs_up_is_not_served_by_the_decode_any_longer(make_rig)
         fake.hang.set()
     assert fake.left == ["/v1/completions"]
     rig.proxy.stop()  # its shutdown waits for the releases it started
-    assert _released(rig.prefills[0]) == []  # the decode had the request: the hold is its own
-
-
-# ------------------------------------------------------------------------------ release
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_refused_decode_makes_the_proxy_release_the_prefill(make_rig, stream: bool) -> None:
-    rig = make_rig()
-    rig.decodes[0].fail_status = 400
-    with rig.client() as c:
-        resp = c.post(
-            "/v1/completions", json=completion(stream=stream), headers={"X-Request-Id": "r9"}
-        )
-    assert resp.status_code == 400
-    [body] = _wait_release(rig)
-    [decoded] = rig.decodes[0].seen
-    assert body == {"kv_transfer_params": decoded.body["kv_transfer_params"]}
-    assert [s.headers["x-request-id"] for s in rig.prefills[0].seen] == ["r9", "r9"]
-
-
-def test_a_client_gone_before_the_decode_had_the_request_makes_the_proxy_release(
-    make_rig,
-) -> None:
-    """Nobody will claim the hold then, and the prefill would pin it until its lease ended."""
-    rig = make_rig(timeout_s=120.0, transport=lambda p, d: UnopenedDecode(d))  # far past waits
-    _hang_up_when(rig, rig.transport.connecting.is_set, "the decode's connection opening")
-    _assert_released_what_the_prefill_answered(rig)
-    assert rig.decodes[0].seen == []
-
-
-def test_a_client_gone_while_a_kept_decode_connection_is_replaced_makes_the_proxy_release(
-    make_rig,
-) -> None:
-    """A kept connection whose write failed never carried the request: until its replacement
-    opens, the decode cannot have it, so the client leaving then leaves the hold to nobody."""
-
-    def transport(prefill: int, decode: int) -> UnopenedDecode:
-        return UnopenedDecode(decode, opens=1, break_kept=True)
-
-    rig = make_rig(timeout_s=120.0, transport=transport)
-    with rig.client() as c:  # leaves a kept connection to the decode
-        assert c.post("/v1/completions", json=completion()).status_code == 200
-    _hang_up_when(rig, rig.transport.connecting.is_set, "the decode's connection reopening")
-    assert rig.transport.broken == 1  # the kept connection's write failed
-    _assert_released_what_the_prefill_answered(rig)
-    assert len(rig.decodes[0].seen) == 1  # the first request only
-
-
-def test_a_client_gone_while_the_prefill_answer_comes_makes_the_proxy_release(make_rig) -> None:
-    """The prefill holds KV once it answers, but the tickets come in the answer's body: the
-    proxy reads it to its end (within its bounds) after the client left, then releases."""
-    rig = make_rig(timeout_s=120.0, transport=lambda p, d: HeadWatch(p))
-    rig.prefills[0].cut_body = cut = threading.Event()
-    try:
-        _hang_up_when(rig, rig.transport.headed.is_set, "the prefill's answer head")
-        wait_until(lambda: rig.app.state.clients.busy() == 0, 30.0, "the proxy seeing it gone")
-    finally:
-        cut.set()
-    _assert_released_what_the_prefill_answered(rig)
-    assert rig.decodes[0].seen == []
-
-
-def test_a_client_gone_before_the_prefill_answered_makes_the_proxy_release(make_rig) -> None:
-    """The prefill finishes a request whose caller left and holds KV for it, but only its answer
-    names that KV: the proxy waits for the answer (within its bounds) after the client left,
-    then releases exactly what it names."""
-    rig = make_rig(timeout_s=120.0)  # far past the waits below
-    prefill = rig.prefills[0]
-    prefill.hold = threading.Event()
-    try:
-        _hang_up_when(rig, lambda: prefill.seen, "the prefill has the request")
-        wait_until(lambda: rig.app.state.clients.busy() == 0, 30.0, "the proxy seeing it gone")
-    finally:
-        prefill.hold.set()
-    [released] = _wait_release(rig)
-    assert released == {"kv_transfer_params": prefill.answered[0]}
-    assert prefill.left == []  # the proxy kept the connection open for the answer
-    assert rig.decodes[0].seen == []
-
-
-@pytest.mark.parametrize("why", ["release_on_failure off", "background full"])
-def test_a_client_gone_before_the_prefill_answered_ends_the_call_when_it_may_not_release(
-    make_rig, monkeypatch, why: str
-) -> None:
-    """With release_on_failure off, or already BACKGROUND_CAP releases under way, the proxy hangs
-    up on the prefill at once and releases nothing; the hold the prefill makes anyway is left to
-    its lease."""
-    if why == "background full":
-        monkeypatch.setattr(proxy_app_module, "BACKGROUND_CAP", 0)
-    rig = make_rig(timeout_s=120.0, release_on_failure=why != "release_on_failure off")
-    prefill = rig.prefills[0]
-    prefill.hold = threading.Event()
-    try:
-        _hang_up_when(rig, lambda: prefill.seen, "the prefill has the request")
-        wait_until(lambda: prefill.left, 30.0, "the proxy hangs up on the prefill")
-    finally:
-        prefill.hold.set()
-    wait_until(lambda: prefill.answered, 30.0, "the prefill answering nobody")
-    rig.proxy.stop()  # its shutdown waits for the releases it started
-    assert _released(prefill) == []
-    assert rig.decodes[0].seen == []
-
-
-def test_a_prefill_without_the_release_route_has_a_gone_clients_call_ended(make_rig) -> None:
-    """vLLM has no release route (404) but aborts a request whose caller hangs up: once the proxy
-    has had that 404 from a prefill, it hangs up on that prefill as soon as a client goes."""
-    rig = make_rig(timeout_s=120.0)
-    prefill = rig.prefills[0]
-    prefill.release_status = 404
-    rig.decodes[0].fail_status = 400
-    with rig.client() as c:
-        assert c.post("/v1/completions", json=completion()).status_code == 400
-    _wait_release(rig)
-    wait_until(lambda: not rig.app.state.background, 30.0, "the proxy reading the 404")
-    prefill.hold = threading.Event()
-    try:
-        _hang_up_when(rig, lambda: len(_prefilled(prefill)) == 2, "the prefill has the request")
-        wait_until(lambda: prefill.left, 30.0, "the proxy hangs up on the prefill")
-    finally:
-        prefill.hold.set()
-    rig.proxy.stop()  # its shutdown waits for the releases it started
-    assert len(_released(prefill)) == 1  # after the decode's refusal only
-
-
-def test_a_client_gone_before_the_prefill_had_the_request_ends_the_call(make_rig) -> None:
-    """While the prefill's connection is still opening, no byte of the request went out: nothing
-    is held, so the proxy gives the call up rather than make the prefill compute for nobody."""
-    rig = make_rig(timeout_s=120.0, transport=lambda p, d: UnopenedDecode(p))
-    _hang_up_when(rig, rig.transport.connecting.is_set, "the prefill's connection opening")
-    wait_until(rig.transport.abandoned.is_set, 30.0, "the proxy giving the connection up")
-    rig.proxy.stop()
-    assert rig.prefills[0].seen == []
-
-
-def _hang_up_when(rig: Rig, until: Callable[[], object], what: str) -> None:
-    """Send a completion over a raw socket and close it once ``until()`` holds (bounded)."""
-    body = json.dumps(completion()).encode()
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
-    with socket.create_connection(("127.0.0.1", rig.proxy.port), timeout=30) as sock:
-        sock.sendall(head + body)
-        wait_until(until, 30.0, what)
-
-
-def _assert_released_what_the_prefill_answered(rig: Rig) -> None:
-    [released] = _wait_release(rig)
-    prefilled = _prefilled(rig.prefills[0])[-1]
-    assert released["kv_transfer_params"]["remote_engine_id"] == "P0"  # what the prefill answered
-    assert released["kv_transfer_params"]["remote_request_id"] == prefilled.headers["x-request-id"]
-
-
-def test_a_served_decode_releases_nothing(make_rig) -> None:
-    rig = make_rig()
-    with rig.client() as c:
-        assert c.post("/v1/completions", json=completion()).status_code == 200
-    assert _released(rig.prefills[0]) == []
-
-
-def _wait_release(rig: Rig) -> list[dict[str, object]]:
-    wait_until(lambda: _released(rig.prefills[0]), 30.0, "the release call to the prefill")
-    return _released(rig.prefills[0])
+    assert release_bodies(rig.prefills[0]) == []  # the decode had the request: the hold is its own
