@@ -12,7 +12,8 @@ for a non-streaming decode whose first byte is its whole answer, the generation 
 
 When the decode call fails or is refused, the prefill is told (``POST /v1/kv/release`` with the
 ``kv_transfer_params`` it returned, best effort, in the background) so it frees the blocks it
-holds for that decode now, not at lease expiry; a server without that route just answers 404.
+holds for that decode now, not at lease expiry; a server without that route just answers 404,
+and is not asked again.
 So is it when the client goes away after the prefill answered but before a byte of the decode
 request went out (the decode's connection still opening, or a kept one that failed its write
 being replaced), or once the prefill may have the request but before its answer has all come
@@ -299,8 +300,9 @@ def proxy_app(
             )
 
         def release_hold() -> None:
-            """The decode will not read what the prefill holds: tell the prefill."""
-            if settings.release_on_failure:
+            """The decode will not read what the prefill holds: tell the prefill (not one that
+            answered a release 404 before: it has no such route, its holds end on its own)."""
+            if settings.release_on_failure and prefill.url not in no_release:
                 in_background(release(client, prefill, params, headers))
 
         decode = decodes.next()

@@ -148,6 +148,23 @@ def test_a_prefill_without_the_release_route_has_a_gone_clients_call_ended(make_
     assert len(release_bodies(prefill)) == 1  # after the decode's refusal only
 
 
+def test_a_prefill_that_answered_a_release_404_is_not_asked_again(make_rig) -> None:
+    """A 404 says the prefill has no release route (vLLM): its holds end on its own, so a later
+    refused decode sends it nothing more."""
+    rig = make_rig()
+    prefill = rig.prefills[0]
+    prefill.release_status = 404
+    rig.decodes[0].fail_status = 400
+    with rig.client() as c:
+        assert c.post("/v1/completions", json=completion()).status_code == 400
+        wait_release(rig)
+        wait_until(lambda: not rig.app.state.background, 30.0, "the proxy reading the 404")
+        assert c.post("/v1/completions", json=completion()).status_code == 400
+    rig.proxy.stop()  # its shutdown waits for any release it started
+    assert len(prefill_requests(prefill)) == 2  # both requests were prefilled
+    assert len(release_bodies(prefill)) == 1  # the first refusal's release only
+
+
 def test_a_client_gone_before_the_prefill_had_the_request_ends_the_call(make_rig) -> None:
     """While the prefill's connection is still opening, no byte of the request went out: nothing
     is held, so the proxy gives the call up rather than make the prefill compute for nobody."""
