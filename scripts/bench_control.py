@@ -35,7 +35,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 from benchlib import control_load as load  # noqa: E402
 from benchlib import control_probe as probe  # noqa: E402
 from benchlib import control_report, report  # noqa: E402
-from benchlib.control_profile import profile  # noqa: E402
+from benchlib.control_profile import cpu_by_mode, profile  # noqa: E402
 from benchlib.tiny import TINY_MODEL, write_tiny_config  # noqa: E402
 
 import kvxferd  # noqa: E402
@@ -196,6 +196,8 @@ def run(args: argparse.Namespace, levels: list[int], model_dir: str, settings: d
         )
         prof["cpu_cores"] = cpu.read()
         pd_requests += 2 * (args.profile + 1)
+        prof["cpu_ms_by_mode"] = asyncio.run(cpu_by_mode(ep, wl, 3 * args.profile, cpu))
+        pd_requests += 3 * args.profile + 1
         result["profile"] = prof
         counters = check_pulls(before, probe.stats(ep.decode), pd_requests, failed)
         result["decode_counters"] = counters

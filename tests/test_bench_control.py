@@ -94,6 +94,21 @@ def test_profile_breaks_down_one_request(quick):
         assert _positive(phases["total"]) and _positive(phases["claim"])
 
 
+def test_profile_says_which_process_the_pd_path_costs_cpu_in(quick):
+    """Through the proxy every process works; computed locally only the client and the decode
+    sim do (a sidecar's idle pollers may tick once)."""
+    by_mode = quick[0]["profile"]["cpu_ms_by_mode"]
+    assert set(by_mode) == {"proxy", "local", "added"}
+    roles = {"client", "prefill sim", "prefill sidecar", "decode sim", "decode sidecar", "proxy"}
+    assert roles | {"all"} <= set(by_mode["proxy"])
+    assert by_mode["proxy"]["all"] > by_mode["local"]["all"] > 0
+    for role in roles:
+        assert by_mode["added"][role] == pytest.approx(
+            by_mode["proxy"][role] - by_mode["local"][role], abs=1e-3
+        )
+    assert "CPU ms per request at concurrency 1" in quick[1]
+
+
 def test_prints_the_tables_and_draws_the_plot(quick):
     _, stdout, png = quick
     assert "P/D+" in stdout and "where one request's time goes" in stdout

@@ -143,3 +143,26 @@ async def profile(
         "prefill_sidecar_peer": prefill.peer if prefill else None,
         "notes": NOTES,
     }
+
+
+async def cpu_by_mode(ep: load.Endpoints, wl: load.Workload, n: int, meter: probe.CpuMeter) -> dict:
+    """CPU ms per request of each process, ``n`` sequential requests through the proxy and
+    ``n`` computed locally (after one untimed each), and what the P/D path adds per process.
+
+    At concurrency 1 one request's latency is mostly the CPU of the processes it passes
+    through one after another, so this says where a P/D millisecond can come from.
+    /proc counts in clock ticks (10 ms): a process's figure is good to about 10 ms / ``n``.
+    """
+    out: dict[str, dict[str, float]] = {}
+    async with load.new_client() as client:
+        for mode in ("proxy", "local"):
+            await load.one(client, mode, ep, wl, 0)
+            meter.restart()
+            for i in range(n):
+                await load.one(client, mode, ep, wl, i)
+            cpu_s = meter.read()["cpu_s"]
+            out[mode] = {role: round(s * 1e3 / n, 3) for role, s in cpu_s.items()}
+    out["added"] = {r: round(out["proxy"][r] - out["local"][r], 3) for r in out["proxy"]}
+    for row in out.values():
+        row["all"] = round(sum(v for k, v in row.items() if k != "all"), 3)
+    return out

@@ -46,6 +46,14 @@ def profile_table(result: dict) -> str:
     out += [f"  {k:<{width}} {_f(v)}" for k, v in rows]
     if p["pull_sidecar_mean_ms"] is None:
         out.append("  (decode sidecar /metrics not reachable: no per-phase pull times)")
+    by_mode = p.get("cpu_ms_by_mode")
+    if by_mode:
+        roles = list(by_mode["proxy"])
+        width = max(len(r) for r in roles)
+        out.append("\nCPU ms per request at concurrency 1, by process (sequential, /proc):")
+        out.append(f"  {'':<{width}} {'proxy':>7} {'local':>7} {'added':>7}")
+        out += [f"  {r:<{width}} {by_mode['proxy'][r]:7.3f} {by_mode['local'][r]:7.3f} "
+                f"{by_mode['added'][r]:7.3f}" for r in roles]  # fmt: skip
     return "\n".join(out)
 
 
