@@ -42,6 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
+from kvxferd.api.direct import DirectApp
 from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
 from kvxferd.lanes import ssl_context
 from kvxferd.proxy.clients import SLOTS, ClientSlots
@@ -143,7 +144,7 @@ def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
 
 def proxy_app(
     settings: ProxySettings, transport: httpx.AsyncBaseTransport | None = None
-) -> FastAPI:
+) -> DirectApp:
     """Build the app; ``transport`` replaces the network (e.g. an httpx.MockTransport)."""
     prefills = RoundRobin("prefill", settings.prefill)
     decodes = RoundRobin("decode", settings.decode)
@@ -250,7 +251,7 @@ def proxy_app(
             for client in slots.made():
                 await client.aclose()
 
-    app = FastAPI(title="kvxferd proxy", lifespan=lifespan)
+    app = DirectApp(title="kvxferd proxy", lifespan=lifespan)
 
     async def relay(request: Request, path: str, chat: bool) -> Response:
         await request.body()  # read (and kept) first: from here on _unless_gone owns receive
@@ -340,11 +341,11 @@ def proxy_app(
             headers={"X-Request-Id": request_id},
         )
 
-    @app.post("/v1/completions")
+    @app.post_direct("/v1/completions")  # the P/D path: no FastAPI stack (kvxferd.api.direct)
     async def completions(request: Request) -> Response:
         return await relay(request, "/v1/completions", chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post_direct("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await relay(request, "/v1/chat/completions", chat=True)
 

@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvxferd.api.direct import DirectApp
 from kvxferd.errors import InvalidRequestError, KvxferdError, PullError, status_of
 from kvxferd.proxy.app import RELEASE_PATH
 from kvxferd.sim.engine import Prompt, SimEngine
@@ -35,9 +36,9 @@ _SUFFIX = "-" + "0" * 8
 """A stand-in for what our request id adds to the client's: ``-`` and 8 hex digits (``_serve``)."""
 
 
-def sim_app(engine: SimEngine, served_model: str) -> FastAPI:
+def sim_app(engine: SimEngine, served_model: str) -> DirectApp:
     """The app of one simulated engine serving ``served_model``."""
-    app = FastAPI(title="kvxferd sim", docs_url=None, redoc_url=None)
+    app = DirectApp(title="kvxferd sim", docs_url=None, redoc_url=None)
     role = engine.settings.role
 
     @app.get("/health")
@@ -57,11 +58,11 @@ def sim_app(engine: SimEngine, served_model: str) -> FastAPI:
     async def stats() -> Response:
         return JSONResponse(engine.snapshot())
 
-    @app.post("/v1/completions")
+    @app.post_direct("/v1/completions")  # no FastAPI stack (kvxferd.api.direct)
     async def completions(request: Request) -> Response:
         return await _serve(engine, served_model, request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post_direct("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await _serve(engine, served_model, request, "chat")
 
