@@ -55,7 +55,7 @@ from kvxferd.proxy.failures import (
     unreachable,
 )
 from kvxferd.proxy.routing import Backend, RoundRobin
-from kvxferd.proxy.transport import UNSENT, KeptTransport
+from kvxferd.proxy.transport import UNSENT, KeptBody, KeptTransport
 
 log = logging.getLogger(__name__)
 
@@ -453,6 +453,13 @@ async def _send(
 async def _read(resp: httpx.Response, idle: float, limit: int) -> bytes:
     """The whole (decoded) body of a streamed response, at most ``idle`` s between chunks;
     AnswerTooLarge past ``limit`` bytes."""
+    encoded = resp.headers.get("content-encoding", "identity") not in ("identity", "")
+    if isinstance(resp.stream, KeptBody) and not encoded:  # nothing to decode: bytes as they came
+        whole = resp.stream.arrived()  # None unless the whole body came with the head
+        if whole is not None:
+            if len(whole) > limit:
+                raise AnswerTooLarge(limit)
+            return whole
     chunks, size = [], 0
     async for chunk in _chunks(resp, idle):
         size += len(chunk)

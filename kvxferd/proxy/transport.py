@@ -255,7 +255,7 @@ class KeptTransport(httpx.AsyncBaseTransport):
         return httpx.Response(
             answer.status,
             headers=answer.headers,
-            stream=_Body(self, origin, conn, answer, request),
+            stream=KeptBody(self, origin, conn, answer, request),
             extensions={"http_version": b"HTTP/1.1", "reason_phrase": answer.reason},
         )
 
@@ -271,7 +271,7 @@ class KeptTransport(httpx.AsyncBaseTransport):
                     await conn.writer.wait_closed()
 
 
-class _Body(httpx.AsyncByteStream):
+class KeptBody(httpx.AsyncByteStream):
     """An answer's body as it arrives; its connection is kept once the body ended cleanly."""
 
     def __init__(
@@ -280,9 +280,10 @@ class _Body(httpx.AsyncByteStream):
     ) -> None:  # fmt: skip
         self._transport, self._origin, self._conn = transport, origin, conn
         self._answer, self._request = answer, request
-        self._finished = self._closed = False
+        self._finished = self._closed = self._iterated = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        self._iterated = True
         answer, reader = self._answer, self._conn.reader
         try:
             while True:
@@ -301,6 +302,16 @@ class _Body(httpx.AsyncByteStream):
                 answer.feed(data, self._request)
         except OSError as exc:
             raise httpx.ReadError(str(exc) or type(exc).__name__, request=self._request) from exc
+
+    def arrived(self) -> bytes | None:
+        """The whole body if it has all arrived with the head (a small answer usually does) and
+        nothing of it was taken yet, else None: then read it by iterating. Skips httpx's layers
+        of async generators, a few dozen microseconds a call (issue 11)."""
+        answer = self._answer
+        if self._iterated or self._finished or self._closed or not answer.done:
+            return None
+        self._finished = True
+        return answer.take()
 
     async def aclose(self) -> None:
         if self._closed:

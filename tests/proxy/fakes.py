@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import os
 import queue
@@ -76,6 +77,8 @@ class FakeBackend:
     encoder would never write: NaN, a lone surrogate, deep nesting)."""
     pad_bytes: int = 0
     """A JSON completion answer carries a ``pad`` field this many bytes long."""
+    gzip: bool = False
+    """A JSON completion answer goes gzip-compressed (``Content-Encoding: gzip``), asked or not."""
     cut_body: threading.Event | None = None
     """A prefill's answer goes out in two parts: its head and the body's first byte, then (once
     this event is set) the rest, kv_transfer_params included."""
@@ -133,6 +136,9 @@ def fake_app(fake: FakeBackend) -> FastAPI:
             answer = Response(raw + b"}", media_type="application/json")
         if fake.set_cookie:
             answer.headers["set-cookie"] = fake.set_cookie
+        if fake.gzip:
+            answer = Response(gzip.compress(answer.body), media_type="application/json",
+                              headers={"content-encoding": "gzip"})  # fmt: skip
         if fake.cut_body is not None:
             return StreamingResponse(_cut(answer.body, fake.cut_body), media_type=answer.media_type)
         return answer

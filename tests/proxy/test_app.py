@@ -274,6 +274,20 @@ def test_prefill_params_with_a_lone_surrogate_reach_the_decode_escaped(make_rig)
     assert params == {"remote_engine_id": "P0", "note": "\udc00"}
 
 
+def test_compressed_answers_are_read_decoded(make_rig) -> None:
+    """A backend may gzip its answers unasked: the prefill's params are read from the decoded
+    bytes, and the decode's answer reaches the client decoded (the proxy passes on only its
+    content type)."""
+    rig = make_rig()
+    rig.prefills[0].gzip = rig.decodes[0].gzip = True
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion())
+    assert resp.status_code == 200, resp.text
+    assert "content-encoding" not in resp.headers
+    assert resp.json()["choices"][0]["text"] == "D0 decoded from P0"
+    assert rig.decodes[0].seen[0].body["kv_transfer_params"]["remote_engine_id"] == "P0"
+
+
 LIMIT = 4096  # bytes of a backend answer the proxy reads whole, in these tests
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import ssl
 import threading
@@ -19,8 +20,11 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from kvxferd.proxy.transport import MAX_HEAD, UNSENT, KeptTransport
+from kvxferd.proxy.transport import MAX_HEAD, UNSENT, KeptBody, KeptTransport
 from tests.proxy.fakes import free_port, serve_app
+
+GATE = threading.Event()
+"""Holds back the last part of /gated until a test sets it."""
 
 
 def _app() -> FastAPI:
@@ -31,6 +35,15 @@ def _app() -> FastAPI:
         client = request.client
         return {"body": (await request.body()).decode(), "port": client.port if client else 0,
                 "id": request.headers.get("x-request-id")}  # fmt: skip
+
+    @app.get("/gated")
+    async def gated() -> StreamingResponse:
+        async def parts():
+            yield b"first part;"
+            await asyncio.to_thread(GATE.wait, 30)
+            yield b"last part"
+
+        return StreamingResponse(parts(), media_type="text/plain")
 
     @app.get("/stream")
     async def stream() -> StreamingResponse:
@@ -84,6 +97,51 @@ def test_a_streamed_answer_comes_in_order_and_an_abandoned_one_is_not_reused(ser
     whole, ports = asyncio.run(main())
     assert whole == b"".join(f"part {i}\n".encode() * 100 for i in range(50))
     assert len(ports) == 1
+
+
+def test_a_body_that_came_with_its_head_is_taken_whole_and_its_connection_kept(server):
+    """KeptBody.arrived: the proxy's shortcut past httpx's readers for a small answer."""
+
+    async def main() -> tuple[list[bytes | None], set[int]]:
+        transport = KeptTransport(ssl.create_default_context())
+        got, ports = [], set()
+        try:
+            for i in range(2):
+                req = httpx.Request("POST", f"{server}/echo", content=f"body {i}")
+                resp = await transport.handle_async_request(req)
+                assert isinstance(resp.stream, KeptBody)
+                whole = resp.stream.arrived()
+                got.append(whole)
+                assert resp.stream.arrived() is None  # taken once
+                await resp.aclose()
+                ports.add(json.loads(whole or b"{}").get("port"))
+        finally:
+            await transport.aclose()
+        return got, ports
+
+    got, ports = asyncio.run(main())
+    assert [json.loads(g or b"{}")["body"] for g in got] == ["body 0", "body 1"]
+    assert len(ports) == 1  # the connection went back to the pool and was reused
+
+
+def test_a_body_still_arriving_is_not_taken_whole_but_read_as_it_comes(server):
+    async def main() -> tuple[bytes | None, bytes]:
+        transport = KeptTransport(ssl.create_default_context())
+        GATE.clear()
+        try:
+            resp = await transport.handle_async_request(httpx.Request("GET", f"{server}/gated"))
+            early = resp.stream.arrived()  # its last part is held back: not all here
+            GATE.set()
+            body = b"".join([chunk async for chunk in resp.aiter_raw()])
+            await resp.aclose()
+        finally:
+            GATE.set()
+            await transport.aclose()
+        return early, body
+
+    early, body = asyncio.run(main())
+    assert early is None
+    assert body == b"first part;last part"
 
 
 def test_a_kept_connection_closed_by_the_server_is_replaced_unseen():
