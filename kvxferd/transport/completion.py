@@ -4,6 +4,12 @@ One task per poller asks NIXL about every awaited transfer (``check_xfer_state``
 GIL and costs microseconds), yielding between rounds and backing off to a short cap while
 nothing completes. Waiters await futures, so a stalled peer costs a poll per round, never a
 thread, and never delays a transfer from another peer.
+
+A new transfer gets a couple of rounds at once (one done in microseconds is seen then), a kick
+the full spin: a pull's READ completes only once the prefill has taken its claim, whose answer
+kicks the poller (kvxferd.sidecar.pulls), so spinning before that only took CPU from the
+processes it waits on (about 15 rounds a pull, a sixth of the decode sidecar's CPU at
+concurrency 1: issue 11, ``scripts/bench_control.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from kvxferd.transport.base import PostedRead
 from kvxferd.transport.transfer import TransferState
 
 SPIN_ROUNDS = 16
-"""Rounds after a new transfer that only yield to the loop (a small READ is done in µs)."""
+"""Rounds after a kick that only yield to the loop (what it announced is likely done)."""
+FRESH_SPIN_ROUNDS = 2
+"""Rounds after a new transfer that only yield to the loop (one done in µs is seen at once)."""
 FIRST_SLEEP_S = 0.00005
 """First sleep once spinning is over; doubles each empty round (the loop rounds it up to 1 ms)."""
 MAX_SLEEP_S = 0.002
@@ -31,7 +39,8 @@ class CompletionPoller:
     def __init__(self) -> None:
         self._waiting: dict[PostedRead, list[asyncio.Future[TransferState]]] = {}
         self._task: asyncio.Task[None] | None = None
-        self._fresh = False  # a transfer was added since the last round: restart the backoff
+        self._fresh = False  # a transfer was added or a kick came: restart the backoff
+        self._spin = 0  # rounds left that only yield to the loop
         self._kicked = Wake()  # ends a backoff sleep early
 
     @property
@@ -48,6 +57,7 @@ class CompletionPoller:
             fut: asyncio.Future[TransferState] = loop.create_future()
             self._waiting.setdefault(transfer, []).append(fut)
             self._fresh = True
+            self._spin = max(self._spin, FRESH_SPIN_ROUNDS)
             if self._task is None or self._task.done():
                 self._task = loop.create_task(self._run(), name="kvxferd-completions")
             try:
@@ -75,6 +85,7 @@ class CompletionPoller:
         READ's claim answered; the peer progressed its side just before answering), so the
         next round should not wait out the backoff."""
         self._fresh = True
+        self._spin = SPIN_ROUNDS
         self._kicked.set()
 
     def _drop(self, transfer: PostedRead, fut: asyncio.Future[TransferState]) -> None:
@@ -86,10 +97,10 @@ class CompletionPoller:
                 del self._waiting[transfer]
 
     async def _run(self) -> None:
-        rounds, sleep = 0, FIRST_SLEEP_S
+        sleep = FIRST_SLEEP_S
         while self._waiting:
-            if self._fresh:  # a kick between sleeps restarts the spin; it cuts no later sleep
-                self._fresh, rounds, sleep = False, 0, FIRST_SLEEP_S
+            if self._fresh:  # a kick between sleeps restarts the backoff; it cuts no later sleep
+                self._fresh, sleep = False, FIRST_SLEEP_S
                 self._kicked.clear()
             progressed = False
             for transfer, futs in list(self._waiting.items()):
@@ -101,13 +112,16 @@ class CompletionPoller:
                     if not fut.done():
                         fut.set_result(state)
                 self._waiting.pop(transfer, None)
-            rounds += 1
-            if progressed or rounds <= SPIN_ROUNDS:
+            spinning = self._spin > 0
+            if spinning:
+                self._spin -= 1
+            if progressed or spinning:
                 await asyncio.sleep(0)
             else:
                 await self._kicked.sleep(sleep)
                 self._kicked.clear()
                 sleep = min(sleep * 2, MAX_SLEEP_S)
+        self._spin = 0  # a kick that came with nothing awaited announced nothing
 
     async def close(self) -> None:
         """Stop the polling task (waiters then time out at their deadlines)."""

@@ -24,12 +24,14 @@ class _Nixl:
         self.finish = False
         self.outcome = outcome
         self.threads: set[int] = set()
+        self.checks = 0
 
     def transfer(self, handle: object) -> str:
         return "PROC"
 
     def check_xfer_state(self, handle: object) -> str:
         self.threads.add(threading.get_ident())
+        self.checks += 1
         return self.outcome if self.finish else "PROC"
 
 
@@ -113,6 +115,40 @@ def test_a_kick_ends_the_backoff_sleep_at_once(monkeypatch):
         return state
 
     assert asyncio.run(main()) is TransferState.DONE
+
+
+def test_a_new_transfer_is_polled_a_few_times_and_a_kick_spins_again(monkeypatch):
+    """A pull's READ completes once its claim is taken: polling it eagerly before the claim's
+    answer kicks the poller only takes CPU from the processes it waits on."""
+    from kvxferd.transport import completion
+
+    monkeypatch.setattr(completion, "FIRST_SLEEP_S", 60.0)
+    monkeypatch.setattr(completion, "MAX_SLEEP_S", 60.0)
+    nixl = _Nixl()
+    xfer = _transfer(nixl)
+
+    async def main() -> tuple[int, int]:
+        poller = CompletionPoller()
+        loop = asyncio.get_running_loop()
+        waiter = asyncio.create_task(poller.wait(xfer, loop.time() + 120))
+        while not poller.backing_off:
+            await asyncio.sleep(0)
+        fresh = nixl.checks
+        poller.kick()
+        await asyncio.sleep(0)
+        while not poller.backing_off:
+            await asyncio.sleep(0)
+        kicked = nixl.checks - fresh
+        nixl.finish = True
+        poller.kick()
+        assert await asyncio.wait_for(waiter, 30) is TransferState.DONE
+        await poller.close()
+        return fresh, kicked
+
+    fresh, kicked = asyncio.run(main())
+    assert fresh <= completion.FRESH_SPIN_ROUNDS + 2  # its first look, then the short spin
+    assert fresh < completion.SPIN_ROUNDS  # far fewer looks before the kick than after it
+    assert kicked > completion.SPIN_ROUNDS  # the kick's full spin
 
 
 def test_a_stalled_transfer_does_not_delay_another():
