@@ -10,6 +10,7 @@ import socket
 import threading
 from collections.abc import Callable
 
+import httpx
 import pytest
 
 from kvxferd.proxy import app as proxy_app_module
@@ -130,12 +131,8 @@ def test_a_prefill_without_the_release_route_has_a_gone_clients_call_ended(make_
     has had that 404 from a prefill, it hangs up on that prefill as soon as a client goes."""
     rig = make_rig(timeout_s=120.0)
     prefill = rig.prefills[0]
-    prefill.release_status = 404
-    rig.decodes[0].fail_status = 400
     with rig.client() as c:
-        assert c.post("/v1/completions", json=completion()).status_code == 400
-    wait_release(rig)
-    wait_until(lambda: not rig.app.state.background, 30.0, "the proxy reading the 404")
+        _refused_and_told_404(rig, c)
     prefill.hold = threading.Event()
     try:
         _hang_up_when(
@@ -153,12 +150,8 @@ def test_a_prefill_that_answered_a_release_404_is_not_asked_again(make_rig) -> N
     refused decode sends it nothing more."""
     rig = make_rig()
     prefill = rig.prefills[0]
-    prefill.release_status = 404
-    rig.decodes[0].fail_status = 400
     with rig.client() as c:
-        assert c.post("/v1/completions", json=completion()).status_code == 400
-        wait_release(rig)
-        wait_until(lambda: not rig.app.state.background, 30.0, "the proxy reading the 404")
+        _refused_and_told_404(rig, c)
         assert c.post("/v1/completions", json=completion()).status_code == 400
     rig.proxy.stop()  # its shutdown waits for any release it started
     assert len(prefill_requests(prefill)) == 2  # both requests were prefilled
@@ -173,6 +166,16 @@ def test_a_client_gone_before_the_prefill_had_the_request_ends_the_call(make_rig
     wait_until(rig.transport.abandoned.is_set, 30.0, "the proxy giving the connection up")
     rig.proxy.stop()
     assert rig.prefills[0].seen == []
+
+
+def _refused_and_told_404(rig: Rig, client: httpx.Client) -> None:
+    """A decode that refuses every request and a prefill without the release route (vLLM): one
+    request, its release answered 404 and read by the proxy."""
+    rig.prefills[0].release_status = 404
+    rig.decodes[0].fail_status = 400
+    assert client.post("/v1/completions", json=completion()).status_code == 400
+    wait_release(rig)
+    wait_until(lambda: not rig.app.state.background, 30.0, "the proxy reading the 404")
 
 
 def _hang_up_when(rig: Rig, until: Callable[[], object], what: str) -> None:
