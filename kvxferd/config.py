@@ -36,7 +36,7 @@ FRONT_DOOR_MAX_BODY_BYTES = 32 << 20
 
 
 _LIMITS = ("engine_max_connections", "peer_max_connections", "max_header_bytes", "max_body_bytes",
-           "header_timeout_s", "body_timeout_s")  # fmt: skip
+           "max_body_bytes_in_flight", "header_timeout_s", "body_timeout_s")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +108,10 @@ class Config:
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest HTTP request body of both APIs: a larger Content-Length answers 413 before a byte
     is read; a chunked body is cut at the limit (413)."""
+    max_body_bytes_in_flight: int = 256 << 20
+    """Bytes of request bodies each API (HTTP and frames together) holds at once across its
+    connections; a body past it waits unread for room, then 503 (HTTP) or closed (frames). At
+    least max_body_bytes + max_header_bytes (the largest frame)."""
     header_timeout_s: float = 10.0
     """Seconds a new connection (or a started request head) has to deliver its whole request
     head; then the connection is closed."""
@@ -156,6 +160,7 @@ class Config:
             raise ConfigError(f"hold_grace_s: must be >= 0 and finite, got {self.hold_grace_s}")
         if self.default_lease_s > self.max_lease_s:
             raise ConfigError("default_lease_s: larger than max_lease_s")
+        self._check_body_budget()
         for name in ("store_dram_bytes", "store_file_bytes", "store_chunk_tokens"):
             if getattr(self, name) < (1 if name == "store_chunk_tokens" else 0):
                 raise ConfigError(f"{name}: out of range, got {getattr(self, name)}")
@@ -181,6 +186,16 @@ class Config:
             )
         check_event_loop(self.event_loop)
         check_http(self.http)
+
+    def _check_body_budget(self) -> None:
+        """The body budget must hold the largest frame (a body and its envelope), or such a
+        frame would wait for room forever."""
+        largest = self.max_body_bytes + self.max_header_bytes
+        if self.max_body_bytes_in_flight < largest:
+            raise ConfigError(
+                f"max_body_bytes_in_flight: {self.max_body_bytes_in_flight} is less than "
+                f"max_body_bytes + max_header_bytes ({largest}, the largest frame)"
+            )
 
     @property
     def frames_socket(self) -> str:

@@ -114,12 +114,21 @@ class Metrics:
             ["lane", "endpoint", "transport"],
             registry=r,
         )
+        self.request_body_bytes = Gauge(
+            "kvxferd_request_body_bytes",
+            "Bytes of request bodies and frame payloads an API holds now, by api (engine, peer); "
+            "at most max_body_bytes_in_flight each",
+            ["api"],
+            registry=r,
+        )
         self.info = Info("kvxferd_build", "Version and NIXL backend in use", registry=r)
         self.info.info({"version": __version__, "backend": ""})
         for kind in BYTE_KINDS:
             self.transfer_bytes.labels(kind)
         for phase in PHASES:
             self.phase_duration.labels(phase)
+        for api in ("engine", "peer"):
+            self.request_body_bytes.labels(api)
         add_store_metrics(self, r)
 
     def set_backend(self, backend: str) -> None:

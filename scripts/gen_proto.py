@@ -114,11 +114,11 @@ MessagePack (`Content-Type: application/msgpack`) with the same schema (field na
 bytes as msgpack bin, integers never floats), and answers in MessagePack when the request says
 `Accept: application/msgpack` -- error bodies included, with the same status and `field`. The
 two choices are independent; without them everything is JSON, which stays the format for tools
-and the only one of the peer API. Refusals at the edge (408, 413, 431) are always JSON, so a
-client decodes every answer by its `Content-Type`. `kvxferd.client` uses MessagePack for the
-per-request calls (holds, pulls, feeds, keepalive, decline, store) and JSON for register,
-unregister, identity and healthz; `scripts/bench_engine_wire.py` measures both encodings
-against each other.
+and the only one of the peer API. Refusals at the edge (408, 413, 431, 503 `Busy`) are always
+JSON, so a client decodes every answer by its `Content-Type`. `kvxferd.client` uses MessagePack
+for the per-request calls (holds, pulls, feeds, keepalive, decline, store) and JSON for
+register, unregister, identity and healthz; `scripts/bench_engine_wire.py` measures both
+encodings against each other.
 
 **Frames on the engine API.** The sidecar also serves the engine API, the same route table, on
 a second 0600 Unix socket, `<engine socket>.frames` (`--engine-frames-socket`; `off` turns it
@@ -133,9 +133,12 @@ the same answer Struct, or of the ErrorBody with the same `field` (nil for 204).
 may be in flight on one connection and answers come in any order. Limits: the engine socket's
 connection cap (counted apart), a frame at most the body limit plus the header limit, 64 calls of
 a connection run at once (more wait unread), a connection idle 30 s with nothing running is
-closed, and the rest of a frame must arrive within the body timeout. A frame that is oversized,
-not MessagePack or not an envelope closes its connection (nothing else). `kvxferd.client` speaks
-frames with `frames=True` (the sim does when the socket exists); HTTP stays for tools.
+closed, and the rest of a frame must arrive within the body timeout. A frame's payload counts in
+the API's body budget (`KVXFERD_MAX_BODY_BYTES_IN_FLIGHT`, shared with its HTTP listener, where a
+body past it waits unread, then 503 `Busy`) from its header until its answer; one that finds no
+room within the body timeout closes its connection. A frame that is oversized, not MessagePack
+or not an envelope closes its connection (nothing else). `kvxferd.client` speaks frames with
+`frames=True` (the sim does when the socket exists); HTTP stays for tools.
 
 **Frames on the peer port.** The per-pull peer calls -- `POST /v1/claims`, `/v1/heartbeat` and
 `/v1/decline` -- are also served as frames on a second TCP port (`--peer-frames-port`; 0 picks a

@@ -70,6 +70,13 @@ def test_serve_with_a_bad_environment_value_names_the_variable(tmp_path):
     assert "KVXFERD_PEER_PORT" in line
 
 
+def test_serve_with_a_body_budget_below_the_largest_frame_refuses_in_one_line(tmp_path):
+    env = {"KVXFERD_PEER_TOKEN": "t", "KVXFERD_MAX_BODY_BYTES_IN_FLIGHT": "1000"}
+    line = _one_error_line(kvxferd("serve", "--engine-socket", str(tmp_path / "s"), env=env))
+    assert "max_body_bytes_in_flight: 1000" in line
+    assert "max_body_bytes + max_header_bytes" in line
+
+
 def test_serve_with_a_missing_token_file_names_the_flag(tmp_path):
     proc = kvxferd("serve", "--peer-token-file", str(tmp_path / "absent"))
     assert "--peer-token-file" in _one_error_line(proc)
@@ -158,6 +165,11 @@ raise SystemExit(status)
         ),  # fmt: skip
         ([], {"KVXFERD_PEER_TOKEN": "t", "KVXFERD_EVENT_LOOP": "tokio"}, "event_loop"),
         (["--engine-id", "rank\n0"], {"KVXFERD_PEER_TOKEN": "t"}, "engine_id"),
+        (
+            [],
+            {"KVXFERD_PEER_TOKEN": "t", "KVXFERD_MAX_BODY_BYTES_IN_FLIGHT": "1000"},
+            "max_body_bytes_in_flight: 1000 is less than max_body_bytes + max_header_bytes",
+        ),  # fmt: skip
     ],
     ids=[
         "no-token",
@@ -170,6 +182,7 @@ raise SystemExit(status)
         "frames-same-path",
         "event-loop",
         "engine-id",
+        "body-budget",
     ],  # fmt: skip
 )
 def test_serve_argument_errors_exit_before_the_server_is_imported(tmp_path, args, env, named):

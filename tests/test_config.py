@@ -94,6 +94,7 @@ def test_an_advertised_host_a_ticket_could_not_carry_is_refused_at_start(overrid
         ({"KVXFERD_ENGINE_ID": "a b"}, "engine_id"),
         ({"KVXFERD_ENGINE_ID": "\u00e9"}, "engine_id"),
         ({"KVXFERD_ENGINE_ID": "x" * 129}, "engine_id"),
+        ({"KVXFERD_MAX_BODY_BYTES_IN_FLIGHT": "0"}, "max_body_bytes_in_flight"),
     ],
 )
 def test_invalid_values_are_config_errors_naming_the_variable(env, named):
@@ -139,3 +140,26 @@ def test_the_frames_socket_sits_beside_the_engine_socket_unless_set_or_off():
     set_ = Config(engine_socket="/run/k.sock", engine_frames_socket="/run/f.sock")
     assert set_.frames_socket == "/run/f.sock"
     assert Config(engine_frames_socket="off").frames_socket == ""
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"KVXFERD_MAX_BODY_BYTES_IN_FLIGHT": str((16 << 20) + 16383)},
+     {"KVXFERD_MAX_BODY_BYTES": str(256 << 20)},
+     {"KVXFERD_MAX_BODY_BYTES_IN_FLIGHT": "5000", "KVXFERD_MAX_BODY_BYTES": "4096",
+      "KVXFERD_MAX_HEADER_BYTES": "1024"}],
+    ids=["budget-lowered", "body-raised", "one-byte-short"],
+)  # fmt: skip
+def test_a_body_budget_that_cannot_hold_the_largest_frame_is_refused_naming_both(env):
+    with pytest.raises(ConfigError) as info:
+        load_config(env=env)
+    line = str(info.value)
+    assert line.startswith("max_body_bytes_in_flight: ") and "\n" not in line
+    assert "max_body_bytes + max_header_bytes" in line
+
+
+def test_a_body_budget_of_exactly_the_largest_frame_is_taken():
+    env = {"KVXFERD_MAX_BODY_BYTES_IN_FLIGHT": "5120", "KVXFERD_MAX_BODY_BYTES": "4096",
+           "KVXFERD_MAX_HEADER_BYTES": "1024"}  # fmt: skip
+    assert load_config(env=env).max_body_bytes_in_flight == 5120
+    assert Config().max_body_bytes_in_flight == 256 << 20

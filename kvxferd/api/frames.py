@@ -12,13 +12,18 @@ missing or wrong one answers 401 like HTTP's.
 Limits, like the HTTP edge's: a connection cap (more are closed at once), a frame-size cap, a
 bound on requests in flight per connection (past it the connection is not read until one
 answers), an idle timeout, and a timeout for the rest of a frame once its header came and for
-the client to take an answer. A malformed or oversized frame closes its connection only.
+the client to take an answer. A malformed or oversized frame closes its connection only. Across
+connections, a frame's payload is taken from the API's
+:class:`~kvxferd.api.bodybudget.BodyBudget` (shared with its HTTP listener) before it is read and
+given back once its call has answered; a frame that finds no room within the frame timeout
+closes its connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import socket
@@ -28,6 +33,7 @@ from urllib.parse import unquote
 
 import msgspec
 
+from kvxferd.api.bodybudget import DEFAULT_BODIES, BodyBudget
 from kvxferd.api.codec import HTTPProblem, Negotiated
 from kvxferd.api.operations import Gate, Operation, failed, invoke
 from kvxferd.errors import AuthError
@@ -59,6 +65,14 @@ class FrameLimits:
     answer this long after it was written; else the connection closes."""
     backlog: int = 64
     """The listen queue (counted in the open-file budget like the HTTP listeners')."""
+    max_bytes_in_flight: int = 0
+    """Bytes of frame payloads the listener holds at once across its connections (read, and
+    not yet answered); 0: four times ``max_frame_bytes``."""
+
+    @property
+    def bytes_in_flight(self) -> int:
+        """The listener's payload budget in bytes (``max_bytes_in_flight`` or its default)."""
+        return self.max_bytes_in_flight or DEFAULT_BODIES * self.max_frame_bytes
 
 
 class Router:
@@ -98,13 +112,19 @@ class Router:
 
 
 class FrameServer:
-    """Serve ``operations`` of ``target`` as frames on a bound Unix socket."""
+    """Serve ``operations`` of ``target`` as frames on a bound Unix socket, holding payloads
+    within ``budget`` (shared with the API's HTTP listener; else one of its own)."""
 
     def __init__(
-        self, operations: list[Operation], target: object, gate: Gate, limits: FrameLimits
-    ) -> None:
+        self, operations: list[Operation], target: object, gate: Gate, limits: FrameLimits,
+        budget: BodyBudget | None = None,
+    ) -> None:  # fmt: skip
         if gate.verify is None and any(op.auth for op in operations if op.handler is not None):
             raise ValueError("operations need a signature but the gate has no verify check")
+        self.budget = budget or BodyBudget(limits.bytes_in_flight)
+        if self.budget.total < limits.max_frame_bytes:
+            raise ValueError(f"a payload budget of {self.budget.total} bytes cannot hold one "
+                             f"{limits.max_frame_bytes}-byte frame")  # fmt: skip
         self.router = Router(operations)
         self.target = target
         self.gate = gate
@@ -178,11 +198,13 @@ class _Connection:
                 try:
                     req = _request_decoder.decode(payload)
                 except (msgspec.MsgspecError, RecursionError) as exc:
+                    self.server.budget.give(len(payload))
                     log.debug("frames: closing a connection that sent a bad envelope: %s", exc)
                     return
                 task = asyncio.create_task(self._call(req))
                 self.calls.add(task)
-                task.add_done_callback(self._done)
+                # A callback, not the call's finally: a task cancelled before it ran has none.
+                task.add_done_callback(functools.partial(self._done, len(payload)))
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
             return
         finally:
@@ -192,8 +214,8 @@ class _Connection:
                 await asyncio.gather(*self.calls, return_exceptions=True)
 
     async def _read_frame(self, limits: FrameLimits) -> bytes | None:
-        """The next frame's payload; None at a clean end, when idle too long or after an
-        oversized header."""
+        """The next frame's payload, its bytes taken from the budget; None at a clean end, when
+        idle too long, after an oversized header or when the budget had no room in time."""
         while True:
             try:
                 async with asyncio.timeout(limits.idle_timeout_s):
@@ -204,18 +226,40 @@ class _Connection:
                     return None  # idle: nothing sent, nothing running
         if not header:
             return None
-        async with asyncio.timeout(limits.frame_timeout_s):
+        deadline = asyncio.get_running_loop().time() + limits.frame_timeout_s
+        async with asyncio.timeout_at(deadline):
             if len(header) < FRAME_HEADER:
                 header += await self.reader.readexactly(FRAME_HEADER - len(header))
-            size = frame_length(header)
-            if size > limits.max_frame_bytes:
-                log.debug("frames: closing a connection that announced a %d-byte frame", size)
-                return None
-            return await self.reader.readexactly(size)
+        size = frame_length(header)
+        if size > limits.max_frame_bytes:
+            log.debug("frames: closing a connection that announced a %d-byte frame", size)
+            return None
+        if not await self._take(size, deadline):
+            return None
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self.reader.readexactly(size)
+        except BaseException:
+            self.server.budget.give(size)
+            raise
 
-    def _done(self, task: asyncio.Task[None]) -> None:
+    async def _take(self, size: int, deadline: float) -> bool:
+        """Take ``size`` bytes from the budget before they are read (they wait in the socket
+        meanwhile); False when no room came by ``deadline``."""
+        budget = self.server.budget
+        try:
+            async with asyncio.timeout_at(deadline):
+                await budget.take(size)
+        except TimeoutError:
+            log.debug("frames: closing a connection whose %d-byte frame found no room in the "
+                      "%d-byte budget in time", size, budget.total)  # fmt: skip
+            return False
+        return True
+
+    def _done(self, size: int, task: asyncio.Task[None]) -> None:
         self.calls.discard(task)
         self.slots.release()
+        self.server.budget.give(size)
 
     async def _call(self, req: FrameRequest) -> None:
         server = self.server

@@ -19,6 +19,11 @@ connections between requests. What it lacks we add:
   announces more than the limit (before reading a byte), counts while reading (chunked bodies
   are cut at the limit, 413) and answers 408 when the body does not arrive in time. Both close
   the connection.
+- Nothing bounds the bodies of all connections together. :class:`BodyLimit` takes each body's
+  bytes from the listener's :class:`~kvxferd.api.bodybudget.BodyBudget` (shared with the API's
+  frames listener) before reading them: the announced length up front, a chunked body chunk by
+  chunk. A body that finds no room waits unread (uvicorn stops reading the socket) within the
+  body timeout, then 503 ``Busy``; the bytes are given back once the app has answered.
 
 Two parsers carry the same limits: uvicorn's httptools protocol (the default where httptools
 imports: the server's part of a request costs about half, 135-170 against 230-300 us on these
@@ -49,6 +54,7 @@ except ImportError:  # an install without httptools: h11 only
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 from kvxferd.aio import http_parser
+from kvxferd.api.bodybudget import DEFAULT_BODIES, BodyBudget
 from kvxferd.wire import ErrorBody
 
 log = logging.getLogger(__name__)
@@ -89,6 +95,15 @@ class EdgeLimits:
     ``max_connections`` the descriptors of a flood can reach before they are closed."""
     http: str = "auto"
     """HTTP parser: ``httptools``, ``h11``, or ``auto`` (httptools when installed)."""
+    max_body_bytes_in_flight: int = 0
+    """Bytes of request bodies the listener holds at once across its connections; a body past
+    it waits unread for room (within ``body_timeout_s``, else 503). 0: four times
+    ``max_body_bytes`` (the front doors)."""
+
+    @property
+    def body_bytes_in_flight(self) -> int:
+        """The listener's body budget in bytes (``max_body_bytes_in_flight`` or its default)."""
+        return self.max_body_bytes_in_flight or DEFAULT_BODIES * self.max_body_bytes
 
 
 class _HeadTimer:
@@ -270,26 +285,33 @@ def uvicorn_limits(limits: EdgeLimits, name: str) -> dict[str, Any]:
 
 class BodyLimit:
     """ASGI middleware: check the head's size (431), read the whole body up front, bounded in
-    size and time, then hand it to ``app``. 413 (announced or counted past ``max_body_bytes``)
-    and 408 (not complete within ``body_timeout_s``) close the connection; the app never sees
-    such a request."""
+    size and time and within the listener's body budget, then hand it to ``app``. 413 (announced
+    or counted past ``max_body_bytes``), 408 (not complete within ``body_timeout_s``) and 503
+    (no room in ``budget`` within that time) close the connection; the app never sees such a
+    request. The body's bytes go back to the budget once the app has answered."""
 
     def __init__(
         self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float, max_header_bytes: int,
-        error_body: ErrorBodyFn = kvxferd_error_body,
+        error_body: ErrorBodyFn = kvxferd_error_body, budget: BodyBudget | None = None,
     ) -> None:  # fmt: skip
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.max_header_bytes = max_header_bytes
         self.error_body = error_body
+        self.budget = budget or BodyBudget(DEFAULT_BODIES * max_body_bytes)
+        if self.budget.total < max_body_bytes:
+            raise ValueError(f"a body budget of {self.budget.total} bytes cannot hold one "
+                             f"{max_body_bytes}-byte body")  # fmt: skip
 
     @classmethod
-    def of(cls, app: ASGIApp, limits: EdgeLimits, error_body: ErrorBodyFn = kvxferd_error_body
-           ) -> BodyLimit:  # fmt: skip
-        """``app`` behind the size and time limits of one listener."""
+    def of(cls, app: ASGIApp, limits: EdgeLimits, error_body: ErrorBodyFn = kvxferd_error_body,
+           budget: BodyBudget | None = None) -> BodyLimit:  # fmt: skip
+        """``app`` behind the size and time limits of one listener, and ``budget`` (else a
+        budget of its own, ``limits.body_bytes_in_flight``)."""
+        budget = budget or BodyBudget(limits.body_bytes_in_flight)
         return cls(app, limits.max_body_bytes, limits.body_timeout_s, limits.max_header_bytes,
-                   error_body)  # fmt: skip
+                   error_body, budget)  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -304,44 +326,86 @@ class BodyLimit:
         if announced is not None and announced > self.max_body_bytes:
             await self._reject(send, 413, "PayloadTooLarge", self._too_large(f"{announced}"))
             return
+        taken = _Taken(self.budget)
+        try:
+            body = await self._read_body(taken, announced, receive, send)
+            if body is not None:
+                await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.budget.give(taken.bytes)
+
+    async def _read_body(
+        self, taken: _Taken, announced: int | None, receive: Receive, send: Send
+    ) -> bytes | None:
+        """The whole body, its bytes taken from the budget first (the announced length before
+        any is read, else each chunk as it comes); None once refused or when the client left."""
         chunks: list[bytes] = []
         size = 0
         try:
             async with asyncio.timeout(self.body_timeout_s):
+                if announced:
+                    await taken.take(announced)
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
-                        return  # the client is gone: nobody to answer
+                        return None  # the client is gone: nobody to answer
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > self.max_body_bytes:
                         detail = self._too_large(f"> {size}")
                         await self._reject(send, 413, "PayloadTooLarge", detail)
-                        return
+                        return None
+                    if announced is None:
+                        await taken.take(len(chunk))
                     chunks.append(chunk)
                     if not message.get("more_body", False):
-                        break
+                        return b"".join(chunks)
         except TimeoutError:
-            detail = f"the request body did not arrive within {self.body_timeout_s:g} s"
-            await self._reject(send, 408, "RequestTimeout", detail)
-            return
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # later calls wait for the disconnect, as usual
-
-        await self.app(scope, replay, send)
+            if taken.waiting:
+                detail = (f"no room for the request body within {self.body_timeout_s:g} s: this "
+                          f"listener holds at most {self.budget.total} bytes of request bodies "
+                          "at once")  # fmt: skip
+                await self._reject(send, 503, "Busy", detail)
+            else:
+                detail = f"the request body did not arrive within {self.body_timeout_s:g} s"
+                await self._reject(send, 408, "RequestTimeout", detail)
+            return None
 
     async def _reject(self, send: Send, status: int, error: str, detail: str) -> None:
         await _reject(send, status, self.error_body(status, error, detail))
 
     def _too_large(self, size: str) -> str:
         return f"request body of {size} bytes is larger than the limit of {self.max_body_bytes}"
+
+
+class _Taken:
+    """The bytes one request took from its budget so far, and whether it is waiting for more
+    (a timeout then is the budget's 503, not the client's 408)."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.bytes = 0
+        self.waiting = False
+
+    async def take(self, n: int) -> None:
+        self.waiting = True
+        await self.budget.take(n)
+        self.bytes += n
+        self.waiting = False
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The app's ``receive``: the whole body once, then the connection's own messages."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # later calls wait for the disconnect, as usual
+
+    return replay
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -63,12 +63,13 @@ _EDGE = {
          "closed.",
     500: "An unexpected error (InternalError); the sidecar keeps serving.",
     502: "NIXL or a peer failed.",
-    503: "The sidecar cannot serve this now (not registered yet, or a table is full: retry).",
+    503: "The sidecar cannot serve this now (not registered yet, a table is full, or no room "
+         "for the body within the body timeout: Busy, connection closed); retry.",
 }  # fmt: skip
 """What the HTTP edge itself means by each status; the error classes come from the tree."""
 _NOT_SIDECAR = (errors.InvalidRequestError, errors.PoolExhaustedError)
 """Error classes only the OpenAI-style servers (sim) raise, never the sidecar APIs."""
-BODY_ERRORS = (408, 413)
+BODY_ERRORS = (408, 413, 503)
 """Statuses every operation with a request body may answer (limits at the edge)."""
 EDGE_ERRORS = (431,)
 """Statuses every operation may answer (limits at the edge)."""

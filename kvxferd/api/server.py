@@ -3,7 +3,8 @@ engine API also as frames on a second Unix socket (0600, kvxferd.api.frames) and
 per-pull calls as signed frames on a second TCP port, unless they are off.
 
 Each API is its own uvicorn server with its own connection cap; both bound header and body sizes
-and read times (kvxferd.api.limits).
+and read times (kvxferd.api.limits). Each API's HTTP and frames listeners share one body budget
+(kvxferd.api.bodybudget): the bytes of request bodies and frame payloads it holds at once.
 
 We bind both sockets ourselves (uvicorn would make the Unix socket 0666) and handle SIGINT and
 SIGTERM once for both servers. When both listen, one line goes to stdout:
@@ -27,6 +28,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvxferd.aio import http_parser, loop_name
+from kvxferd.api.bodybudget import BodyBudget
 from kvxferd.api.engine import OPERATIONS as ENGINE_OPERATIONS
 from kvxferd.api.engine import engine_app
 from kvxferd.api.fdbudget import ensure_fd_budget
@@ -60,14 +62,28 @@ def edge_limits(config: Config, listener: str) -> EdgeLimits:
         header_timeout_s=config.header_timeout_s,
         body_timeout_s=config.body_timeout_s,
         http=config.http,
+        max_body_bytes_in_flight=config.max_body_bytes_in_flight,
     )
 
 
-def _uvicorn_config(config: Config, app: FastAPI, listener: str) -> uvicorn.Config:
-    """One listener's uvicorn server: its own app, connection cap and edge limits."""
+def body_budgets(config: Config, sidecar: Sidecar) -> dict[str, BodyBudget]:
+    """One body budget per API (``engine``, ``peer``), shared by its HTTP and frames listeners
+    and shown as ``kvxferd_request_body_bytes{api}``."""
+    gauge = sidecar.metrics.request_body_bytes
+    return {
+        api: BodyBudget(config.max_body_bytes_in_flight, gauge.labels(api).set)
+        for api in ("engine", "peer")
+    }
+
+
+def _uvicorn_config(
+    config: Config, app: FastAPI, listener: str, budget: BodyBudget
+) -> uvicorn.Config:
+    """One listener's uvicorn server: its own app, connection cap and edge limits, and its
+    API's body budget."""
     limits = edge_limits(config, listener)
     return uvicorn.Config(
-        BodyLimit(app, limits.max_body_bytes, limits.body_timeout_s, limits.max_header_bytes),
+        BodyLimit.of(app, limits, budget=budget),
         log_level=config.log_level.lower(),
         access_log=False,
         lifespan="off",
@@ -84,6 +100,7 @@ def frame_limits(config: Config) -> FrameLimits:
         max_frame_bytes=config.max_body_bytes + config.max_header_bytes,
         idle_timeout_s=HTTP_SERVER_KEEPALIVE_S,
         frame_timeout_s=config.body_timeout_s,
+        max_bytes_in_flight=config.max_body_bytes_in_flight,
     )
 
 
@@ -159,10 +176,13 @@ async def _serve(config: Config) -> None:
     if peer_frames_sock is not None:
         sidecar.frames_port = peer_frames_sock.getsockname()[1]
     gate = peer_gate(sidecar)  # one verifier (nonces) for both peer listeners
+    budgets = body_budgets(config, sidecar)
     servers = [
-        (_Server(_uvicorn_config(config, engine_app(sidecar), "engine")), engine_sock),
-        (_Server(_uvicorn_config(config, peer_app(sidecar, gate), "peer")), peer_sock),
-    ]
+        (_Server(_uvicorn_config(config, engine_app(sidecar), "engine", budgets["engine"])),
+         engine_sock),
+        (_Server(_uvicorn_config(config, peer_app(sidecar, gate), "peer", budgets["peer"])),
+         peer_sock),
+    ]  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -174,11 +194,12 @@ async def _serve(config: Config) -> None:
     try:
         if frames_sock is not None:
             engine_gate = Gate(ready=lambda: sidecar.ready)
-            frames = FrameServer(ENGINE_OPERATIONS, sidecar, engine_gate, frame_limits(config))
+            frames = FrameServer(ENGINE_OPERATIONS, sidecar, engine_gate, frame_limits(config),
+                                 budgets["engine"])  # fmt: skip
             await frames.start(frames_sock)
         if peer_frames_sock is not None:
             peer_frames = FrameServer(
-                PEER_FRAME_OPERATIONS, sidecar, gate, peer_frame_limits(config)
+                PEER_FRAME_OPERATIONS, sidecar, gate, peer_frame_limits(config), budgets["peer"]
             )
             await peer_frames.start(peer_frames_sock)
         while not all(srv.started for srv, _ in servers):

@@ -1,7 +1,7 @@
 """The limits of the frames listener (a FrameServer in-process, in front of the fake sidecar):
-its connection cap, frame-size cap, idle timeout, per-connection bound on calls in flight, and the
-gates and error mapping it shares with HTTP (any body gets HTTP's answer). The fake only stands in
-for the handlers' results."""
+its connection cap, frame-size cap, idle timeout, per-connection bound on calls in flight, the
+payload budget across its connections, and the gates and error mapping it shares with HTTP (any
+body gets HTTP's answer). The fake only stands in for the handlers' results."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from kvxferd.api.server import frame_limits, listener_limits, peer_frame_limits
 from kvxferd.config import Config, replace
 from kvxferd.errors import UnknownPullError
 from kvxferd.wire import HeartbeatResponse, KeepaliveRequest, PullStatus
+from kvxferd.wire.frames import frame
 from tests.api.conftest import FakeSidecar
 from tests.api.frameio import (
     BOUND_S,
@@ -149,6 +150,62 @@ def test_answers_are_not_held_back_by_a_slower_call(path):
         fake.release.set()
         second = read_answer(sock)
     assert (first.id, second.id) == (2, 1)
+
+
+def _padded(call_id: int, op: str, size: int, query: dict | None = None) -> bytes:
+    """A framed call whose payload is exactly ``size`` bytes (padded by an ignored query)."""
+    for pad in range(size):
+        raw = request_bytes(call_id, op, query={**(query or {}), "pad": "p" * pad})
+        if len(raw) - 4 >= size:
+            assert len(raw) - 4 == size, "no padding gives that size"
+            return raw
+    raise AssertionError(f"a {op} frame is larger than {size} bytes")
+
+
+def test_stalled_frames_hold_what_they_announced_and_the_next_frame_waits_for_room(path):
+    # Two frames whose payloads never finish fill a budget of two frames: a third connection's
+    # call waits unread, and is answered once one of them arrives whole.
+    limits = _limits(max_frame_bytes=4096, max_bytes_in_flight=8192)
+    with served(path, FakeSidecar(), limits) as server, connect(path) as a, connect(path) as b:
+        budget = server.budget
+        first, second = _padded(1, "GET /healthz", 4096), _padded(2, "GET /healthz", 4096)
+        a.sendall(first[:100])
+        b.sendall(second[:100])
+        wait_until(lambda: budget.taken == 8192, BOUND_S, "both frames to take the budget")
+        with connect(path) as c:
+            c.sendall(request_bytes(3, "GET /healthz"))
+            wait_until(lambda: budget.waiting == 1, BOUND_S, "the third frame to wait")
+            assert budget.taken == 8192  # the stalled ones hold what they announced
+            a.sendall(first[100:])
+            assert read_answer(a).id == 1
+            answer = read_answer(c)
+            assert (answer.id, answer.status) == (3, 200)
+        b.close()
+        wait_until(lambda: budget.taken == 0, BOUND_S, "every byte given back")
+
+
+def test_a_frame_that_finds_no_room_within_the_frame_timeout_closes_its_connection(path):
+    fake = GatedFake()
+    limits = _limits(max_frame_bytes=4096, max_bytes_in_flight=4096, frame_timeout_s=0.3)
+    with served(path, fake, limits) as server, connect(path) as holder:
+        holder.sendall(_padded(1, "GET /v1/pulls/p1", 4096, query={"wait": 5}))
+        wait_until(lambda: fake.waiting == 1, BOUND_S, "the holder's call to run")
+        assert server.budget.taken == 4096  # held while its call runs
+        with connect(path) as late:
+            late.sendall(request_bytes(2, "GET /healthz"))
+            assert closed_by_server(late)
+        assert server.budget.waiting == 0
+        fake.release.set()
+        assert (read_answer(holder).id, call(path, "GET /healthz")[0]) == (1, 200)
+        wait_until(lambda: server.budget.taken == 0, BOUND_S, "every byte given back")
+
+
+def test_a_frame_that_is_not_an_envelope_gives_its_bytes_back_at_once(path):
+    with served(path, FakeSidecar(), _limits()) as server, connect(path) as sock:
+        sock.sendall(frame(b"\xc1" * 1000))  # 0xc1: never valid msgpack
+        assert closed_by_server(sock)
+        wait_until(lambda: server.connections == 0, BOUND_S, "the connection to close")
+        assert server.budget.taken == 0
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,11 @@
 """The limited HTTP edge behaves the same on both parsers (h11 and httptools): keep-alive,
 chunked bodies, refusals with an ErrorBody, a partial head bounded in size, a per-listener
-connection cap. Served in-process by uvicorn on loopback; ``EdgeLimits.http`` picks the parser."""
+connection cap, a body budget across connections (a body waits unread for room, else 503).
+Served in-process by uvicorn on loopback; ``EdgeLimits.http`` picks the parser."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import socket
@@ -15,6 +17,7 @@ import msgspec
 import pytest
 import uvicorn
 
+from kvxferd.api.bodybudget import BodyBudget
 from kvxferd.api.limits import BodyLimit, EdgeLimits, uvicorn_limits
 from kvxferd.wire import ErrorBody
 
@@ -166,3 +169,79 @@ def test_a_client_that_stops_reading_its_answer_is_disconnected(http) -> None:
         client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         wait_until(lambda: len(server.server_state.connections) == 1, BOUND_S, "accepted")
         wait_until(lambda: not server.server_state.connections, BOUND_S, "the close")
+
+
+# ------------------------------------------------------------------------------ body budget
+
+
+def _budget(server: uvicorn.Server) -> BodyBudget:
+    limit = server.config.app
+    assert isinstance(limit, BodyLimit)
+    return limit.budget
+
+
+def _stall(port: int, announced: int, sent: bytes) -> socket.socket:
+    """A connection whose request announces ``announced`` body bytes and sends ``sent``."""
+    sock = _connect(port)
+    sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (announced, sent))
+    return sock
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+def test_stalled_bodies_hold_what_they_announced_and_the_next_body_waits_for_room(http) -> None:
+    # Two bodies that never finish fill a budget of two bodies; a third request waits unread
+    # (not answered, not failed) and is served once one of them completes.
+    from tests.sidecar.harness import wait_until
+
+    limits = dataclasses.replace(LIMITS, max_body_bytes_in_flight=2048, http=http)
+    with _served(_echo, limits) as (port, server):
+        budget = _budget(server)
+        with _stall(port, 1024, b"a" * 10) as first, _stall(port, 1024, b"b" * 10):
+            wait_until(lambda: budget.taken == 2048, BOUND_S, "both bodies to take the budget")
+            with _stall(port, 3, b"abc") as third:
+                wait_until(lambda: budget.waiting == 1, BOUND_S, "the third body to wait")
+                assert budget.taken == 2048  # the stalled ones hold what they announced
+                third.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    third.recv(1)  # nothing answered while it waits
+                third.setblocking(True)
+                first.sendall(b"a" * 1014)
+                assert _read_response(first) == (200, b"a" * 1024)
+                assert _read_response(third) == (200, b"abc")
+                assert budget.waiting == 0
+        wait_until(lambda: budget.taken == 0, BOUND_S, "the closed stall to give its bytes back")
+
+
+async def _slow(scope, receive, send) -> None:  # noqa: ANN001
+    """Echoes the body, after ``_RELEASE`` is set when the body starts with b"hold"."""
+    if scope["type"] != "http":
+        return
+    body = (await receive())["body"]
+    while body.startswith(b"hold") and not _RELEASE.is_set():
+        await asyncio.sleep(0.005)  # a poll of a cross-thread event, not synchronisation
+    headers = [(b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+_RELEASE = threading.Event()
+
+
+def test_a_body_that_finds_no_room_within_the_body_timeout_is_503_busy() -> None:
+    from tests.sidecar.harness import wait_until
+
+    _RELEASE.clear()
+    limits = dataclasses.replace(LIMITS, max_body_bytes_in_flight=1024, body_timeout_s=0.5)
+    with _served(_slow, limits) as (port, server):
+        budget = _budget(server)
+        body = b"hold" + b"h" * 1020
+        with _stall(port, 1024, body) as holder:  # whole, and held while the app runs
+            wait_until(lambda: budget.taken == 1024, BOUND_S, "the holder to take the budget")
+            with _stall(port, 3, b"abc") as late:
+                status, raw = _read_response(late)
+            assert status == 503
+            error = msgspec.json.decode(raw, type=ErrorBody)
+            assert error.error == "Busy" and "at most 1024 bytes" in error.detail
+            _RELEASE.set()
+            assert _read_response(holder) == (200, body)
+        wait_until(lambda: budget.taken == 0, BOUND_S, "the bytes to come back")

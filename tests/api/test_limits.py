@@ -1,7 +1,7 @@
 """Limits at the edge of a real ``kvxferd serve``, on both HTTP parsers (httptools, h11): a
 flood of the peer port leaves the engine socket answering; oversized heads and bodies, and bodies
 or heads that never finish, are answered (or dropped) within their bound instead of pinning the
-server; JSON nested 1,000 deep is a 4xx."""
+server; the peer API's listeners share one body budget; JSON nested 1,000 deep is a 4xx."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from kvxferd.api.limits import (
 )
 from kvxferd.client import EngineClient
 from kvxferd.wire import ErrorBody
+from kvxferd.wire.frames import frame
 from tests.api.conftest import signed
-from tests.sidecar.harness import start_sidecar, wait_until
+from tests.sidecar.harness import metric, start_sidecar, wait_until
 
 LIMITS = {
     "KVXFERD_MAX_BODY_BYTES": "4096",
@@ -174,6 +175,39 @@ def test_requests_within_the_limits_are_served(limited):
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         status, raw = _answer(sock)
     assert status == 200 and raw.endswith(b'{"status":"ok"}')
+
+
+def test_the_peer_port_and_its_frames_port_share_one_body_budget(tmp_path):
+    """A stalled body on the peer port and a stalled frame on the framed peer port count in one
+    budget, shown on /metrics (the engine API's is apart); a third body waits for room, and is
+    served once one of them goes."""
+    env = {"KVXFERD_MAX_BODY_BYTES": "4096", "KVXFERD_MAX_HEADER_BYTES": "4096",
+           "KVXFERD_MAX_BODY_BYTES_IN_FLIGHT": "8192"}  # fmt: skip
+    sidecar = start_sidecar(str(tmp_path), "budget", env=env)
+    port = int(sidecar.peer.rpartition(":")[2])
+    frames_host, _, frames_port = sidecar.peer_frames.rpartition(":")
+
+    def held(api: str) -> float:
+        return metric(sidecar.peer, "kvxferd_request_body_bytes", api=api)
+
+    try:
+        with (
+            _connect(port) as body,
+            _connect(port) as third,
+            socket.create_connection((frames_host, int(frames_port)), timeout=BOUND_S) as framed,
+        ):
+            body.sendall(b"POST /v1/claims HTTP/1.1\r\nHost: x\r\nContent-Length: 4096\r\n\r\n{")
+            framed.sendall(frame(b"x" * 4096)[:100])
+            wait_until(lambda: held("peer") == 8192, BOUND_S, "both to take the peer budget")
+            assert held("engine") == 0
+            third.sendall(b"POST /v1/claims HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                          b"Content-Length: 2\r\n\r\n{}")  # fmt: skip
+            framed.close()  # its 4096 bytes go back: the third body gets in
+            status, _ = _answer(third)
+            assert status == 401  # read and handed to the app: unsigned
+        wait_until(lambda: held("peer") == 0, BOUND_S, "every byte given back")
+    finally:
+        sidecar.stop()
 
 
 # ------------------------------------------------------------------------------ connection flood
