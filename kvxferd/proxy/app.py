@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
@@ -45,6 +46,17 @@ from starlette.types import Receive
 from kvxferd.api.direct import DirectApp
 from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
 from kvxferd.lanes import ssl_context
+from kvxferd.proxy.bodies import (
+    Body,
+    BodyError,
+    decode_body,
+    encode,
+    parse,
+    prefill_body,
+    release_body,
+    streams,
+    transfer_params,
+)
 from kvxferd.proxy.clients import SLOTS, ClientSlots
 from kvxferd.proxy.failures import (
     AnswerTooLarge,
@@ -58,16 +70,6 @@ from kvxferd.proxy.routing import Backend, RoundRobin
 from kvxferd.proxy.transport import UNSENT, KeptBody, KeptTransport
 
 log = logging.getLogger(__name__)
-
-KV_TRANSFER_STUB: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-"""What a prefill is told: compute the prompt, keep the KV for a remote decode to read."""
 
 RELEASE_PATH = "/v1/kv/release"
 """Prefill route freeing the KV it holds for a decode that will not read it (kvxferd sim)."""
@@ -129,19 +131,6 @@ class ProxySettings:
         return max(self.generation_s, self.first_byte)
 
 
-def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
-    """The prefill's copy of a request: one token, no streaming, the transfer stub."""
-    out = dict(body)  # only top-level keys change; nested values are shared, never mutated
-    out["kv_transfer_params"] = dict(KV_TRANSFER_STUB)
-    out["stream"] = False
-    out["max_tokens"] = 1
-    if chat:
-        out["max_completion_tokens"] = 1
-    for key in ("stream_options", "min_tokens", "min_completion_tokens"):
-        out.pop(key, None)
-    return out
-
-
 def proxy_app(
     settings: ProxySettings, transport: httpx.AsyncBaseTransport | None = None
 ) -> DirectApp:
@@ -161,7 +150,7 @@ def proxy_app(
     urls: dict[str, httpx.URL] = {}  # bounded: backends x the five paths the proxy calls
 
     def backend_request(
-        method: str, url: str, body: Any = None, headers: dict[str, bytes] | None = None
+        method: str, url: str, body: Body | None = None, headers: dict[str, bytes] | None = None
     ) -> httpx.Request:
         """A request to a backend; ``body`` (if any) sent as JSON."""
         target = urls.get(url)
@@ -170,7 +159,7 @@ def proxy_app(
         out: dict[str, str | bytes] = dict(headers or {})
         content = None
         if body is not None:
-            content = _json_bytes(body)
+            content = encode(body)
             out["Content-Type"] = "application/json"
         return httpx.Request(
             method, target, content=content, headers=out, extensions={"timeout": timeouts}
@@ -191,11 +180,11 @@ def proxy_app(
         return True
 
     async def release(
-        client: httpx.AsyncBaseTransport, prefill: Backend, params: Any, headers: dict[str, bytes]
-    ) -> None:
+        client: httpx.AsyncBaseTransport, prefill: Backend, params: msgspec.Raw,
+        headers: dict[str, bytes],
+    ) -> None:  # fmt: skip
         """Ask ``prefill`` to free what it holds under ``params``: no decode will read it."""
-        ask = backend_request("POST", prefill.url + RELEASE_PATH,
-                              {"kv_transfer_params": params}, headers)  # fmt: skip
+        ask = backend_request("POST", prefill.url + RELEASE_PATH, release_body(params), headers)
         if await _release(client, ask, prefill, first_byte, idle, limit) == 404:
             no_release.add(prefill.url)
 
@@ -225,10 +214,10 @@ def proxy_app(
         """Release what a prefill's answer names once it has been read (nothing if it fails)."""
         try:
             resp, content = await answer
-            params = _transfer_params(content) if resp.status_code < 400 else None
-        except (*_BACKEND_ERRORS, ValueError):
+            params = transfer_params(content) if resp.status_code < 400 else None
+        except (*_BACKEND_ERRORS, BodyError):
             return
-        if isinstance(params, dict):
+        if params is not None:
             await release(client, prefill, params, headers)
 
     @contextlib.asynccontextmanager
@@ -266,13 +255,9 @@ def proxy_app(
         request: Request, path: str, chat: bool, client: httpx.AsyncBaseTransport
     ) -> Response:
         try:
-            body = json.loads(await request.body(), parse_constant=_no_constant)
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
-            return error_response(400, f"request body is not JSON: {exc}", "invalid_request_error")
-        if not isinstance(body, dict):
-            return error_response(
-                400, "request body must be a JSON object", "invalid_request_error"
-            )
+            body = parse(await request.body())
+        except BodyError as exc:
+            return error_response(400, f"request body {exc}", "invalid_request_error")
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         # Header values go on as the client's bytes (starlette decoded them as latin-1; httpx
         # would encode a str as ASCII and fail on any other byte).
@@ -292,10 +277,10 @@ def proxy_app(
         if p_resp.status_code >= 400:
             return _passthrough(p_resp.status_code, p_content, p_resp.headers, request_id)
         try:
-            params = _transfer_params(p_content)
-        except ValueError:
-            return bad_backend_reply(prefill, "answered a body that is not a JSON object")
-        if not isinstance(params, dict):
+            params = transfer_params(p_content)
+        except BodyError as exc:
+            return bad_backend_reply(prefill, f"answered a body that {exc}")
+        if params is None:
             return bad_backend_reply(
                 prefill, "answered without kv_transfer_params (is its KV connector configured?)"
             )
@@ -307,10 +292,8 @@ def proxy_app(
                 in_background(release(client, prefill, params, headers))
 
         decode = decodes.next()
-        d_body = dict(body)
-        d_body["kv_transfer_params"] = params
-        d_req = backend_request("POST", decode.url + path, d_body, headers)
-        wait = first_byte if body.get("stream") is True else generation
+        d_req = backend_request("POST", decode.url + path, decode_body(body, params), headers)
+        wait = first_byte if streams(body) else generation
         try:
             d_resp = await _send(client, d_req, wait)
         except _BACKEND_ERRORS as exc:
@@ -411,21 +394,6 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-def _json_bytes(body: Any) -> bytes:
-    """``body`` as compact UTF-8 JSON; a string with a lone surrogate (``"\\ud800"``, legal JSON
-    only escaped) sends the whole body ASCII-escaped."""
-    try:
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":"),
-                          allow_nan=False).encode()  # fmt: skip
-    except UnicodeEncodeError:
-        return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
-
-
-def _no_constant(name: str) -> Any:
-    """JSON has no NaN or Infinity; Python's parser would accept them and the forward fail."""
-    raise ValueError(f"{name} is not a JSON value")
-
-
 async def _call(
     client: httpx.AsyncBaseTransport, request: httpx.Request, first_byte: float, idle: float,
     limit: int,
@@ -475,15 +443,6 @@ async def _read_all(resp: httpx.Response, idle: float, limit: int) -> bytes:
         return await _read(resp, idle, limit)
     finally:
         await resp.aclose()
-
-
-def _transfer_params(content: bytes) -> Any:
-    """The ``kv_transfer_params`` of a prefill's answer (None if it has none); ValueError when
-    the answer is not a JSON object."""
-    try:
-        return json.loads(content, parse_constant=_no_constant).get("kv_transfer_params")
-    except (AttributeError, RecursionError) as exc:
-        raise ValueError("not a JSON object") from exc
 
 
 async def _chunks(resp: httpx.Response, idle: float) -> AsyncIterator[bytes]:

@@ -15,6 +15,7 @@ message), never timed; the texts are kept to check that all three ways produce t
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -22,7 +23,10 @@ import httpx
 import numpy as np
 
 from kvxferd.lanes import ssl_context
-from kvxferd.proxy.app import prefill_body
+from kvxferd.proxy.bodies import encode, parse, prefill_body
+
+JSON = {"Content-Type": "application/json"}
+"""The content type of a body sent as bytes."""
 
 MODES = ("proxy", "direct", "local")
 PATH = "/v1/completions"
@@ -137,7 +141,11 @@ async def _one(
         out = answer(await client.post(ep.decode + PATH, json=body, headers=headers), "local")
     elif mode == "direct":
         p = answer(
-            await client.post(ep.prefill + PATH, json=prefill_body(body, False), headers=headers),
+            await client.post(
+                ep.prefill + PATH,
+                content=encode(prefill_body(parse(json.dumps(body).encode()), False)),
+                headers={**headers, **JSON},
+            ),
             "direct prefill",
         )
         params = p.get("kv_transfer_params")

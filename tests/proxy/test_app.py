@@ -10,7 +10,7 @@ from collections.abc import Callable
 import openai
 import pytest
 
-from kvxferd.proxy.app import KV_TRANSFER_STUB
+from kvxferd.proxy.bodies import KV_TRANSFER_STUB
 from tests.proxy.fakes import (
     free_port,
     sse_events,
