@@ -411,12 +411,16 @@ class Store:
     def _runs(self, plan, eid, cached, by_spec, tokens, want):  # noqa: ANN001, ANN202
         """(section, bytes, spec, unit runs) of what the entry supplies under the plan; corrupt
         unless that is every unit (``want``) the plan takes from it, once, in units of the right
-        size (fail closed: a load never leaves a unit it planned unwritten)."""
-        runs, got = [], 0
+        size (fail closed: a load never leaves a unit it planned unwritten). A part has one
+        section: a repeat would count its units twice and let another part's go unwritten."""
+        runs, got, seen = [], 0, set()
         for sec, data in zip(cached.header.sections, cached.sections, strict=True):
             spec = by_spec.get((sec.layer, sec.part))
             if spec is None:
                 continue
+            if (sec.layer, sec.part) in seen:
+                self._corrupt(eid, f"section layer {sec.layer} {sec.part} repeated")
+            seen.add((sec.layer, sec.part))
             size = spec.row_bytes * (1 if tokens is None else tokens)
             units = unit_runs(plan, eid, spec, sec)
             if units and sec.unit_bytes != size:

@@ -227,3 +227,26 @@ def test_every_entry_a_writer_saves_is_within_a_readers_bound(tmp_path, preset, 
     assert files
     for f in files:
         assert f.stat().st_size <= bound[parse_filename(f.name).group_fp], f.name
+
+
+def test_entry_that_repeats_one_part_in_place_of_another_is_refused(tmp_path):
+    """Layer 0's V section replaced by a second copy of its K section: the unit count still
+    matches what the entry's name promises, but V would stay unwritten under a ``done`` load."""
+    m = plan(DENSE, blocks=6)
+    regions, ids = filled(m, TOKENS, SEED)
+    store(tmp_path, CHUNK).save(m, regions, ids, keys(TOKENS, CHUNK), TOKENS)
+    for f in tmp_path.rglob(f"*{SUFFIX}"):
+        data = f.read_bytes()
+        header, start = fmt.read_header(data, len(data))
+        secs, views, at = list(header.sections), [], start
+        for sec in secs:
+            views.append(data[at : at + sec.units * sec.unit_bytes])
+            at += sec.units * sec.unit_bytes
+        assert (secs[0].layer, secs[0].part, secs[1].part) == (secs[1].layer, "k", "v")
+        secs[1], views[1] = secs[0], views[0]
+        head = fmt.encode_head(msgspec.structs.replace(header, sections=secs))
+        f.write_bytes(head + b"".join(views))
+    s = store(tmp_path, CHUNK)
+    with pytest.raises(PullError) as err:
+        s.load(m, pool(m), block_ids(m, TOKENS), keys(TOKENS, CHUNK), TOKENS)
+    assert err.value.reason == "store_corrupt" and s.files.stats.corrupt == 1
