@@ -11,7 +11,9 @@ syncs each file before its rename, for directories shared with something that ne
 The file tier's byte bound is per process, over the files it knows: its own writes, what it
 found at start and what lookups discover; sidecars sharing a directory should split the budget.
 Only plain files are entries: a link, FIFO or directory under an entry's name is not counted
-or offered (a read that meets one drops it as corrupt; a link's target is never touched).
+or offered (a read that meets one drops it as corrupt; a link's target is never touched). Only
+real directories are the ``<key[:2]>`` subdirectories: one that is a link (to a place outside the
+store) is never read, written or deleted in, its prefix's saves fail as a write error.
 Beside the subdirectories the root holds ``.clock``, whose mtime the tier sets to tell the
 filesystem's time (lookups reuse a subdirectory's listing until its mtime moves past it).
 """
@@ -237,8 +239,10 @@ class FileTier:
         may be gone by the time it is read (a miss), never wrong: reads check every entry."""
         sub = key[:2]
         try:
-            st = os.stat(os.path.join(self._dir, sub))
+            st = os.lstat(os.path.join(self._dir, sub))
         except OSError:  # no such directory (nothing saved under this prefix), or unreadable
+            return []
+        if not stat.S_ISDIR(st.st_mode):  # a link (elsewhere) or a file: no entries of ours
             return []
         with self._lock:
             listing = self._listings.get(sub)
@@ -275,32 +279,47 @@ class FileTier:
         return out
 
     def has(self, eid: EntryId) -> bool:
-        """Whether the entry's file exists (a plain file: not a link to one)."""
+        """Whether the entry's file exists (a plain file in a real subdirectory, no link)."""
+        try:
+            if not stat.S_ISDIR(os.lstat(self.path(eid).parent).st_mode):
+                return False
+        except OSError:
+            return False
         return _is_plain(self.path(eid))
 
     def write(self, eid: EntryId, buffers: Sequence[bytes | memoryview]) -> bool:
         """Write the entry (temp + rename) unless present; False if it was not written."""
         size = sum(len(b) for b in buffers)
-        final = self.path(eid)
-        if size > self.capacity or _is_plain(final):
+        final, name = self.path(eid), eid.filename
+        if size > self.capacity:
             return False
-        tmp = final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP}")
+        tmp = f"{name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP}"
         try:
             final.parent.mkdir(exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
+            dfd = _open_dir(final.parent)
+        except OSError as exc:  # not a directory, or a link to one elsewhere
             return self._write_failed(final, exc)
         try:
+            if _is_plain(name, dfd):
+                return False
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dfd)
             try:
-                _write_all(fd, buffers)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)  # over a link or FIFO there: the name, never its target
+                try:
+                    _write_all(fd, buffers)
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                # over a link or FIFO there: the name, never its target
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dfd)
+                raise
         except OSError as exc:  # disk full, directory gone: the DRAM tier still has the entry
-            tmp.unlink(missing_ok=True)
             return self._write_failed(final, exc)
+        finally:
+            os.close(dfd)
         with self._lock:
             self._add(eid, size)
             self._changed(eid)
@@ -325,7 +344,12 @@ class FileTier:
         buf = None
         try:
             # Never through a link, never blocking on a FIFO: only a plain file is an entry.
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            dfd = _open_dir(path.parent)
+            try:
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                fd = os.open(eid.filename, flags, dir_fd=dfd)
+            finally:
+                os.close(dfd)
             try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
@@ -405,7 +429,9 @@ class FileTier:
         clock = self._clock()
         path = os.path.join(self._dir, sub)
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode):  # replaced by a link since writers() looked
+                raise NotADirectoryError(path)
             names = os.listdir(path)
         except OSError:
             with self._lock:
@@ -471,21 +497,39 @@ class FileTier:
             self.stats.evictions += 1
 
 
-def _is_plain(path: Path) -> bool:
+def _is_plain(path: Path | str, dir_fd: int | None = None) -> bool:
     """Whether ``path`` is a plain file (not through a link)."""
     try:
-        return stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode)
+        return stat.S_ISREG(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     except OSError:
         return False
 
 
+def _open_dir(path: Path) -> int:
+    """A descriptor of the subdirectory ``path`` itself: ELOOP (OSError) where it is a link, so
+    the names under it are opened, renamed and removed only inside the store."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
 def _unlink(path: Path) -> None:
-    """Remove an entry's name (a link: the link, not its target); one that cannot be (a
-    directory) is logged and left: lookups never offer it."""
+    """Remove an entry's name (a link: the link, not its target; under a subdirectory that is
+    a link: nothing); one that cannot be (a directory) is logged and left: lookups never
+    offer it."""
     try:
-        path.unlink(missing_ok=True)
+        dfd = _open_dir(path.parent)
+    except FileNotFoundError:
+        return
     except OSError as exc:
         log.warning("store file %s not removed: %s", path, exc)
+        return
+    try:
+        os.unlink(path.name, dir_fd=dfd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("store file %s not removed: %s", path, exc)
+    finally:
+        os.close(dfd)
 
 
 def _write_all(fd: int, buffers: Sequence[bytes | memoryview]) -> None:

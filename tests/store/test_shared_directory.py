@@ -235,3 +235,27 @@ def test_a_directory_under_an_entry_name_is_corrupt_when_read_left_by_drop_and_n
         tier.read(_eid(0), POOL.take, max_size=1 << 20)
     tier.drop(_eid(0), corrupt=True)  # cannot be removed: logged, not raised into the load
     assert path.is_dir() and tier.writers(_eid(0).key, FP) == [] and not tier.has(_eid(0))
+
+
+def test_a_subdirectory_that_is_a_link_is_never_written_read_or_deleted_in(tmp_path):
+    """``root/ab`` a link to a directory elsewhere, made before the tier looks or swapped in
+    after a lookup offered its entry: an engine's key starting ``ab`` reaches nothing there."""
+    root, elsewhere, moved = tmp_path / "store", tmp_path / "elsewhere", tmp_path / "moved"
+    elsewhere.mkdir()
+    theirs = elsewhere / _eid(0).filename
+    theirs.write_bytes(b"someone's file")
+    tier = FileTier(root, capacity=1 << 40)
+    (root / "ab").symlink_to(elsewhere)
+    assert not tier.write(_eid(1), [b"an entry"]) and tier.stats.write_errors == 1
+    assert sorted(os.listdir(elsewhere)) == [theirs.name]
+    assert tier.writers(_eid(0).key, FP) == [] and not tier.has(_eid(0))
+    assert tier.read(_eid(0), POOL.take, max_size=1 << 20) is None
+    tier.drop(_eid(0), corrupt=True)
+    assert theirs.read_bytes() == b"someone's file"
+    (root / "ab").unlink()
+    assert tier.write(_eid(0), [b"ours"]) and tier.writers(_eid(0).key, FP) == [_eid(0)]
+    (root / "ab").rename(moved)
+    (root / "ab").symlink_to(moved)
+    assert tier.read(_eid(0), POOL.take, max_size=1 << 20) is None
+    tier.drop(_eid(0), corrupt=True)
+    assert (moved / _eid(0).filename).read_bytes() == b"ours"
