@@ -336,10 +336,11 @@ class FileTier:
         self, eid: EntryId, alloc: Callable[[int], Buffer], max_size: int
     ) -> tuple[Buffer, int] | None:
         """The file's bytes in a buffer from ``alloc`` and how many there are (the mtime is
-        refreshed: LRU across restarts), None if the file is gone or unreadable. CorruptEntry,
-        with nothing allocated, for a file over ``max_size`` (more than any entry of its group
-        holds: a foreign or grown file must not size our memory) and for anything but a plain
-        file under the entry's name (a link, a FIFO, a directory: the caller drops it)."""
+        refreshed where it can be: LRU across restarts), None if the file is gone or
+        unreadable. CorruptEntry, with nothing allocated, for a file over ``max_size`` (more
+        than any entry of its group holds: a foreign or grown file must not size our memory)
+        and for anything but a plain file under the entry's name (a link, a FIFO, a directory:
+        the caller drops it)."""
         path = self.path(eid)
         buf = None
         try:
@@ -366,7 +367,8 @@ class FileTier:
                     if not n:
                         break
                     got += n
-                os.utime(fd)
+                with contextlib.suppress(OSError):  # read-only, not ours: a hint, not needed
+                    os.utime(fd)
             finally:
                 os.close(fd)
         except FileNotFoundError:

@@ -6,6 +6,7 @@ wrong bytes, and only plain files are entries (a link's target is never counted 
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
 import pytest
@@ -259,3 +260,20 @@ def test_a_subdirectory_that_is_a_link_is_never_written_read_or_deleted_in(tmp_p
     assert tier.read(_eid(0), POOL.take, max_size=1 << 20) is None
     tier.drop(_eid(0), corrupt=True)
     assert (moved / _eid(0).filename).read_bytes() == b"ours"
+
+
+def test_an_entry_whose_time_cannot_be_set_still_loads(tmp_path):
+    """A file the tier may read but not touch (a read-only mount, another's file; here an
+    immutable one, which refuses even root) is served: its mtime is only an LRU hint."""
+    m, files = _saved(tmp_path)
+    if subprocess.run(["chattr", "+i", *map(str, files)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here")
+    try:
+        with pytest.raises(PermissionError):
+            os.utime(files[0])
+        s = store(tmp_path, CHUNK, dram=0)
+        regions, ids = pool(m), block_ids(m, TOKENS)
+        assert s.load(m, regions, ids, keys(TOKENS, CHUNK), TOKENS).file_bytes > 0
+        assert verify_pattern(m, regions, ids, SEED) is None
+    finally:
+        subprocess.run(["chattr", "-i", *map(str, files)], check=True)
