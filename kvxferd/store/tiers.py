@@ -13,7 +13,8 @@ found at start and what lookups discover; sidecars sharing a directory should sp
 Only plain files are entries: a link, FIFO or directory under an entry's name is not counted
 or offered (a read that meets one drops it as corrupt; a link's target is never touched). Only
 real directories are the ``<key[:2]>`` subdirectories: one that is a link (to a place outside the
-store) is never read, written or deleted in, its prefix's saves fail as a write error.
+store) is never read, written or deleted in, its prefix's saves fail as a write error. The
+directories the tier makes are 0700 and its files 0600: entry names are prompt-prefix hashes.
 Beside the subdirectories the root holds ``.clock``, whose mtime the tier sets to tell the
 filesystem's time (lookups reuse a subdirectory's listing until its mtime moves past it).
 """
@@ -226,7 +227,7 @@ class FileTier:
         self._dir = os.fspath(self.root)  # the lookups' paths as str: pathlib costs ~5 us each
         self._clock_read: tuple[float, tuple[int, int]] | None = None  # (monotonic, _clock())
         self._lock = threading.Lock()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._scan()
 
     def path(self, eid: EntryId) -> Path:
@@ -295,7 +296,7 @@ class FileTier:
             return False
         tmp = f"{name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP}"
         try:
-            final.parent.mkdir(exist_ok=True)
+            final.parent.mkdir(mode=0o700, exist_ok=True)
             dfd = _open_dir(final.parent)
         except OSError as exc:  # not a directory, or a link to one elsewhere
             return self._write_failed(final, exc)

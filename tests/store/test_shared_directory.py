@@ -277,3 +277,16 @@ def test_an_entry_whose_time_cannot_be_set_still_loads(tmp_path):
         assert verify_pattern(m, regions, ids, SEED) is None
     finally:
         subprocess.run(["chattr", "-i", *map(str, files)], check=True)
+
+
+def test_the_directories_a_tier_makes_are_its_owners_alone(tmp_path):
+    """Entry names are prompt-prefix hashes: listable by anyone, they tell which prompts were
+    served (the files themselves are 0600 already)."""
+    old = os.umask(0o022)
+    try:
+        tier = FileTier(tmp_path / "store", capacity=1 << 20)
+        assert tier.write(_eid(0), [b"an entry"])
+    finally:
+        os.umask(old)
+    for made in (tmp_path / "store", tmp_path / "store" / "ab"):
+        assert made.stat().st_mode & 0o077 == 0, oct(made.stat().st_mode)
