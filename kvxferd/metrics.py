@@ -108,6 +108,12 @@ class Metrics:
             ["path"],
             registry=r,
         )
+        self.notification_polls_failed = Counter(
+            "kvxferd_notification_polls_failed",
+            "Reads of NIXL notifications that failed (a sender's agent name not UTF-8): the "
+            "notifications read with it are lost, their holds end with their claims or leases",
+            registry=r,
+        )
         self.fabric_transports = Gauge(
             "kvxferd_fabric_transport",
             "UCX transports seen (1), by lane (reads, messages), endpoint kind and transport kind",

@@ -79,7 +79,8 @@ class NotificationPoller:
         """Read notifications once and release what they name; whether any arrived."""
         try:
             notifs = self.agent.get_notifs()
-        except KvxferdError as exc:
+        except KvxferdError as exc:  # e.g. a sender's name NIXL cannot decode: polling goes on
+            self.metrics.notification_polls_failed.inc()
             log.warning("reading notifications failed: %s", exc)
             return False
         for reader, messages in notifs.items():

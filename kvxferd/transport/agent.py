@@ -390,7 +390,13 @@ class Agent:
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, keyed by the sender's agent name."""
         with nixl_errors("get notifs", self.name):
-            raw = self._live_nx().get_new_notifs()
+            try:
+                raw = self._live_nx().get_new_notifs()
+            except UnicodeDecodeError as exc:  # the bindings decode sender names as UTF-8
+                raise TransportError(
+                    f"get notifs ({self.name}): a sender's agent name is not UTF-8; NIXL "
+                    f"dropped the notifications read with it [{exc}]"
+                ) from exc
         return {
             (k.decode() if isinstance(k, bytes) else str(k)): [bytes(m) for m in v]
             for k, v in raw.items()
