@@ -233,7 +233,14 @@ class Agent:
                 raw = nx.add_remote_agent(metadata)
         except DescriptorError as exc:  # NIXL could not deserialise it
             raise HandshakeError(f"peer metadata ({len(metadata)} B) is unusable: {exc}") from exc
-        name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        try:
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        except UnicodeDecodeError:  # NIXL takes any bytes as a name; we name peers in text
+            with nixl_errors("remove remote", f"{raw[:64]!r}"):
+                nx.remove_remote_agent(raw)  # else each try would leave it loaded
+            raise HandshakeError(
+                f"peer metadata ({len(metadata)} B) names its agent {raw[:64]!r}, not UTF-8"
+            ) from None
         with self._lock:
             self._release_prepped_of(name)
             self._remotes.add(name)

@@ -265,3 +265,16 @@ def test_killed_peer_surfaces_as_peer_disconnected(own_peer, dst, agent):
     assert agent.live_handles().transfers == 0
     agent.remove_remote(own_peer.name)
     assert agent.live_handles().remotes == 0
+
+
+def test_a_peer_whose_agent_name_is_not_utf8_is_a_handshake_error_and_not_kept_loaded(agent):
+    """NIXL takes any bytes as a name, we name peers in text: such metadata (a hostile handshake
+    answer) is refused, and NIXL keeps nothing of it (no endpoint left behind per try)."""
+    name = b"stranger-\xff\xfe"
+    with Agent(name, progress_thread=False) as stranger:  # type: ignore[arg-type]
+        for _ in range(2):
+            with pytest.raises(HandshakeError, match="not UTF-8"):
+                agent.add_remote(stranger.get_agent_metadata())
+    assert agent.live_handles().remotes == 0
+    with pytest.raises(TransportLookupError):
+        agent.send_notif(name, b"x")  # type: ignore[arg-type]
