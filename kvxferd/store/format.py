@@ -111,13 +111,14 @@ def read_header(prefix_and_more: bytes | memoryview, size: int) -> tuple[Header,
 
 
 def sections(header: Header, payload: memoryview) -> list[memoryview]:
-    """Each section's bytes (checked against its CRC; CorruptEntry on a mismatch)."""
+    """Each section's bytes (checked against its CRC; CorruptEntry on a mismatch, naming the
+    section by its place: its part name is the file's text, unchecked, and goes into logs)."""
     out, at = [], 0
-    for s in header.sections:
+    for i, s in enumerate(header.sections):
         n = s.units * s.unit_bytes
         view = payload[at : at + n]
         if len(view) != n or zlib.crc32(view) != s.crc:
-            raise CorruptEntry(f"section layer {s.layer} {s.part} checksum")
+            raise CorruptEntry(f"section {i} (layer {s.layer}) checksum")
         out.append(view)
         at += n
     return out

@@ -250,3 +250,20 @@ def test_entry_that_repeats_one_part_in_place_of_another_is_refused(tmp_path):
     with pytest.raises(PullError) as err:
         s.load(m, pool(m), block_ids(m, TOKENS), keys(TOKENS, CHUNK), TOKENS)
     assert err.value.reason == "store_corrupt" and s.files.stats.corrupt == 1
+
+
+def test_a_failed_checksum_names_no_text_from_the_file(tmp_path, saved):
+    """A part name read from a damaged or foreign header never reaches the load's answer and
+    the log as it is (a line of its own there): the section is named by its place."""
+    m, files = saved
+    for f in files:
+        data = f.read_bytes()
+        header, start = fmt.read_header(data, len(data))
+        bad = [msgspec.structs.replace(s, part="k\nERROR forged line", crc=s.crc ^ 1)
+               for s in header.sections]  # fmt: skip
+        f.write_bytes(fmt.encode_head(msgspec.structs.replace(header, sections=bad)) +
+                      data[start:])  # fmt: skip
+    with pytest.raises(PullError) as err:
+        store(tmp_path, CHUNK).load(m, pool(m), block_ids(m, TOKENS), keys(TOKENS, CHUNK), TOKENS)
+    assert err.value.reason == "store_corrupt"
+    assert "\n" not in err.value.detail and "forged" not in err.value.detail, err.value.detail
