@@ -220,6 +220,8 @@ def _check_groups(m: Manifest) -> None:
             raise _fail(f"{f}.kernel_block_size", "mamba blocks are never split")
         if (g.sliding_window is not None) != (g.kind == "sliding_window"):
             raise _fail(f"{f}.sliding_window", f"{g.sliding_window!r} for a {g.kind} group")
+        if g.sliding_window is not None and g.sliding_window < 1:  # the store needs a window
+            raise _fail(f"{f}.sliding_window", f"{g.sliding_window} < 1 token")
         if not g.layers:
             raise _fail(f"{f}.layers", "empty group")
         for li, layer in enumerate(g.layers):

@@ -153,6 +153,15 @@ def test_sliding_window_only_on_sliding_groups():
     assert field_of(with_group(m, 0, sliding_window=None)) == "groups[0].sliding_window"
 
 
+@pytest.mark.parametrize("window", [0, -16])
+def test_sliding_window_is_at_least_one_token(window):
+    """A window of no tokens was registered, then every store lookup and load of the engine
+    crashed in a 500 (StopIteration looking for the window's first chunk)."""
+    m = plan("gpt-oss-20b")
+    assert m.groups[0].kind == "sliding_window"
+    assert field_of(with_group(m, 0, sliding_window=window)) == "groups[0].sliding_window"
+
+
 def test_groups_sharing_a_kv_first_region_need_the_same_geometry():
     m = plan("gpt-oss-20b")
     layer = m.groups[1].layers[0]
