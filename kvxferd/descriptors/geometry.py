@@ -16,6 +16,7 @@ from kvxferd.errors import BlockIdError, ManifestError
 from kvxferd.wire import AttentionLayer, Group, Layer, MambaLayer, Manifest, Part
 
 Family = Literal["attention", "mamba"]
+_MAX_INT64 = (1 << 63) - 1
 
 
 def family(group: Group) -> Family:
@@ -83,6 +84,9 @@ def check_geometry(manifest: Manifest) -> None:
                     raise ManifestError(f"{pf}.unit_stride", "TP units overlap")
                 if p.offset < 0 or p.block_stride < 0:
                     raise ManifestError(pf, "offset and block_stride must not be negative")
+                if max(p.offset, p.block_stride, p.unit_stride, p.row_stride) > _MAX_INT64:
+                    # one a bound below never sees (it multiplies 0): descriptors are int64
+                    raise ManifestError(pf, "offset and strides must be below 2**63")
                 if p.rows < 1 or (p.rows > 1 and p.row_stride < p.unit_bytes):
                     raise ManifestError(f"{pf}.rows", "rows must be positive and not overlap")
                 end = p.offset + (units - 1) * p.block_stride + (p.units - 1) * p.unit_stride

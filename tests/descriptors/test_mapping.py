@@ -170,6 +170,27 @@ def test_part_outside_its_region_is_a_manifest_error():
     assert exc.value.field == "groups[0].layers[1].v"
 
 
+@pytest.mark.parametrize("stride", ["block_stride", "row_stride"])
+def test_a_peer_stride_past_int64_is_a_manifest_error_not_an_overflow(stride):
+    """A stride that multiplies only 0 (one block unit, one row) never meets the region bounds:
+    a peer's 2**64 - 1 there passed the handshake, then every pull from it failed with an
+    OverflowError building its int64 descriptors."""
+    m = render(hybrid_spec())
+    one = render(hybrid_spec(), num_blocks=1)
+    g = next(i for i, group in enumerate(one.groups) if group.kind == "mamba")  # 1 unit a block
+    layer = one.groups[g].layers[0]
+    assert layer.ssm.rows == 1
+    bad_ssm = msgspec.structs.replace(layer.ssm, **{stride: (1 << 64) - 1})
+    layers = [msgspec.structs.replace(layer, ssm=bad_ssm), *one.groups[g].layers[1:]]
+    groups = list(one.groups)
+    groups[g] = msgspec.structs.replace(groups[g], layers=layers)
+    bad = msgspec.structs.replace(one, groups=groups)
+    for call in (lambda: compare_manifests(m, bad), lambda: read_geometry(m, bad)):
+        with pytest.raises(ManifestError) as exc:
+            call()
+        assert exc.value.field == f"remote.groups[{g}].layers[0].ssm"
+
+
 def test_cached_peer_geometry_plans_like_plan_read():
     from kvxferd.descriptors import read_geometry
 
