@@ -96,6 +96,8 @@ def parse_header(value: str) -> dict[str, str]:
         low, high = _LENGTHS[match[1]]
         if not low <= len(match[2]) <= high:
             raise AuthError(f"Authorization: {match[1]} has the wrong length")
+        if match[1] == "ts" and not match[2].isdigit():  # the others are hex
+            raise AuthError("Authorization: ts must be decimal Unix seconds")
         params[match[1]] = match[2]
     if len(params) != len(_LENGTHS):
         raise AuthError("Authorization: key, ts, nonce and sig are all required")

@@ -205,6 +205,21 @@ def test_peer_api_refuses_unsigned_or_wrongly_signed_calls(pair):
     assert httpx.get(base + "/healthz", timeout=10).status_code == 200
 
 
+def test_a_signature_whose_time_is_not_decimal_is_a_401_and_nothing_unexpected(pair):
+    """Our key id travels in clear in every signed call: a header under it whose ``ts`` is hex
+    letters is refused as malformed (401), not answered 500 as an unexpected error."""
+    p, _ = pair
+    base = f"http://{p.sidecar.peer}"
+    for path in ("/v1/handshake", "/v1/claims", "/v1/heartbeat", "/v1/decline"):
+        good = sign_request(PeerKeys.of(TOKEN), "POST", path, b"{}")
+        bad = good.replace(good.split("ts=")[1].split(",")[0], "abc", 1)
+        assert "ts=abc," in bad
+        resp = httpx.post(base + path, content=b"{}", headers={"Authorization": bad}, timeout=10)
+        assert resp.status_code == 401, (path, resp.text)
+        assert resp.json()["error"] == "AuthError" and "ts" in resp.json()["detail"]
+    assert httpx.get(base + "/healthz", timeout=10).status_code == 200
+
+
 def test_decode_side_signing_with_another_secret_fails_auth(pair, tmp_path):
     """The stranger accepts the prefill's tickets (our secret is its second one) but signs with
     a secret the prefill does not know: the prefill refuses its handshake."""

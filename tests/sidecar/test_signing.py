@@ -109,6 +109,19 @@ def test_a_foreign_key_or_a_malformed_header_is_refused():
             v.verify("POST", "/v1/heartbeat", BODY, bad)
 
 
+def test_a_time_that_is_not_decimal_is_refused_as_malformed():
+    """The header's digits are hex for every parameter but ``ts``: a ts of hex letters under
+    our key id (it travels in clear) is an AuthError, not a ValueError (a 500, logged)."""
+    v, clock = verifier()
+    good = header(clock)
+    bad = good.replace(f"ts={int(clock.t)}", "ts=abc")
+    assert bad != good
+    with pytest.raises(AuthError, match="ts"):
+        parse_header(bad)
+    with pytest.raises(AuthError, match="ts"):
+        v.verify("POST", "/v1/heartbeat", BODY, bad)
+
+
 def test_during_a_rollover_both_keys_verify_and_only_the_current_one_signs():
     old, new = "old-secret", "new-secret"
     moved = PeerKeys.of(new, old)
