@@ -66,6 +66,7 @@ from kvxferd.wire import (
     UnregisterRequest,
 )
 from kvxferd.wire.frames import NIL
+from kvxferd.wire.store import STORE_SAVE_DEADLINE_S
 
 T = TypeVar("T")
 _BASE = "http://kvxferd"
@@ -218,8 +219,7 @@ def _pull_status(pull_id: str, wait_s: float) -> _Call:
                  timeout_s=wait_s + _POLL_MARGIN_S, lean=True)  # fmt: skip
 
 
-def _run_pull(req: PullRequest) -> _Call:
-    # The sidecar answers by the pull's deadline plus the settle bound of its READs.
+def _run_pull(req: PullRequest) -> _Call:  # answered by its deadline + its READs' settling
     return _Call("POST", "/v1/pulls/run", PullStatus, req,
                  timeout_s=req.deadline_s + _RUN_MARGIN_S, lean=True)  # fmt: skip
 
@@ -256,16 +256,16 @@ def _released(cursor: int, limit: int | None = None) -> _Call:
     return _Call("GET", "/v1/released", ReleasedHolds, params=params, lean=True)
 
 
-def _store_save(req: StoreSaveRequest) -> _Call:
-    return _Call("POST", "/v1/store/save", StoreSaved, req, lean=True)
+def _store_save(req: StoreSaveRequest) -> _Call:  # answered by its deadline + the last writes
+    return _Call("POST", "/v1/store/save", StoreSaved, req, lean=True,
+                 timeout_s=STORE_SAVE_DEADLINE_S + _RUN_MARGIN_S)  # fmt: skip
 
 
 def _store_lookup(req: StoreLookupRequest) -> _Call:
     return _Call("POST", "/v1/store/lookup", StoreLookup, req, lean=True)
 
 
-def _store_load(req: StoreLoadRequest) -> _Call:
-    # The sidecar answers by the load's deadline plus the chunk being written then.
+def _store_load(req: StoreLoadRequest) -> _Call:  # answered by its deadline + a chunk's copy
     return _Call("POST", "/v1/store/load", StoreLoadStatus, req, lean=True,
                  timeout_s=req.deadline_s + _RUN_MARGIN_S)  # fmt: skip
 

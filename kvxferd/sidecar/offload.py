@@ -34,6 +34,7 @@ from kvxferd.wire import (
     StoreSaved,
     StoreSaveRequest,
 )
+from kvxferd.wire.store import STORE_SAVE_DEADLINE_S
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,9 @@ class Offload:
 
     async def save(self, req: StoreSaveRequest) -> StoreSaved:
         """Copy a request's blocks (or a live hold's) into the store; entries already there are
-        skipped."""
+        skipped. Nothing is copied past STORE_SAVE_DEADLINE_S from now: the engine frees the
+        blocks once its client gives up, a margin later."""
+        stop_at = time.monotonic() + STORE_SAVE_DEADLINE_S
         store, (manifest, regions) = self._require(), self._target(req.generation)
         block_ids, num_tokens, pinned = req.block_ids, req.num_tokens, None
         if req.hold_id:
@@ -125,7 +128,11 @@ class Offload:
         out = await asyncio.shield(self._track(
             threading.Event(), store.save, manifest, regions, block_ids, req.keys, num_tokens,
             self._guard, pinned,  # a hold let go during a copy: that entry is not kept
+            stop_at,
         ))  # fmt: skip
+        if out.late:
+            log.warning("store save %s stopped at its %g s deadline after %d entries",
+                        req.request_id, STORE_SAVE_DEADLINE_S, out.chunks_saved)  # fmt: skip
         self.metrics.store_bytes.labels("dram", "save").inc(out.dram_bytes)
         self.metrics.store_bytes.labels("file", "save").inc(out.file_bytes)
         self._sync_tiers()

@@ -69,6 +69,8 @@ class SaveOutcome:
     dram_bytes: int = 0
     file_bytes: int = 0
     duration_s: float = 0.0
+    late: bool = False
+    """The save passed ``stop_at`` and stopped copying (the entries it stored are kept)."""
 
 
 @dataclass
@@ -127,12 +129,14 @@ class Store:
         num_tokens: int,
         guard: Callable[[], None] | None = None,
         kept: Callable[[], None] | None = None,
+        stop_at: float | None = None,
     ) -> SaveOutcome:
         """Store every chunk of every group the request's blocks hold (present ones skipped).
         ``guard`` runs before each entry is copied out of ``regions`` and raises to stop the
         save (the sidecar's: a region's segment was truncated under it); ``kept`` runs after
         each copy and raises to drop that entry and stop (the blocks may have changed under it:
-        the hold that pinned them was let go)."""
+        the hold that pinned them was let go). Past ``stop_at`` (``time.monotonic()``, checked
+        just before each copy) nothing more is copied: the caller may have freed the blocks."""
         t0 = time.perf_counter()
         ids = self._check(manifest, block_ids, keys, num_tokens)
         out = SaveOutcome()
@@ -164,6 +168,9 @@ class Store:
                         break  # a missing block ends what this group can save
                 if guard is not None:
                     guard()
+                if stop_at is not None and time.monotonic() > stop_at:
+                    out.late = True
+                    break
                 cached = self._gather(manifest, regions, g, specs, eid, c, e - s, tm, ids[g], out)
                 if kept is not None:
                     try:
@@ -177,6 +184,8 @@ class Store:
                     out.file_bytes += writes.popleft().result()
                 writes.append(self._io.submit(self._write, eid, cached))  # owns our reference
                 out.chunks_saved += 1
+            if out.late:
+                break
         while writes:
             out.file_bytes += writes.popleft().result()
         out.duration_s = time.perf_counter() - t0

@@ -17,6 +17,10 @@ StoreKey = Annotated[str, msgspec.Meta(max_length=STORE_KEY_HEX, pattern=STORE_K
 """A chunk key: 32 lowercase hex digits."""
 StoreKeys = Annotated[list[StoreKey], msgspec.Meta(max_length=MAX_TOKENS)]
 """A prompt's chunk keys: at most MAX_TOKENS (one chunk a token, the smallest chunk)."""
+STORE_SAVE_DEADLINE_S = 30.0
+"""A sidecar copies no entry out of a save's blocks past this many seconds after the call came
+(it answers what it stored by then); clients wait longer, so none is copied from blocks an engine
+freed and reused after giving up on the save."""
 
 
 class StoreSaveRequest(_Strict, kw_only=True):

@@ -5,14 +5,17 @@ id lists and token count are bounded as a hold's, before any id is looked at."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvxferd import client as client_mod
 from kvxferd.config import Config
 from kvxferd.errors import BlockIdError, ConfigError, HoldExpiredError, StoreError
 from kvxferd.metrics import Metrics
-from kvxferd.pattern import verify_pattern
+from kvxferd.pattern import verify_pattern, write_pattern
+from kvxferd.sidecar import offload as offload_mod
 from kvxferd.sidecar.offload import Offload
 from kvxferd.store import chunk_keys
 from kvxferd.wire import (
@@ -22,6 +25,7 @@ from kvxferd.wire import (
     StoreLookupRequest,
     StoreSaveRequest,
 )
+from kvxferd.wire.store import STORE_SAVE_DEADLINE_S
 from tests.store.helpers import DENSE, MAMBA2, block_ids, filled, plan, pool
 
 SEED, CHUNK = 11, 64
@@ -176,3 +180,45 @@ def test_a_lookup_past_max_tokens_is_refused_naming_num_tokens(tmp_path):
     lookup = asyncio.run(off.lookup(StoreLookupRequest(keys=keys, num_tokens=MAX_TOKENS)))
     assert lookup.matched == 0
     off.close()
+
+
+def test_a_save_copies_nothing_once_its_client_may_have_given_up(tmp_path, monkeypatch):
+    """A client gives up on a save STORE_SAVE_DEADLINE_S + a margin after sending it, and the
+    engine then frees and reuses the blocks: an entry copied after that would keep another
+    request's bytes under this one's keys. The save stops copying at its deadline and answers
+    what it stored; every stored byte is the request's."""
+    monkeypatch.setattr(offload_mod, "STORE_SAVE_DEADLINE_S", 1.0)
+    m = plan(DENSE, blocks=24)
+    tokens = 2 * CHUNK
+    regions, ids = filled(m, tokens, SEED)
+    target, calls = {"regions": regions}, []
+
+    def slow_then_reused() -> None:  # before each entry's copy
+        calls.append(time.monotonic())
+        if len(calls) == 2:  # a disk slow enough to outlast the client, then the reuse
+            while time.monotonic() - calls[0] <= 1.0:
+                pass
+            write_pattern(m, regions, ids, SEED + 1)
+
+    cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK)
+    off = Offload(cfg, Metrics(CollectorRegistry()), lambda _: (m, target["regions"]),
+                  guard=slow_then_reused)  # fmt: skip
+    keys = chunk_keys(list(range(tokens)), CHUNK)
+    saved = asyncio.run(off.save(StoreSaveRequest(request_id="r", keys=keys, block_ids=ids,
+                                                  num_tokens=tokens)))  # fmt: skip
+    hit = asyncio.run(off.lookup(StoreLookupRequest(keys=keys, num_tokens=tokens)))
+    assert hit.matched < tokens and saved.chunks_saved == hit.matched // CHUNK
+    dst = block_ids(m, hit.matched)
+    target["regions"] = back = pool(m)
+    if hit.matched:
+        load = StoreLoadRequest(keys=keys[: hit.matched // CHUNK], block_ids=dst,
+                                num_tokens=hit.matched)  # fmt: skip
+        assert asyncio.run(off.load(load)).state == "done"
+        assert verify_pattern(m, back, dst, SEED) is None
+    off.close()
+
+
+def test_a_client_waits_for_a_save_past_the_sidecars_save_deadline():
+    """What makes the deadline above safe: the engine frees the blocks only after its wait."""
+    req = StoreSaveRequest(request_id="r", keys=[], block_ids=[], num_tokens=0)
+    assert client_mod._store_save(req).timeout_s > STORE_SAVE_DEADLINE_S + 1.0
