@@ -359,8 +359,10 @@ outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
   the readers that claimed the hold, by NIXL notification once all expected readers have
   notified (a notification from an agent that did not claim is counted as unknown and ignored;
   a reader notifies only after its claim answered),
-  and a decode side that declines with a valid ticket whose block ids are the hold's, as long as
-  no reader has claimed it (a claimed hold is reported `busy` and left to its readers).
+  and a decode side that declines with a valid ticket of this engine epoch and registration
+  generation whose block ids and request are the hold's (else `missing`, as a claim would be
+  refused), as long as no reader has claimed it (a claimed hold is reported `busy` and left to
+  its readers).
 - **What the data plane trusts.** NIXL/UCX itself authenticates nothing: an agent that holds a
   sidecar's agent metadata (its address and memory keys, which the handshake answer carries in
   clear) can READ and WRITE that sidecar's registered memory and send it notifications under any

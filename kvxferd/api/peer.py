@@ -91,8 +91,9 @@ async def decline(sidecar: Sidecar, req: DeclineRequest) -> DeclineResponse:
     """Release holds whose decode side will not read them (reason ``declined``).
 
     Every ticket's HMAC is checked (401 naming ``tickets[i].token``). A hold is released only
-    when it is live, belongs to this engine epoch and has the ticket's block ids (else
-    ``missing``), and no reader has claimed it (else ``busy``: left to notifications or expiry).
+    when it is live, belongs to this engine epoch and registration generation and has the
+    ticket's block ids and request (else ``missing``), and no reader has claimed it (else
+    ``busy``: left to notifications or expiry).
     """
     return sidecar.accept_decline(req)
 

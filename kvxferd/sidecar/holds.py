@@ -473,13 +473,16 @@ class HoldTable:
         return self._release(hold, reason, now)
 
     def decline(
-        self, hold_id: str, block_ids: list[list[int]], now: float | None = None
-    ) -> DeclineOutcome:
-        """Release a hold its decode side will not read (``declined``), if ``block_ids`` are
-        the hold's and no reader has claimed it."""
+        self, hold_id: str, block_ids: list[list[int]], request_id: str | None = None,
+        now: float | None = None,
+    ) -> DeclineOutcome:  # fmt: skip
+        """Release a hold its decode side will not read (``declined``), if ``block_ids`` (and
+        ``request_id``, when given) are the hold's and no reader has claimed it."""
         now = self._now(now)
         hold = self._holds.get(hold_id)
         if hold is None or self._expire_if_due(hold, now) or hold.block_ids != block_ids:
+            return DeclineOutcome.MISSING
+        if request_id is not None and request_id != hold.request_id:
             return DeclineOutcome.MISSING
         if hold.state is HoldState.CLAIMED:
             return DeclineOutcome.BUSY

@@ -446,15 +446,18 @@ class Sidecar:
     def accept_decline(self, req: DeclineRequest) -> DeclineResponse:
         """Release holds a decode side will not read (``declined``). Every ticket's MAC is
         checked first (401 naming it); a ticket whose hold is gone, belongs to another engine
-        epoch or has other block ids is ``missing``; a claimed hold is ``busy`` (kept)."""
+        epoch or registration generation or has other block ids or request is ``missing``; a
+        claimed hold is ``busy`` (kept)."""
         holds, _ = self._require_engine()
         verify_tickets(req.tickets, self._accepted)
         out: dict[DeclineOutcome, list[str]] = {o: [] for o in DeclineOutcome}
+        here = (self.engine_id, self.epoch, self.generation)
         for ticket in req.tickets:
-            ours = (ticket.engine_id, ticket.epoch) == (self.engine_id, self.epoch)
+            ours = (ticket.engine_id, ticket.epoch, ticket.generation) == here  # as a claim's
             outcome = (
-                holds.decline(ticket.hold_id, ticket.block_ids) if ours else DeclineOutcome.MISSING
-            )
+                holds.decline(ticket.hold_id, ticket.block_ids, ticket.request_id)
+                if ours else DeclineOutcome.MISSING
+            )  # fmt: skip
             out[outcome].append(ticket.hold_id)
         self._after_release()
         if out[DeclineOutcome.RELEASED]:
