@@ -408,7 +408,8 @@ class HoldTable:
         hold = self._holds.get(hold_id)
         if hold is None or reader not in hold.readers:
             self.counters.notifications_unknown += 1
-            logger.info("notification from %.200r for unknown hold %.200r ignored", reader, hold_id)
+            logger.info("notification from %r for unknown hold %r ignored", reader[:200],
+                        hold_id[:200])  # fmt: skip
             return NotifyOutcome.UNKNOWN
         if self._expire_if_due(hold, now):
             return NotifyOutcome.EXPIRED

@@ -40,6 +40,7 @@ from kvxferd.metrics import Metrics
 from kvxferd.sidecar.fabric import Fabric
 from kvxferd.sidecar.holds import HoldTable
 from kvxferd.transport import Agent
+from kvxferd.wire import HOLD_ID_MAX_LENGTH
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,9 @@ class NotificationPoller:
             return False
         for reader, messages in notifs.items():
             for message in messages:
-                holds.notify(message.decode(errors="replace"), reader)
+                # Longer than a hold id: names none (a stranger's 64 MiB is not decoded, hashed)
+                fits = len(message) <= HOLD_ID_MAX_LENGTH
+                holds.notify(message.decode(errors="replace") if fits else "", reader)
         if notifs:
             self.after_release()
         return bool(notifs)

@@ -62,6 +62,7 @@ from kvxferd.wire.frames import FrameAnswer, FrameRequest
 from kvxferd.wire.manifest import (
     DTYPE_BYTES,
     ENGINE_ID_PATTERN,
+    HOLD_ID_MAX_LENGTH,
     HOLD_ID_PATTERN,
     MANIFEST_VERSION,
     MAX_CONV_PARTS,
@@ -147,6 +148,7 @@ __all__ = [
     "HeadLayout",
     "Heartbeat",
     "HeartbeatResponse",
+    "HOLD_ID_MAX_LENGTH",
     "HOLD_ID_PATTERN",
     "HOLD_SPARE_BLOCKS",
     "HoldId",

@@ -47,6 +47,8 @@ FedRequestId = Annotated[
 older sidecar's feed is not stuck on a page with an id that sidecar let through."""
 
 _HOLD_ID_CHAR = "[A-Za-z0-9._:-]"
+HOLD_ID_MAX_LENGTH = 128
+"""Longest hold id (ASCII, so as many bytes)."""
 HOLD_ID_PATTERN = rf"^{_HOLD_ID_CHAR}{{1,128}}(?!\n)$"
 """A hold id: 1-128 of A-Z a-z 0-9 . _ : - (the sidecar picks 32 hex digits; an engine may
 choose its own for a ticket minted ahead). ``(?!\n)`` as in ENGINE_ID_PATTERN."""

@@ -80,3 +80,47 @@ def test_a_claim_progresses_ucx_at_once_and_releases_what_arrived_before_it():
     assert notified == [("hold-1", "reader-a")]
     assert released == [1]
     assert p.wake.is_set()  # and the poller comes round soon for the READ's own notification
+
+
+@pytest.mark.nixl
+def test_a_message_too_long_for_a_hold_id_is_ignored_without_copies_of_it(caplog):
+    """NIXL hands over what anyone holding our metadata sends, 16 MiB in one notification too:
+    a message longer than a hold id (128 characters) names no hold, and costs the loop no copy
+    (it was decoded, hashed as a key, and repr'd whole by its log line: three copies)."""
+    import tracemalloc
+    import uuid
+
+    from kvxferd.metrics import Metrics
+    from kvxferd.sidecar.holds import HoldTable
+    from kvxferd.transport import Agent
+    from kvxferd.wire import HoldRequest
+    from tests.sidecar.harness import plan, wait_until
+
+    caplog.set_level("INFO", logger="kvxferd.sidecar.holds")  # the unknown one is logged
+    holds = HoldTable(plan("llama-3.1-8b", num_blocks=8))
+    hold = holds.hold(HoldRequest(request_id="r1", block_ids=[[1]], num_tokens=16))
+    size = 16 << 20
+    with (
+        Agent(f"target-{uuid.uuid4().hex[:8]}", progress_thread=False) as target,
+        Agent(f"stranger-{uuid.uuid4().hex[:8]}", progress_thread=False) as stranger,
+    ):
+        poller = NotificationPoller(
+            agent=target, holds=lambda: holds, fabric=SimpleNamespace(reads_over_tcp=lambda n: 0),
+            metrics=Metrics(), progress_thread=False, after_release=lambda: None,
+        )  # fmt: skip
+        stranger.send_notif(stranger.add_remote(target.get_agent_metadata()),
+                            hold.hold_id.encode() + b" " * (size - len(hold.hold_id)))  # fmt: skip
+        tracemalloc.start()
+        try:
+
+            def polled() -> bool:
+                stranger.get_notifs()  # progresses the stranger's worker: the message goes out
+                return poller.poll(holds)
+
+            wait_until(polled, 30, "the long notification polled")
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert holds.counters.notifications_unknown == 1 and hold.hold_id in holds
+    assert peak < size + (4 << 20), f"{peak} B at peak for a {size} B notification"
+    assert "for unknown hold ''" in caplog.text
