@@ -125,14 +125,15 @@ class Offload:
                                  f"{held_tokens} tokens")  # fmt: skip
         else:  # (a hold's ids passed the same checks when it was placed)
             _check_ids(manifest, block_ids, num_tokens)
+        stop = threading.Event()  # set by stop(): the engine's memory is being let go
         out = await asyncio.shield(self._track(
-            threading.Event(), store.save, manifest, regions, block_ids, req.keys, num_tokens,
+            stop, store.save, manifest, regions, block_ids, req.keys, num_tokens,
             self._guard, pinned,  # a hold let go during a copy: that entry is not kept
-            stop_at,
+            stop_at, stop,
         ))  # fmt: skip
-        if out.late:
-            log.warning("store save %s stopped at its %g s deadline after %d entries",
-                        req.request_id, STORE_SAVE_DEADLINE_S, out.chunks_saved)  # fmt: skip
+        if out.cut:
+            log.warning("store save %s stopped (%s) after %d entries", req.request_id, out.cut,
+                        out.chunks_saved)  # fmt: skip
         self.metrics.store_bytes.labels("dram", "save").inc(out.dram_bytes)
         self.metrics.store_bytes.labels("file", "save").inc(out.file_bytes)
         self._sync_tiers()
@@ -187,8 +188,9 @@ class Offload:
         )  # fmt: skip
 
     async def stop(self, timeout_s: float = STOP_S) -> int:
-        """Stop the loads in progress from writing further entries (one being copied finishes)
-        and wait up to ``timeout_s`` for them and the saves to end: how many still run."""
+        """Stop the loads and saves in progress from copying further entries (one being copied
+        finishes; a save answers what it stored) and wait up to ``timeout_s`` for them to end:
+        how many still run."""
         running = list(self._running)
         for stop in self._running.values():
             stop.set()

@@ -69,8 +69,9 @@ class SaveOutcome:
     dram_bytes: int = 0
     file_bytes: int = 0
     duration_s: float = 0.0
-    late: bool = False
-    """The save passed ``stop_at`` and stopped copying (the entries it stored are kept)."""
+    cut: str = ""
+    """Why the save stopped copying early ("deadline", "stopped"); the entries it stored are
+    kept."""
 
 
 @dataclass
@@ -130,13 +131,15 @@ class Store:
         guard: Callable[[], None] | None = None,
         kept: Callable[[], None] | None = None,
         stop_at: float | None = None,
+        stop: threading.Event | None = None,
     ) -> SaveOutcome:
         """Store every chunk of every group the request's blocks hold (present ones skipped).
         ``guard`` runs before each entry is copied out of ``regions`` and raises to stop the
         save (the sidecar's: a region's segment was truncated under it); ``kept`` runs after
         each copy and raises to drop that entry and stop (the blocks may have changed under it:
-        the hold that pinned them was let go). Past ``stop_at`` (``time.monotonic()``, checked
-        just before each copy) nothing more is copied: the caller may have freed the blocks."""
+        the hold that pinned them was let go). Past ``stop_at`` (``time.monotonic()``) or once
+        ``stop`` is set (both checked just before each copy) nothing more is copied: the caller
+        may have freed the blocks, or the engine's memory is being let go."""
         t0 = time.perf_counter()
         ids = self._check(manifest, block_ids, keys, num_tokens)
         out = SaveOutcome()
@@ -169,7 +172,10 @@ class Store:
                 if guard is not None:
                     guard()
                 if stop_at is not None and time.monotonic() > stop_at:
-                    out.late = True
+                    out.cut = "deadline"
+                elif stop is not None and stop.is_set():
+                    out.cut = "stopped"
+                if out.cut:
                     break
                 cached = self._gather(manifest, regions, g, specs, eid, c, e - s, tm, ids[g], out)
                 if kept is not None:
@@ -184,7 +190,7 @@ class Store:
                     out.file_bytes += writes.popleft().result()
                 writes.append(self._io.submit(self._write, eid, cached))  # owns our reference
                 out.chunks_saved += 1
-            if out.late:
+            if out.cut:
                 break
         while writes:
             out.file_bytes += writes.popleft().result()

@@ -5,6 +5,7 @@ id lists and token count are bounded as a hold's, before any id is looked at."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -222,3 +223,39 @@ def test_a_client_waits_for_a_save_past_the_sidecars_save_deadline():
     """What makes the deadline above safe: the engine frees the blocks only after its wait."""
     req = StoreSaveRequest(request_id="r", keys=[], block_ids=[], num_tokens=0)
     assert client_mod._store_save(req).timeout_s > STORE_SAVE_DEADLINE_S + 1.0
+
+
+def test_an_unregister_stops_a_save_before_its_next_copy(tmp_path):
+    """Offload.stop (unregister, shutdown) ends a save as it ends a load: at its next entry, not
+    up to its deadline later (an unregister answered 503 meanwhile; a shutdown unmapped the
+    regions under the copy after STOP_S)."""
+    m = plan(DENSE, blocks=24)
+    tokens = 4 * CHUNK
+    regions, ids = filled(m, tokens, SEED)
+    copying, proceed, calls = threading.Event(), threading.Event(), []
+
+    def second_copy_waits() -> None:  # before each entry's copy
+        calls.append(1)
+        if len(calls) == 2:
+            copying.set()
+            assert proceed.wait(30)
+
+    cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK)
+    off = Offload(cfg, Metrics(CollectorRegistry()), lambda _: (m, regions),
+                  guard=second_copy_waits)  # fmt: skip
+    keys = chunk_keys(list(range(tokens)), CHUNK)
+
+    async def run() -> tuple[int, int]:
+        save = asyncio.ensure_future(off.save(StoreSaveRequest(
+            request_id="r", keys=keys, block_ids=ids, num_tokens=tokens)))  # fmt: skip
+        assert await asyncio.to_thread(copying.wait, 30)
+        stopping = asyncio.ensure_future(off.stop(timeout_s=30))
+        # Scheduled after the stop's first step (FIFO), which sets every call's event.
+        asyncio.get_running_loop().call_soon(proceed.set)
+        return (await save).chunks_saved, await stopping
+
+    saved, still_running = asyncio.run(run())
+    assert still_running == 0 and saved == 1 and len(calls) == 2
+    hit = asyncio.run(off.lookup(StoreLookupRequest(keys=keys, num_tokens=tokens)))
+    assert hit.matched == CHUNK
+    off.close()
