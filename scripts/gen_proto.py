@@ -181,7 +181,10 @@ for the other sidecars.
 4. **handshake**: before its first read from a prefill sidecar, the decode sidecar exchanges
    protocol version, manifest, NIXL agent metadata and region base addresses with it
    (`POST /v1/handshake`). The result is cached per (engine id, epoch); a ticket with a new
-   epoch (the peer restarted) drops the cache and handshakes again. Manifests that cannot
+   epoch (the peer restarted) drops the cache and handshakes again. The answer names the
+   prefill's registration `generation`: a ticket of another one (the prefill engine registered
+   again, its manifest, region bases and memory new) handshakes again too, and is refused (404)
+   unless the answer is its generation. Manifests that cannot
    exchange blocks answer 409 naming every field that disagrees. Each side also states the UCX
    TCP segment sizes its agent sends and receives (`tcp_tx_seg_bytes`, `tcp_rx_seg_bytes`; 0:
    not stated). A READ over TCP is answered in the target's segments, so a reader that

@@ -10,9 +10,10 @@ from kvxferd.wire import PROTOCOL_VERSION, Handshake, Manifest
 
 def our_handshake(
     agent: Agent, manifest: Manifest, bases: list[int], *, engine_id: str, epoch: int,
-    frames_port: int,
+    frames_port: int, generation: int,
 ) -> Handshake:  # fmt: skip
-    """This sidecar's handshake for the registered ``manifest`` (regions at ``bases``)."""
+    """This sidecar's handshake for the registered ``manifest`` (regions at ``bases``, its
+    registration ``generation``)."""
     return Handshake(
         protocol_version=PROTOCOL_VERSION,
         engine_id=engine_id,
@@ -24,6 +25,7 @@ def our_handshake(
         frames_port=frames_port,
         tcp_tx_seg_bytes=agent.tcp_segments[0],
         tcp_rx_seg_bytes=agent.tcp_segments[1],
+        generation=generation,
     )
 
 

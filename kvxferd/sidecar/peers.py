@@ -77,10 +77,20 @@ class Peer:
     region_bases: tuple[int, ...]
     frames_port: int = 0
     """The peer's framed peer API port on its host (0: none)."""
+    generation: int = -1
+    """The peer's registration generation the rest describes (-1: not stated, an older peer)."""
+
+    def serves(self, engine_id: str, epoch: int, generation: int) -> bool:
+        """Whether this handshake describes the registration a ticket names (a peer that states
+        no generation: any of its epoch)."""
+        return (self.engine_id, self.epoch) == (engine_id, epoch) and self.generation in (
+            -1, generation)  # fmt: skip
 
 
 class PeerTable:
-    """Handshake cache keyed by peer address, valid for one (engine id, epoch).
+    """Handshake cache keyed by peer address, valid for one (engine id, epoch) and registration
+    generation (the peer engine's manifest, region bases and memory change when it registers
+    again in the same epoch: read by the old ones, a pull copied the wrong bytes as done).
 
     ``add_agent(metadata) -> name`` and ``remove_agent(name)`` are the transport's; they are
     called off the event loop by the caller-supplied functions.
@@ -150,27 +160,36 @@ class PeerTable:
         if self._on_change is not None:
             self._on_change(len(self._peers), new)
 
-    def cached(self, address: str, engine_id: str, epoch: int) -> Peer | None:
-        """The handshaken peer at ``address`` if it is this engine epoch (no I/O)."""
+    def cached(self, address: str, engine_id: str, epoch: int, generation: int = -1) -> Peer | None:
+        """The handshaken peer at ``address`` if it is this engine epoch and registration
+        generation (no I/O)."""
         cached = self._peers.get(address)
-        if cached is not None and (cached.engine_id, cached.epoch) == (engine_id, epoch):
+        if cached is not None and cached.serves(engine_id, epoch, generation):
             return cached
         return None
 
-    async def get(self, address: str, engine_id: str, epoch: int) -> Peer:
-        """The peer at ``address`` for this engine epoch, handshaking if needed.
+    async def get(self, address: str, engine_id: str, epoch: int, generation: int = -1) -> Peer:
+        """The peer at ``address`` for this engine epoch and registration generation,
+        handshaking if needed.
 
         A ticket that names another (engine, epoch) than the cached one handshakes again: if
         the peer changed (restarted) the old entry is dropped; if it did not, the ticket is
-        stale and fails without disturbing the cached peer (pulls may be reading from it).
+        stale and fails without disturbing the cached peer (pulls may be reading from it). One
+        that names another generation handshakes again too: the answer (the peer's agent
+        reloaded) replaces the cached entry, and a ticket of another generation fails
+        (UnknownHoldError: its hold went with that registration).
         """
-        hit = self.cached(address, engine_id, epoch)
+        hit = self.cached(address, engine_id, epoch, generation)
         if hit is not None:
             return hit  # every pull's path: no lock (the lock only orders handshakes)
         async with self._locked(address):
             cached = self._peers.get(address)
-            if cached is not None and (cached.engine_id, cached.epoch) == (engine_id, epoch):
+            if cached is not None and cached.serves(engine_id, epoch, generation):
                 return cached
+            if cached is not None and (cached.engine_id, cached.epoch) == (engine_id, epoch) and (
+                    0 <= generation < cached.generation):  # fmt: skip
+                self._count("stale_ticket")  # generations only grow: no handshake needed
+                raise UnknownHoldError(_registered_again(address, cached.generation, generation))
             peer = await self._handshake(address)
             same = cached is not None and (cached.engine_id, cached.epoch) == (
                 peer.engine_id,
@@ -194,7 +213,10 @@ class PeerTable:
                     f"peer {address} is engine {peer.engine_id} epoch {peer.epoch}, the ticket "
                     f"names {engine_id} epoch {epoch}: the prefill side restarted"
                 )
-            self._adopt(address, peer)
+            self._adopt(address, peer)  # same epoch: its agent reloaded, another registration
+            if not peer.serves(engine_id, epoch, generation):  # its claim would be a 404
+                self._count("stale_ticket")
+                raise UnknownHoldError(_registered_again(address, peer.generation, generation))
             return peer
 
     async def claim(self, address: str, request: ClaimRequest) -> ClaimResponse:
@@ -335,6 +357,7 @@ class PeerTable:
             manifest=theirs.manifest,
             region_bases=tuple(theirs.region_bases),
             frames_port=theirs.frames_port if 0 < theirs.frames_port <= 65535 else 0,
+            generation=theirs.generation if theirs.generation >= 0 else -1,
         )
 
     def _count(self, outcome: str) -> None:
@@ -353,6 +376,11 @@ def _check_bases(theirs: Handshake) -> None:
         if not 0 <= base <= _MAX_ADDRESS - max(region.size_bytes, 0):
             raise HandshakeError(f"region_bases[{i}]: {base} is no base of a {region.size_bytes}"
                                  " B region")  # fmt: skip
+
+
+def _registered_again(address: str, theirs: int, ticket: int) -> str:
+    return (f"peer {address} is at registration generation {theirs}, the ticket names {ticket}: "
+            f"the prefill engine registered again")  # fmt: skip
 
 
 def _text(exc: Exception) -> str:

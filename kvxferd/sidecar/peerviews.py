@@ -240,7 +240,8 @@ class PeerViews:
         geometry: descriptors.ReadGeometry,
     ) -> _Prepared | None:
         """The pair's prepared lists when ready; else None, starting their preparation."""
-        key = (peer.address, peer.engine_id, peer.epoch, peer.agent_name, id(local))
+        key = (peer.address, peer.engine_id, peer.epoch, peer.generation, peer.agent_name,
+               id(local))  # fmt: skip
         hit = self._prepared.get(key)
         if hit is not None and hit.local is local:
             if hit.pending:

@@ -155,7 +155,7 @@ class PullRunner:
         self._in_flight = 0  # pulls started and not yet finished
         self._running: dict[str, asyncio.Task[None]] = {}
         self._geometries: OrderedDict[
-            tuple[str, str, int, int], tuple[Manifest, descriptors.ReadGeometry]
+            tuple[str, str, int, int, int], tuple[Manifest, descriptors.ReadGeometry]
         ] = OrderedDict()
         self._fan_ins: OrderedDict[
             tuple[int, ...], tuple[tuple[descriptors.ReadGeometry, ...], FanInGeometry | None]
@@ -170,8 +170,8 @@ class PullRunner:
 
     def _geometry(self, local: Manifest, peer: Peer) -> descriptors.ReadGeometry:
         """Per-peer read geometry (checks and per-layer work done once per peer epoch and
-        local registration)."""
-        key = (peer.address, peer.engine_id, peer.epoch, id(local))
+        registration, and local registration)."""
+        key = (peer.address, peer.engine_id, peer.epoch, peer.generation, id(local))
         cached = self._geometries.get(key)
         if cached is not None and cached[0] is local:
             self._geometries.move_to_end(key)
@@ -343,13 +343,18 @@ class PullRunner:
         """The peer of each ticket: cached ones at once, the others handshaken concurrently."""
         pull.advance(PullState.HANDSHAKING)
         t0 = time.monotonic()
-        peers = [self._peers.cached(t.peer, t.engine_id, t.epoch) for t in tickets]
+        peers = [self._peers.cached(t.peer, t.engine_id, t.epoch, t.generation) for t in tickets]
         missing = [i for i, p in enumerate(peers) if p is None]
         if missing:
             async with asyncio.TaskGroup() as group:
                 tasks = {
                     i: group.create_task(
-                        self._peers.get(tickets[i].peer, tickets[i].engine_id, tickets[i].epoch)
+                        self._peers.get(
+                            tickets[i].peer,
+                            tickets[i].engine_id,
+                            tickets[i].epoch,
+                            tickets[i].generation,
+                        )
                     )
                     for i in missing
                 }

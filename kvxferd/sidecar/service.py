@@ -547,7 +547,8 @@ class Sidecar:
     def _local_handshake(self) -> Handshake:
         _, manifest = self._require_engine()
         return our_handshake(self.agent, manifest, self._bases, engine_id=self.engine_id,
-                             epoch=self.epoch, frames_port=self.frames_port)  # fmt: skip
+                             epoch=self.epoch, frames_port=self.frames_port,
+                             generation=self.generation)  # fmt: skip
 
     def _compare(self, remote: Manifest) -> dict[str, tuple[object, object]]:
         _, manifest = self._require_engine()

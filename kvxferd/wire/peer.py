@@ -40,6 +40,10 @@ class Handshake(msgspec.Struct, frozen=True, kw_only=True):
     tcp_rx_seg_bytes: int = 0
     """Bytes per UCX TCP segment the sender's agent receives (UCX_TCP_RX_SEG_SIZE); 0: not
     stated. A reader must receive at least what its target sends, or READs over TCP fail."""
+    generation: int = -1
+    """The sender's registration generation: its manifest, region bases and agent metadata are
+    that registration's (an engine registering again changes them; a reader handshakes again
+    for a ticket of another generation). -1: not stated (an older sidecar)."""
 
 
 class ClaimRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -77,8 +77,8 @@ class _Transport:
 
 def _peer(i: int, m):  # noqa: ANN001
     bases = [0x10000000 * (k + 1) for k in range(len(m.regions))]
-    return SimpleNamespace(address=f"p{i}", engine_id=f"e{i}", epoch=1, agent_name=f"a{i}",
-                           region_bases=bases, manifest=m)  # fmt: skip
+    return SimpleNamespace(address=f"p{i}", engine_id=f"e{i}", epoch=1, generation=-1,
+                           agent_name=f"a{i}", region_bases=bases, manifest=m)  # fmt: skip
 
 
 async def _plan_until_prepped(views: PeerViews, peer, m, ids) -> None:  # noqa: ANN001

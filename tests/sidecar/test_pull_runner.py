@@ -34,10 +34,10 @@ class Peers:
         self.release = asyncio.Event()
         self.waiting = 0
 
-    def cached(self, address: str, engine_id: str, epoch: int) -> None:
+    def cached(self, address: str, engine_id: str, epoch: int, generation: int = -1) -> None:
         return None
 
-    async def get(self, address: str, engine_id: str, epoch: int) -> None:
+    async def get(self, address: str, engine_id: str, epoch: int, generation: int = -1) -> None:
         if not address.startswith("stuck"):
             raise HandshakeError(f"{address}: refused")
         self.waiting += 1
