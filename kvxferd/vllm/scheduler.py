@@ -58,17 +58,30 @@ def read_remote(
 ) -> Remote:
     """The remote prefill a decode's params name; InvalidRequestError naming the first field
     that does not check out (tickets, their group count unless ``groups`` is None, token count
-    beyond the prompt, block size)."""
+    beyond the prompt or not the tickets', block size).
+
+    The token count is the tickets' (signed, checked by the decode's sidecar before any READ):
+    ``remote_num_tokens`` is the client's copy, and a larger one would have vLLM take tokens
+    no READ writes as loaded (and prefix-cache whatever their blocks held)."""
     tickets = tp.parse_tickets(params)
     theirs = len(tickets[0].block_ids)
     if groups is not None and theirs != groups:
         raise InvalidRequestError(
             f"{tp.FIELD}.kvxferd_tickets[0].block_ids", f"{theirs} groups, this engine has {groups}"
         )
+    num_tokens = tickets[0].num_tokens
+    for i, t in enumerate(tickets):
+        if t.num_tokens != num_tokens or t.num_tokens > prompt_len:
+            raise InvalidRequestError(
+                f"{tp.FIELD}.kvxferd_tickets[{i}].num_tokens",
+                f"{t.num_tokens}: not ticket 0's {num_tokens}, or beyond the prompt's "
+                f"{prompt_len} tokens",
+            )  # fmt: skip
+    tp.int_field(params, "remote_num_tokens", num_tokens, low=num_tokens, high=num_tokens)
     return Remote(
         tickets=msgspec.to_builtins(tickets),
         block_ids=tickets[0].block_ids,
-        num_tokens=tp.int_field(params, "remote_num_tokens", prompt_len, low=0, high=prompt_len),
+        num_tokens=num_tokens,
         block_size=tp.int_field(
             params, "remote_block_size", block_size, low=1, high=MAX_BLOCK_SIZE
         ),  # fmt: skip

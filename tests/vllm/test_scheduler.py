@@ -168,6 +168,37 @@ def test_bad_params_from_a_client_are_computed_locally_not_raised_in_the_schedul
     assert declined == ([(params["kvxferd_tickets"], "malformed")] if parses else [])
 
 
+@pytest.mark.parametrize("forged", [True, False])
+def test_a_decode_promises_vllm_no_more_tokens_than_its_ticket_covers(engines, monkeypatch, forged):
+    """``remote_num_tokens`` is the client's (unsigned) copy of the ticket's count: a decode
+    that trusted it (or, without it, the whole prompt) told vLLM that tokens no READ writes
+    were loaded, and vLLM then used and prefix-cached whatever those blocks held. A count the
+    ticket contradicts is dropped (computed locally, declined); absent, the ticket's counts."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    engine = engines("dense", num_blocks=32)
+    params = _prefill_params(engine, monkeypatch, 100)  # a ticket for 100 tokens, 1 block
+    if forged:
+        params["remote_num_tokens"] = 300
+    else:
+        del params["remote_num_tokens"]
+    decode = _scheduler(engine, monkeypatch)
+    decode.add_request(request("d", 300, params))
+    out, _ = step(decode)
+    orders = out.kv_connector_metadata.orders
+    if forged:
+        assert out.num_scheduled_tokens.get("d") == 300 and orders.pulls == []
+        assert [(d.tickets, d.reason) for d in orders.declines] == [
+            (params["kvxferd_tickets"], "malformed")
+        ]
+        return
+    assert [p.num_tokens for p in orders.pulls] == [100]
+    assert [len(g) for g in orders.pulls[0].block_ids] == [1]
+    step(decode, KVConnectorOutput(finished_recving={"d"}))
+    out, _ = step(decode)
+    assert out.num_scheduled_tokens.get("d") == 200  # the 200 tokens no ticket covers
+
+
 def test_an_aborted_request_with_malformed_tickets_declines_nothing(engines, monkeypatch):
     from vllm.v1.request import RequestStatus
 
