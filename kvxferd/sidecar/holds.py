@@ -74,6 +74,9 @@ logger = logging.getLogger(__name__)
 Clock = Callable[[], float]
 REAP_SLICE = 256
 """Holds the reaper releases before it yields the event loop."""
+UNKNOWN_LOG_S = 1.0
+"""Unknown notifications are logged at most once this often (each is counted): anyone holding
+our agent metadata may send them as fast as UCX carries them."""
 GIVEN_UP_IDS = 4096
 """Engine-chosen hold ids given up before any hold had them, remembered (newest) so that a
 late hold call with one is refused: the engine freed those blocks when the abort found none."""
@@ -230,6 +233,7 @@ class HoldTable:
         self._released = ReleasedLog(int(released_log_size), int(released_log_bytes))
         self._given_up: OrderedDict[str, None] = OrderedDict()  # bounded by GIVEN_UP_IDS
         self._claimed_live = 0
+        self._unknown_logged_at = -math.inf  # when an unknown notification was last logged
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -407,9 +411,7 @@ class HoldTable:
         now = self._now(now)
         hold = self._holds.get(hold_id)
         if hold is None or reader not in hold.readers:
-            self.counters.notifications_unknown += 1
-            logger.info("notification from %r for unknown hold %r ignored", reader[:200],
-                        hold_id[:200])  # fmt: skip
+            self._unknown(now, reader, "hold", hold_id)
             return NotifyOutcome.UNKNOWN
         if self._expire_if_due(hold, now):
             return NotifyOutcome.EXPIRED
@@ -432,10 +434,7 @@ class HoldTable:
         """``notify`` addressed by the engine's request id instead of the hold id."""
         hold_id = self._by_request.get(request_id)
         if hold_id is None:
-            self.counters.notifications_unknown += 1
-            logger.info(
-                "notification from %.200r for unknown request %.200r ignored", reader, request_id
-            )
+            self._unknown(self._now(now), reader, "request", request_id)
             return NotifyOutcome.UNKNOWN
         return self.notify(hold_id, reader, now)
 
@@ -544,6 +543,15 @@ class HoldTable:
         if self._expire_if_due(hold, now):
             raise HoldExpiredError(f"hold_id {hold_id!r}: lease ended, blocks may be reused")
         return hold
+
+    def _unknown(self, now: float, reader: str, what: str, name: str) -> None:
+        """Count an unknown notification; log it unless one was logged within UNKNOWN_LOG_S."""
+        self.counters.notifications_unknown += 1
+        if now - self._unknown_logged_at >= UNKNOWN_LOG_S:
+            self._unknown_logged_at = now
+            logger.info("notification from %r for unknown %s %r ignored (%d unknown so far)",
+                        reader[:200], what, name[:200],
+                        self.counters.notifications_unknown)  # fmt: skip
 
     def _unknown_detail(self, hold_id: str) -> str:
         record = self._released.get(hold_id)

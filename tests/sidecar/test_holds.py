@@ -257,6 +257,24 @@ def test_hold_is_released_when_every_expected_reader_notified():
     assert c.released["notified"] == 1 and len(t) == 0 and t.claimed == 0
 
 
+def test_unknown_notifications_are_counted_each_and_logged_once_a_second(caplog):
+    """Anyone holding our agent metadata may notify as fast as UCX carries it: every unknown
+    notification is counted, but logged once a second (with the count), not once each."""
+    caplog.set_level("INFO", logger="kvxferd.sidecar.holds")
+    clock = FakeClock()
+    t = table(clock)
+    t.hold(req("req-1"))
+    for i in range(1000):
+        assert t.notify(f"h{i}", "stranger") is NotifyOutcome.UNKNOWN
+        assert t.notify_request(f"r{i}", "stranger") is NotifyOutcome.UNKNOWN
+    clock.t += 1.0
+    assert t.notify("late", "stranger") is NotifyOutcome.UNKNOWN
+    assert t.counters.notifications_unknown == 2001
+    logged = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(logged) == 2, logged[:3]
+    assert "2001 unknown so far" in logged[1]
+
+
 def test_only_a_reader_that_claimed_releases_by_notification():
     """A notification from an agent that never claimed is ignored (counted as unknown)."""
     t = table()
