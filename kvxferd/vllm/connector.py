@@ -178,6 +178,10 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------------------------------------------------------- scheduler side
 
+    def on_new_request(self, request: Any) -> None:
+        assert self._sched is not None
+        self._sched.new_request(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         assert self._sched is not None
         return self._sched.matched_tokens(request, num_computed_tokens)

@@ -40,6 +40,8 @@ IDENTITY_RETRY_RATIO = 10.0
 until the client's timeout stalls the scheduler for at most a tenth of its time)."""
 MAX_BLOCK_SIZE = 1 << 20
 """Largest ``remote_block_size`` taken (tokens; vLLM's hybrid block sizes are far below)."""
+TRUNCATED = "_kvxferd_truncated"
+"""Marks (in its own kv_transfer_params) a prefill whose last prompt token was dropped."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,27 @@ class SchedulerSide:
         if ranks:
             self._known = None
 
+    def new_request(self, request: Any) -> None:
+        """A prefill for a remote decode of a Mamba hybrid (``partial_prefill``) computes all
+        but the prompt's last token: the decode recomputes that one, on the state after the
+        tokens before it (a state past it cannot be rewound, and attention blocks counted for
+        the whole prompt no longer pair with the decode's). Once per request, as vLLM's NIXL."""
+        params = request.kv_transfer_params
+        if (
+            not self.partial_prefill
+            or not tp.wants_remote_decode(params)
+            or params.get(TRUNCATED)
+            or request.prompt_token_ids is None
+            or request.num_prompt_tokens < 2
+            or request.get_skip_reading_prefix_cache()  # the decode loads nothing then
+        ):
+            return
+        del request.prompt_token_ids[-1]
+        del request._all_token_ids[-1]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params[TRUNCATED] = True
+
     # ---------------------------------------------------------------- decode side
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
@@ -365,8 +388,8 @@ class SchedulerSide:
         if idents is None:  # no decode can pull it: its blocks are freed as a local request's
             return False, None
         num_tokens = len(request.prompt_token_ids)
-        if self.partial_prefill:
-            num_tokens = max(0, num_tokens - 1)
+        if self.partial_prefill and not params.get(TRUNCATED):
+            return False, None  # its state is past the decode's last token: computed there
         hold_id = secrets.token_hex(16)
         signed = mint_tickets(idents, self._secret, hold_id=hold_id, request_id=request.request_id,
                               block_ids=ids, num_tokens=num_tokens)  # fmt: skip

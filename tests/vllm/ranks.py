@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from kvxferd.vllm import pdcheck
 from kvxferd.vllm.connector import KvxferdMetadata
-from kvxferd.vllm.scheduler import SchedulerSide
+from kvxferd.vllm.scheduler import TRUNCATED, SchedulerSide
 from tests.sidecar.harness import SENTINEL, TOKEN, Sidecar, start_sidecars, wait_until
 
 
@@ -61,9 +61,13 @@ def prefill_side(identities, block_size: int, *, tp_size: int = 1, partial_prefi
 
 def finish(sched: SchedulerSide, rid: str, block_ids, n: int) -> tuple[bool, dict | None]:
     """The prefill finishes ``rid`` (``n`` prompt tokens) on ``block_ids`` (per group): whether
-    its blocks wait for the hold, and the kv_transfer_params it returns."""
+    its blocks wait for the hold, and the kv_transfer_params it returns. With partial prefill,
+    its last token was dropped when it came (``SchedulerSide.new_request``)."""
+    params = {"do_remote_decode": True}
+    if sched.partial_prefill:
+        n, params[TRUNCATED] = n - 1, True
     req = SimpleNamespace(request_id=rid, prompt_token_ids=list(range(n)),
-                          kv_transfer_params={"do_remote_decode": True},
+                          kv_transfer_params=params,
                           status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))  # fmt: skip
     return sched.finished(req, tuple(block_ids))
 

@@ -76,6 +76,35 @@ def test_prefill_then_decode_through_the_real_scheduler(engines, model, monkeypa
     assert out.num_scheduled_tokens.get("d1", 0) == 1
 
 
+@pytest.mark.parametrize("extra", [0, 1])
+def test_a_hybrid_prefill_computes_all_but_the_last_token_and_the_decode_pairs_every_block(
+    engines, monkeypatch, extra
+):
+    """With partial prefill the decode recomputes the prompt's last token, so the prefill must
+    stop before it: computed to its end, the Mamba state shipped was already past that token
+    (applied twice at the decode), and where ``n - 1`` ends a block the prefill's extra
+    attention block shifted every pairing by one (the decode's first block got the second)."""
+    engine = engines("nemotron-h", num_blocks=48)
+    bs = engine.config.cache_config.block_size
+    n = 2 * bs + extra
+    prefill = _scheduler(engine, monkeypatch)
+    prefill.add_request(request("p", n, {"do_remote_decode": True}))
+    out, engine_out = step(prefill)
+    assert out.num_scheduled_tokens["p"] == n - 1
+    params = next(o.kv_transfer_params for eo in engine_out.values() for o in eo.outputs
+                  if o.kv_transfer_params)  # fmt: skip
+    assert params["remote_num_tokens"] == n - 1
+    decode = _scheduler(engine, monkeypatch)
+    decode.add_request(request("d", n, dict(params)))
+    out, _ = step(decode)
+    pull = out.kv_connector_metadata.orders.pulls[0]
+    local = decode.kv_cache_manager.get_block_ids("d")
+    kinds = [type(g.kv_cache_spec).__name__ for g in engine.kv_cache_config.kv_cache_groups]
+    for kind, targets, mine in zip(kinds, pull.block_ids, local, strict=True):
+        live = [b for b in mine if b != 0]
+        assert targets == (live[-1:] if kind == "MambaSpec" else live)
+
+
 def _prefill_params(engine, monkeypatch, n: int) -> dict:
     prefill = _scheduler(engine, monkeypatch)
     prefill.add_request(request("p", n, {"do_remote_decode": True}))
