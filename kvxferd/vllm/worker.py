@@ -35,6 +35,7 @@ from kvxferd.errors import (
 from kvxferd.memory import CudaIpcRegion
 from kvxferd.sidecar.reads import QUARANTINE_S, SETTLE_S
 from kvxferd.vllm.manifest import ConvGeometry, backing_allocation, vllm_manifest
+from kvxferd.vllm.quiet import QuietClient
 from kvxferd.vllm.scheduler import StepOrders
 from kvxferd.vllm.storeio import StoreCalls
 from kvxferd.wire import (
@@ -94,7 +95,8 @@ class WorkerSide:
     ) -> None:
         # Frames when the sidecar serves them as this worker starts (else HTTP for its life).
         self.socket_path = socket_path
-        self.client = EngineClient(socket_path, frames=frames_available(socket_path))
+        self._sidecar = QuietClient(EngineClient(socket_path, frames=frames_available(socket_path)))
+        self.client: Any = self._sidecar  # calls held back a while after one got no answer
         self.model, self.tp_rank, self.tp_size = model, tp_rank, tp_size
         self.conv = conv  # how Mamba/GDN conv states are laid out (None: one shard per rank)
         self.generation = -1  # sent with every hold, pull and store call: the sidecar checks it
@@ -373,7 +375,7 @@ class WorkerSide:
         read of each feed, and only while a pull or a hold is outstanding."""
         recving, self._refused = self._refused, set()
         read_all = False  # the feed was read to its end: a pull not in it went with a restart
-        for _ in range(_MAX_PAGES if self._pulls else 0):
+        for _ in range(_MAX_PAGES if self._pulls and not self._sidecar.quiet else 0):
             try:
                 page = self.client.finished_pulls(self._pull_cursor)
             except KvxferdError as exc:  # sidecar unreachable: ask again next step
@@ -410,7 +412,7 @@ class WorkerSide:
         self._refused = set()
         self._give_up_unanswered()
         sending, self._unheld = self._unheld, set()
-        for _ in range(_MAX_PAGES if self._holds else 0):
+        for _ in range(_MAX_PAGES if self._holds and not self._sidecar.quiet else 0):
             try:
                 feed = self.client.released(self._cursor)
             except NotRegisteredError:  # the sidecar restarted: its holds went with it
@@ -437,7 +439,9 @@ class WorkerSide:
         decode claimed it, so its blocks are freed only when the released feed says (an abort
         waits for a claimed reader). One the sidecar does not know was never placed (or was
         released already): freed now. Asked again next step while the sidecar does not answer."""
-        for request_id, hold_id in list(self._unanswered.items()):
+        for request_id, hold_id in list(
+            self._unanswered.items() if not self._sidecar.quiet else ()
+        ):
             if self._holds.get(request_id) != hold_id:  # the feed released it meanwhile
                 del self._unanswered[request_id]
                 continue
@@ -593,6 +597,3 @@ def _shift(manifest: Any, lead: int, mem: str, device: int) -> Any:
         for r in manifest.regions
     ]
     return msgspec.structs.replace(manifest, regions=regions)
-
-
-__all__ = ["WorkerSide", "shm_segment"]
