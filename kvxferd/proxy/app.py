@@ -44,11 +44,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
 from kvxferd.api.direct import DirectApp
+from kvxferd.api.jsonbody import BodyError
 from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
 from kvxferd.lanes import ssl_context
 from kvxferd.proxy.bodies import (
     Body,
-    BodyError,
     decode_body,
     encode,
     parse,

@@ -5,25 +5,17 @@ The proxy changes a few top-level fields of a client's body (``max_tokens``, ``s
 Every other value is checked as JSON and passed on as the bytes that came (``msgspec.Raw``),
 never built into Python objects. Built by the stdlib parser, a 32 MiB body of empty lists took
 770 MB and 3.7 s of the proxy's one event loop; kept raw, no memory past the body and 0.06 s.
-
-msgspec refuses one thing JSON allows: an escaped lone surrogate (``"\\ud800"``, which UTF-8
-cannot carry). A body of at most ``LENIENT_BYTES`` that msgspec refuses is read by the stdlib
-parser instead and its values written anew, ASCII-escaped where UTF-8 cannot carry them; past
-that size such a body is refused, so no body is ever built whole above that bound.
+The reading itself, and the few bodies of a lone surrogate escape that msgspec refuses, are
+:mod:`kvxferd.api.jsonbody`'s (shared with the sim's front door).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
 
-Body = dict[str, msgspec.Raw]
-"""A JSON object's top-level keys, each with its value's JSON text."""
-
-LENIENT_BYTES = 1 << 20
-"""Largest body the stdlib parser reads where msgspec refused it (see the module docstring)."""
+from kvxferd.api.jsonbody import Body, parse
 
 KV_TRANSFER_STUB: dict[str, Any] = {
     "do_remote_decode": True,
@@ -37,65 +29,7 @@ KV_TRANSFER_STUB: dict[str, Any] = {
 
 _STUB = msgspec.Raw(msgspec.json.encode(KV_TRANSFER_STUB))
 _TRUE, _FALSE, _ONE = msgspec.Raw(b"true"), msgspec.Raw(b"false"), msgspec.Raw(b"1")
-_OBJECT = msgspec.json.Decoder(Body)
 _DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
-
-
-class BodyError(ValueError):
-    """A body the proxy cannot read or pass on: not JSON, or not a JSON object."""
-
-
-def parse(content: bytes) -> Body:
-    """``content`` as a JSON object's top-level keys; BodyError saying what is wrong."""
-    try:
-        return _OBJECT.decode(content)
-    except msgspec.ValidationError:  # JSON, but not an object
-        raise BodyError("must be a JSON object") from None
-    except RecursionError:
-        raise BodyError("is not JSON: nested too deeply") from None
-    except msgspec.DecodeError as exc:
-        if len(content) > LENIENT_BYTES:
-            raise BodyError(f"is not JSON: {exc}") from None
-        return _lenient(content)
-
-
-def _lenient(content: bytes) -> Body:
-    """:func:`parse` by the stdlib parser, for the lone surrogates msgspec refuses."""
-    try:
-        data = json.loads(content, parse_constant=_no_constant)
-    except RecursionError:
-        raise BodyError("is not JSON: nested too deeply") from None
-    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError among them
-        raise BodyError(f"is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise BodyError("must be a JSON object")
-    try:
-        return {_text(key): msgspec.Raw(_json_bytes(value)) for key, value in data.items()}
-    except RecursionError:  # the stdlib writer nests less deeply than its reader
-        raise BodyError("is not JSON: nested too deeply") from None
-
-
-def _text(key: str) -> str:
-    """``key`` if UTF-8 can carry it (a key, unlike a value, cannot go on escaped)."""
-    try:
-        key.encode()
-    except UnicodeEncodeError:
-        raise BodyError(f"has a key that is not text: {key!r}") from None
-    return key
-
-
-def _json_bytes(value: Any) -> bytes:
-    """``value`` as compact UTF-8 JSON; ASCII-escaped where it holds a lone surrogate."""
-    try:
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":"),
-                          allow_nan=False).encode()  # fmt: skip
-    except UnicodeEncodeError:
-        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
-
-
-def _no_constant(name: str) -> Any:
-    """JSON has no NaN or Infinity; Python's parser would accept them."""
-    raise ValueError(f"{name} is not a JSON value")
 
 
 def encode(body: Body) -> bytes:

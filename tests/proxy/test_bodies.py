@@ -7,13 +7,11 @@ import tracemalloc
 
 import pytest
 
+from kvxferd.api.jsonbody import LENIENT_BYTES, BodyError, parse
 from kvxferd.proxy.bodies import (
     KV_TRANSFER_STUB,
-    LENIENT_BYTES,
-    BodyError,
     decode_body,
     encode,
-    parse,
     prefill_body,
     streams,
     transfer_params,
