@@ -23,6 +23,7 @@ import msgspec
 
 from kvxferd.errors import InvalidRequestError, KvxferdError
 from kvxferd.sidecar.tickets import mint_tickets
+from kvxferd.vllm import binding
 from kvxferd.vllm.storeplan import LoadOrder, SaveOrder, StorePlanner
 from kvxferd.wire import Identity
 from kvxferd.wire import transfer_params as tp
@@ -281,7 +282,11 @@ class SchedulerSide:
         if groups is None and self.group_kinds is not None:
             groups = len(self.group_kinds)
         try:
-            return read_remote(params, len(request.prompt_token_ids), self.block_size, groups)
+            n = len(request.prompt_token_ids or ())  # None: a prompt of embeddings
+            remote = read_remote(params, n, self.block_size, groups)
+            hold_id = remote.tickets[0]["hold_id"]
+            binding.check(self._secret, params, hold_id, request, remote.num_tokens)
+            return remote
         except InvalidRequestError as exc:
             self._drop(request, exc)
             return None
@@ -382,7 +387,7 @@ class SchedulerSide:
         if status != "FINISHED_LENGTH_CAPPED":
             return False, None
         ids = [live_ids(list(g)) for g in block_ids]
-        if not any(ids):
+        if not any(ids) or request.prompt_token_ids is None:  # embeddings: nothing to bind
             return False, None
         idents = self._minting()
         if idents is None:  # no decode can pull it: its blocks are freed as a local request's
@@ -411,6 +416,7 @@ class SchedulerSide:
             "remote_blocks_expiry_time": signed[0].expires_at,
             "remote_registration_generation": first.generation,
             "kvxferd_tickets": tickets,
+            binding.FIELD: binding.prompt_mac(self._secret, hold_id, request, num_tokens),
         }
 
     def take_orders(self) -> StepOrders:

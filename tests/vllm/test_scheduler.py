@@ -228,6 +228,34 @@ def test_a_decode_promises_vllm_no_more_tokens_than_its_ticket_covers(engines, m
     assert out.num_scheduled_tokens.get("d") == 200  # the 200 tokens no ticket covers
 
 
+@pytest.mark.parametrize("case", ["another prompt", "another first token", "no binding"])
+def test_tickets_sent_with_a_prompt_they_were_not_computed_for_are_not_loaded(
+    engines, monkeypatch, case
+):
+    """Tickets are signed but name no prompt: a decode that pulled them for any prompt a client
+    sent cached the pulled blocks under that prompt's hashes, served to every later request
+    sharing the prefix. The prefill binds them to its prompt; a decode whose own prompt does
+    not match (or with no binding) computes the request locally and declines the tickets."""
+    from kvxferd.vllm import binding
+
+    engine = engines("dense", num_blocks=32)
+    params = _prefill_params(engine, monkeypatch, 300)  # prompt 1..300
+    prompt = list(range(1, 301))
+    if case == "another prompt":
+        prompt = list(range(1001, 1301))
+    elif case == "another first token":
+        prompt[0] = 999
+    else:
+        del params[binding.FIELD]
+    decode = _scheduler(engine, monkeypatch)
+    decode.add_request(request("d", 300, params, prompt=prompt))
+    out, _ = step(decode)
+    orders = out.kv_connector_metadata.orders
+    assert out.num_scheduled_tokens.get("d") == 300 and orders.pulls == []
+    declined = [(d.tickets, d.reason) for d in orders.declines]
+    assert declined == [(params["kvxferd_tickets"], "malformed")]
+
+
 def test_an_aborted_request_with_malformed_tickets_declines_nothing(engines, monkeypatch):
     from vllm.v1.request import RequestStatus
 
