@@ -308,7 +308,10 @@ class SchedulerSide:
         """Tokens to load from the store: only with nothing cached locally; with remote params
         only when ``store_first`` and the store holds the whole prompt (minus one token)."""
         store = self.store
-        if store is None or not store.options.load or num_computed:
+        if store is None or not store.options.load:
+            return 0
+        if num_computed:  # a hit kept from a try vLLM could not allocate must not load now
+            store.forget(request.request_id)
             return 0
         if remote and store.options.order != "store_first":
             return 0

@@ -220,3 +220,43 @@ def test_a_failed_lookup_is_a_miss_and_the_engine_computes(engines, monkeypatch,
     assert out.num_scheduled_tokens == {"r": N}
     assert out.kv_connector_metadata.orders.loads == []
     assert "store lookup for 'r' failed" in caplog.text
+
+
+def test_a_store_hit_left_by_an_allocation_that_failed_is_not_loaded_after_a_local_hit(
+    engines, monkeypatch
+):
+    """store_first: the store matched a request vLLM could not allocate yet; by its next try a
+    running request had cached its first blocks locally, so the store is not asked again and
+    the remote prefill pulls only the rest. Before, the first try's hit was still kept and
+    loaded in place of that pull: a load from token 0, over the locally cached blocks other
+    requests share (or, its count differing, every block a load error and the pull lost)."""
+    monkeypatch.setenv("KVXFERD_PEER_TOKEN", SECRET)
+    engine = engines("dense", num_blocks=9)  # 8 usable blocks of 128 tokens
+    cfg = engine.config.kv_transfer_config
+    extra = {**cfg.kv_connector_extra_config, "store": "load", "store_order": "store_first"}
+    monkeypatch.setattr(cfg, "kv_connector_extra_config", extra)
+    prompt = list(range(1, 101)) + [7] * 200  # 7: the token every step samples
+    prefill = _scheduler(engine, Lookups(0))
+    prefill.add_request(request("p", N, {"do_remote_decode": True}, prompt=prompt))
+    _, engine_out = step(prefill)
+    params = next(o.kv_transfer_params for eo in engine_out.values() for o in eo.outputs
+                  if o.kv_transfer_params)  # fmt: skip
+
+    lookups = Lookups(0)  # r and big miss; d is then matched whole
+    decode = _scheduler(engine, lookups)
+    # "r" ends at 128 tokens of d's prompt: its one block then cached, and freed.
+    decode.add_request(request("r", 100, None, prompt=prompt[:100], max_tokens=29))
+    decode.add_request(request("big", 600, None, prompt=list(range(5001, 5601)), max_tokens=99))
+    step(decode)  # r: 1 block, big: 5 blocks; 2 left, d needs 3 for a store load
+    lookups.hit = None
+    decode.add_request(request("d", N, dict(params), prompt=prompt))
+    loads, pulls = [], []
+    for _ in range(80):
+        out, _ = step(decode)
+        orders = out.kv_connector_metadata.orders
+        loads += [ld for ld in orders.loads if ld.request_id == "d"]
+        pulls += [p for p in orders.pulls if p.request_id == "d"]
+        if loads or pulls:
+            break
+    assert loads == []
+    assert len(pulls) == 1 and pulls[0].block_ids[0][0] == -1  # the rest only
