@@ -256,6 +256,26 @@ def test_tickets_sent_with_a_prompt_they_were_not_computed_for_are_not_loaded(
     assert declined == [(params["kvxferd_tickets"], "malformed")]
 
 
+def test_a_decode_prompt_of_embeddings_with_tickets_is_computed_locally(engines, monkeypatch):
+    """A prompt given as embeddings has no token ids (vLLM's ``prompt_token_ids`` is None):
+    reading its params raised TypeError in vLLM's scheduler, which stops the engine; now its
+    tickets bind to nothing it has, so it is computed locally and they are declined."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    engine = engines("dense", num_blocks=32)
+    params = _prefill_params(engine, monkeypatch, 300)
+    decode = _scheduler(engine, monkeypatch)
+    sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+    req = Request("d", None, sampling, None, prompt_embeds=torch.zeros(300, 8))
+    req.kv_transfer_params = params
+    decode.add_request(req)
+    out, _ = step(decode)
+    assert out.num_scheduled_tokens.get("d") == 300
+    assert [d.reason for d in out.kv_connector_metadata.orders.declines] == ["malformed"]
+
+
 def test_an_aborted_request_with_malformed_tickets_declines_nothing(engines, monkeypatch):
     from vllm.v1.request import RequestStatus
 
