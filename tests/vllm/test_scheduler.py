@@ -276,6 +276,28 @@ def test_a_decode_prompt_of_embeddings_with_tickets_is_computed_locally(engines,
     assert [d.reason for d in out.kv_connector_metadata.orders.declines] == ["malformed"]
 
 
+def test_a_prefill_prompt_of_embeddings_finishes_like_a_local_request(engines, monkeypatch):
+    """No token ids to bind its tickets to: counting them raised TypeError in vLLM's scheduler
+    as the request finished, which stops the engine; now it answers no params, frees at once."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    engine = engines("dense", num_blocks=32)
+    prefill = _scheduler(engine, monkeypatch)
+    free = prefill.kv_cache_manager.block_pool.get_num_free_blocks()
+    params = {"do_remote_decode": True}
+    sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+    req = Request("p", None, sampling, None, prompt_embeds=torch.zeros(300, 8))
+    req.kv_transfer_params = params
+    prefill.add_request(req)
+    _, engine_out = step(prefill)
+    assert [o.kv_transfer_params for eo in engine_out.values() for o in eo.outputs] == [None]
+    out, _ = step(prefill)
+    assert out.kv_connector_metadata.orders.holds == []
+    assert prefill.kv_cache_manager.block_pool.get_num_free_blocks() == free
+
+
 def test_an_aborted_request_with_malformed_tickets_declines_nothing(engines, monkeypatch):
     from vllm.v1.request import RequestStatus
 
