@@ -131,6 +131,11 @@ class Config:
     READs whose rows coalesce to nothing by index into them (never more descriptors than the
     coalesced tables); off: every READ goes as coalesced tables (the default until an A/B on a
     quiet machine shows it never slower; docs/benchmarks.md)."""
+    read_stripes: int = 2
+    """Agents a large DRAM READ (8 MiB and up) is split across, each posting its share from a
+    thread at once (kvxferd.transport.stripes): on loopback/CMA one READ copies at one core's
+    speed, two moved 1.7-1.9x that on 2 cores (scripts/bench_lanes.py). VRAM READs go whole.
+    1: one agent; at most 8."""
     require_transport: str = "any"
     """READ transport readiness requires: ``rdma`` (an RDMA device, and no READ over TCP; else
     /readyz answers 503 naming why) or ``any``."""
@@ -164,6 +169,8 @@ class Config:
         for name in ("store_dram_bytes", "store_file_bytes", "store_chunk_tokens"):
             if getattr(self, name) < (1 if name == "store_chunk_tokens" else 0):
                 raise ConfigError(f"{name}: out of range, got {getattr(self, name)}")
+        if not 1 <= self.read_stripes <= 8:
+            raise ConfigError(f"read_stripes: must be in [1, 8], got {self.read_stripes}")
         if self.require_transport not in ("any", "rdma"):
             raise ConfigError(
                 f"require_transport: {self.require_transport!r} is not 'rdma' or 'any'"

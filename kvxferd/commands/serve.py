@@ -78,6 +78,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    dest="prepped_reads",
                    help="post fragmented READs by index into per-peer prepared lists "
                         "(default: off)")  # fmt: skip
+    p.add_argument(
+        "--read-stripes",
+        type=int,
+        metavar="N",
+        dest="read_stripes",
+        help="agents a large DRAM READ is split across, posted at once (default 1)",
+    )
     p.add_argument("--require-transport", choices=("rdma", "any"), dest="require_transport",
                    help="refuse readiness unless READs can use RDMA (never TCP)")  # fmt: skip
     p.add_argument("--event-loop", choices=EVENT_LOOPS, dest="event_loop",

@@ -48,7 +48,7 @@ from kvxferd.sidecar.reads import QUARANTINE_S
 from kvxferd.sidecar.signing import PeerKeys
 from kvxferd.sidecar.sources import close_sources, host_views, map_sources, release_sources
 from kvxferd.sidecar.tickets import check_addressed, sign_ticket, verify_ticket, verify_tickets
-from kvxferd.transport import Agent
+from kvxferd.transport import Agent, StripedAgent
 from kvxferd.wire import (
     ENGINE_API_VERSION,
     AbortHoldRequest,
@@ -93,10 +93,12 @@ class Sidecar:
         self.engine_id = config.engine_id or f"kvx-{secrets.token_hex(4)}"
         self.peer_address = ""  # host:port, set once the peer server is bound
         self.frames_port = 0  # the framed peer listener's port (0: not served), named in handshakes
-        self.agent = Agent(
+        striped = {"stripes": config.read_stripes} if config.read_stripes > 1 else {}
+        self.agent = (StripedAgent if striped else Agent)(
             f"{self.engine_id}-{self.epoch}",
             backends=list(config.backends),
             progress_thread=config.progress_thread,
+            **striped,
         )
         self.metrics.set_backend(",".join(config.backends))
         self.manifest: Manifest | None = None

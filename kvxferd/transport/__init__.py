@@ -12,9 +12,12 @@ from kvxferd.transport.descs import as_indices, as_xfer_table, check_pairs
 from kvxferd.transport.nixl_errors import is_nixl_error, nixl_errors
 from kvxferd.transport.prepped import PreppedList
 from kvxferd.transport.registration import LiveHandles, Registration
+from kvxferd.transport.stripes import StripedAgent, StripedRead
 from kvxferd.transport.transfer import Transfer, TransferState
 
 __all__ = [
+    "StripedAgent",
+    "StripedRead",
     "Agent",
     "CompletionPoller",
     "LiveHandles",

@@ -1,0 +1,139 @@
+"""StripedAgent: a large READ goes as equal byte ranges, one per agent, posted at once, and
+lands byte-exactly; it reports FAILED only once no part can still write; small READs, and
+READs that carry a notification, go whole on the main agent."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvxferd.errors import TransportLookupError
+from kvxferd.memory import SharedMemoryRegion
+from kvxferd.transport import LiveHandles, TransferState, stripes
+from kvxferd.transport.stripes import StripedAgent, StripedRead, cut, piece
+from tests.transport.conftest import SENTINEL, unique
+
+WAIT_S = 20.0
+ZERO = LiveHandles(0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_the_ranges_cover_every_byte_once_in_order_and_split_a_row_where_a_cut_falls(k):
+    rng = np.random.default_rng(k)
+    lens = rng.integers(1, 5000, 17).astype(np.uint64)
+    addrs = np.cumsum(lens) * 3  # gaps between rows: a wrong offset would show
+    table = np.stack([addrs, lens, np.zeros_like(lens)], axis=1)
+    every = np.concatenate([np.arange(a, a + n) for a, n in table[:, :2].astype(np.int64)])
+    pieces = [piece(table, where) for where in cut(table, k)]
+    covered = np.concatenate([np.arange(a, a + n) for p in pieces
+                              for a, n in p[:, :2].astype(np.int64)])  # fmt: skip
+    assert np.array_equal(covered, every)
+    sizes = [int(p[:, 1].sum()) for p in pieces]
+    assert max(sizes) - min(sizes) <= 1  # equal shares
+
+
+def test_one_huge_row_is_split_too():
+    table = np.array([[1 << 20, 1000, 0]], np.uint64)
+    assert [p.tolist() for p in (piece(table, w) for w in cut(table, 3))] == [
+        [[1 << 20, 333, 0]], [[(1 << 20) + 333, 333, 0]], [[(1 << 20) + 666, 334, 0]]
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def striped(dst: SharedMemoryRegion, monkeypatch) -> Iterator[StripedAgent]:
+    monkeypatch.setattr(stripes, "MIN_BYTES", 1 << 20)  # the peer serves 4 MiB
+    a = StripedAgent(unique("striped"), stripes=3)
+    a.register(dst)
+    yield a
+    a.close()
+    assert a.live_handles() == ZERO
+
+
+def _tables(peer, dst, ranges):
+    local = np.array([[dst.base_addr + d, n] for _, d, n in ranges], np.uint64)
+    remote = np.array([[peer.remote_base + s, n] for s, _, n in ranges], np.uint64)
+    return local, remote
+
+
+def _assert_landed(peer, dst, ranges):
+    src, out = peer.src.host_view(), dst.host_view()
+    expected = np.full_like(out, SENTINEL)
+    for s, d, n in ranges:
+        expected[d : d + n] = src[s : s + n]
+    mismatch = np.flatnonzero(out != expected)
+    assert mismatch.size == 0, f"{mismatch.size} bytes differ, first at dst offset {mismatch[0]}"
+
+
+@pytest.mark.nixl
+def test_a_large_read_goes_in_stripes_and_lands_byte_exact(peer, dst, striped):
+    striped.add_remote(peer.metadata)
+    ranges = [(0, 4096, 1 << 20), (2 << 20, (1 << 20) + 8192, 1_500_001), (12345, 3 << 20, 999)]
+    local, remote = _tables(peer, dst, ranges)
+    xfer = striped.read(peer.name, local, remote)
+    try:
+        assert isinstance(xfer, StripedRead)
+        deadline_polls = 0
+        while xfer.poll() is TransferState.POSTED and deadline_polls < 10_000_000:
+            deadline_polls += 1
+        assert xfer.state is TransferState.DONE and xfer.error is None
+        telemetry = xfer.telemetry()
+        assert telemetry is not None and telemetry["stripes"] == 3
+        assert telemetry["bytes"] == sum(n for *_, n in ranges)
+    finally:
+        xfer.release()
+    _assert_landed(peer, dst, ranges)
+    assert striped.live_handles().transfers == 0
+
+
+@pytest.mark.nixl
+def test_a_small_read_or_one_with_a_notification_goes_whole(peer, dst, striped):
+    striped.add_remote(peer.metadata)
+    for ranges, notif in (([(0, 0, 4096)], b""), ([(0, 0, 2 << 20)], b"hold-1")):
+        local, remote = _tables(peer, dst, ranges)
+        with striped.read(peer.name, local, remote, notif) as xfer:
+            assert not isinstance(xfer, StripedRead)
+            assert xfer.wait(WAIT_S) is TransferState.DONE
+        _assert_landed(peer, dst, ranges)
+    assert peer.wait_notifs(striped.name, 1) == [b"hold-1"]  # from the main agent, once
+
+
+@pytest.mark.nixl
+def test_a_part_that_cannot_be_posted_fails_the_read_once_the_others_settled(peer, dst, striped):
+    striped.add_remote(peer.metadata)
+    size = peer.src.size
+    # The last third of the bytes lies past the peer's registered memory: that part's post fails.
+    local = np.array([[dst.base_addr, size]], np.uint64)
+    remote = np.array([[peer.remote_base + size // 2, size]], np.uint64)
+    xfer = striped.read(peer.name, local, remote)
+    try:
+        polls = 0
+        while xfer.poll() is TransferState.POSTED and polls < 10_000_000:
+            polls += 1
+        assert xfer.state is TransferState.FAILED
+        assert isinstance(xfer.error, TransportLookupError)
+    finally:
+        xfer.release()
+    assert striped.live_handles().transfers == 0
+
+
+@pytest.mark.nixl
+def test_a_read_whose_every_part_fails_raises_and_holds_nothing(peer, dst, striped):
+    striped.add_remote(peer.metadata)
+    local = np.array([[dst.base_addr, 2 << 20]], np.uint64)
+    remote = np.array([[peer.remote_base + peer.src.size, 2 << 20]], np.uint64)
+    with pytest.raises(TransportLookupError):
+        striped.read(peer.name, local, remote)
+    assert striped.live_handles().transfers == 0
+
+
+@pytest.mark.nixl
+def test_stripes_follow_registrations_and_peers(peer, dst, striped):
+    striped.add_remote(peer.metadata)
+    assert striped.live_handles().registrations == 3  # dst, on each of the three agents
+    striped.remove_remote(peer.name)
+    assert striped.remotes() == frozenset()
+    for reg in list(striped._registrations.values()):
+        striped.deregister(reg)
+    assert striped.live_handles() == ZERO
