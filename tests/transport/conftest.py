@@ -83,6 +83,25 @@ class Peer:
                 self.kill()
 
 
+def read_tables(peer: Peer, dst: SharedMemoryRegion, ranges: list[tuple[int, int, int]]
+                ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """READ tables for ``(src offset, dst offset, length)`` ranges: (local, remote) N x 2."""
+    local = np.array([[dst.base_addr + d, n] for _, d, n in ranges], dtype=np.uint64)
+    remote = np.array([[peer.remote_base + s, n] for s, _, n in ranges], dtype=np.uint64)
+    return local, remote
+
+
+def assert_landed(peer: Peer, dst: SharedMemoryRegion, ranges: list[tuple[int, int, int]]
+                  ) -> None:  # fmt: skip
+    """Every byte of each range arrived from ``src``; every other byte of ``dst`` is SENTINEL."""
+    src, out = peer.src.host_view(), dst.host_view()
+    expected = np.full_like(out, SENTINEL)
+    for s, d, n in ranges:
+        expected[d : d + n] = src[s : s + n]
+    mismatch = np.flatnonzero(out != expected)
+    assert mismatch.size == 0, f"{mismatch.size} bytes differ, first at dst offset {mismatch[0]}"
+
+
 def start_peer(progress: bool = True) -> Peer:
     """Create ``src`` (random bytes) and start a target process serving it."""
     src = SharedMemoryRegion.create(unique("kvx-src"), SRC_BYTES)

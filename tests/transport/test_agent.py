@@ -19,7 +19,7 @@ from kvxferd.errors import (
 )
 from kvxferd.memory import SharedMemoryRegion
 from kvxferd.transport import Agent, LiveHandles, TransferState
-from tests.transport.conftest import SENTINEL, unique
+from tests.transport.conftest import assert_landed, read_tables, unique
 
 pytestmark = pytest.mark.nixl
 
@@ -30,37 +30,22 @@ ZERO = LiveHandles(0, 0, 0, 0)
 RANGES = [(0, 4096, 512), (1_000_003, 17, 4096), (3 << 20, 1 << 20, 65536), (12345, 2 << 20, 1)]
 
 
-def _tables(peer, dst, ranges):
-    local = np.array([[dst.base_addr + d, n] for _, d, n in ranges], dtype=np.uint64)
-    remote = np.array([[peer.remote_base + s, n] for s, _, n in ranges], dtype=np.uint64)
-    return local, remote
-
-
-def _assert_landed(peer, dst, ranges):
-    src, out = peer.src.host_view(), dst.host_view()
-    expected = np.full_like(out, SENTINEL)
-    for s, d, n in ranges:
-        expected[d : d + n] = src[s : s + n]
-    mismatch = np.flatnonzero(out != expected)
-    assert mismatch.size == 0, f"{mismatch.size} bytes differ, first at dst offset {mismatch[0]}"
-
-
 def test_read_of_scattered_ranges_lands_byte_exact_and_touches_nothing_else(peer, dst, agent):
     agent.add_remote(peer.metadata)
-    local, remote = _tables(peer, dst, RANGES)
+    local, remote = read_tables(peer, dst, RANGES)
     with agent.read(peer.name, local, remote) as xfer:
         assert xfer.wait(WAIT_S) is TransferState.DONE
         assert xfer.nbytes == sum(n for *_, n in RANGES)
-    _assert_landed(peer, dst, RANGES)
+    assert_landed(peer, dst, RANGES)
     assert agent.live_handles().transfers == 0
 
 
 def test_read_accepts_separate_addr_and_len_arrays(peer, dst, agent):
     agent.add_remote(peer.metadata)
-    local, remote = _tables(peer, dst, RANGES)
+    local, remote = read_tables(peer, dst, RANGES)
     with agent.read(peer.name, (local[:, 0], local[:, 1]), (remote[:, 0], remote[:, 1])) as xfer:
         xfer.wait(WAIT_S)
-    _assert_landed(peer, dst, RANGES)
+    assert_landed(peer, dst, RANGES)
 
 
 def test_prepped_read_by_index_lands_byte_exact(peer, dst, agent):
@@ -80,13 +65,13 @@ def test_prepped_read_by_index_lands_byte_exact(peer, dst, agent):
             assert xfer.nbytes == 20 * block
     pairs = zip(local_idx, remote_idx, strict=True)
     ranges = [(int(r) * block, int(d) * block, block) for d, r in pairs]
-    _assert_landed(peer, dst, ranges)
+    assert_landed(peer, dst, ranges)
     assert agent.live_handles() == LiveHandles(0, 0, 1, 1)
 
 
 def test_notification_of_a_read_arrives_keyed_by_initiator_name(peer, dst, agent):
     agent.add_remote(peer.metadata)
-    local, remote = _tables(peer, dst, RANGES[:1])
+    local, remote = read_tables(peer, dst, RANGES[:1])
     with agent.read(peer.name, local, remote, b"req-1:done") as xfer:
         xfer.wait(WAIT_S)
     agent.send_notif(peer.name, b"standalone")
@@ -95,7 +80,7 @@ def test_notification_of_a_read_arrives_keyed_by_initiator_name(peer, dst, agent
 
 def test_telemetry_reports_bytes_and_durations(peer, dst, agent):
     agent.add_remote(peer.metadata)
-    local, remote = _tables(peer, dst, RANGES)
+    local, remote = read_tables(peer, dst, RANGES)
     with agent.read(peer.name, local, remote) as xfer:
         assert xfer.telemetry() is None or xfer.state is TransferState.DONE
         xfer.wait(WAIT_S)
@@ -114,7 +99,7 @@ def test_reads_from_several_threads_all_land(peer, dst, agent):
     def worker(i: int) -> None:
         try:
             ranges = [(i * 8 * chunk + k * chunk, (i * 8 + k) * chunk, chunk) for k in range(8)]
-            local, remote = _tables(peer, dst, ranges)
+            local, remote = read_tables(peer, dst, ranges)
             for _ in range(5):
                 with agent.read(peer.name, local, remote) as xfer:
                     xfer.wait(WAIT_S)
@@ -127,7 +112,7 @@ def test_reads_from_several_threads_all_land(peer, dst, agent):
     for t in threads:
         t.join(WAIT_S * 3)
     assert not errors, errors
-    _assert_landed(peer, dst, [(k * chunk, k * chunk, chunk) for k in range(32)])
+    assert_landed(peer, dst, [(k * chunk, k * chunk, chunk) for k in range(32)])
     assert agent.live_handles().transfers == 0
 
 
@@ -236,19 +221,19 @@ def test_a_read_that_cannot_complete_times_out_then_completes(own_peer, dst, age
     # The target has no progress thread: a READ carrying a notification cannot complete on
     # the initiator while the target does not poll NIXL, which makes the timeout deterministic.
     agent.add_remote(own_peer.metadata)
-    local, remote = _tables(own_peer, dst, RANGES)
+    local, remote = read_tables(own_peer, dst, RANGES)
     own_peer.pause(1.0)
     with agent.read(own_peer.name, local, remote, b"late") as xfer:
         with pytest.raises(TransferTimeoutError, match="deadline"):
             xfer.wait(0.2)
         assert xfer.state is TransferState.POSTED
         assert xfer.wait(WAIT_S) is TransferState.DONE
-    _assert_landed(own_peer, dst, RANGES)
+    assert_landed(own_peer, dst, RANGES)
 
 
 def test_killed_peer_surfaces_as_peer_disconnected(own_peer, dst, agent):
     agent.add_remote(own_peer.metadata)
-    local, remote = _tables(own_peer, dst, RANGES[:1])
+    local, remote = read_tables(own_peer, dst, RANGES[:1])
     with agent.read(own_peer.name, local, remote) as xfer:
         xfer.wait(WAIT_S)
     own_peer.kill()

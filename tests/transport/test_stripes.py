@@ -13,7 +13,7 @@ from kvxferd.errors import TransportLookupError
 from kvxferd.memory import SharedMemoryRegion
 from kvxferd.transport import LiveHandles, TransferState, stripes
 from kvxferd.transport.stripes import StripedAgent, StripedRead, cut, piece
-from tests.transport.conftest import SENTINEL, unique
+from tests.transport.conftest import assert_landed, read_tables, unique
 
 WAIT_S = 20.0
 ZERO = LiveHandles(0, 0, 0, 0)
@@ -51,26 +51,11 @@ def striped(dst: SharedMemoryRegion, monkeypatch) -> Iterator[StripedAgent]:
     assert a.live_handles() == ZERO
 
 
-def _tables(peer, dst, ranges):
-    local = np.array([[dst.base_addr + d, n] for _, d, n in ranges], np.uint64)
-    remote = np.array([[peer.remote_base + s, n] for s, _, n in ranges], np.uint64)
-    return local, remote
-
-
-def _assert_landed(peer, dst, ranges):
-    src, out = peer.src.host_view(), dst.host_view()
-    expected = np.full_like(out, SENTINEL)
-    for s, d, n in ranges:
-        expected[d : d + n] = src[s : s + n]
-    mismatch = np.flatnonzero(out != expected)
-    assert mismatch.size == 0, f"{mismatch.size} bytes differ, first at dst offset {mismatch[0]}"
-
-
 @pytest.mark.nixl
 def test_a_large_read_goes_in_stripes_and_lands_byte_exact(peer, dst, striped):
     striped.add_remote(peer.metadata)
     ranges = [(0, 4096, 1 << 20), (2 << 20, (1 << 20) + 8192, 1_500_001), (12345, 3 << 20, 999)]
-    local, remote = _tables(peer, dst, ranges)
+    local, remote = read_tables(peer, dst, ranges)
     xfer = striped.read(peer.name, local, remote)
     try:
         assert isinstance(xfer, StripedRead)
@@ -83,7 +68,7 @@ def test_a_large_read_goes_in_stripes_and_lands_byte_exact(peer, dst, striped):
         assert telemetry["bytes"] == sum(n for *_, n in ranges)
     finally:
         xfer.release()
-    _assert_landed(peer, dst, ranges)
+    assert_landed(peer, dst, ranges)
     assert striped.live_handles().transfers == 0
 
 
@@ -91,11 +76,11 @@ def test_a_large_read_goes_in_stripes_and_lands_byte_exact(peer, dst, striped):
 def test_a_small_read_or_one_with_a_notification_goes_whole(peer, dst, striped):
     striped.add_remote(peer.metadata)
     for ranges, notif in (([(0, 0, 4096)], b""), ([(0, 0, 2 << 20)], b"hold-1")):
-        local, remote = _tables(peer, dst, ranges)
+        local, remote = read_tables(peer, dst, ranges)
         with striped.read(peer.name, local, remote, notif) as xfer:
             assert not isinstance(xfer, StripedRead)
             assert xfer.wait(WAIT_S) is TransferState.DONE
-        _assert_landed(peer, dst, ranges)
+        assert_landed(peer, dst, ranges)
     assert peer.wait_notifs(striped.name, 1) == [b"hold-1"]  # from the main agent, once
 
 
