@@ -219,10 +219,13 @@ class StripedAgent(Agent):
     ) -> Any:
         """:meth:`Agent.read`; a DRAM READ of at least MIN_BYTES with no notification goes in
         one part per stripe, posted at once (a :class:`StripedRead`)."""
-        whole = (mem, remote_mem) != ("DRAM", "DRAM") or notif or not self._stripes
-        loc = None if whole else as_xfer_table(local, device_id, "local")
-        if loc is None or int(loc[:, 1].sum()) < MIN_BYTES:
+        if (mem, remote_mem) != ("DRAM", "DRAM") or notif:
             return super().read(remote, local, remote_descs, notif, mem=mem,
+                                device_id=device_id, remote_mem=remote_mem,
+                                remote_device_id=remote_device_id)  # fmt: skip
+        loc = as_xfer_table(local, device_id, "local")
+        if int(loc[:, 1].sum()) < MIN_BYTES:  # the table as converted, not converted again
+            return super().read(remote, loc, remote_descs, notif, mem=mem,
                                 device_id=device_id, remote_mem=remote_mem,
                                 remote_device_id=remote_device_id)  # fmt: skip
         rem = as_xfer_table(remote_descs, remote_device_id, "remote")
