@@ -327,8 +327,13 @@ outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
   checks it before decoding the body: known key id, `ts` within the replay window of its clock
   (`--auth-skew`, ±30 s by default), signature compared in constant time, and a nonce not seen
   within the window (nonces are remembered until their `ts` leaves the window, at most 131,072 at
-  once; beyond that, new calls are refused until old ones age out). A missing, malformed,
-  stale, replayed, tampered or foreign-key request answers 401 with `WWW-Authenticate: KVX1`.
+  once; beyond that, new calls are refused until old ones age out). That window is measured
+  from the latest time the server's clock ever showed, so a clock that steps back reopens no
+  replay: a `ts` older than it is refused ("older than the replay window: our clock stepped
+  back") even where the clock now says it is within ±30 s. This fails closed: after a step back
+  of X > 30 s (or a forward step of X that is then undone) honest calls are refused for about
+  X − 30 s. A missing, malformed, stale, replayed, tampered or foreign-key request answers 401
+  with `WWW-Authenticate: KVX1`.
   `/healthz`, `/readyz`, `/metrics` and `/openapi.json` need no signature. What this does not
   cover: answers are not signed and nothing is encrypted, and a signature does not name the
   receiving sidecar (a call captured on the network could be replayed to another sidecar of the

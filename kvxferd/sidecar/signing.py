@@ -4,8 +4,9 @@ A request carries ``Authorization: KVX1 key=<key id>, ts=<unix s>, nonce=<hex>, 
 ``sig`` being HMAC-SHA256, under a key derived from the secret, of
 ``KVX1\\n<METHOD>\\n<path?query>\\n<sha256(body) hex>\\n<ts>\\n<nonce>\\n<key id>``. The server
 accepts it when the key id names one of its keys (the current one, or a second one during a
-rollover), ``ts`` is within ``skew_s`` of its clock, the signature matches (constant-time) and the
-nonce was not seen within the window (a replay is refused). A key id is an HMAC of a fixed label
+rollover), ``ts`` is within ``skew_s`` of its clock (and of the latest time that clock showed,
+so a clock stepping back reopens no replay), the signature matches (constant-time) and the nonce
+was not seen within the window (a replay is refused). A key id is an HMAC of a fixed label
 under the key: it names the key without revealing it.
 """
 
@@ -109,6 +110,19 @@ class RequestVerifier:
 
     Nonces are remembered until their timestamp leaves the window, at most ``max_nonces`` at
     once; when full, new requests are refused (fail closed) until old nonces age out.
+
+    The window is measured against the latest time the clock ever showed this verifier (its
+    high-water mark), not only against the clock now: a nonce is forgotten once its ``ts`` is
+    ``skew_s`` behind that mark, and a request whose ``ts`` is that old is refused even when a
+    clock stepped back (an NTP correction of a fast clock, a VM restored) says it is within the
+    window: its nonce may have been forgotten, so it cannot be proven unseen. A replay is thus
+    refused whatever the wall clock does. The price is paid by honest peers, never by a replay
+    (fail closed): after the clock steps back by ``X`` > ``skew_s``, calls signed at the new time
+    are refused for about ``X - skew_s`` s, until it catches up with the mark; a forward step of
+    ``D`` that is then undone refuses honest calls for about ``D - skew_s`` s after the return
+    (and while the clock is ahead, as any skew beyond the window does). Steps of at most
+    ``skew_s`` cost nothing. The mark lives in memory, like the nonces: a restart, or a VM
+    restored from a snapshot with this process in it, resets both (no in-process check helps).
     """
 
     def __init__(
@@ -125,6 +139,7 @@ class RequestVerifier:
         self._clock = clock
         self._seen: set[str] = set()
         self._expiry: list[tuple[float, str]] = []  # (time the nonce may be forgotten, nonce)
+        self._latest = -math.inf  # the latest time the clock showed: never moves back
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -139,16 +154,27 @@ class RequestVerifier:
         if key is None:
             raise AuthError("Authorization: unknown key id (another secret, or rotated out)")
         now = self._clock()
+        self._latest = latest = max(self._latest, now)
         ts = int(p["ts"])
         if abs(now - ts) > self.skew_s:
             raise AuthError(
                 f"Authorization: ts is {now - ts:+.0f} s from our clock (window ±{self.skew_s:g} s)"
             )
+        # Only after a backward clock step can a ts within the window of ``now`` be out of the
+        # window of ``latest``: _forget may already have dropped a nonce that old (it tests the
+        # same expression, so no float rounding slips between them), and accepting the request
+        # could accept a replay. Checked before the signature, like the window above.
+        if ts + self.skew_s < latest:
+            raise AuthError(
+                f"Authorization: ts is older than the replay window: our clock stepped back "
+                f"{latest - now:.1f} s and ts is {latest - ts:.0f} s before the latest time it "
+                f"showed (window ±{self.skew_s:g} s); refused until the clock catches up"
+            )
         want = hmac.new(key, _message(method, target, body, p["ts"], p["nonce"], p["key"]),
                         hashlib.sha256).hexdigest()  # fmt: skip
         if not hmac.compare_digest(want.encode(), p["sig"].encode()):
             raise AuthError("Authorization: signature does not match the request")
-        self._forget(now)
+        self._forget(latest)
         if p["nonce"] in self._seen:
             raise AuthError("Authorization: nonce already used (replayed request)")
         if len(self._seen) >= self.max_nonces:
@@ -157,10 +183,11 @@ class RequestVerifier:
         heapq.heappush(self._expiry, (ts + self.skew_s, p["nonce"]))
         return p["key"]
 
-    def _forget(self, now: float) -> None:
-        """Drop nonces whose timestamp is out of the window (a replay of them is stale)."""
+    def _forget(self, latest: float) -> None:
+        """Drop nonces whose timestamp is out of the window of the clock's high-water mark
+        (verify refuses a replay of them as stale, whatever the clock says later)."""
         expiry = self._expiry
-        while expiry and expiry[0][0] < now:
+        while expiry and expiry[0][0] < latest:
             self._seen.discard(heapq.heappop(expiry)[1])
 
 

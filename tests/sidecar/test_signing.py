@@ -138,3 +138,81 @@ def test_during_a_rollover_both_keys_verify_and_only_the_current_one_signs():
 def test_the_target_is_the_path_plus_its_query():
     assert request_target("/v1/released") == "/v1/released"
     assert request_target("/v1/released", b"cursor=3") == "/v1/released?cursor=3"
+
+
+def call(v: RequestVerifier, h: str) -> str:
+    return v.verify("POST", "/v1/heartbeat", BODY, h)
+
+
+def test_a_replay_is_refused_after_the_clock_steps_back_past_the_forgotten_nonce():
+    """A call's nonce is forgotten once its ts leaves the window; if the clock then steps back
+    (NTP, a VM restored) so that ts is inside the window again, the captured call is still
+    refused: it is older than the window of the latest time the clock showed."""
+    v, clock = verifier(skew_s=30.0)
+    captured = header(clock)
+    call(v, captured)
+    clock.t += 31
+    call(v, header(clock))  # another call: the captured nonce is forgotten now
+    assert len(v) == 1
+    clock.t -= 31  # stepped back: the captured ts is within ±30 s of the clock again
+    with pytest.raises(AuthError, match="clock stepped back") as refused:
+        call(v, captured)
+    assert "older than the replay window" in str(refused.value)
+    assert len(v) == 1  # the refused replay left no nonce behind
+
+
+def test_after_a_step_back_past_the_window_fresh_calls_fail_closed_until_the_clock_catches_up():
+    """Honest calls signed at the stepped-back time are refused (nothing proves them unseen)
+    for as long as the step exceeds the window; a step back within the window costs nothing."""
+    v, clock = verifier(skew_s=30.0)
+    latest = clock.t
+    call(v, header(clock))
+    clock.t -= 10  # within the window: honest calls go on
+    call(v, header(clock))
+    clock.t = latest - 60  # 60 s back: refused for 60 - 30 s
+    with pytest.raises(AuthError, match="clock stepped back 60.0 s"):
+        call(v, header(clock))
+    clock.t = latest - 31
+    with pytest.raises(AuthError, match="older than the replay window"):
+        call(v, header(clock))
+    clock.t = latest - 30  # back within the window of the latest time seen
+    call(v, header(clock))
+    assert len(v) == 3
+
+
+def test_a_forward_step_that_is_undone_refuses_honest_calls_for_the_step_less_the_window():
+    v, clock = verifier(skew_s=30.0)
+    true = clock.t
+    clock.t = true + 100  # wrong by 100 s: honest peers (at the true time) are out of the window
+    with pytest.raises(AuthError, match=r"ts is \+100 s from our clock"):
+        call(v, header(Clock(true)))
+    clock.t = true  # corrected; the high-water mark stays at true + 100
+    with pytest.raises(AuthError, match="clock stepped back 100.0 s"):
+        call(v, header(clock))
+    clock.t = true + 70  # 100 - 30 s later they are accepted again
+    call(v, header(clock))
+
+
+def test_over_a_long_run_with_small_steps_back_nonces_age_out_and_none_is_accepted_twice():
+    """Thousands of distinct calls, the clock moving on 0.5 s a call and stepping back 5 s every
+    100 calls (within the window: every honest call is accepted): the nonce table holds only
+    the calls whose ts is within 30 s of the latest time seen, nothing is accepted twice (calls
+    29 to 35 s old are replayed after every call, those whose nonces were just forgotten among
+    them) and the table empties once the clock has moved past the window."""
+    v, clock = verifier(skew_s=30.0, max_nonces=200)
+    step, lags = 0.5, (58, 62, 66, 70)  # calls 29, 31, 33 and 35 s back
+    sent: list[str] = []
+    for i in range(4000):
+        clock.t += step
+        if i % 100 == 99:
+            clock.t -= 5.0
+        sent.append(header(clock))
+        call(v, sent[-1])
+        assert len(v) <= (30.0 + 5.0) / step + 2  # ts of the last 30 s, 5 s of them twice
+        for lag in lags:
+            if i >= lag:
+                with pytest.raises(AuthError):
+                    call(v, sent[i - lag])
+    clock.t += 36
+    call(v, header(clock))
+    assert len(v) == 1
