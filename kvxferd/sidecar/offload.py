@@ -198,6 +198,24 @@ class Offload:
             await asyncio.wait(running, timeout=timeout_s)
         return sum(not work.done() for work in running)
 
+    async def shutdown(self, timeout_s: float = STOP_S) -> int:
+        """:meth:`stop`, then, once no load or save runs, :meth:`close` waited for at most
+        ``timeout_s`` (an I/O thread stuck on a hung disk is left to process exit): how many
+        loads and saves still copy the engine's memory. While any does, the store stays open
+        (the copy's entry goes on to the store) and the caller must not unmap the memory."""
+        copying = await self.stop(timeout_s)
+        if copying:
+            log.warning("shutdown: %d store loads or saves still copy the engine's memory after "
+                        "%g s: it stays mapped and the store open until they end", copying,
+                        timeout_s)  # fmt: skip
+            return copying
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.close), timeout_s)
+        except TimeoutError:
+            log.warning("shutdown: the store's I/O threads did not end in %g s (a hung disk?); "
+                        "left to process exit", timeout_s)  # fmt: skip
+        return 0
+
     def close(self) -> None:
         """Stop the store's I/O threads (calls in progress finish first)."""
         if self.store is not None:

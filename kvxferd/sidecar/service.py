@@ -175,7 +175,8 @@ class Sidecar:
         ]
 
     async def close(self) -> None:
-        """Stop tasks, fail in-flight pulls, release NIXL state and unmap regions."""
+        """Stop tasks, fail in-flight pulls, release NIXL state and unmap regions (not while a
+        store copy may still touch them: their views keep them mapped until it ends)."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -183,11 +184,11 @@ class Sidecar:
                 await task
         await self.pulls.close()
         await self.peers.close()
-        await self.offload.stop()  # no store load writes the regions once they are unmapped
-        await asyncio.to_thread(self.offload.close)
+        copying = await self.offload.shutdown(STOP_S)  # bounded; warns if copies still run
         await asyncio.to_thread(self.agent.close)
         self.fabric.close()
-        close_sources(self._regions)
+        if not copying:  # else left mapped: no store copy reads or writes memory let go of
+            close_sources(self._regions)
         self._regions = []
 
     # ---------------------------------------------------------------- engine API
