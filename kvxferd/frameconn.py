@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from kvxferd.aio import Cork
 from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
 from kvxferd.wire.frames import FRAME_HEADER, FrameAnswer, FrameRequest, frame, frame_length
 
@@ -172,6 +173,7 @@ class _Link:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
+        self.cork = Cork(writer)
         self.pending: dict[int, asyncio.Future[FrameAnswer]] = {}
         self.used_at = time.monotonic()
         self.closed = False
@@ -258,8 +260,8 @@ class AsyncFrameConn:
                 fut: asyncio.Future[FrameAnswer] = asyncio.get_running_loop().create_future()
                 link.pending[call_id] = fut
                 try:
-                    link.writer.write(_request(call_id, op, query, body, auth))
-                    await link.writer.drain()
+                    link.cork.write(_request(call_id, op, query, body, auth))
+                    await link.cork.drain()
                     answer = await fut
                 finally:
                     link.pending.pop(call_id, None)

@@ -1,11 +1,14 @@
 """kvxferd.aio: the daemons run on uvloop when it is installed, on asyncio when told or when it
 is not, and a loop that cannot be had is a ConfigError before anything runs. ``Wake``: a polling
-loop's sleep that an event cuts short, with no task per sleep."""
+loop's sleep that an event cuts short, with no task per sleep. ``Cork``: the writes of one loop
+round leave a connection as one send."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import socket
 import sys
 
 import pytest
@@ -118,3 +121,74 @@ def test_a_cancelled_sleep_leaves_the_wake_usable():
         assert await wake.sleep(60.0) is True
 
     asyncio.run(scenario())
+
+
+# -- Cork: the writes of one loop round leave as one send ------------------------------------
+
+
+async def _corked_pair() -> tuple[aio.Cork, list[bytes], socket.socket]:
+    """A Cork over one end of a socket pair, the sends it made, and the other end."""
+    ours, theirs = socket.socketpair()
+    _, writer = await asyncio.open_connection(sock=ours)
+    sends: list[bytes] = []
+    write = writer.write
+    writer.write = lambda data: (sends.append(bytes(data)), write(data))[1]  # type: ignore[method-assign]
+    theirs.setblocking(False)
+    return aio.Cork(writer), sends, theirs
+
+
+async def _received(sock: socket.socket, size: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    got = b""
+    async with asyncio.timeout(5):
+        while len(got) < size:
+            got += await loop.sock_recv(sock, size - len(got))
+    return got
+
+
+def test_the_writes_of_tasks_in_one_round_leave_as_one_send_in_their_order():
+    async def main():
+        cork, sends, theirs = await _corked_pair()
+
+        async def call(data: bytes) -> None:
+            cork.write(data)
+            await cork.drain()
+
+        await asyncio.gather(call(b"one,"), call(b"two,"), call(b"three"))
+        assert sends == [b"one,two,three"]
+        assert await _received(theirs, 13) == b"one,two,three"
+        cork.writer.close()
+        theirs.close()
+
+    asyncio.run(main())
+
+
+def test_a_write_waits_for_the_end_of_its_round_and_a_later_round_sends_again():
+    async def main():
+        cork, sends, theirs = await _corked_pair()
+        cork.write(b"first")
+        assert sends == []  # still this round
+        await cork.drain()
+        assert sends == [b"first"]
+        cork.write(b"second")
+        await cork.drain()
+        assert sends == [b"first", b"second"]
+        assert await _received(theirs, 11) == b"firstsecond"
+        cork.writer.close()
+        theirs.close()
+
+    asyncio.run(main())
+
+
+def test_a_round_written_after_the_connection_closed_is_dropped_and_drain_ends():
+    async def main():
+        cork, sends, theirs = await _corked_pair()
+        cork.writer.transport.abort()
+        cork.write(b"lost")
+        async with asyncio.timeout(5):
+            with contextlib.suppress(ConnectionError):
+                await cork.drain()
+        assert sends == []
+        theirs.close()
+
+    asyncio.run(main())

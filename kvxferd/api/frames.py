@@ -33,6 +33,7 @@ from urllib.parse import unquote
 
 import msgspec
 
+from kvxferd.aio import Cork
 from kvxferd.api.bodybudget import DEFAULT_BODIES, BodyBudget
 from kvxferd.api.codec import HTTPProblem, Negotiated
 from kvxferd.api.operations import Gate, Operation, failed, invoke
@@ -184,6 +185,7 @@ class _Connection:
         self.server = server
         self.reader = reader
         self.writer = writer
+        self.cork = Cork(writer)
         self.slots = asyncio.Semaphore(server.limits.max_in_flight)
         self.calls: set[asyncio.Task[None]] = set()
 
@@ -266,10 +268,10 @@ class _Connection:
         status, body = await answer(server.router, server.target, server.gate, req)
         if self.writer.is_closing():
             return
-        self.writer.write(frame(_encoder.encode(FrameAnswer(id=req.id, status=status, body=body))))
+        self.cork.write(frame(_encoder.encode(FrameAnswer(id=req.id, status=status, body=body))))
         try:
             async with asyncio.timeout(server.limits.frame_timeout_s):
-                await self.writer.drain()
+                await self.cork.drain()
         except TimeoutError:  # a client that does not read its answers would pin us forever
             log.debug("frames: closing a connection that does not read its answers")
             self.writer.transport.abort()
