@@ -2,8 +2,9 @@
 
 ``tokenize`` splits text into words and punctuation, cuts long words into pieces of at most
 six characters and hashes each piece to an id, after a BOS token: the same prompt always gives
-the same ids on every machine. ``generate`` turns a 64-bit digest of a request's KV bytes into
-words, so the text is a pure function of the KV content.
+the same ids on every machine (a lone surrogate, which JSON allows, is a piece of its own).
+``generate`` turns a 64-bit digest of a request's KV bytes into words, so the text is a pure
+function of the KV content.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ WORDS = tuple(_WORD_LIST.split())
 
 @lru_cache(maxsize=65536)
 def _piece_id(piece: str) -> int:
-    digest = hashlib.blake2b(piece.encode(), digest_size=8).digest()
+    # A lone surrogate (JSON may escape one: "\ud800") has no UTF-8; vLLM serves such a prompt,
+    # so it is hashed as its code point's bytes (surrogatepass), an id of its own.
+    digest = hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return _FIRST_WORD_ID + int.from_bytes(digest, "little") % (VOCAB_SIZE - _FIRST_WORD_ID)
 
 

@@ -87,6 +87,21 @@ def test_decode_text_equals_colocated_and_prefill_blocks_come_back(sims, kind, s
     assert p.stats()["holds_released"] == before_p["holds_released"] + 1
 
 
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_prompt_with_lone_surrogates_is_pulled_and_answered_like_colocated(sims, kind):
+    """JSON may escape a lone surrogate ("\\ud800"), which UTF-8 cannot carry; vLLM serves such
+    a prompt. Prefill and decode tokenize it alike: the decode pulls with the prefill's tickets
+    and answers what the colocated sim does (once a 500)."""
+    p, d, c = sims["prefill"], sims["decode"], sims["colocated"]
+    prompt = "Half a pair: \ud800, the other half alone: \udc00!"
+    before = d.stats()
+    text = _decode(d, kind, prompt, _prefill(p, kind, prompt))
+    assert d.stats()["verified_ok"] == before["verified_ok"] + 1
+    assert text == _colocated(c, kind, prompt)
+    assert text != _colocated(c, kind, prompt.replace("\ud800", "?"))
+    wait_until(lambda: _all_free(p), what="prefill blocks back on the free list")
+
+
 def test_a_different_prompt_gives_different_text(sims):
     c = sims["colocated"]
     assert _colocated(c, "completion", SHORT) != _colocated(c, "completion", SHORT + " Again.")

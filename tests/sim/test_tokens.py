@@ -36,3 +36,16 @@ def test_generate_is_a_function_of_the_digest():
     assert generate(42, 8) != generate(43, 8)
     assert generate(42, 3) == generate(42, 8)[:3]
     assert all(t.startswith(" ") and len(t) > 1 for t in generate(7, 20))
+
+
+def test_a_lone_surrogate_is_a_piece_of_its_own():
+    # JSON may escape one ("\ud800"); UTF-8 has no bytes for it, yet vLLM serves such a prompt.
+    ids = tokenize("half \ud800 of a pair\udc00")
+    assert ids == tokenize("half \ud800 of a pair\udc00")
+    assert len(ids) == 1 + 6 and all(0 <= t < VOCAB_SIZE for t in ids)
+    others = [
+        "half \udc00 of a pair\udc00",
+        "half ? of a pair\udc00",
+        "half \ufffd of a pair\udc00",
+    ]
+    assert all(tokenize(other) != ids for other in others)
