@@ -170,7 +170,12 @@ class Cork:
     def _flush(self) -> None:
         parts, self._parts = self._parts, []
         sent, self._sent = self._sent, None
-        if parts and not self.writer.is_closing():
-            self.writer.write(parts[0] if len(parts) == 1 else b"".join(parts))
-        if sent is not None and not sent.done():
-            sent.set_result(None)
+        try:
+            if parts and not self.writer.is_closing():
+                self.writer.write(parts[0] if len(parts) == 1 else b"".join(parts))
+        except BaseException:
+            self.writer.transport.abort()  # the round's bytes are lost: its calls must fail
+            raise  # to the loop's exception handler (logged)
+        finally:
+            if sent is not None and not sent.done():
+                sent.set_result(None)  # the drainers go on (and find the connection closed)

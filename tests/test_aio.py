@@ -192,3 +192,25 @@ def test_a_round_written_after_the_connection_closed_is_dropped_and_drain_ends()
         theirs.close()
 
     asyncio.run(main())
+
+
+def test_a_send_that_raises_closes_the_connection_and_releases_the_drainers():
+    async def main():
+        cork, _, theirs = await _corked_pair()
+        loop = asyncio.get_running_loop()
+        errors: list[BaseException] = []
+        loop.set_exception_handler(lambda _, ctx: errors.append(ctx.get("exception")))
+
+        def broken(data: bytes) -> None:
+            raise RuntimeError("the transport refused the bytes")
+
+        cork.writer.write = broken  # type: ignore[method-assign]
+        cork.write(b"lost")
+        async with asyncio.timeout(5):
+            with contextlib.suppress(ConnectionError):
+                await cork.drain()
+        assert cork.writer.transport.is_closing()  # its calls fail instead of waiting
+        assert [type(e) for e in errors] == [RuntimeError]
+        theirs.close()
+
+    asyncio.run(main())
