@@ -138,7 +138,11 @@ class Fabric:
         a sidecar without a progress thread polls fast while a hold is claimed."""
         if now - self._tcp_checked >= TCP_RECHECK_S:
             self._tcp_checked = now
-            reads = self.transports().get("reads", {})
+            try:
+                reads = self.transports().get("reads", {})
+            except OSError as exc:  # the log unreadable: keep what we knew (pulls go on)
+                log.warning("reading the UCX protocol log failed: %s", exc)
+                return self._tcp
             self._tcp = any(kind(t) == "tcp" for ep, ts in reads.items() if ep != "self"
                             for t in ts)  # fmt: skip
         return self._tcp

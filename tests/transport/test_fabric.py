@@ -98,3 +98,20 @@ def test_a_sidecar_knows_when_reads_go_over_tcp_and_rechecks_the_log(tmp_path):
         assert fabric.reads_over_tcp(now=100.0 + TCP_RECHECK_S) is True
     finally:
         fabric.close()
+
+
+def test_a_protocol_log_that_cannot_be_read_keeps_the_last_answer(tmp_path):
+    from kvxferd.sidecar.fabric import TCP_RECHECK_S, Fabric
+
+    path = tmp_path / "proto.log"
+    path.write_text(LOG.replace("cma/memory", "tcp/lo"))
+    fabric = Fabric("any", str(path))
+    try:
+        assert fabric.reads_over_tcp(now=100.0) is True
+        path.unlink()
+        path.mkdir()  # reading it now raises IsADirectoryError, not FileNotFoundError
+        assert fabric.reads_over_tcp(now=100.0 + TCP_RECHECK_S) is True  # and pulls go on
+    finally:
+        if path.is_dir():
+            path.rmdir()
+        fabric.close()
