@@ -71,6 +71,20 @@ def _held_on_first_call(name: str, monkeypatch) -> tuple[threading.Event, thread
     return inside, go_on
 
 
+async def _held_save(
+    sidecar: Sidecar, register: RegisterRequest, pool: EnginePool, inside: threading.Event
+) -> tuple[StoreSaveRequest, list, store_mod.Store, asyncio.Future]:
+    """Register, start a save and wait until it copies its first entry: the save's request,
+    the sidecar's regions, its store and the running save."""
+    await sidecar.register(register)
+    req = _save(sidecar, pool)
+    regions, store = list(sidecar._regions), sidecar.offload.store
+    assert store is not None
+    saving = asyncio.ensure_future(sidecar.offload.save(req))
+    assert await asyncio.to_thread(inside.wait, BOUND_S)  # copying its first entry
+    return req, regions, store, saving
+
+
 def _save(sidecar: Sidecar, pool: EnginePool) -> StoreSaveRequest:
     """A save of blocks 1-3 (their pattern written), one chunk each."""
     manifest = sidecar.manifest
@@ -88,13 +102,8 @@ def test_shutdown_keeps_the_memory_and_the_store_while_a_save_still_copies_an_en
     inside, go_on = _held_on_first_call("gather_attention", monkeypatch)
 
     async def scenario(sidecar: Sidecar, register: RegisterRequest, pool: EnginePool) -> None:
-        await sidecar.register(register)
-        req = _save(sidecar, pool)
-        regions, store = list(sidecar._regions), sidecar.offload.store
-        assert store is not None
-        saving = asyncio.ensure_future(sidecar.offload.save(req))
+        req, regions, store, saving = await _held_save(sidecar, register, pool, inside)
         try:
-            assert await asyncio.to_thread(inside.wait, BOUND_S)  # copying its first entry
             with caplog.at_level(logging.WARNING):
                 await asyncio.wait_for(sidecar.close(), BOUND_S)  # bounded though it runs
             # What the copy reads from is still mapped; the store it writes to still open.
@@ -117,13 +126,8 @@ def test_shutdown_unmaps_the_memory_and_closes_the_store_once_the_copies_stopped
     inside, go_on = _held_on_first_call("gather_attention", monkeypatch)
 
     async def scenario(sidecar: Sidecar, register: RegisterRequest, pool: EnginePool) -> None:
-        await sidecar.register(register)
-        req = _save(sidecar, pool)
-        regions, store = list(sidecar._regions), sidecar.offload.store
-        assert store is not None
-        saving = asyncio.ensure_future(sidecar.offload.save(req))
+        _, regions, store, saving = await _held_save(sidecar, register, pool, inside)
         try:
-            assert await asyncio.to_thread(inside.wait, BOUND_S)
             [asked_to_stop] = sidecar.offload._running.values()  # the save's stop event
 
             def let_go_once_stopped() -> None:  # the copy ends within shutdown's wait
