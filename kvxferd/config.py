@@ -135,7 +135,8 @@ class Config:
     """Agents a large DRAM READ (8 MiB and up) is split across, each posting its share from a
     thread at once (kvxferd.transport.stripes): on loopback/CMA one READ copies at one core's
     speed, two moved 1.7-1.9x that on 2 cores (scripts/bench_lanes.py). VRAM READs go whole.
-    1: one agent; at most 8."""
+    With 2 or more, a smaller DRAM READ goes on a stripe that never notifies, so it needs no
+    progress of the prefill and a pull sends its claim first. 1: one agent; at most 8."""
     require_transport: str = "any"
     """READ transport readiness requires: ``rdma`` (an RDMA device, and no READ over TCP; else
     /readyz answers 503 naming why) or ``any``."""

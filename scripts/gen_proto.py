@@ -217,11 +217,13 @@ it never ends `done`.
 ### The claim off the critical path (why a READ may start before its claim lands)
 
 After the handshake (cached per peer epoch) the decode sidecar posts the READ and sends the
-claim without waiting for its answer, so a pull costs the longer of the two, not their sum. The
-READ goes first: its completion waits for one progress of the prefill's UCX worker (the reader's
-previous notification shares the endpoint), which the claim's arrival gives; posted after the
-claim it could miss that and wait for the prefill's next paced poll. The argument below does not
-depend on which goes first.
+claim without waiting for its answer, so a pull costs the longer of the two, not their sum. A
+READ on the endpoint of the reader's previous notification goes first: its completion waits for
+one progress of the prefill's UCX worker, which the claim's arrival gives; posted after the
+claim it could miss that and wait for the prefill's next paced poll. A small DRAM READ of a
+striped reader goes on an agent that never notifies and needs no such progress over CMA or
+RDMA: there the claim goes first and the READ is posted while it is out. The argument below
+does not depend on which goes first.
 Safe because:
 
 - **A hold the claim finds live was live all along.** A hold lives from its placement until its

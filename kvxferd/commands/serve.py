@@ -83,7 +83,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         type=int,
         metavar="N",
         dest="read_stripes",
-        help="agents a large DRAM READ is split across, posted at once (default 2)",
+        help="agents a large DRAM READ is split across, posted at once; with 2 or more, small "
+        "READs use one that never notifies, so a pull claims while it reads (default 2)",
     )
     p.add_argument("--require-transport", choices=("rdma", "any"), dest="require_transport",
                    help="refuse readiness unless READs can use RDMA (never TCP)")  # fmt: skip

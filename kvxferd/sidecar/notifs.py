@@ -22,9 +22,13 @@ standalone notification, target polling every 2 ms): 2.2 ms median, 3 s with the
 0.2 ms without a notification before it; with the target paused 0.5 s after it had progressed
 the notification: 500 ms, then 0.4 ms for the next READ. Back to back pulls at 1 in flight took
 7.7 ms in the sidecar with the 5 ms pacing alone, 2.5 ms with the claim's poll
-(``scripts/bench_pulls.py --inflight 1``). The reader posts its READ just before it sends the
+(``scripts/bench_pulls.py --inflight 1``). Such a reader posts its READ just before it sends the
 claim, so the claim's poll finds the READ's request waiting (posted after the claim, p90 of the
-READ's completion at concurrency 1 was 5 ms: one paced poll; ``scripts/bench_control.py``).
+READ's completion at concurrency 1 was 5 ms: one paced poll; ``scripts/bench_control.py``). A
+striped reader (``--read-stripes`` 2 and up) READs a small pull on a stripe agent that never
+notifies us: that READ needs nothing from us over CMA or RDMA, so it claims first (its first
+two READs from us connect its endpoints, which does need us: those go before their claims;
+kvxferd.transport.stripes).
 """
 
 from __future__ import annotations

@@ -142,8 +142,10 @@ class PullRunner:
         max_in_flight: int = 1024,
         max_deadline_s: float = 600.0,
         guard: Callable[[], None] = lambda: None,
+        reads_over_tcp: Callable[[], bool] = lambda: False,
     ) -> None:
         self._local = local
+        self._reads_over_tcp = reads_over_tcp  # whether READs were seen going over TCP
         self._guard = guard  # raises once the local memory may not be touched (shrunk)
         self._transport = transport
         self._peers = peers
@@ -402,21 +404,30 @@ class PullRunner:
     ) -> None:  # fmt: skip
         """Claim one prefill rank's hold and read ``plan`` from it concurrently.
 
-        The READ is posted just before the claim is sent, so it runs while the claim is in flight.
+        The READ is posted just before the claim is sent, or, where it needs nothing from the
+        prefill, just after, so it runs while the claim is in flight.
         This rank succeeds only if the claim does and the READ completed by the claim's end
         (and the pull's deadline); only then is the hold notified. A failed claim fails the
         rank once the READ settled (it can no longer write).
         """
         pull.advance(PullState.CLAIMING)
         read: asyncio.Task[float] | None = None
-        if plan.num_descriptors:
-            # The READ goes out before the claim: its completion needs one progress of the
-            # prefill's UCX worker (our last notification to it is on that endpoint), which the
-            # claim's arrival gives (NotificationPoller.claimed). Posted after the claim, it
-            # could miss that poll and wait for the next paced one (p90 5 ms at concurrency 1,
-            # scripts/bench_control.py). A large READ is posted by its thread meanwhile.
-            read = asyncio.create_task(self._transfer(pull, peer, plan, deadline))
-        claim = asyncio.create_task(self._claim(ticket, deadline, local))
+        if plan.num_descriptors and not self._read_waits(peer, plan):
+            # The READ needs nothing from the prefill: the claim goes first, and the READ is
+            # posted while the claim is out (it yields once, so the claim's frame leaves first
+            # unless the claim had to wait, e.g. to connect: best effort, only latency).
+            claim = asyncio.create_task(self._claim(ticket, deadline, local))
+            read = asyncio.create_task(self._transfer(pull, peer, plan, deadline, yield_=True))
+        else:
+            if plan.num_descriptors:
+                # The READ goes out before the claim: its completion needs one progress of the
+                # prefill's UCX worker (our last notification to it is on that endpoint, or the
+                # READ goes over TCP), which the claim's arrival gives
+                # (NotificationPoller.claimed). Posted after the claim, it could miss that poll
+                # and wait for the next paced one (p90 5 ms at concurrency 1,
+                # scripts/bench_control.py). A large READ is posted by its thread meanwhile.
+                read = asyncio.create_task(self._transfer(pull, peer, plan, deadline))
+            claim = asyncio.create_task(self._claim(ticket, deadline, local))
         try:
             claim_end = await claim  # its error (404, 410, 401, 409, timeout) fails the rank
             pull.advance(PullState.TRANSFERRING)
@@ -513,10 +524,26 @@ class PullRunner:
                 exc,
             )
 
-    async def _transfer(self, pull: Pull, peer: Peer, plan: PeerRead, deadline: float) -> float:
+    def _read_waits(self, peer: Peer, plan: PeerRead) -> bool:
+        """Whether ``plan``'s READ may complete only once the prefill progresses its UCX worker
+        (:meth:`Transport.read_waits_on_peer`; prepared lists are the main agent's, and over
+        TCP every READ does)."""
+        if plan.prepped is not None or self._reads_over_tcp():
+            return True
+        local, remote = plan.memory
+        return self._transport.read_waits_on_peer(
+            peer.agent_name, plan.total_bytes, mem=local.mem, remote_mem=remote.mem
+        )
+
+    async def _transfer(
+        self, pull: Pull, peer: Peer, plan: PeerRead, deadline: float, *, yield_: bool = False
+    ) -> float:
         """Post ``plan``'s READ (no notification: that waits for the claim) and wait for it
         until the pull's deadline; when its completion was seen (monotonic; it completed no
-        later)."""
+        later). ``yield_``: let the loop round end first (a claim written in it leaves then,
+        kvxferd.aio.Cork)."""
+        if yield_:
+            await asyncio.sleep(0)
         tables = plan.tables or (None, None)
         t0 = time.monotonic()
         try:

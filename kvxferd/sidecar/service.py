@@ -122,6 +122,7 @@ class Sidecar:
             local=self._local_layout, transport=self.agent, peers=self.peers, metrics=self.metrics,
             prepped_reads=config.prepped_reads, max_in_flight=config.max_pulls_in_flight,
             max_deadline_s=config.max_pull_deadline_s, guard=self._check_memory,
+            reads_over_tcp=lambda: self.fabric.reads_over_tcp(time.monotonic()),
         )  # fmt: skip
         self._tasks: list[asyncio.Task[None]] = []
         self._secret = config.peer_token.encode()

@@ -271,6 +271,11 @@ class Agent:
 
     # -- READ ----------------------------------------------------------------------------------
 
+    def read_waits_on_peer(self, remote: str, nbytes: int, *, mem: str = "DRAM",
+                           remote_mem: str = "DRAM") -> bool:  # fmt: skip
+        """:meth:`Transport.read_waits_on_peer`: always, one agent reads and notifies."""
+        return True
+
     def read(
         self,
         remote: str,

@@ -73,6 +73,14 @@ class Transport(Protocol):
         copy bytes (loopback/CMA)."""
         ...
 
+    def read_waits_on_peer(self, remote: str, nbytes: int, *, mem: str = "DRAM",
+                           remote_mem: str = "DRAM") -> bool:  # fmt: skip
+        """Whether a plain :meth:`read` of this kind from ``remote`` (no notification) may
+        complete only once that peer progresses its UCX worker: it shares an endpoint with our
+        notifications to it (see kvxferd.sidecar.notifs), or its endpoint still connects.
+        False: over CMA or RDMA it needs nothing from the peer."""
+        ...
+
     def read_prepped(self, local: Any, local_idx: Any, remote: Any, remote_idx: Any,
                      notif: bytes = b"") -> PostedRead:  # fmt: skip
         """**read** by index: ``remote[remote_idx[i]]`` (a peer's prepared list) into

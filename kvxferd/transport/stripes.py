@@ -12,6 +12,16 @@ notification is cut into equal byte ranges (a row split where a cut falls inside
 agent, posted at once; the caller gets one :class:`StripedRead`, which reports FAILED only
 once no part can still write. Notifications, prepared lists and everything else stay on the
 main agent, so peers see one reader.
+
+A smaller DRAM READ without a notification goes whole on the first stripe, whose endpoints
+never carry a notification: a READ behind our last notification to a peer completes only once
+that peer progresses its UCX worker (kvxferd.sidecar.notifs), one on the stripe completes in its
+post over CMA. So a pull can send its claim first and post the READ while the claim is out
+(:meth:`StripedAgent.read_waits_on_peer`; at concurrency 1 the decode sidecar's pull took
+0.82-0.86 ms instead of 1.02-1.11, scripts/bench_control.py). The first small READ from a peer
+goes on the main agent all the same: it connects the endpoint our notifications to that peer
+take (unconnected, a notification waits for our next progress, up to the poller's 50 ms). The
+next one connects the stripe's; both need the peer's progress, so they are posted first.
 """
 
 from __future__ import annotations
@@ -33,7 +43,8 @@ from kvxferd.transport.transfer import Transfer, TransferState
 logger = logging.getLogger(__name__)
 
 MIN_BYTES = 8 << 20
-"""READs smaller than this go whole on the main agent (a split costs a thread hop and a post)."""
+"""READs smaller than this go whole, on the first stripe (a split costs a thread hop and a
+post)."""
 MAX_STRIPES = 8
 """Most stripes an agent takes."""
 
@@ -149,6 +160,10 @@ class StripedAgent(Agent):
         super().__init__(name, **kwargs)
         self._stripes: list[Agent] = []
         self._stripe_regs: dict[tuple[str, int, int], list[Registration]] = {}
+        # Peers the main agent / the first stripe posted a READ to since they were loaded:
+        # that endpoint is connected, or connecting as the READ is polled to its end.
+        self._main_read: set[str] = set()
+        self._stripe_read: set[str] = set()
         try:
             for i in range(1, stripes):
                 self._stripes.append(Agent(f"{name}~{i}", **kwargs))
@@ -180,6 +195,8 @@ class StripedAgent(Agent):
 
     def add_remote(self, metadata: bytes) -> str:
         name = super().add_remote(metadata)
+        self._main_read.discard(name)  # a reloaded peer connects again
+        self._stripe_read.discard(name)
         try:
             for stripe in self._stripes:
                 stripe.add_remote(metadata)
@@ -189,6 +206,8 @@ class StripedAgent(Agent):
         return name
 
     def remove_remote(self, name: str) -> None:
+        self._main_read.discard(name)
+        self._stripe_read.discard(name)
         for stripe in self._stripes:
             stripe.remove_remote(name)
         super().remove_remote(name)
@@ -205,6 +224,15 @@ class StripedAgent(Agent):
             stripe.close()
         super().close()
 
+    def read_waits_on_peer(self, remote: str, nbytes: int, *, mem: str = "DRAM",
+                           remote_mem: str = "DRAM") -> bool:  # fmt: skip
+        """Not for a DRAM READ below MIN_BYTES once the main agent and the first stripe both
+        read from ``remote`` since it was loaded: it goes on the first stripe, which never
+        notifies, over a connected endpoint (a larger READ has a part on the main agent, VRAM
+        goes whole on it, and the first READs connect)."""
+        small = (mem, remote_mem) == ("DRAM", "DRAM") and nbytes < MIN_BYTES
+        return not (small and remote in self._main_read and remote in self._stripe_read)
+
     def read(
         self,
         remote: str,
@@ -218,16 +246,28 @@ class StripedAgent(Agent):
         remote_device_id: int = 0,
     ) -> Any:
         """:meth:`Agent.read`; a DRAM READ of at least MIN_BYTES with no notification goes in
-        one part per stripe, posted at once (a :class:`StripedRead`)."""
+        one part per stripe, posted at once (a :class:`StripedRead`), a smaller one whole on
+        the first stripe."""
         if (mem, remote_mem) != ("DRAM", "DRAM") or notif:
-            return super().read(remote, local, remote_descs, notif, mem=mem,
+            xfer = super().read(remote, local, remote_descs, notif, mem=mem,
                                 device_id=device_id, remote_mem=remote_mem,
                                 remote_device_id=remote_device_id)  # fmt: skip
+            self._main_read.add(remote)
+            return xfer
         loc = as_xfer_table(local, device_id, "local")
         if int(loc[:, 1].sum()) < MIN_BYTES:  # the table as converted, not converted again
-            return super().read(remote, loc, remote_descs, notif, mem=mem,
-                                device_id=device_id, remote_mem=remote_mem,
-                                remote_device_id=remote_device_id)  # fmt: skip
+            if remote not in self._main_read:
+                # The main agent's first READ from a peer connects the endpoint our
+                # notifications to it take: unconnected, one would wait on our progress.
+                xfer = super().read(remote, loc, remote_descs, device_id=device_id,
+                                    remote_device_id=remote_device_id)  # fmt: skip
+                self._main_read.add(remote)
+                return xfer
+            xfer = self._stripes[0].read(  # away from our notifications (module docstring)
+                remote, loc, remote_descs, device_id=device_id, remote_device_id=remote_device_id
+            )
+            self._stripe_read.add(remote)
+            return xfer
         rem = as_xfer_table(remote_descs, remote_device_id, "remote")
         agents: list[Agent] = [self, *self._stripes]
         ranges = cut(loc, len(agents))
@@ -245,4 +285,6 @@ class StripedAgent(Agent):
         parts = [post(0), *(f.result() for f in futures)]
         if all(isinstance(p, _Failed) for p in parts):
             raise parts[0].error  # type: ignore[misc]  # nothing was posted: nothing to settle
+        self._main_read.add(remote)  # both posted a part: their endpoints connect
+        self._stripe_read.add(remote)
         return StripedRead(parts)
