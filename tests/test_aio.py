@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import socket
 import sys
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -126,15 +127,21 @@ def test_a_cancelled_sleep_leaves_the_wake_usable():
 # -- Cork: the writes of one loop round leave as one send ------------------------------------
 
 
-async def _corked_pair() -> tuple[aio.Cork, list[bytes], socket.socket]:
-    """A Cork over one end of a socket pair, the sends it made, and the other end."""
+@contextlib.asynccontextmanager
+async def _corked_pair() -> AsyncIterator[tuple[aio.Cork, list[bytes], socket.socket]]:
+    """A Cork over one end of a socket pair, the sends it made, and the other end (both ends
+    closed after)."""
     ours, theirs = socket.socketpair()
     _, writer = await asyncio.open_connection(sock=ours)
     sends: list[bytes] = []
     write = writer.write
     writer.write = lambda data: (sends.append(bytes(data)), write(data))[1]  # type: ignore[method-assign]
     theirs.setblocking(False)
-    return aio.Cork(writer), sends, theirs
+    try:
+        yield aio.Cork(writer), sends, theirs
+    finally:
+        writer.transport.abort()
+        theirs.close()
 
 
 async def _received(sock: socket.socket, size: int) -> bytes:
@@ -148,69 +155,63 @@ async def _received(sock: socket.socket, size: int) -> bytes:
 
 def test_the_writes_of_tasks_in_one_round_leave_as_one_send_in_their_order():
     async def main():
-        cork, sends, theirs = await _corked_pair()
+        async with _corked_pair() as (cork, sends, theirs):
 
-        async def call(data: bytes) -> None:
-            cork.write(data)
-            await cork.drain()
+            async def call(data: bytes) -> None:
+                cork.write(data)
+                await cork.drain()
 
-        await asyncio.gather(call(b"one,"), call(b"two,"), call(b"three"))
-        assert sends == [b"one,two,three"]
-        assert await _received(theirs, 13) == b"one,two,three"
-        cork.writer.close()
-        theirs.close()
+            await asyncio.gather(call(b"one,"), call(b"two,"), call(b"three"))
+            assert sends == [b"one,two,three"]
+            assert await _received(theirs, 13) == b"one,two,three"
 
     asyncio.run(main())
 
 
 def test_a_write_waits_for_the_end_of_its_round_and_a_later_round_sends_again():
     async def main():
-        cork, sends, theirs = await _corked_pair()
-        cork.write(b"first")
-        assert sends == []  # still this round
-        await cork.drain()
-        assert sends == [b"first"]
-        cork.write(b"second")
-        await cork.drain()
-        assert sends == [b"first", b"second"]
-        assert await _received(theirs, 11) == b"firstsecond"
-        cork.writer.close()
-        theirs.close()
+        async with _corked_pair() as (cork, sends, theirs):
+            cork.write(b"first")
+            assert sends == []  # still this round
+            await cork.drain()
+            assert sends == [b"first"]
+            cork.write(b"second")
+            await cork.drain()
+            assert sends == [b"first", b"second"]
+            assert await _received(theirs, 11) == b"firstsecond"
 
     asyncio.run(main())
 
 
 def test_a_round_written_after_the_connection_closed_is_dropped_and_drain_ends():
     async def main():
-        cork, sends, theirs = await _corked_pair()
-        cork.writer.transport.abort()
-        cork.write(b"lost")
-        async with asyncio.timeout(5):
-            with contextlib.suppress(ConnectionError):
-                await cork.drain()
-        assert sends == []
-        theirs.close()
+        async with _corked_pair() as (cork, sends, theirs):
+            cork.writer.transport.abort()
+            cork.write(b"lost")
+            async with asyncio.timeout(5):
+                with contextlib.suppress(ConnectionError):
+                    await cork.drain()
+            assert sends == []
 
     asyncio.run(main())
 
 
 def test_a_send_that_raises_closes_the_connection_and_releases_the_drainers():
     async def main():
-        cork, _, theirs = await _corked_pair()
-        loop = asyncio.get_running_loop()
-        errors: list[BaseException] = []
-        loop.set_exception_handler(lambda _, ctx: errors.append(ctx.get("exception")))
+        async with _corked_pair() as (cork, _, theirs):
+            loop = asyncio.get_running_loop()
+            errors: list[BaseException] = []
+            loop.set_exception_handler(lambda _, ctx: errors.append(ctx.get("exception")))
 
-        def broken(data: bytes) -> None:
-            raise RuntimeError("the transport refused the bytes")
+            def broken(data: bytes) -> None:
+                raise RuntimeError("the transport refused the bytes")
 
-        cork.writer.write = broken  # type: ignore[method-assign]
-        cork.write(b"lost")
-        async with asyncio.timeout(5):
-            with contextlib.suppress(ConnectionError):
-                await cork.drain()
-        assert cork.writer.transport.is_closing()  # its calls fail instead of waiting
-        assert [type(e) for e in errors] == [RuntimeError]
-        theirs.close()
+            cork.writer.write = broken  # type: ignore[method-assign]
+            cork.write(b"lost")
+            async with asyncio.timeout(5):
+                with contextlib.suppress(ConnectionError):
+                    await cork.drain()
+            assert cork.writer.transport.is_closing()  # its calls fail instead of waiting
+            assert [type(e) for e in errors] == [RuntimeError]
 
     asyncio.run(main())

@@ -412,22 +412,20 @@ class PullRunner:
         """
         pull.advance(PullState.CLAIMING)
         read: asyncio.Task[float] | None = None
-        if plan.num_descriptors and not self._read_waits(peer, plan):
-            # The READ needs nothing from the prefill: the claim goes first, and the READ is
-            # posted while the claim is out (it yields once, so the claim's frame leaves first
-            # unless the claim had to wait, e.g. to connect: best effort, only latency).
-            claim = asyncio.create_task(self._claim(ticket, deadline, local))
+        # A READ that waits on the prefill goes out before the claim: its completion needs one
+        # progress of the prefill's UCX worker (our last notification to it is on that
+        # endpoint, or the READ goes over TCP), which the claim's arrival gives
+        # (NotificationPoller.claimed). Posted after the claim, it could miss that poll and
+        # wait for the next paced one (p90 5 ms at concurrency 1, scripts/bench_control.py).
+        # One that needs nothing from the prefill goes after the claim, while it is out (it
+        # yields once, so the claim's frame leaves first unless the claim had to wait, e.g. to
+        # connect: best effort, only latency). A large READ is posted by its thread meanwhile.
+        read_first = bool(plan.num_descriptors) and self._read_waits(peer, plan)
+        if read_first:
+            read = asyncio.create_task(self._transfer(pull, peer, plan, deadline))
+        claim = asyncio.create_task(self._claim(ticket, deadline, local))
+        if plan.num_descriptors and not read_first:
             read = asyncio.create_task(self._transfer(pull, peer, plan, deadline, yield_=True))
-        else:
-            if plan.num_descriptors:
-                # The READ goes out before the claim: its completion needs one progress of the
-                # prefill's UCX worker (our last notification to it is on that endpoint, or the
-                # READ goes over TCP), which the claim's arrival gives
-                # (NotificationPoller.claimed). Posted after the claim, it could miss that poll
-                # and wait for the next paced one (p90 5 ms at concurrency 1,
-                # scripts/bench_control.py). A large READ is posted by its thread meanwhile.
-                read = asyncio.create_task(self._transfer(pull, peer, plan, deadline))
-            claim = asyncio.create_task(self._claim(ticket, deadline, local))
         try:
             claim_end = await claim  # its error (404, 410, 401, 409, timeout) fails the rank
             pull.advance(PullState.TRANSFERRING)
@@ -528,12 +526,13 @@ class PullRunner:
         """Whether ``plan``'s READ may complete only once the prefill progresses its UCX worker
         (:meth:`Transport.read_waits_on_peer`; prepared lists are the main agent's, and over
         TCP every READ does)."""
-        if plan.prepped is not None or self._reads_over_tcp():
+        if plan.prepped is not None:
             return True
         local, remote = plan.memory
-        return self._transport.read_waits_on_peer(
+        waits = self._transport.read_waits_on_peer(
             peer.agent_name, plan.total_bytes, mem=local.mem, remote_mem=remote.mem
         )
+        return waits or self._reads_over_tcp()  # the log is asked only when it decides
 
     async def _transfer(
         self, pull: Pull, peer: Peer, plan: PeerRead, deadline: float, *, yield_: bool = False

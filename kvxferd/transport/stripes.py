@@ -248,25 +248,17 @@ class StripedAgent(Agent):
         """:meth:`Agent.read`; a DRAM READ of at least MIN_BYTES with no notification goes in
         one part per stripe, posted at once (a :class:`StripedRead`), a smaller one whole on
         the first stripe."""
-        if (mem, remote_mem) != ("DRAM", "DRAM") or notif:
-            xfer = super().read(remote, local, remote_descs, notif, mem=mem,
-                                device_id=device_id, remote_mem=remote_mem,
-                                remote_device_id=remote_device_id)  # fmt: skip
-            self._main_read.add(remote)
-            return xfer
-        loc = as_xfer_table(local, device_id, "local")
-        if int(loc[:, 1].sum()) < MIN_BYTES:  # the table as converted, not converted again
-            if remote not in self._main_read:
-                # The main agent's first READ from a peer connects the endpoint our
-                # notifications to it take: unconnected, one would wait on our progress.
-                xfer = super().read(remote, loc, remote_descs, device_id=device_id,
-                                    remote_device_id=remote_device_id)  # fmt: skip
-                self._main_read.add(remote)
-                return xfer
-            xfer = self._stripes[0].read(  # away from our notifications (module docstring)
-                remote, loc, remote_descs, device_id=device_id, remote_device_id=remote_device_id
-            )
-            self._stripe_read.add(remote)
+        whole = (mem, remote_mem) != ("DRAM", "DRAM") or bool(notif)
+        loc = local if whole else as_xfer_table(local, device_id, "local")
+        if whole or int(loc[:, 1].sum()) < MIN_BYTES:  # the table as converted, not again
+            # A small one goes on the first stripe, away from our notifications (module
+            # docstring), once the main agent's first READ from the peer connected the endpoint
+            # they take: unconnected, a notification would wait on our own progress.
+            on_stripe = not whole and remote in self._main_read
+            agent = self._stripes[0] if on_stripe else super()
+            xfer = agent.read(remote, loc, remote_descs, notif, mem=mem, device_id=device_id,
+                              remote_mem=remote_mem, remote_device_id=remote_device_id)  # fmt: skip
+            (self._stripe_read if on_stripe else self._main_read).add(remote)
             return xfer
         rem = as_xfer_table(remote_descs, remote_device_id, "remote")
         agents: list[Agent] = [self, *self._stripes]

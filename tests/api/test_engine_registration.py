@@ -31,7 +31,7 @@ from kvxferd.store import store as store_mod
 from kvxferd.transport import Transfer
 from kvxferd.wire import ErrorBody, Identity, RegionSpec, RegisterRequest, RegisterResponse
 from tests.api.conftest import JSON
-from tests.sidecar.harness import TOKEN, EnginePool, plan, wait_until
+from tests.sidecar.harness import TOKEN, EnginePool, held_on_first_call, plan, wait_until
 
 
 def _one_allocation(manifest, name: str):
@@ -299,22 +299,6 @@ def stored(tmp_path) -> Iterator[SimpleNamespace]:
         pool.close()
 
 
-def _held_on_first_call(module, name: str, monkeypatch) -> tuple[threading.Event, threading.Event]:  # noqa: ANN001
-    """Make ``module.name``'s first call wait for ``go_on`` (set ``inside`` meanwhile): a copy
-    stopped in the middle of one entry."""
-    inside, go_on = threading.Event(), threading.Event()
-    real = getattr(module, name)
-
-    def held(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-        if not inside.is_set():
-            inside.set()
-            assert go_on.wait(30)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(module, name, held)
-    return inside, go_on
-
-
 def _in_thread(call) -> tuple[threading.Thread, list]:  # noqa: ANN001
     """Run ``call`` on a thread; its result lands in the list."""
     out: list = []
@@ -359,7 +343,7 @@ def _refused_keeping_memory(engine, sidecar: Sidecar, why: str) -> None:
 def test_unregister_answers_after_a_store_load_stopped_writing_the_memory(stored, monkeypatch):
     sidecar, pool = stored.sidecar, stored.pool
     before = pool.snapshot()
-    inside, go_on = _held_on_first_call(store_mod, "scatter_attention", monkeypatch)
+    inside, go_on = held_on_first_call(store_mod, "scatter_attention", monkeypatch)
     load = {"block_ids": [[4, 5, 6]], "keys": stored.keys, "num_tokens": stored.tokens}
     loading, loaded = _in_thread(lambda: stored.engine.post("/v1/store/load", json=load))
 
@@ -386,7 +370,7 @@ def test_unregister_answers_after_a_store_load_stopped_writing_the_memory(stored
 
 def test_unregister_answers_after_a_store_save_stopped_reading_the_memory(stored, monkeypatch):
     sidecar = stored.sidecar
-    inside, go_on = _held_on_first_call(store_mod, "gather_attention", monkeypatch)
+    inside, go_on = held_on_first_call(store_mod, "gather_attention", monkeypatch)
     ended = threading.Event()
     save = sidecar.offload.store.save
 
@@ -415,7 +399,7 @@ def test_unregister_answers_after_a_store_save_stopped_reading_the_memory(stored
 def test_unregister_keeps_the_memory_while_a_store_load_does_not_stop(stored, monkeypatch):
     monkeypatch.setattr(service_mod, "STOP_S", 0.01)
     sidecar = stored.sidecar
-    inside, go_on = _held_on_first_call(store_mod, "scatter_attention", monkeypatch)
+    inside, go_on = held_on_first_call(store_mod, "scatter_attention", monkeypatch)
     load = {"block_ids": [[4, 5, 6]], "keys": stored.keys, "num_tokens": stored.tokens}
     loading, loaded = _in_thread(lambda: stored.engine.post("/v1/store/load", json=load))
     try:

@@ -9,6 +9,7 @@ segment per manifest region, registered through the client.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 
@@ -182,3 +183,20 @@ def split_ids(ids: np.ndarray, counts: list[int]) -> list[list[int]]:
         out.append([int(b) for b in ids[start : start + n]])
         start += n
     return out
+
+
+def held_on_first_call(module, name: str, monkeypatch, bound_s: float = 30.0  # noqa: ANN001
+                       ) -> tuple[threading.Event, threading.Event]:  # fmt: skip
+    """Make ``module.name``'s first call wait (at most ``bound_s``) for ``go_on``, with
+    ``inside`` set meanwhile: a store copy stopped in the middle of one entry."""
+    inside, go_on = threading.Event(), threading.Event()
+    real = getattr(module, name)
+
+    def held(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        if not inside.is_set():
+            inside.set()
+            assert go_on.wait(bound_s)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, held)
+    return inside, go_on

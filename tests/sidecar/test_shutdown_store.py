@@ -24,7 +24,7 @@ from kvxferd.sidecar.service import Sidecar
 from kvxferd.store import chunk_keys
 from kvxferd.store import store as store_mod
 from kvxferd.wire import RegisterRequest, StoreSaveRequest
-from tests.sidecar.harness import TOKEN, EnginePool, plan
+from tests.sidecar.harness import TOKEN, EnginePool, held_on_first_call, plan
 
 pytestmark = pytest.mark.nixl
 
@@ -55,22 +55,6 @@ def _run(tmp_path, scenario: Callable[[Sidecar, RegisterRequest, EnginePool], Aw
         pool.close()
 
 
-def _held_on_first_call(name: str, monkeypatch) -> tuple[threading.Event, threading.Event]:  # noqa: ANN001
-    """``store_mod.name``'s first call waits for ``go_on`` (``inside`` set meanwhile): a copy
-    stopped in the middle of one entry."""
-    inside, go_on = threading.Event(), threading.Event()
-    real = getattr(store_mod, name)
-
-    def held(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-        if not inside.is_set():
-            inside.set()
-            assert go_on.wait(BOUND_S)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(store_mod, name, held)
-    return inside, go_on
-
-
 async def _held_save(
     sidecar: Sidecar, register: RegisterRequest, pool: EnginePool, inside: threading.Event
 ) -> tuple[StoreSaveRequest, list, store_mod.Store, asyncio.Future]:
@@ -99,7 +83,7 @@ def test_shutdown_keeps_the_memory_and_the_store_while_a_save_still_copies_an_en
     tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ):
     monkeypatch.setattr(service, "STOP_S", 0.01)  # the save outlives shutdown's wait
-    inside, go_on = _held_on_first_call("gather_attention", monkeypatch)
+    inside, go_on = held_on_first_call(store_mod, "gather_attention", monkeypatch, BOUND_S)
 
     async def scenario(sidecar: Sidecar, register: RegisterRequest, pool: EnginePool) -> None:
         req, regions, store, saving = await _held_save(sidecar, register, pool, inside)
@@ -123,7 +107,7 @@ def test_shutdown_keeps_the_memory_and_the_store_while_a_save_still_copies_an_en
 def test_shutdown_unmaps_the_memory_and_closes_the_store_once_the_copies_stopped(
     tmp_path, monkeypatch
 ):
-    inside, go_on = _held_on_first_call("gather_attention", monkeypatch)
+    inside, go_on = held_on_first_call(store_mod, "gather_attention", monkeypatch, BOUND_S)
 
     async def scenario(sidecar: Sidecar, register: RegisterRequest, pool: EnginePool) -> None:
         _, regions, store, saving = await _held_save(sidecar, register, pool, inside)
