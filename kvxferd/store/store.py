@@ -145,6 +145,22 @@ class Store:
         out = SaveOutcome()
         spans = chunk_spans(num_tokens, self.chunk_tokens)
         writes: deque[Future[int]] = deque()
+        try:
+            self._save_chunks(manifest, regions, ids, keys, spans, out, writes,
+                              guard, kept, stop_at, stop)  # fmt: skip
+        finally:
+            # A save that fails still waits for the entries it started writing (at most
+            # _AHEAD): nothing of it runs on after it returns, e.g. under a shutdown.
+            wait(writes)
+        while writes:
+            out.file_bytes += writes.popleft().result()
+        out.duration_s = time.perf_counter() - t0
+        return out
+
+    def _save_chunks(self, manifest, regions, ids, keys, spans, out, writes, guard, kept,  # noqa: ANN001, PLR0913
+                     stop_at, stop) -> None:  # noqa: ANN001  # fmt: skip
+        """:meth:`save`'s copies, chunk by chunk: each entry gathered, put in DRAM and queued
+        for its file (``writes``, at most _AHEAD waiting)."""
         for g, group in enumerate(manifest.groups):
             fp = group_fingerprint(manifest, g, self.chunk_tokens)
             specs = part_specs(manifest, g)
@@ -192,10 +208,6 @@ class Store:
                 out.chunks_saved += 1
             if out.cut:
                 break
-        while writes:
-            out.file_bytes += writes.popleft().result()
-        out.duration_s = time.perf_counter() - t0
-        return out
 
     def _gather(self, manifest, regions, g, specs, eid, c, tokens, tm, ids, out) -> Cached:  # noqa: ANN001, PLR0913
         """One entry's sections gathered into one pooled buffer, checksummed."""

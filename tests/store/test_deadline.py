@@ -95,3 +95,35 @@ def test_a_refusing_guard_stops_a_load_before_it_writes_and_a_save_before_it_cop
     with pytest.raises(SegmentTooSmallError):
         other.save(m, regions, ids, keys(tokens, CHUNK), tokens, guard=refuse)
     assert other.lookup(m, keys(tokens, CHUNK), tokens).matched == 0  # nothing was copied
+
+
+def test_a_save_that_fails_midway_returns_only_once_the_writes_it_started_are_over(tmp_path):
+    """``kept`` refuses the third entry (the hold let the blocks go): the two entries already
+    copied are still written whole, and no file write of this save runs after it raised."""
+    m = plan(MAMBA2, blocks=12)
+    tokens = m.groups[0].block_size
+    regions, ids = filled(m, tokens, SEED)
+    s = store(tmp_path, CHUNK)
+    write, running, unblock = s.files.write, [], threading.Event()
+
+    def slow_write(eid, buffers):  # noqa: ANN001, ANN202
+        running.append(eid)
+        unblock.wait(timeout=1.0)  # released by the test only once save() is over
+        ok = write(eid, buffers)
+        running.remove(eid)
+        return ok
+
+    s.files.write = slow_write
+    calls = [0]
+
+    def kept() -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise PullError("hold_expired", "the blocks were let go")
+
+    with pytest.raises(PullError):
+        s.save(m, regions, ids, keys(tokens, CHUNK), tokens, kept=kept)
+    still = list(running)
+    unblock.set()
+    assert still == []  # without the wait, the started writes were still running here
+    assert s.files.stats.entries == 2  # both started entries landed in full
