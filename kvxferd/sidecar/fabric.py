@@ -180,6 +180,10 @@ class Fabric:
         }
 
     def close(self) -> None:
-        """Remove the protocol log file this process wrote (best effort)."""
+        """Remove the protocol log file this process wrote (best effort: a path that cannot be
+        removed, e.g. a directory put there, is logged and left, so shutdown goes on)."""
         if self._log is not None:
-            Path(self._log.path).unlink(missing_ok=True)
+            try:
+                Path(self._log.path).unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("could not remove the UCX protocol log %s: %s", self._log.path, exc)

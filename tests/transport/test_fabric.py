@@ -115,3 +115,15 @@ def test_a_protocol_log_that_cannot_be_read_keeps_the_last_answer(tmp_path):
         if path.is_dir():
             path.rmdir()
         fabric.close()
+
+
+def test_closing_leaves_a_protocol_log_path_it_cannot_remove_and_does_not_raise(tmp_path, caplog):
+    from kvxferd.sidecar.fabric import Fabric
+
+    path = tmp_path / "proto.log"
+    fabric = Fabric("any", str(path))
+    path.mkdir()  # not a file any more: unlink raises IsADirectoryError (or PermissionError)
+    with caplog.at_level("WARNING", logger="kvxferd.sidecar.fabric"):
+        fabric.close()
+    assert path.is_dir()
+    assert "could not remove the UCX protocol log" in caplog.text
