@@ -213,12 +213,13 @@ def test_sigstopped_prefill_mid_transfer_fails_without_leaking_a_handle(cluster)
 
 def test_a_reads_wait_ends_with_its_claim_not_with_a_longer_deadline(tmp_path):
     """A prefill that caps claims at 1 s, frozen mid-READ: the pull (deadline 60 s) fails as
-    ``hold_expired`` -- its wait was bounded by the claim -- and leaves no handle. One agent
-    reads (no stripes), so a READ after the first waits on the prefill's progress (it follows
-    our notification on one endpoint) and the freeze can stall it; a striped reader's small
-    READ completes in its post and no freeze stalls it."""
+    ``hold_expired`` -- its wait was bounded by the claim -- and leaves no handle. The two read
+    over UCX's TCP transport, where the prefill's worker sends every byte of a READ: frozen
+    once the claim is answered, it stalls the 590 MB READ midway. (Over CMA the decode copies
+    by itself once the prefill progressed once, as the claim arrives, so a freeze after the
+    answer usually lands too late.)"""
     short = {**QUIET, "KVXFERD_MAX_LEASE_S": "1", "KVXFERD_DEFAULT_LEASE_S": "1",
-             "KVXFERD_MAX_CLAIM_S": "1", "KVXFERD_READ_STRIPES": "1"}  # fmt: skip
+             "KVXFERD_MAX_CLAIM_S": "1", "KVXFERD_READ_STRIPES": "1", "UCX_TLS": "tcp"}  # fmt: skip
     p, d = start_sidecars(str(tmp_path), ["short-prefill", "short-decode"], env=short)
     pm, dm = plan(MODEL, num_blocks=BLOCKS + 1), plan(MODEL, num_blocks=BLOCKS + 1)
     ppool, dpool = EnginePool(pm), EnginePool(dm)
