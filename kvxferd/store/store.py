@@ -146,8 +146,55 @@ class Store:
         spans = chunk_spans(num_tokens, self.chunk_tokens)
         writes: deque[Future[int]] = deque()
         try:
-            self._save_chunks(manifest, regions, ids, keys, spans, out, writes,
-                              guard, kept, stop_at, stop)  # fmt: skip
+            for g, group in enumerate(manifest.groups):
+                fp = group_fingerprint(manifest, g, self.chunk_tokens)
+                specs = part_specs(manifest, g)
+                if group.kind == "mamba":
+                    block = int(ids[g][-1]) if ids[g].size else -1
+                    if block < 0 or not spans:
+                        continue
+                    chunks = [len(spans) - 1]  # the state after the last token
+                else:
+                    chunks = list(range(len(spans)))
+                for c in chunks:
+                    eid = EntryId(keys[c], fp, manifest.tp_size, manifest.tp_rank)
+                    if self.dram.has(eid) or self.files.has(eid):
+                        out.chunks_present += 1
+                        continue
+                    s, e = spans[c]
+                    tm = None
+                    if group.kind != "mamba":
+                        try:
+                            tm = token_map(group, ids[g], s, e, f"block_ids[{g}]")
+                        except BlockIdError:
+                            if group.kind == "sliding_window":
+                                continue  # blocks that left the window: save the ones still held
+                            break  # a missing block ends what this group can save
+                    if guard is not None:
+                        guard()
+                    if stop_at is not None and time.monotonic() > stop_at:
+                        out.cut = "deadline"
+                    elif stop is not None and stop.is_set():
+                        out.cut = "stopped"
+                    if out.cut:
+                        break
+                    cached = self._gather(
+                        manifest, regions, g, specs, eid, c, e - s, tm, ids[g], out
+                    )
+                    if kept is not None:
+                        try:
+                            kept()
+                        except BaseException:
+                            cached.buffer.release()
+                            raise
+                    if self.dram.put(eid, cached):
+                        out.dram_bytes += cached.size
+                    if len(writes) >= _AHEAD:  # bounded: at most _AHEAD entries wait for the disk
+                        out.file_bytes += writes.popleft().result()
+                    writes.append(self._io.submit(self._write, eid, cached))  # owns our reference
+                    out.chunks_saved += 1
+                if out.cut:
+                    break
         finally:
             # A save that fails still waits for the entries it started writing (at most
             # _AHEAD): nothing of it runs on after it returns, e.g. under a shutdown.
@@ -156,58 +203,6 @@ class Store:
             out.file_bytes += writes.popleft().result()
         out.duration_s = time.perf_counter() - t0
         return out
-
-    def _save_chunks(self, manifest, regions, ids, keys, spans, out, writes, guard, kept,  # noqa: ANN001, PLR0913
-                     stop_at, stop) -> None:  # noqa: ANN001  # fmt: skip
-        """:meth:`save`'s copies, chunk by chunk: each entry gathered, put in DRAM and queued
-        for its file (``writes``, at most _AHEAD waiting)."""
-        for g, group in enumerate(manifest.groups):
-            fp = group_fingerprint(manifest, g, self.chunk_tokens)
-            specs = part_specs(manifest, g)
-            if group.kind == "mamba":
-                block = int(ids[g][-1]) if ids[g].size else -1
-                if block < 0 or not spans:
-                    continue
-                chunks = [len(spans) - 1]  # the state after the last token
-            else:
-                chunks = list(range(len(spans)))
-            for c in chunks:
-                eid = EntryId(keys[c], fp, manifest.tp_size, manifest.tp_rank)
-                if self.dram.has(eid) or self.files.has(eid):
-                    out.chunks_present += 1
-                    continue
-                s, e = spans[c]
-                tm = None
-                if group.kind != "mamba":
-                    try:
-                        tm = token_map(group, ids[g], s, e, f"block_ids[{g}]")
-                    except BlockIdError:
-                        if group.kind == "sliding_window":
-                            continue  # blocks that left the window: save the ones still held
-                        break  # a missing block ends what this group can save
-                if guard is not None:
-                    guard()
-                if stop_at is not None and time.monotonic() > stop_at:
-                    out.cut = "deadline"
-                elif stop is not None and stop.is_set():
-                    out.cut = "stopped"
-                if out.cut:
-                    break
-                cached = self._gather(manifest, regions, g, specs, eid, c, e - s, tm, ids[g], out)
-                if kept is not None:
-                    try:
-                        kept()
-                    except BaseException:
-                        cached.buffer.release()
-                        raise
-                if self.dram.put(eid, cached):
-                    out.dram_bytes += cached.size
-                if len(writes) >= _AHEAD:  # bounded: at most _AHEAD entries wait for the disk
-                    out.file_bytes += writes.popleft().result()
-                writes.append(self._io.submit(self._write, eid, cached))  # owns our reference
-                out.chunks_saved += 1
-            if out.cut:
-                break
 
     def _gather(self, manifest, regions, g, specs, eid, c, tokens, tm, ids, out) -> Cached:  # noqa: ANN001, PLR0913
         """One entry's sections gathered into one pooled buffer, checksummed."""
