@@ -100,7 +100,9 @@ class Hold:
     readers: set[str] = field(default_factory=set)
     """Readers that claimed the hold."""
     notified: set[str] = field(default_factory=set)
-    """Readers whose completion notification arrived."""
+    """Readers whose completion notification arrived (for every claim they made)."""
+    reading: dict[str, int] = field(default_factory=dict)
+    """Claims of each reader not notified yet (a reader may claim twice: two READs)."""
     reason: HoldReleaseReason | None = None
     released_at: float | None = None
     reader_tp_size: int = 0
@@ -137,7 +139,7 @@ class NotifyOutcome(Enum):
     """What a reader's completion notification did."""
 
     COUNTED = "counted"
-    """Recorded; other readers are still expected."""
+    """Recorded; other readers (or this reader's other claims) are still expected."""
     RELEASED = "released"
     """It was the last expected reader; the hold is released as ``notified``."""
     DUPLICATE = "duplicate"
@@ -385,6 +387,8 @@ class HoldTable:
             self.counters.claimed += 1
             self._claimed_live += 1
         hold.readers.add(reader)
+        hold.reading[reader] = hold.reading.get(reader, 0) + 1
+        hold.notified.discard(reader)  # its first notification must not end this claim's READ
         hold.reader_tp_size = hold.reader_tp_size or reader_tp_size
         hold.expected_readers = readers
         self.counters.claims += 1
@@ -415,11 +419,14 @@ class HoldTable:
             return NotifyOutcome.UNKNOWN
         if self._expire_if_due(hold, now):
             return NotifyOutcome.EXPIRED
-        if reader in hold.notified:
+        if not hold.reading.get(reader):
             self.counters.notifications_duplicate += 1
             return NotifyOutcome.DUPLICATE
-        hold.notified.add(reader)
+        hold.reading[reader] -= 1
         self.counters.notifications += 1
+        if hold.reading[reader]:  # another READ of this reader's is still running
+            return NotifyOutcome.COUNTED
+        hold.notified.add(reader)
         if hold.aborted and hold.notified >= hold.readers:
             self._release(hold, hold.aborted, now)
             return NotifyOutcome.ABORTED

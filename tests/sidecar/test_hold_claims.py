@@ -13,7 +13,7 @@ from kvxferd.errors import (
     HoldRequestError,
     UnknownHoldError,
 )
-from kvxferd.sidecar.holds import DeclineOutcome
+from kvxferd.sidecar.holds import DeclineOutcome, NotifyOutcome
 from kvxferd.sidecar.states import HoldState
 from kvxferd.wire import HoldRequest
 from tests.sidecar.holdtable import NUM_BLOCKS, FakeClock, req, table
@@ -82,6 +82,35 @@ def test_a_claim_binds_the_reader_tp_size_and_the_number_of_readers():
     with pytest.raises(ClaimMismatchError) as err:  # a third reader of a 2-reader hold
         t.claim(hold.hold_id, "d2", 5.0, expected_readers=2, reader_tp_size=2)
     assert err.value.field == "reader" and hold.readers == {"d0", "d1"}
+
+
+def test_a_readers_first_notification_does_not_release_the_hold_under_its_second_claim():
+    """The same tickets pulled twice (or a decode rank that claims again) run two READs: the
+    first one's notification must leave the blocks pinned for the second."""
+    t = table()
+    hold = t.hold(req())
+    t.claim(hold.hold_id, "d0", 5.0)
+    t.claim(hold.hold_id, "d0", 5.0)
+    assert t.notify(hold.hold_id, "d0") is NotifyOutcome.COUNTED
+    assert hold.reason is None and t.released_since(0).holds == []
+    assert t.abort(hold.hold_id) is None  # a READ of it may still be running
+    assert t.notify(hold.hold_id, "d0") is NotifyOutcome.ABORTED
+    released = [(r.hold_id, r.reason) for r in t.released_since(0).holds]
+    assert released == [(hold.hold_id, "aborted")]
+
+
+def test_a_reader_that_notified_and_claims_again_keeps_the_hold_until_it_notifies_again():
+    t = table()
+    hold = t.hold(req())
+    t.claim(hold.hold_id, "d0", 5.0, expected_readers=2)
+    assert t.notify(hold.hold_id, "d0") is NotifyOutcome.COUNTED
+    t.claim(hold.hold_id, "d0", 5.0, expected_readers=2)
+    t.claim(hold.hold_id, "d1", 5.0, expected_readers=2)
+    assert t.notify(hold.hold_id, "d1") is NotifyOutcome.COUNTED
+    assert hold.reason is None
+    assert t.notify(hold.hold_id, "d0") is NotifyOutcome.RELEASED
+    assert hold.reason == "notified"
+    assert t.notify(hold.hold_id, "d0") is NotifyOutcome.UNKNOWN
 
 
 def test_a_claim_by_a_shape_that_reads_nothing_here_releases_the_hold():
