@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -244,13 +245,29 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
             return None, None
         return self._worker.finished()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished`` and, where block ids are per group (hybrid models: vLLM refuses
+        block-level load errors for them), the requests whose load failed."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed() if self._worker is not None else set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=failed if self._several_groups() else set(),
+        )
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self._worker is None or not self._worker.take_stale():
             return None
         return KvxferdWorkerMetadata({self._worker.tp_rank})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors() if self._worker is not None else set()
+        errors = self._worker.load_errors() if self._worker is not None else set()
+        return set() if self._several_groups() else errors  # then failed_recving says it
+
+    def _several_groups(self) -> bool:
+        config = self._kv_cache_config
+        return config is not None and len(config.kv_cache_groups) > 1
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -340,3 +340,13 @@ def vllm_manifest(
 
 def _with_region(layer: Layer, region: int) -> Layer:
     return msgspec.structs.replace(layer, region=region)
+
+
+def shift_regions(manifest: Manifest, lead: int, mem: str, device: int) -> Manifest:
+    """Region offsets counted from the mapped source's start (not the allocation's), and the
+    source's memory type."""
+    regions = [
+        msgspec.structs.replace(r, source_offset=r.source_offset + lead, mem=mem, device_id=device)
+        for r in manifest.regions
+    ]
+    return msgspec.structs.replace(manifest, regions=regions)

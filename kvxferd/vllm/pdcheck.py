@@ -95,6 +95,7 @@ class Rank:
             self.shm.close()
             raise
         self.manifest = self.connector._worker.manifest
+        self.failed: set[str] = set()  # failed loads vLLM was told of (hybrids: no block ids)
 
     def arrays(self) -> list[np.ndarray]:
         """Each manifest region's bytes."""
@@ -108,7 +109,9 @@ class Rank:
         self.connector.bind_connector_metadata(meta)
         self.connector.start_load_kv(None)
         self.connector.clear_connector_metadata()
-        return self.connector.get_finished(set())
+        results = self.connector.get_transfer_results(set())
+        self.failed |= results.failed_recving
+        return results.finished_sending or None, results.finished_recving or None
 
     def close(self) -> None:
         self.connector.shutdown()
@@ -309,8 +312,11 @@ def run(
             deadline = time.monotonic() + timeout_s
             recv = _wait_all(decode.ranks, 1, meta_type, deadline, started)
             errors = set().union(
-                *(r.connector.get_block_ids_with_load_errors() for r in decode.ranks)
+                *(r.connector.get_block_ids_with_load_errors() for r in decode.ranks),
+                *(r.failed for r in decode.ranks),
             )
+            for r in decode.ranks:
+                r.failed.clear()
             step(decode.sched, KVConnectorOutput(finished_recving=recv or set()))
             target = pulls[0].block_ids if pulls else [[] for _ in held]
             bad = next(

@@ -342,7 +342,8 @@ class SchedulerSide:
                 self.orders.failed.append(PullOrder(request.request_id, [], live, num_external))
             return
         request.kv_transfer_params["do_remote_prefill"] = False  # load once
-        if num_external <= 0:
+        if num_external <= 0:  # vLLM computes it here: the prefill's holds go now, not at expiry
+            self.orders.declines.append(Decline(remote.tickets, "computed_locally"))
             return
         local_done = max(0, remote.num_tokens - num_external)
         if remote.block_size != self.block_size:  # re-blocking: the sidecar maps token ranges

@@ -31,6 +31,7 @@ class StoreCalls:
         self._generation = generation  # the rank's registration: the sidecar checks it
         self._done: set[str] = set()  # loads ended (done or failed) since the last take
         self._errors: set[int] = set()  # blocks of failed loads
+        self._failed: set[str] = set()  # requests of failed loads
 
     def save(self, orders: list[SaveOrder]) -> None:
         """Save each finished request's blocks (a failure is logged: nothing else depends on it)."""
@@ -68,6 +69,7 @@ class StoreCalls:
                     "store load of %.200r failed (vLLM computes it): %s", o.request_id, reason
                 )
                 self._errors.update(b for g in o.block_ids for b in g if b >= 0)
+                self._failed.add(o.request_id)
 
     def take_done(self) -> set[str]:
         """Requests whose load ended since the last call."""
@@ -77,4 +79,9 @@ class StoreCalls:
     def take_errors(self) -> set[int]:
         """Blocks of loads that failed since the last call."""
         out, self._errors = self._errors, set()
+        return out
+
+    def take_failed(self) -> set[str]:
+        """Requests whose load failed since the last call."""
+        out, self._failed = self._failed, set()
         return out

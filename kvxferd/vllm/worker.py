@@ -15,8 +15,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from kvxferd import __version__
 from kvxferd.api.sockets import hold_lock
 from kvxferd.client import EngineClient, SidecarError, frames_available
@@ -34,7 +32,7 @@ from kvxferd.errors import (
 )
 from kvxferd.memory import CudaIpcRegion
 from kvxferd.sidecar.reads import QUARANTINE_S, SETTLE_S
-from kvxferd.vllm.manifest import ConvGeometry, backing_allocation, vllm_manifest
+from kvxferd.vllm.manifest import ConvGeometry, backing_allocation, shift_regions, vllm_manifest
 from kvxferd.vllm.quiet import QuietClient
 from kvxferd.vllm.scheduler import StepOrders
 from kvxferd.vllm.storeio import StoreCalls
@@ -112,6 +110,7 @@ class WorkerSide:
         self._pull_cursor = 0  # finished-pulls feed
         self._stale = False  # a minted ticket named another epoch/generation than our sidecar
         self._load_errors: set[int] = set()
+        self._failed: set[str] = set()  # requests of failed loads since take_failed
         self._ipc: Any = None  # the exported CUDA IPC region, kept open while registered
         self._refused: set[str] = set()  # pulls the sidecar refused: finished, with errors
         # request id -> (when, its blocks per group): a pull that ended unsettled, failed (_fail)
@@ -201,7 +200,7 @@ class WorkerSide:
             region_prefix=f"{name}-r",
             conv=self.conv,
         )
-        return _shift(manifest, alloc.base - start, mem, device), source
+        return shift_regions(manifest, alloc.base - start, mem, device), source
 
     def _may_register(self, ident: Any) -> bool:
         """Whether this engine may register at the sidecar that answered ``ident``: ConfigError
@@ -393,8 +392,10 @@ class WorkerSide:
                         time.monotonic() + QUARANTINE_S, f.failed_block_ids
                     )  # fmt: skip
                     continue
-                self._load_errors.update(b for g in f.failed_block_ids for b in g if b >= 0)
-                recving.add(pull.request_id)
+                if f.state != "done" or f.failed_block_ids:
+                    self._fail(pull.request_id, f.failed_block_ids)
+                else:
+                    recving.add(pull.request_id)
             if not page.more or not self._pulls:
                 break
         now = time.monotonic()
@@ -467,6 +468,7 @@ class WorkerSide:
     def _fail(self, request_id: str, block_ids: list[list[int]]) -> None:
         """A load that ended without its bytes: reported ended, every block a load error."""
         self._load_errors.update(b for g in block_ids for b in g if b >= 0)
+        self._failed.add(request_id)
         self._refused.add(request_id)
 
     def _recover(self) -> None:
@@ -557,6 +559,12 @@ class WorkerSide:
         except KvxferdError as exc:
             log.warning("abort of stale hold %s failed (it will expire): %s", hold_id, exc)
 
+    def take_failed(self) -> set[str]:
+        """Requests whose pull or store load failed since the last call (vLLM fails or
+        recomputes them whole: block ids alone name no request when there are several groups)."""
+        out, self._failed = self._failed, set()
+        return out | self.store.take_failed()
+
     def load_errors(self) -> set[int]:
         """Local block ids whose pull failed since the last call (vLLM recomputes them)."""
         out, self._load_errors = self._load_errors, set()
@@ -587,13 +595,3 @@ def _placed_maybe(exc: KvxferdError) -> bool:
     if not isinstance(exc, SidecarError):
         return False  # one of the sidecar's own errors: refused before anything was placed
     return exc.status is None or not 400 <= exc.status < 500
-
-
-def _shift(manifest: Any, lead: int, mem: str, device: int) -> Any:
-    """Region offsets counted from the mapped source's start (not the allocation's), and the
-    source's memory type."""
-    regions = [
-        msgspec.structs.replace(r, source_offset=r.source_offset + lead, mem=mem, device_id=device)
-        for r in manifest.regions
-    ]
-    return msgspec.structs.replace(manifest, regions=regions)

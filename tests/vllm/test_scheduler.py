@@ -129,6 +129,30 @@ def test_a_decode_aborted_before_it_loads_declines_the_prefill_hold(engines, mon
     assert decode.kv_cache_manager.block_pool.get_num_free_blocks() == free
 
 
+def test_a_decode_that_vllm_computes_locally_declines_the_prefill_hold(engines, monkeypatch):
+    """vLLM reads no external tokens for a request that wants prompt logprobs: it computes the
+    prompt itself, and the prefill's hold is released now instead of at its lease's end."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    engine = engines("dense", num_blocks=32)
+    params = _prefill_params(engine, monkeypatch, 300)
+    decode = _scheduler(engine, monkeypatch)
+    local = Request(
+        request_id="d",
+        prompt_token_ids=list(range(1, 301)),
+        sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=1),
+        pooling_params=None,
+    )
+    local.kv_transfer_params = dict(params)
+    decode.add_request(local)
+    out, _ = step(decode)
+    orders = out.kv_connector_metadata.orders
+    assert out.num_scheduled_tokens.get("d") == 300 and orders.pulls == []
+    declined = [(d.tickets, d.reason) for d in orders.declines]
+    assert declined == [(params["kvxferd_tickets"], "computed_locally")]
+
+
 def test_a_failed_load_frees_the_blocks_and_vllm_recomputes(engines, monkeypatch):
     from vllm.v1.outputs import KVConnectorOutput
 
