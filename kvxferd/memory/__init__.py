@@ -9,7 +9,7 @@ from kvxferd.memory.region import (
     check_region_size,
     first_shrunk,
 )
-from kvxferd.memory.shm import SHM_DIR, SharedMemoryRegion
+from kvxferd.memory.shm import SHM_DIR, SharedMemoryRegion, shm_segment
 from kvxferd.memory.spec import check_sources, open_region
 
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "check_region_size",
     "first_shrunk",
     "open_region",
+    "shm_segment",
 ]

@@ -191,3 +191,14 @@ class SharedMemoryRegion:
 
 def _path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
+
+
+def shm_segment(address: int) -> tuple[str, int, int] | None:
+    """(name, mapping start, size) of the /dev/shm segment mapped at ``address``, if any."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi and len(fields) > 5 and fields[5].startswith("/dev/shm/"):
+                return fields[5][len("/dev/shm/") :], lo, hi - lo
+    return None

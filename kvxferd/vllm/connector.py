@@ -182,6 +182,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
     def on_new_request(self, request: Any) -> None:
         assert self._sched is not None
         self._sched.new_request(request)
+        self._sched.queued(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         assert self._sched is not None

@@ -22,10 +22,11 @@ from typing import Any
 import msgspec
 
 from kvxferd.errors import InvalidRequestError, KvxferdError
+from kvxferd.sidecar.deadlines import DeadlineBuckets
 from kvxferd.sidecar.tickets import mint_tickets
 from kvxferd.vllm import binding
 from kvxferd.vllm.storeplan import LoadOrder, SaveOrder, StorePlanner
-from kvxferd.wire import Identity
+from kvxferd.wire import MAX_TICKETS_PER_CALL, Identity
 from kvxferd.wire import transfer_params as tp
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,11 @@ MAX_BLOCK_SIZE = 1 << 20
 """Largest ``remote_block_size`` taken (tokens; vLLM's hybrid block sizes are far below)."""
 TRUNCATED = "_kvxferd_truncated"
 """Marks (in its own kv_transfer_params) a prefill whose last prompt token was dropped."""
+KEEPALIVE_S = 10.0
+"""How often the holds of a decode request vLLM still queues are kept alive (sooner the first
+time when its tickets' lease ends sooner)..."""
+KEEPALIVE_EXTEND_S = 30.0
+"""...and how far each keepalive pushes their leases (each prefill caps it at its max lease)."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,8 @@ class StepOrders:
     failed: list[PullOrder] = field(default_factory=list)
     """Loads promised to vLLM that cannot be made (params found bad after allocation): the
     workers report them ended with every block a load error, so vLLM recomputes them."""
+    keepalives: list[dict[str, Any]] = field(default_factory=list)
+    """Tickets of decode requests vLLM still queues: a worker extends their holds' leases."""
 
 
 def live_ids(ids: list[int]) -> list[int]:
@@ -202,6 +210,10 @@ class SchedulerSide:
         self.partial_prefill = partial_prefill  # Mamba: the decode recomputes the last token
         self.orders = StepOrders()
         self.store = store  # the store as a prefix-cache tier (None: off)
+        # Decode requests with tickets that vLLM has not allocated yet (as many as vLLM holds):
+        # (when their next keepalive is due, their tickets), and that schedule.
+        self._queued: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+        self._keepalive_due = DeadlineBuckets(resolution_s=0.25)
 
     def identities(self) -> list[Identity]:
         """Each prefill rank's sidecar identity (read once; again after a rank went stale)."""
@@ -258,6 +270,37 @@ class SchedulerSide:
 
     # ---------------------------------------------------------------- decode side
 
+    def queued(self, request: Any) -> None:
+        """A decode request with tickets arrived: its holds are kept alive while vLLM queues it
+        (a queue can outlast a lease). Params that do not parse are left to ``matched_tokens``."""
+        params = request.kv_transfer_params
+        if not tp.has_remote_prefill(params):
+            return
+        try:
+            tickets = tp.parse_tickets(params)
+        except InvalidRequestError:
+            return
+        left = min(t.expires_at for t in tickets) - time.time()
+        due = time.monotonic() + min(KEEPALIVE_S, max(0.0, left / 2))
+        self._queued[request.request_id] = (due, msgspec.to_builtins(tickets))
+        self._keepalive_due.set(request.request_id, due)
+
+    def _dequeued(self, request: Any) -> None:
+        """vLLM allocated ``request`` (its pull claims the holds) or ended it: no keepalives."""
+        if self._queued.pop(request.request_id, None) is not None:
+            self._keepalive_due.drop(request.request_id)
+
+    def _keep_alive(self) -> None:
+        """Put the tickets of queued requests whose keepalive is due into this step's orders
+        (at most MAX_TICKETS_PER_CALL requests; the rest are due next step)."""
+        now = time.monotonic()
+        due = self._keepalive_due.due(now, MAX_TICKETS_PER_CALL, lambda r: self._queued[r][0])
+        for request_id in due:
+            tickets = self._queued[request_id][1]
+            self.orders.keepalives.extend(tickets)
+            self._queued[request_id] = (now + KEEPALIVE_S, tickets)
+            self._keepalive_due.set(request_id, now + KEEPALIVE_S)
+
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """Tokens the prefill holds beyond what is local: load them asynchronously. With the
         store on, a prompt nothing is cached of locally is looked up (storeplan.py has the
@@ -294,6 +337,7 @@ class SchedulerSide:
     def _drop(self, request: Any, exc: InvalidRequestError) -> None:
         """Compute ``request`` locally: its params do not check out (declining its tickets,
         when they parse, frees the prefill's blocks at once)."""
+        self._dequeued(request)
         params = request.kv_transfer_params
         log.warning("request %.200r: kv_transfer_params ignored, computing it locally: %s",
                     request.request_id, exc)  # fmt: skip
@@ -324,6 +368,7 @@ class SchedulerSide:
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         """Blocks are allocated: queue the pull of the blocks the decode lacks (or the store
         load of a matched prompt, declining the remote tickets it makes unnecessary)."""
+        self._dequeued(request)
         local = [list(g) for g in blocks.get_block_ids()]
         promised = num_external > 0 and tp.has_remote_prefill(request.kv_transfer_params)
         remote = self._remote(request, len(local))
@@ -376,6 +421,7 @@ class SchedulerSide:
     def finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         """A prefill finished: mint one ticket per rank, order the holds, delay the free. With
         store saves on, any request that ended normally is saved first (next step's orders)."""
+        self._dequeued(request)
         if self.store is not None:
             self.store.forget(request.request_id)
             save = self.store.save(request, block_ids)
@@ -425,5 +471,7 @@ class SchedulerSide:
 
     def take_orders(self) -> StepOrders:
         """This step's orders for the workers (and a fresh list for the next step)."""
+        if self._queued:
+            self._keep_alive()
         orders, self.orders = self.orders, StepOrders()
         return orders

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +31,11 @@ from kvxferd.errors import (
     StaleGenerationError,
     UnknownHoldError,
 )
-from kvxferd.memory import CudaIpcRegion
+from kvxferd.memory import CudaIpcRegion, shm_segment
 from kvxferd.sidecar.reads import QUARANTINE_S, SETTLE_S
 from kvxferd.vllm.manifest import ConvGeometry, backing_allocation, shift_regions, vllm_manifest
 from kvxferd.vllm.quiet import QuietClient
-from kvxferd.vllm.scheduler import StepOrders
+from kvxferd.vllm.scheduler import KEEPALIVE_EXTEND_S, StepOrders
 from kvxferd.vllm.storeio import StoreCalls
 from kvxferd.wire import (
     ENGINE_API_VERSION,
@@ -66,17 +67,6 @@ class _Pull:
     request_id: str
     block_ids: list[list[int]]
     ends_by: float
-
-
-def shm_segment(address: int) -> tuple[str, int, int] | None:
-    """(name, mapping start, size) of the /dev/shm segment mapped at ``address``, if any."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= address < hi and len(fields) > 5 and fields[5].startswith("/dev/shm/"):
-                return fields[5][len("/dev/shm/") :], lo, hi - lo
-    return None
 
 
 class WorkerSide:
@@ -350,24 +340,28 @@ class WorkerSide:
                 continue
             ends_by = time.monotonic() + req.deadline_s + _PULL_SLACK_S
             self._pulls[accepted.pull_id] = _Pull(p.request_id, p.block_ids, ends_by)
-        if orders.declines and self.tp_rank == 0:  # one decline covers every prefill rank
-            self._decline(orders)
+        if self.tp_rank == 0:  # one decline or keepalive covers every prefill rank
+            reasons = ",".join(sorted({d.reason for d in orders.declines}))
+            declined = [t for d in orders.declines for t in d.tickets]
+            self._send("decline", declined, lambda part: self.client.decline(part, reasons))
+            extend = KEEPALIVE_EXTEND_S
+            self._send("keepalive", orders.keepalives, lambda p: self.client.keepalive(p, extend))
         self.store.load(orders.loads)
 
-    def _decline(self, orders: StepOrders) -> None:
-        """Send the step's declines, MAX_TICKETS_PER_CALL tickets a call (a failed call's holds
-        end with their lease)."""
-        tickets = [Ticket(**t) for d in orders.declines for t in d.tickets]
-        reasons = ",".join(sorted({d.reason for d in orders.declines}))
+    def _send(self, what: str, tickets: list[dict[str, Any]], call: Callable[[Any], Any]) -> None:
+        """Send a step's declines (or keepalives), MAX_TICKETS_PER_CALL tickets a call; a failed
+        call is logged (those holds end with their lease)."""
         for at in range(0, len(tickets), MAX_TICKETS_PER_CALL):
-            part = tickets[at : at + MAX_TICKETS_PER_CALL]
+            part = [Ticket(**t) for t in tickets[at : at + MAX_TICKETS_PER_CALL]]
             try:
-                resp = self.client.decline(part, reasons)
+                resp = call(part)
             except KvxferdError as exc:
-                log.warning("decline of %d tickets failed: %s", len(part), exc)
+                log.warning("%s of %d tickets failed: %s", what, len(part), exc)
                 continue
-            if resp.busy or resp.unanswered:
-                log.info("decline: %d busy, %d unanswered", len(resp.busy), len(resp.unanswered))
+            busy = getattr(resp, "busy", [])
+            if busy or resp.unanswered or resp.missing and what == "keepalive":
+                log.info("%s: %d busy, %d missing, %d unanswered", what, len(busy),
+                         len(resp.missing), len(resp.unanswered))  # fmt: skip
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose holds ended, requests whose pulls ended) since the last step: one

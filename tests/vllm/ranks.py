@@ -33,12 +33,12 @@ def step_until(rank: Rank, orders, which: int, timeout: float, what: str) -> set
 
 
 @contextlib.contextmanager
-def worker_pair(tmp_path, layout: str, prefill_engine, decode_engine=None
+def worker_pair(tmp_path, layout: str, prefill_engine, decode_engine=None, *, flags=()
                 ) -> Iterator[tuple[Rank, Rank, Sidecar]]:  # fmt: skip
     """A prefill and a decode rank (one engine for both unless two are given), each beside its
-    own ``kvxferd serve`` ("p", "d"): (prefill, decode, the prefill's sidecar). Everything is
-    closed and stopped on the way out."""
-    p_side, d_side = start_sidecars(str(tmp_path), ["p", "d"])
+    own ``kvxferd serve`` ("p", "d", both with ``flags``): (prefill, decode, the prefill's
+    sidecar). Everything is closed and stopped on the way out."""
+    p_side, d_side = start_sidecars(str(tmp_path), ["p", "d"], *flags)
     ranks: list[Rank] = []
     try:
         ranks.append(Rank(prefill_engine, layout, p_side))

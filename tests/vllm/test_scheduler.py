@@ -153,6 +153,32 @@ def test_a_decode_that_vllm_computes_locally_declines_the_prefill_hold(engines, 
     assert declined == [(params["kvxferd_tickets"], "computed_locally")]
 
 
+def test_a_decode_request_vllm_queues_keeps_the_prefill_holds_alive_until_allocated(
+    engines, monkeypatch
+):
+    """vLLM's scheduler tells the connector of each new request: while one with tickets waits
+    for blocks, every keepalive that falls due sends its tickets; once allocated, none."""
+    from vllm.v1.request import RequestStatus
+
+    monkeypatch.setattr(scheduler_module, "KEEPALIVE_S", 0.0)  # due at every step
+    engine = engines("dense", num_blocks=10)  # the null block and 9 others
+    params = _prefill_params(engine, monkeypatch, 300)
+    decode = _scheduler(engine, monkeypatch)
+    big = list(range(1000, 1900))  # shares no prefix with "d"
+    decode.add_request(request("big", 900, None, prompt=big, max_tokens=100))  # takes 8 blocks
+    decode.add_request(request("d", 300, dict(params)))
+    for _ in range(3):
+        out, _ = step(decode)
+        assert "d" not in out.num_scheduled_tokens  # no blocks for it: it waits in the queue
+        assert out.kv_connector_metadata.orders.keepalives == params["kvxferd_tickets"]
+    decode.finish_requests("big", RequestStatus.FINISHED_ABORTED)
+    out, _ = step(decode)
+    orders = out.kv_connector_metadata.orders
+    assert [p.request_id for p in orders.pulls] == ["d"] and orders.keepalives == []
+    out, _ = step(decode)
+    assert out.kv_connector_metadata.orders.keepalives == []
+
+
 def test_a_failed_load_frees_the_blocks_and_vllm_recomputes(engines, monkeypatch):
     from vllm.v1.outputs import KVConnectorOutput
 

@@ -5,6 +5,7 @@ nothing outside the pulled blocks changes."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -69,6 +70,49 @@ def test_a_request_moves_byte_exact_between_two_vllm_workers(engines, model, lay
         # The reader's notification ends the hold: the prefill frees its blocks once.
         sending = wait_until(lambda: prefill.step(type(sched.orders)())[0], 30, "hold release")
         assert sending == {"r1"}
+
+
+def test_a_decode_that_vllm_queues_past_the_lease_keeps_the_hold_and_then_pulls_it(
+    engines, tmp_path
+):
+    """Prefill leases of 2 s: while vLLM queues the decode request (no blocks for it yet), the
+    connector keeps its holds alive, so the pull that starts after the first lease ended still
+    reads every byte."""
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    with worker_pair(tmp_path, "LBHNC", engine, flags=("--lease", "2")) as (
+        prefill, decode, p_side,
+    ):  # fmt: skip
+        with p_side.client() as c:
+            ident = c.identity()
+        sched = prefill_side(lambda: [ident], engine.config.cache_config.block_size)
+        n = 300
+        p_ids = _ids(engine, 1, n)
+        _delay, params = finish(sched, "r1", p_ids, n)
+        pattern.write_pattern(prefill.manifest, prefill.arrays(), p_ids, seed=12)
+        assert prefill.step(sched.take_orders()) == (None, None)  # hold placed, 2 s lease
+        dreq = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(n)),
+                               kv_transfer_params=dict(params))  # fmt: skip
+        sched.queued(dreq)  # vLLM has it, but no blocks for it yet
+        lease_end = params["kvxferd_tickets"][0]["expires_at"]
+        kept = []
+
+        def past_the_lease() -> bool:
+            orders = sched.take_orders()
+            kept.extend(orders.keepalives)
+            decode.step(orders)
+            return time.time() > lease_end + 1.0
+
+        wait_until(past_the_lease, 30, "the hold's first lease to end")
+        assert kept and all(t["hold_id"] == params["kvxferd_tickets"][0]["hold_id"] for t in kept)
+        d_ids = _ids(engine, 7, n)
+        before = [a.copy() for a in decode.arrays()]
+        count, _ = sched.matched_tokens(dreq, 0)
+        sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: d_ids), count)
+        assert step_until(decode, sched.take_orders(), 1, 60, "the pull to finish") == {"d1"}
+        assert decode.connector.get_block_ids_with_load_errors() == set()
+        assert pattern.verify_pattern(decode.manifest, decode.arrays(), d_ids, seed=12) is None
+        assert changed_outside(before, decode.arrays(), decode.manifest, d_ids) == 0
+        assert sched.take_orders().keepalives == []  # allocated: its claim pins the hold now
 
 
 def _unheld_request(engine, p_side) -> tuple[SchedulerSide, SimpleNamespace]:
