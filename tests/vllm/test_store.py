@@ -179,17 +179,23 @@ def test_a_prompt_saved_at_tp2_loads_at_tp1(engines, tmp_path, monkeypatch):
         second.close()
 
 
-def test_a_corrupt_store_file_is_a_load_error_and_vllm_recomputes(engines, tmp_path, monkeypatch):
+@pytest.mark.parametrize("model", ["dense", "nemotron-h"])
+def test_a_corrupt_store_file_is_a_load_error_and_vllm_recomputes(
+    engines, tmp_path, monkeypatch, model
+):
+    """A hybrid model's block ids are per group, so its failed load names the request
+    (``failed_recving``) instead of blocks vLLM could not map back to it."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    engine = engines("dense", LAYOUT, num_blocks=32)
+    engine = engines(model, LAYOUT, num_blocks=32)
     cfg = engine.config.kv_transfer_config
     monkeypatch.setattr(cfg, "kv_connector_extra_config", dict(cfg.kv_connector_extra_config))
     monkeypatch.setattr(cfg, "kv_load_failure_policy", "recompute")
     prompt = list(range(11, 311))
+    hybrid = model != "dense"  # saves the state after its answer: the next turn can load it
     first = Engine(engine, tmp_path, "first")
     try:
-        first.run("r1", prompt)
+        first.run("r1", prompt, max_tokens=2 if hybrid else 1)
     finally:
         first.close()
     store_dir = tmp_path / "store"
@@ -206,16 +212,24 @@ def test_a_corrupt_store_file_is_a_load_error_and_vllm_recomputes(engines, tmp_p
 
     second = Engine(engine, tmp_path, "second")
     try:
-        load, before, answer = _load(second, "r2", prompt)
+        again = prompt + [7, 7] if hybrid else prompt  # the step helper samples token 7
+        load, before, answer = _load(second, "r2", again)
         assert answer == (None, {"r2"})  # finished, with errors
         bad = second.rank.connector.get_block_ids_with_load_errors()
-        assert bad == {b for g in load.block_ids for b in g}
+        failed = second.rank.failed
+        if hybrid:
+            assert (bad, failed) == (set(), {"r2"})
+        else:
+            assert (bad, failed) == ({b for g in load.block_ids for b in g}, set())
         rank = second.rank
         assert changed_outside(before, rank.arrays(), rank.manifest, load.block_ids) == 0
         assert metric(second.sidecar.peer, "kvxferd_store_loads_total", outcome="failed") == 1
-        step(second.sched, KVConnectorOutput(finished_recving={"r2"}, invalid_block_ids=bad))
+        output = KVConnectorOutput(
+            finished_recving={"r2"}, invalid_block_ids=bad, failed_recving=set(failed)
+        )
+        step(second.sched, output)
         out, _ = step(second.sched)
-        assert out.num_scheduled_tokens.get("r2", 0) == len(prompt)  # computed from scratch
+        assert out.num_scheduled_tokens.get("r2", 0) == len(again)  # computed from scratch
         assert out.kv_connector_metadata.orders.loads == []
     finally:
         second.close()
