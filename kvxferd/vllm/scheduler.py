@@ -48,7 +48,10 @@ KEEPALIVE_S = 10.0
 """How often the holds of a decode request vLLM still queues are kept alive (sooner the first
 time when its tickets' lease ends sooner)..."""
 KEEPALIVE_EXTEND_S = 30.0
-"""...and how far each keepalive pushes their leases (each prefill caps it at its max lease)."""
+"""...how far each keepalive pushes their leases (each prefill caps it at its max lease)..."""
+KEEPALIVE_FOR_S = 600.0
+"""...and for how long at most: a request queued longer lets the prefill's blocks go (its pull
+then fails and vLLM computes it), as the prefill's memory is not the decode's to keep."""
 
 
 @dataclass(frozen=True)
@@ -211,8 +214,9 @@ class SchedulerSide:
         self.orders = StepOrders()
         self.store = store  # the store as a prefix-cache tier (None: off)
         # Decode requests with tickets that vLLM has not allocated yet (as many as vLLM holds):
-        # (when their next keepalive is due, their tickets), and that schedule.
-        self._queued: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+        # (when their next keepalive is due, when keepalives stop, their tickets), and that
+        # schedule.
+        self._queued: dict[str, tuple[float, float, list[dict[str, Any]]]] = {}
         self._keepalive_due = DeadlineBuckets(resolution_s=0.25)
 
     def identities(self) -> list[Identity]:
@@ -281,8 +285,9 @@ class SchedulerSide:
         except InvalidRequestError:
             return
         left = min(t.expires_at for t in tickets) - time.time()
-        due = time.monotonic() + min(KEEPALIVE_S, max(0.0, left / 2))
-        self._queued[request.request_id] = (due, msgspec.to_builtins(tickets))
+        now = time.monotonic()
+        due, until = now + min(KEEPALIVE_S, max(0.0, left / 2)), now + KEEPALIVE_FOR_S
+        self._queued[request.request_id] = (due, until, msgspec.to_builtins(tickets))
         self._keepalive_due.set(request.request_id, due)
 
     def _dequeued(self, request: Any) -> None:
@@ -296,9 +301,12 @@ class SchedulerSide:
         now = time.monotonic()
         due = self._keepalive_due.due(now, MAX_TICKETS_PER_CALL, lambda r: self._queued[r][0])
         for request_id in due:
-            tickets = self._queued[request_id][1]
+            _, until, tickets = self._queued[request_id]
+            if now >= until:
+                del self._queued[request_id]  # (``due`` took it off the schedule)
+                continue
             self.orders.keepalives.extend(tickets)
-            self._queued[request_id] = (now + KEEPALIVE_S, tickets)
+            self._queued[request_id] = (now + KEEPALIVE_S, until, tickets)
             self._keepalive_due.set(request_id, now + KEEPALIVE_S)
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:

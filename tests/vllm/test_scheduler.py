@@ -153,6 +153,18 @@ def test_a_decode_that_vllm_computes_locally_declines_the_prefill_hold(engines, 
     assert declined == [(params["kvxferd_tickets"], "computed_locally")]
 
 
+def _queued_decode(engines, monkeypatch):
+    """A decode engine whose 9 blocks a local request takes 8 of, and decode request "d"
+    (3 blocks, with a prefill's tickets) waiting behind it; (scheduler, d's params)."""
+    engine = engines("dense", num_blocks=10)  # the null block and 9 others
+    params = _prefill_params(engine, monkeypatch, 300)
+    decode = _scheduler(engine, monkeypatch)
+    big = list(range(1000, 1900))  # shares no prefix with "d"
+    decode.add_request(request("big", 900, None, prompt=big, max_tokens=100))
+    decode.add_request(request("d", 300, dict(params)))
+    return decode, params
+
+
 def test_a_decode_request_vllm_queues_keeps_the_prefill_holds_alive_until_allocated(
     engines, monkeypatch
 ):
@@ -161,12 +173,7 @@ def test_a_decode_request_vllm_queues_keeps_the_prefill_holds_alive_until_alloca
     from vllm.v1.request import RequestStatus
 
     monkeypatch.setattr(scheduler_module, "KEEPALIVE_S", 0.0)  # due at every step
-    engine = engines("dense", num_blocks=10)  # the null block and 9 others
-    params = _prefill_params(engine, monkeypatch, 300)
-    decode = _scheduler(engine, monkeypatch)
-    big = list(range(1000, 1900))  # shares no prefix with "d"
-    decode.add_request(request("big", 900, None, prompt=big, max_tokens=100))  # takes 8 blocks
-    decode.add_request(request("d", 300, dict(params)))
+    decode, params = _queued_decode(engines, monkeypatch)
     for _ in range(3):
         out, _ = step(decode)
         assert "d" not in out.num_scheduled_tokens  # no blocks for it: it waits in the queue
@@ -177,6 +184,18 @@ def test_a_decode_request_vllm_queues_keeps_the_prefill_holds_alive_until_alloca
     assert [p.request_id for p in orders.pulls] == ["d"] and orders.keepalives == []
     out, _ = step(decode)
     assert out.kv_connector_metadata.orders.keepalives == []
+
+
+def test_keepalives_of_a_queued_decode_request_stop_after_keepalive_for_s(engines, monkeypatch):
+    """The prefill's blocks are not the decode's to keep: past KEEPALIVE_FOR_S its holds end
+    with their lease (the pull then fails and vLLM computes the request)."""
+    monkeypatch.setattr(scheduler_module, "KEEPALIVE_S", 0.0)
+    monkeypatch.setattr(scheduler_module, "KEEPALIVE_FOR_S", 0.0)
+    decode, _ = _queued_decode(engines, monkeypatch)
+    for _ in range(2):
+        out, _ = step(decode)
+        assert "d" not in out.num_scheduled_tokens
+        assert out.kv_connector_metadata.orders.keepalives == []
 
 
 def test_a_failed_load_frees_the_blocks_and_vllm_recomputes(engines, monkeypatch):
