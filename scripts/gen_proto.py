@@ -368,7 +368,8 @@ outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
   kept on a monotonic clock inside the process; absolute Unix times appear only on the wire),
   the readers that claimed the hold, by NIXL notification once all expected readers have
   notified (a notification from an agent that did not claim is counted as unknown and ignored;
-  a reader notifies only after its claim answered),
+  a reader notifies only after its claim answered; a reader that claimed twice, the same
+  tickets pulled twice, has notified only when both its notifications came),
   and a decode side that declines with a valid ticket of this engine epoch and registration
   generation whose block ids and request are the hold's (else `missing`, as a claim would be
   refused), as long as no reader has claimed it (a claimed hold is reported `busy` and left to
