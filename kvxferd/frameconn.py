@@ -53,7 +53,7 @@ def _request(
 def _answer(payload: bytes) -> FrameAnswer:
     try:
         return _answer_decoder.decode(payload)
-    except msgspec.MsgspecError as exc:
+    except (msgspec.MsgspecError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise FrameLinkError(f"unreadable answer frame: {exc}") from None
 
 

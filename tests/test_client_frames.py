@@ -10,6 +10,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 
 from kvxferd import errors
@@ -243,3 +244,36 @@ def test_blocking_calls_from_several_threads_run_side_by_side(path):
             slow.join(BOUND_S)
             assert not slow.is_alive()
         wait_until(lambda: server.connections == 0, BOUND_S, "connections released")
+
+
+def test_an_answer_frame_nested_too_deeply_is_unreadable_and_fails_only_its_connection(path):
+    # msgspec raises RecursionError (no MsgspecError) for a value nested ~1,000 deep, even in a
+    # field it skips: that killed the connection's reader task with an unexpected exception.
+    from kvxferd.frameconn import AsyncFrameConn, FrameLinkError
+    from kvxferd.wire.frames import frame
+
+    deep = 100_000
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(4)
+        writer.write(frame(b"\x84\xa2id\x01\xa6status\xcc\xc8\xa4body\xc0\xa1x"
+                           + b"\x91" * deep + b"\xc0"))  # fmt: skip
+        await writer.drain()
+        await reader.read()  # until the client closes
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_unix_server(answer, path)
+        conn = AsyncFrameConn(path, 5.0)
+        try:
+            with pytest.raises(FrameLinkError, match="unreadable answer frame"):
+                await conn.call("GET /healthz", None, msgspec.Raw(b"\xc0"))
+            link = conn._link
+            assert link is not None and link.closed
+            await asyncio.wait_for(link.task, 5.0)  # ended by itself, with no exception
+        finally:
+            await conn.aclose()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(scenario())

@@ -281,7 +281,7 @@ class PeerTable:
             raise _remote_error(address, status, content, codec)
         try:
             return codec.decode(content, type=answer)
-        except msgspec.MsgspecError as exc:
+        except (msgspec.MsgspecError, RecursionError) as exc:  # nested past msgspec's bound
             raise HandshakeError(
                 f"peer {address} answered an invalid {what}: {_text(exc)}"
             ) from exc
@@ -332,7 +332,8 @@ class PeerTable:
         try:
             theirs = msgspec.json.decode(resp.content, type=Handshake)
             _check_bases(theirs)
-        except (msgspec.MsgspecError, HandshakeError) as exc:  # not JSON, or not a handshake
+        # not JSON, not a handshake, or nested past msgspec's bound (a RecursionError)
+        except (msgspec.MsgspecError, RecursionError, HandshakeError) as exc:
             self._count("bad_answer")
             raise HandshakeError(
                 f"peer {address} answered an invalid handshake: {_text(exc)}"
@@ -399,7 +400,7 @@ def _remote_error(address: str, status: int, content: bytes, codec: Any) -> Exce
         # escaped: one log line, whatever characters the peer sent
         detail, error = one_line(body.detail[:_MAX_TEXT]), body.error
         body_field = one_line(body.field[:_MAX_TEXT])
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):  # not an ErrorBody, or nested too deeply
         detail = one_line(content[:200].decode(errors="replace"))
     if status == UnknownHoldError.status:
         return UnknownHoldError(f"peer {address}: {detail}")

@@ -336,3 +336,67 @@ def test_an_invalid_handshake_answer_is_told_on_one_line():
             await table.close()
 
     asyncio.run(scenario())
+
+
+_DEEP = 100_000  # past msgspec's depth bound (Python's recursion limit)
+
+
+@pytest.mark.parametrize(
+    ("call", "status", "wire"),
+    [("handshake", 200, "http"), ("claim", 200, "http"), ("heartbeat", 200, "frames"),
+     ("decline", 200, "frames"), ("claim", 404, "http"), ("claim", 409, "frames")],
+)  # fmt: skip
+def test_a_peer_answer_nested_too_deeply_is_an_invalid_answer_not_a_crash(call, status, wire):
+    # msgspec raises RecursionError (no MsgspecError) for a value nested ~1,000 deep, even in a
+    # field it skips: a prefill side (or whatever answers at its address) must not turn that
+    # into an unexpected exception (keepalive and decline then answered the engine 500, every
+    # other prefill side's answer lost).
+
+    from kvxferd.errors import KvxferdError
+    from kvxferd.sidecar.peer_http import Reply
+    from kvxferd.sidecar.peers import Peer
+    from kvxferd.wire import ClaimRequest, DeclineRequest, Heartbeat, Ticket
+
+    if wire == "http":
+        content = b'{"x": ' + b"[" * _DEEP + b"]" * _DEEP + b"}"
+    else:
+        content = b"\x81\xa1x" + b"\x91" * _DEEP + b"\xc0"
+    ticket = Ticket(
+        engine_id="e", epoch=1, hold_id="h", request_id="r", block_ids=[[1]], num_tokens=1,
+        expires_at=0.0, tp_rank=0, tp_size=1, peer="127.0.0.1:1",
+    )  # fmt: skip
+    requests = {
+        "claim": ClaimRequest(ticket=ticket, reader="me", reader_tp_size=1, claim_s=1.0),
+        "heartbeat": Heartbeat(hold_ids=["h"], extend_s=1.0),
+        "decline": DeclineRequest(tickets=[ticket]),
+    }
+
+    async def post(address: str, path: str, _body: bytes) -> Reply:
+        return Reply(status, content)
+
+    async def framed(address: str, port: int, path: str, request: object) -> tuple[int, bytes]:
+        return status, content
+
+    async def scenario() -> None:
+        table, loaded = _answering(content)
+        table._post = post  # type: ignore[method-assign]
+        table._framed = framed  # type: ignore[method-assign]
+        if call != "handshake":
+            port = 2 if wire == "frames" else 0
+            table._peers["127.0.0.1:1"] = Peer("127.0.0.1:1", "e", 1, "a", None, (),  # type: ignore[arg-type]
+                                               frames_port=port)  # fmt: skip
+        try:
+            with pytest.raises(KvxferdError) as err:
+                if call == "handshake":
+                    await table.get("127.0.0.1:1", "e", 1)
+                else:
+                    await getattr(table, call)("127.0.0.1:1", requests[call])
+            if status == 200:
+                assert isinstance(err.value, HandshakeError) and "invalid" in str(err.value)
+            if call == "handshake":
+                assert loaded == [] and table.outcomes == {"bad_answer": 1}
+        finally:
+            table._peers.clear()
+            await table.close()
+
+    asyncio.run(scenario())
