@@ -204,7 +204,10 @@ def _length(fields: dict[bytes, list[bytes]]) -> int | None:
         return None
     if len(values) > 1 or not all(v.isdigit() for v in values):
         raise PeerHTTPError(f"bad content-length {sorted(values)!r}")
-    length = int(values.pop())
+    digits = values.pop().lstrip(b"0") or b"0"
+    if len(digits) > len(str(MAX_BODY)):  # int() refuses more than 4,300 digits (ValueError)
+        raise PeerHTTPError(f"answer body of a {len(digits)}-digit length over {MAX_BODY} B")
+    length = int(digits)
     if length > MAX_BODY:
         raise PeerHTTPError(f"answer body of {length} B over {MAX_BODY} B")
     return length

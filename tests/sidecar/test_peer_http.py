@@ -136,6 +136,8 @@ def test_other_valid_framings_are_read_and_not_kept_when_closed(answer, body):
         b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort",
         b"HTTP/1.1 200 OK\r\nx: " + b"a" * 2 * MAX_HEAD + b"\r\n\r\n",
         b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (MAX_BODY + 1),
+        # more digits than Python converts to an int (4,300): a ValueError escaped the client
+        b"HTTP/1.1 200 OK\r\ncontent-length: " + b"9" * 5000 + b"\r\n\r\n",
         b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nab",
         b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nx: a\r\n folded\r\ncontent-length: 0\r\n\r\n",
@@ -150,6 +152,7 @@ def test_other_valid_framings_are_read_and_not_kept_when_closed(answer, body):
         "truncated",
         "huge-head",
         "huge-body",
+        "length-of-5000-digits",
         "two-lengths",
         "negative-length",
         "folded-header",
