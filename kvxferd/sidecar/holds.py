@@ -44,8 +44,6 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from enum import Enum
 
 from kvxferd.errors import (
     CapacityError,
@@ -57,6 +55,7 @@ from kvxferd.errors import (
     UnknownHoldError,
 )
 from kvxferd.sidecar.deadlines import DeadlineBuckets
+from kvxferd.sidecar.hold import ClaimGrant, DeclineOutcome, Hold, HoldCounters, NotifyOutcome
 from kvxferd.sidecar.hold_request import check_hold_ids, check_num_tokens
 from kvxferd.sidecar.released import ReleasedLog
 from kvxferd.sidecar.states import HoldState, advance
@@ -81,111 +80,6 @@ GIVEN_UP_IDS = 4096
 """Engine-chosen hold ids given up before any hold had them, remembered (newest) so that a
 late hold call with one is refused: the engine freed those blocks when the abort found none."""
 _HOLD_ID = re.compile(HOLD_ID_PATTERN)
-
-
-@dataclass(slots=True, eq=False)
-class Hold:
-    """One live (or just released) hold; callers read it, only HoldTable changes it."""
-
-    hold_id: str
-    request_id: str
-    block_ids: list[list[int]]
-    num_tokens: int
-    created_at: float
-    expires_at: float
-    """Clock time the lease (or the latest claim/heartbeat extension) ends."""
-    state: HoldState = HoldState.HELD
-    expected_readers: int = 1
-    """Notifications that release the hold (several decode ranks may read one prefill rank)."""
-    readers: set[str] = field(default_factory=set)
-    """Readers that claimed the hold."""
-    notified: set[str] = field(default_factory=set)
-    """Readers whose completion notification arrived (for every claim they made)."""
-    reading: dict[str, int] = field(default_factory=dict)
-    """Claims of each reader not notified yet (a reader may claim twice: two READs)."""
-    reason: HoldReleaseReason | None = None
-    released_at: float | None = None
-    reader_tp_size: int = 0
-    """Decode TP size the first claim announced (0 until claimed); later claims must agree."""
-    claimed_until: float = 0.0
-    """When the latest claim ends (no reader reads past it); 0 until claimed."""
-    aborted: HoldReleaseReason | None = None
-    """Why the engine gave it up while claimed (``aborted``, ``unregistered``): released for
-    that reason once its readers are done (see abort); None while it has not."""
-
-    def pinned(self, now: float) -> None:
-        """HoldExpiredError unless its engine still keeps the blocks unchanged (not released,
-        lease not ended): bytes copied out of them before this passed were the held ones."""
-        if self.reason is not None or self.expires_at <= now:
-            raise HoldExpiredError(f"hold {self.hold_id}: let go ({self.reason or 'expired'}); "
-                                   f"its blocks may be reused")  # fmt: skip
-
-
-@dataclass(slots=True, frozen=True)
-class ClaimGrant:
-    """What a successful claim returns (the fields of ``wire.ClaimResponse`` plus headroom)."""
-
-    hold_id: str
-    hold: Hold
-    expires_at: float
-    expected_readers: int
-    headroom_s: float
-    """Lease time that was left when the claim arrived (low values: leases too short)."""
-    granted_s: float = 0.0
-    """How long this claim pins the hold from now (the request's claim_s, capped)."""
-
-
-class NotifyOutcome(Enum):
-    """What a reader's completion notification did."""
-
-    COUNTED = "counted"
-    """Recorded; other readers (or this reader's other claims) are still expected."""
-    RELEASED = "released"
-    """It was the last expected reader; the hold is released as ``notified``."""
-    DUPLICATE = "duplicate"
-    """This reader had already notified; counted once."""
-    ABORTED = "aborted"
-    """The engine had given the hold up and this was the last reader still reading: released as
-    ``aborted`` (or ``unregistered``)."""
-    EXPIRED = "expired"
-    """The hold's deadline had passed; it is released as ``expired`` instead."""
-    UNKNOWN = "unknown"
-    """No live hold (never existed, or already released): ignored, counted."""
-
-
-def _zero_by_reason() -> dict[str, int]:
-    return {"notified": 0, "expired": 0, "aborted": 0, "declined": 0, "unregistered": 0}
-
-
-class DeclineOutcome(Enum):
-    """What a decode side's decline did to one hold."""
-
-    RELEASED = "released"
-    """Released now as ``declined``."""
-    MISSING = "missing"
-    """No live hold with those block ids (already released, expired, or another hold)."""
-    BUSY = "busy"
-    """A reader has claimed it and may be reading: left to notifications or expiry."""
-
-
-@dataclass(slots=True)
-class HoldCounters:
-    """Monotonic counters the metrics layer reads (live holds: ``len(table)``)."""
-
-    held: int = 0
-    """Holds created."""
-    claimed: int = 0
-    """Holds that went from HELD to CLAIMED."""
-    claims: int = 0
-    """Claims granted (a hold read by several decode ranks counts one per claim)."""
-    released: dict[str, int] = field(default_factory=_zero_by_reason)
-    """Holds released, by reason."""
-    notifications: int = 0
-    """Notifications counted toward a release."""
-    notifications_duplicate: int = 0
-    """Repeated notifications from a reader that had already notified."""
-    notifications_unknown: int = 0
-    """Notifications for holds that do not exist (late after expiry, or bogus)."""
 
 
 def _positive(value: float, name: str) -> float:
@@ -374,21 +268,19 @@ class HoldTable:
                 "reader_tp_size", f"{reader_tp_size}, but the hold was claimed by TP "
                 f"{hold.reader_tp_size} readers",
             )  # fmt: skip
-        if hold.readers and expected_readers != hold.expected_readers and reader_tp_size:
+        if hold.reading and expected_readers != hold.expected_readers and reader_tp_size:
             raise ClaimMismatchError("reader_tp_size", "expects another number of readers")
-        readers = max(hold.expected_readers if hold.readers else 0, expected_readers)
-        if reader not in hold.readers and len(hold.readers) >= max(readers, 1):
+        readers = max(hold.expected_readers if hold.reading else 0, expected_readers)
+        if reader not in hold.reading and len(hold.reading) >= max(readers, 1):
             raise ClaimMismatchError(
-                "reader", f"the hold already has its {len(hold.readers)} expected reader(s)"
+                "reader", f"the hold already has its {len(hold.reading)} expected reader(s)"
             )
         headroom = hold.expires_at - now
         if hold.state is HoldState.HELD:
             hold.state = advance(hold.state, HoldState.CLAIMED)
             self.counters.claimed += 1
             self._claimed_live += 1
-        hold.readers.add(reader)
         hold.reading[reader] = hold.reading.get(reader, 0) + 1
-        hold.notified.discard(reader)  # its first notification must not end this claim's READ
         hold.reader_tp_size = hold.reader_tp_size or reader_tp_size
         hold.expected_readers = readers
         self.counters.claims += 1
@@ -414,23 +306,22 @@ class HoldTable:
         """
         now = self._now(now)
         hold = self._holds.get(hold_id)
-        if hold is None or reader not in hold.readers:
+        if hold is None or reader not in hold.reading:
             self._unknown(now, reader, "hold", hold_id)
             return NotifyOutcome.UNKNOWN
         if self._expire_if_due(hold, now):
             return NotifyOutcome.EXPIRED
-        if not hold.reading.get(reader):
+        if not hold.reading[reader]:
             self.counters.notifications_duplicate += 1
             return NotifyOutcome.DUPLICATE
         hold.reading[reader] -= 1
         self.counters.notifications += 1
         if hold.reading[reader]:  # another READ of this reader's is still running
             return NotifyOutcome.COUNTED
-        hold.notified.add(reader)
-        if hold.aborted and hold.notified >= hold.readers:
+        if hold.aborted and not any(hold.reading.values()):
             self._release(hold, hold.aborted, now)
             return NotifyOutcome.ABORTED
-        if len(hold.notified) >= hold.expected_readers:
+        if sum(not n for n in hold.reading.values()) >= hold.expected_readers:
             self._release(hold, "notified", now)
             return NotifyOutcome.RELEASED
         return NotifyOutcome.COUNTED
@@ -469,7 +360,7 @@ class HoldTable:
             record = self._released.get(hold_id)
             assert record is not None  # just appended
             return record
-        if hold.readers - hold.notified and hold.claimed_until > now:
+        if any(hold.reading.values()) and hold.claimed_until > now:
             if not hold.aborted:
                 hold.aborted = reason
                 hold.expires_at = hold.claimed_until  # no READ of it outlives its last claim
