@@ -32,14 +32,13 @@ from kvxferd.errors import (
 )
 from kvxferd.memory import CudaIpcRegion, shm_segment
 from kvxferd.sidecar.reads import QUARANTINE_S, SETTLE_S
-from kvxferd.vllm.keepalive import KeepaliveSender
 from kvxferd.vllm.manifest import ConvGeometry, backing_allocation, shift_regions, vllm_manifest
+from kvxferd.vllm.outbox import Outbox
 from kvxferd.vllm.quiet import QuietClient
 from kvxferd.vllm.scheduler import KEEPALIVE_EXTEND_S, StepOrders
 from kvxferd.vllm.storeio import StoreCalls
 from kvxferd.wire import (
     ENGINE_API_VERSION,
-    MAX_TICKETS_PER_CALL,
     CudaRegionSpec,
     HoldRequest,
     PullRequest,
@@ -85,10 +84,10 @@ class WorkerSide:
         self.socket_path = socket_path
         self._sidecar = QuietClient(EngineClient(socket_path, frames=frames_available(socket_path)))
         self.client: Any = self._sidecar  # calls held back a while after one got no answer
-        self._keepalives = KeepaliveSender(
+        self._outbox = Outbox(
             lambda: EngineClient(socket_path, frames=frames_available(socket_path)),
             KEEPALIVE_EXTEND_S,
-        )  # its own thread and connection: a keepalive waits for every prefill it names
+        )  # its own thread and connection: a decline or keepalive waits for every prefill
         self.model, self.tp_rank, self.tp_size = model, tp_rank, tp_size
         self.conv = conv  # how Mamba/GDN conv states are laid out (None: one shard per rank)
         self.generation = -1  # sent with every hold, pull and store call: the sidecar checks it
@@ -345,25 +344,9 @@ class WorkerSide:
             ends_by = time.monotonic() + req.deadline_s + _PULL_SLACK_S
             self._pulls[accepted.pull_id] = _Pull(p.request_id, p.block_ids, ends_by)
         if self.tp_rank == 0:  # one decline or keepalive covers every prefill rank
-            if orders.declines:
-                self._decline(orders)
-            self._keepalives.send(orders.keepalives)
+            self._outbox.decline(orders.declines)
+            self._outbox.keepalive(orders.keepalives)
         self.store.load(orders.loads)
-
-    def _decline(self, orders: StepOrders) -> None:
-        """Send the step's declines, MAX_TICKETS_PER_CALL tickets a call (a failed call's holds
-        end with their lease)."""
-        tickets = [Ticket(**t) for d in orders.declines for t in d.tickets]
-        reasons = ",".join(sorted({d.reason for d in orders.declines}))
-        for at in range(0, len(tickets), MAX_TICKETS_PER_CALL):
-            part = tickets[at : at + MAX_TICKETS_PER_CALL]
-            try:
-                resp = self.client.decline(part, reasons)
-            except KvxferdError as exc:
-                log.warning("decline of %d tickets failed: %s", len(part), exc)
-                continue
-            if resp.busy or resp.unanswered:
-                log.info("decline: %d busy, %d unanswered", len(resp.busy), len(resp.unanswered))
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose holds ended, requests whose pulls ended) since the last step: one
@@ -578,7 +561,7 @@ class WorkerSide:
                 self.client.unregister(self.generation)
         except KvxferdError as exc:
             log.warning("unregister at shutdown failed: %s", exc)
-        self._keepalives.close()
+        self._outbox.close()
         self._close_ipc()
         self.client.close()
         if self._lock is not None:  # (the kernel drops it with the process anyway)

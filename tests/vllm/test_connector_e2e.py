@@ -1,10 +1,15 @@
 """The real vLLM Scheduler and worker-role connectors, each rank beside a real ``kvxferd serve``:
-an aborted decode releases the prefill's hold at once (``declined``), and a ticket minted for a
+an aborted decode releases the prefill's hold at once (``declined``), without holding up the
+decode's engine step while the prefill does not answer, and a ticket minted for a
 sidecar that has since re-registered is given up at once and makes the scheduler re-read the
 sidecar's identity; a sidecar restarted beside a running engine gets the engine registered
 again and whatever the old one held is freed."""
 
 from __future__ import annotations
+
+import os
+import signal
+import threading
 
 import pytest
 
@@ -82,13 +87,58 @@ def test_an_aborted_decode_releases_the_prefill_hold_at_once(pair):
     out, _ = step(d_sched)
     assert decode.step(out.kv_connector_metadata.orders) == (None, None)
 
-    # The decline is answered once the prefill sidecar released the hold (its lease is 30 s).
-    assert feed.poll() == [(hold_id, "declined")]
+    # The decline (sent from the worker's outbox) releases the hold at once (its lease is 30 s).
+    assert feed.wait_for(hold_id) == {hold_id: "declined"}
     sending = wait_until(lambda: prefill.step(StepOrders())[0], 10, "the prefill's release")
     assert sending == {"p1"}
     free = p_sched.kv_cache_manager.block_pool.get_num_free_blocks()
     step(p_sched, KVConnectorOutput(finished_sending=sending))
     assert p_sched.kv_cache_manager.block_pool.get_num_free_blocks() > free
+
+
+def test_a_decline_to_a_prefill_that_does_not_answer_does_not_hold_up_the_decode_step(
+    engines, tmp_path, monkeypatch
+):
+    from vllm.v1.request import RequestStatus
+
+    monkeypatch.setenv("KVXFERD_PEER_TOKEN", TOKEN)
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    # The decode sidecar waits up to a minute for a prefill's answer.
+    sides = start_sidecars(str(tmp_path), ["p", "d"], env={"KVXFERD_HANDSHAKE_TIMEOUT_S": "60"})
+    p_side, d_side = sides
+    ranks: list[Rank] = []
+    try:
+        ranks.append(Rank(engine, "LBHNC", p_side))
+        ranks.append(Rank(engine, "LBHNC", d_side))
+        prefill, decode = ranks
+        feed = ReleasedFeed(p_side)
+        ext = engine.config.kv_transfer_config.kv_connector_extra_config
+        ext["sidecar_socket"] = p_side.socket
+        params = _prefill(_scheduler(engine), prefill, "p1")
+        hold_id = params["kvxferd_tickets"][0]["hold_id"]
+
+        ext["sidecar_socket"] = d_side.socket
+        d_sched = _scheduler(engine)
+        d_sched.add_request(request("d1", N, dict(params)))
+        d_sched.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+        out, _ = step(d_sched)
+        os.kill(p_side.child.pid, signal.SIGSTOP)  # accepts connections, answers nothing
+        try:
+            stepped = threading.Thread(
+                target=decode.step, args=(out.kv_connector_metadata.orders,), daemon=True
+            )
+            stepped.start()
+            stepped.join(20)  # the decline waits up to 60 s for the prefill; the step does not
+            assert not stepped.is_alive()
+        finally:
+            os.kill(p_side.child.pid, signal.SIGCONT)
+        # The decline was sent all the same, from the worker's outbox: released once answered.
+        assert feed.wait_for(hold_id) == {hold_id: "declined"}
+    finally:
+        for rank in ranks:
+            rank.close()
+        p_side.stop()
+        d_side.stop()
 
 
 def test_a_stale_ticket_frees_its_blocks_and_the_scheduler_rereads_the_identity(pair):

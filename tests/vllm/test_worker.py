@@ -1,11 +1,11 @@
-"""The worker side's declines: a step's declines go to the sidecar in calls of at most
-MAX_TICKETS_PER_CALL tickets (the sidecar refuses a longer list), every ticket once, in order,
-and a call that fails does not keep the others from being sent. Its holds: one placed without an
-answer (it may be live, and claimed by a decode reading it) is aborted, and its blocks are freed
-only when the released feed says so, or at once when the sidecar does not know it. Its
-unregister: retried while refused for as long as a READ may still touch the memory. Its pulls:
-one that ended unsettled, or whose sidecar stopped answering past its end, keeps its blocks from
-vLLM for as long as a READ may still write them."""
+"""The worker side's declines: a step's declines go to the sidecar (from the worker's outbox
+thread) in calls of at most MAX_TICKETS_PER_CALL tickets (the sidecar refuses a longer list),
+every ticket once, in order, and a call that fails does not keep the others from being sent.
+Its holds: one placed without an answer (it may be live, and claimed by a decode reading it) is
+aborted, and its blocks are freed only when the released feed says so, or at once when the
+sidecar does not know it. Its unregister: retried while refused for as long as a READ may still
+touch the memory. Its pulls: one that ended unsettled, or whose sidecar stopped answering past
+its end, keeps its blocks from vLLM for as long as a READ may still write them."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from kvxferd.errors import (
 )
 from kvxferd.sidecar.reads import QUARANTINE_S
 from kvxferd.vllm import worker as worker_module
+from kvxferd.vllm.outbox import Outbox
 from kvxferd.vllm.scheduler import Decline, HoldOrder, PullOrder, StepOrders
 from kvxferd.vllm.worker import WorkerSide
 from kvxferd.wire import (
@@ -39,6 +40,7 @@ from kvxferd.wire import (
     ReleasedHolds,
     Ticket,
 )
+from tests.sidecar.harness import wait_until
 
 
 class _Sidecar:
@@ -56,6 +58,9 @@ class _Sidecar:
             raise HandshakeError("peer unreachable")
         return DeclineResponse(released=[t.hold_id for t in tickets], missing=[])
 
+    def close(self) -> None:
+        pass
+
 
 def _declines(requests: int, ranks: int) -> list[Decline]:
     """One decline per request, each with one ticket per prefill rank."""
@@ -71,13 +76,17 @@ def _declines(requests: int, ranks: int) -> list[Decline]:
 def _worker(sidecar: _Sidecar) -> WorkerSide:
     worker = WorkerSide("/nonexistent/kvxferd.sock", model="m", tp_rank=0, tp_size=1)
     worker.client = sidecar  # type: ignore[assignment]
+    worker._outbox = Outbox(lambda: sidecar, 30.0)  # type: ignore[arg-type]
     return worker
 
 
 def test_a_step_with_more_declined_tickets_than_one_call_takes_sends_several_calls():
     sidecar = _Sidecar()
     declines = _declines(requests=MAX_TICKETS_PER_CALL // 8 + 1, ranks=8)  # a request too many
-    _worker(sidecar).run(StepOrders(declines=declines))
+    worker = _worker(sidecar)
+    worker.run(StepOrders(declines=declines))
+    wait_until(lambda: len(sidecar.calls) == 2, 30, "the outbox's calls")
+    worker._outbox.close()
     assert [len(c.tickets) for c in sidecar.calls] == [MAX_TICKETS_PER_CALL, 8]
     sent = [t.hold_id for c in sidecar.calls for t in c.tickets]
     assert sent == [t["hold_id"] for d in declines for t in d.tickets]
@@ -85,7 +94,10 @@ def test_a_step_with_more_declined_tickets_than_one_call_takes_sends_several_cal
 
 def test_a_failed_decline_call_does_not_keep_the_next_from_being_sent():
     sidecar = _Sidecar(fail=(0,))
-    _worker(sidecar).run(StepOrders(declines=_declines(requests=MAX_TICKETS_PER_CALL, ranks=2)))
+    worker = _worker(sidecar)
+    worker.run(StepOrders(declines=_declines(requests=MAX_TICKETS_PER_CALL, ranks=2)))
+    wait_until(lambda: len(sidecar.calls) == 2, 30, "the outbox's calls")
+    worker._outbox.close()
     assert [len(c.tickets) for c in sidecar.calls] == [MAX_TICKETS_PER_CALL] * 2
 
 
