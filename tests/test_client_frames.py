@@ -5,6 +5,7 @@ bounded, a dropped connection replaced, and every connection closed on close()."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 import threading
 import uuid
@@ -271,6 +272,49 @@ def test_an_answer_frame_nested_too_deeply_is_unreadable_and_fails_only_its_conn
             link = conn._link
             assert link is not None and link.closed
             await asyncio.wait_for(link.task, 5.0)  # ended by itself, with no exception
+        finally:
+            await conn.aclose()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(scenario())
+
+
+def test_a_late_or_unasked_answer_frame_is_never_taken_as_another_calls_answer(path):
+    # A benign slow peer answers a call after it timed out, and (a confused one) answers a call
+    # never made, on the connection the next call shares: answers go by id, those are dropped.
+    from kvxferd.frameconn import AsyncFrameConn, FrameLinkError
+    from kvxferd.wire import FrameAnswer, FrameRequest
+    from kvxferd.wire.frames import frame, frame_length
+
+    def answer(call_id: int, body: bytes) -> bytes:
+        return frame(msgspec.msgpack.encode(FrameAnswer(call_id, 200, msgspec.Raw(body))))
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        slow: list[int] = []
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                size = frame_length(await reader.readexactly(4))
+                req = msgspec.msgpack.decode(await reader.readexactly(size), type=FrameRequest)
+                if bytes(req.body) == msgspec.msgpack.encode("slow"):
+                    slow.append(req.id)  # answered only once the next request came
+                    continue
+                stale = b"".join(answer(i, msgspec.msgpack.encode("slow")) for i in slow)
+                stray = answer(req.id + 1, msgspec.msgpack.encode("stray"))
+                writer.write(stale + stray + answer(req.id, bytes(req.body)))
+                await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_unix_server(serve, path)
+        conn = AsyncFrameConn(path, 0.3)
+        try:
+            with pytest.raises(FrameLinkError, match="no answer in time"):
+                await conn.call("POST /x", None, msgspec.Raw(msgspec.msgpack.encode("slow")))
+            for n in range(2):  # the stray answer names the second call's id
+                body = msgspec.msgpack.encode(f"mine {n}")
+                status, raw = await conn.call("POST /x", None, msgspec.Raw(body))
+                assert (status, bytes(raw)) == (200, body)
         finally:
             await conn.aclose()
             server.close()

@@ -11,6 +11,13 @@ else (no HTTP/1.x status line, a folded or malformed header, conflicting lengths
 transfer coding, a truncated body) is a PeerHTTPError and its connection is dropped. Bounded:
 ``limit`` connections at once, heads of MAX_HEAD bytes, bodies of MAX_BODY, every call by
 ``timeout_s``.
+
+HTTP/1.1 answers carry no id, so a connection is kept only after a call read its whole answer:
+one that ended otherwise (an error, its timeout, a cancellation) is dropped with whatever the
+peer still sends on it (a slow peer's late answer), and a kept one on which anything arrived
+unasked (a stray or repeated answer) is dropped before it is reused, never read as the next
+call's answer. Bytes a peer sends after the next request left cannot be told from its answer;
+a claim's answer names its hold, which the caller checks (kvxferd.sidecar.peers).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import select
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -60,9 +68,20 @@ class _Conn:
     writer: asyncio.StreamWriter
     idle_since: float = 0.0
 
+    def __post_init__(self) -> None:
+        self._poll = select.poll()
+        self._poll.register(self.writer.get_extra_info("socket").fileno(), select.POLLIN)
+
     def usable(self, now: float, keepalive_s: float) -> bool:
+        """Kept for less than ``keepalive_s``, open, and nothing came since its last answer.
+        HTTP/1.1 answers carry no id: bytes no request asked for (a stray or repeated answer,
+        read by the loop already or still in the socket) would be read as the next call's
+        answer, maybe another hold's claim. Such a connection is dropped, as is one whose
+        close (EOF) waits in the socket."""
         return (now - self.idle_since < keepalive_s and not self.reader.at_eof()
-                and not self.writer.is_closing())  # fmt: skip
+                and not self.writer.is_closing()
+                and not self.reader._buffer  # noqa: SLF001 - bytes the loop read, unasked
+                and not self._poll.poll(0))  # fmt: skip
 
     def close(self) -> None:
         self.writer.close()

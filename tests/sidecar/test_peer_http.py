@@ -29,6 +29,12 @@ class _Server:
                 await w.wait_closed()
 
 
+def _length(head: bytes) -> int:
+    """A request head's Content-Length."""
+    return next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length"))  # fmt: skip
+
+
 async def _serve(answer, close_after: bool = False):  # noqa: ANN001
     """A server answering each request with ``answer(body) -> bytes``; (server, address, seen)."""
     seen: list[bytes] = []
@@ -39,9 +45,7 @@ async def _serve(answer, close_after: bool = False):  # noqa: ANN001
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length"))  # fmt: skip
-                body = await reader.readexactly(length)
+                body = await reader.readexactly(_length(head))
                 seen.append(head + body)
                 writer.write(answer(body))
                 await writer.drain()
@@ -217,5 +221,55 @@ def test_an_unreachable_peer_is_an_os_error():
         await server.wait_closed()
         with pytest.raises(OSError):
             await _conn(f"127.0.0.1:{port}").post("/a", b"{}", {})
+
+    asyncio.run(scenario())
+
+
+def test_a_late_answer_to_a_call_that_timed_out_is_never_read_as_the_next_calls_answer():
+    # A benign slow peer: the first call times out, the peer answers it later. Its connection
+    # was dropped with the call, so the next call (another hold, maybe) reads only its own.
+    async def scenario() -> None:
+        slow: list[asyncio.StreamWriter] = []
+        writers: list[asyncio.StreamWriter] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writers.append(writer)
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    body = await reader.readexactly(_length(head))
+                    if body == b"slow":
+                        slow.append(writer)  # answered only once the next request came
+                        continue
+                    for late in slow:  # the late answer goes out first, on its connection
+                        late.write(_ok(b"slow"))
+                    writer.write(_ok(body))
+                    await writer.drain()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        conn = _conn(address, timeout_s=0.3)
+        with pytest.raises(TimeoutError):
+            await conn.post("/a", b"slow", {})
+        assert (await conn.post("/a", b"2", {})).content == b"2"
+        assert conn.opened == 2 and len(slow) == 1  # the slow call's connection was not kept
+        await conn.aclose()
+        await _Server(server, writers).stop()
+
+    asyncio.run(scenario())
+
+
+def test_an_answer_no_request_asked_for_is_never_read_as_the_next_calls_answer():
+    # A peer that sends an extra answer after the one asked for: on a kept connection the next
+    # call (maybe another hold's claim) would take it as its own. The connection is dropped.
+    async def scenario() -> None:
+        answers = iter([_ok(b"1") + _ok(b"stray")])
+        server, address, seen = await _serve(lambda body: next(answers, None) or _ok(body))
+        conn = _conn(address)
+        assert (await conn.post("/a", b"1", {})).content == b"1"
+        assert (await conn.post("/a", b"2", {})).content == b"2"
+        assert conn.opened == 2 and len(seen) == 2
+        await conn.aclose()
+        await server.stop()
 
     asyncio.run(scenario())
