@@ -363,6 +363,12 @@ outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
   within that time. A shape that reads nothing from this rank (its units are replicas read
   elsewhere) releases the hold by claiming it. An engine-chosen hold id (`HoldRequest.hold_id`,
   minted by a scheduler) that is not placed yet is waited for up to `--hold-grace` seconds.
+  Answers are not signed, so the reader checks the grant before its READ counts: the answer's
+  `hold_id` must be the ticket's (an answer to another call is not this one's), `claim_s` and
+  `expires_at` finite, and `expected_readers` what the prefill's handshaken manifest gives for
+  `reader_tp_size` (a prefill that expects fewer readers than read it releases the hold while
+  a READ may still copy it; 0..`reader_tp_size` when the reader has not handshaken with it);
+  else the pull fails (`handshake`).
 - **Who may release.** The prefill engine (abort, or by unregistering; either, for a claimed
   hold, waits for its claimed readers' notifications or claims' ends), the lease (expiry,
   kept on a monotonic clock inside the process; absolute Unix times appear only on the wire),

@@ -35,6 +35,7 @@ from kvxferd.errors import (
     ConfigError,
     HandshakeError,
     HoldExpiredError,
+    HoldRequestError,
     IncompatiblePeerError,
     SegmentTooSmallError,
     UnknownHoldError,
@@ -42,6 +43,7 @@ from kvxferd.errors import (
 from kvxferd.frameconn import FrameConnectError
 from kvxferd.sidecar.peer_clients import PeerClients
 from kvxferd.sidecar.peer_http import Reply
+from kvxferd.sidecar.pull_request import ReaderCounts
 from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.transport import ucxenv
 from kvxferd.wire import (
@@ -122,6 +124,7 @@ class PeerTable:
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._epochs: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._clients = PeerClients(timeout_s=timeout_s, keepalive_s=HTTP_CLIENT_KEEPALIVE_S)
+        self._readers = ReaderCounts()  # a claim's expected readers, per (manifest, reader TP)
         self.outcomes: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -220,16 +223,44 @@ class PeerTable:
             return peer
 
     async def claim(self, address: str, request: ClaimRequest) -> ClaimResponse:
-        """Claim a hold at a prefill sidecar; 404/410 become UnknownHoldError/HoldExpiredError,
-        an answer that gives the claim no finite end a HandshakeError (the READ must end in it)."""
+        """Claim a hold at a prefill sidecar; 404/410 become UnknownHoldError/HoldExpiredError.
+
+        A grant that does not fit the claim is a HandshakeError, so the pull fails: one that
+        gives the claim no finite end (the READ must end in it), names another hold (another
+        call's answer), or expects other readers than the prefill's manifest and our TP size
+        give (``descriptors.expected_readers``, what the prefill computes: fewer would release
+        the hold while a READ may still copy it; 0..``reader_tp_size`` for a peer not
+        handshaken, whose manifest we do not have).
+        """
         answer = await self._call(address, "/v1/claims", request, ClaimResponse, "claim")
+        problem = self._claim_problem(self._peers.get(address), request, answer)
+        if problem:
+            raise HandshakeError(f"peer {address} answered an invalid claim: {problem}")
+        return answer
+
+    def _claim_problem(
+        self, peer: Peer | None, request: ClaimRequest, answer: ClaimResponse
+    ) -> str:
+        """What makes ``answer`` no grant of ``request`` (empty: nothing)."""
         if not (math.isfinite(answer.claim_s) and answer.claim_s >= 0
                 and math.isfinite(answer.expires_at)):  # fmt: skip
-            raise HandshakeError(
-                f"peer {address} answered an invalid claim: claim_s {answer.claim_s!r}, "
-                f"expires_at {answer.expires_at!r}"
-            )
-        return answer
+            return f"claim_s {answer.claim_s!r}, expires_at {answer.expires_at!r}"
+        ticket, tp = request.ticket, request.reader_tp_size
+        if answer.hold_id != ticket.hold_id:
+            return f"hold_id {one_line(answer.hold_id[:200])!r}, the claim named {ticket.hold_id!r}"
+        readers = answer.expected_readers
+        if peer is None or not peer.serves(ticket.engine_id, ticket.epoch, ticket.generation):
+            if not 0 <= readers <= tp:
+                return f"expected_readers {readers} for a reader TP size of {tp}"
+            return ""
+        try:
+            want = self._readers.expected(peer.manifest, tp)
+        except HoldRequestError as exc:  # the prefill would have refused it (422)
+            return f"granted to reader TP size {tp}, which cannot read its manifest: {exc}"
+        if readers != want:
+            return (f"expected_readers {readers}, where its manifest gives {want} for a reader "
+                    f"TP size of {tp}")  # fmt: skip
+        return ""
 
     async def heartbeat(self, address: str, request: Heartbeat) -> HeartbeatResponse:
         """Extend holds at a prefill sidecar; the whole call is bounded by the timeout."""

@@ -256,6 +256,99 @@ def test_a_claim_answer_without_a_finite_end_fails_the_claim(claim_s, expires_at
     asyncio.run(scenario())
 
 
+def _claim_answered(answer: object, *, prefill_tp: int | None, reader_tp_size: int) -> object:
+    """What ``claim`` returns (or raises) when the prefill answers ``answer``: a handshaken
+    peer of ``prefill_tp`` ranks (rank 0, framed), or none handshaken (None: over HTTP)."""
+    import msgspec
+
+    from kvxferd.sidecar.peer_http import Reply
+    from kvxferd.sidecar.peers import Peer
+    from kvxferd.wire import ClaimRequest, Ticket
+    from tests.sidecar.harness import plan
+
+    ticket = Ticket(
+        engine_id="e", epoch=1, hold_id="h", request_id="r", block_ids=[[1]], num_tokens=1,
+        expires_at=0.0, tp_rank=0, tp_size=prefill_tp or 1, peer="127.0.0.1:1",
+    )  # fmt: skip
+
+    async def framed(address: str, port: int, path: str, request: object) -> tuple[int, bytes]:
+        return 200, msgspec.msgpack.encode(answer)
+
+    async def post(address: str, path: str, _body: bytes) -> Reply:
+        return Reply(200, msgspec.json.encode(answer))
+
+    async def scenario() -> object:
+        table = _table()
+        if prefill_tp is not None:
+            manifest = plan("llama-3.1-8b", tp_size=prefill_tp, num_blocks=4)
+            table._peers["127.0.0.1:1"] = Peer("127.0.0.1:1", "e", 1, "a", manifest, (),
+                                               frames_port=2)  # fmt: skip
+        table._framed = framed  # type: ignore[method-assign]
+        table._post = post  # type: ignore[method-assign]
+        request = ClaimRequest(ticket=ticket, reader="me", reader_tp_size=reader_tp_size,
+                               claim_s=1.0)  # fmt: skip
+        try:
+            return await table.claim("127.0.0.1:1", request)
+        except HandshakeError as exc:
+            return exc
+        finally:
+            table._peers.clear()
+            await table.close()
+
+    return asyncio.run(scenario())
+
+
+def _granted(hold_id: str = "h", expected_readers: int = 1) -> object:
+    from kvxferd.wire import ClaimResponse
+
+    return ClaimResponse(hold_id=hold_id, expires_at=1e9, expected_readers=expected_readers,
+                         claim_s=1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("hold_id", ["h2", "H", ""])
+def test_a_claim_answer_for_another_hold_fails_the_claim(hold_id):
+    # The answer of another call (a stale or stray one on a shared connection, or a confused
+    # peer) must not pass as this hold's grant: the READ's bytes would count as claimed.
+    got = _claim_answered(_granted(hold_id=hold_id), prefill_tp=1, reader_tp_size=1)
+    assert isinstance(got, HandshakeError), got
+    assert "invalid claim" in str(got) and "hold_id" in str(got)
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "reader_tp_size", "readers"),
+    [(1, 1, 0), (1, 1, 2), (2, 4, 1), (2, 4, 3), (1, 2, -1), (1, 1, 1 << 40)],
+)
+def test_a_claim_answer_expecting_other_readers_than_the_shapes_give_fails_the_claim(
+    prefill_tp, reader_tp_size, readers
+):
+    # The prefill releases the hold after expected_readers notifications: fewer than the
+    # decode ranks that read it frees blocks a READ may still copy (0: released at the claim).
+    # Both sides derive it from the prefill's manifest and the reader's TP size alone.
+    got = _claim_answered(_granted(expected_readers=readers), prefill_tp=prefill_tp,
+                          reader_tp_size=reader_tp_size)  # fmt: skip
+    assert isinstance(got, HandshakeError), got
+    assert "invalid claim" in str(got) and "expected_readers" in str(got)
+
+
+@pytest.mark.parametrize("readers", [-1, 3, 1 << 40])
+def test_a_claim_answer_of_a_peer_not_handshaken_expects_at_most_the_readers_tp_size(readers):
+    got = _claim_answered(_granted(expected_readers=readers), prefill_tp=None, reader_tp_size=2)
+    assert isinstance(got, HandshakeError), got
+    assert "invalid claim" in str(got) and "expected_readers" in str(got)
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "reader_tp_size", "readers"),
+    [(1, 1, 1), (2, 4, 2), (2, 1, 1), (None, 2, 0), (None, 2, 2)],
+)
+def test_a_claim_answer_naming_its_hold_and_the_readers_the_shapes_give_is_accepted(
+    prefill_tp, reader_tp_size, readers
+):
+    answer = _granted(expected_readers=readers)
+    got = _claim_answered(answer, prefill_tp=prefill_tp, reader_tp_size=reader_tp_size)
+    assert got == answer
+
+
 @pytest.mark.parametrize("status", [404, 401, 409, 502])
 @pytest.mark.parametrize("error", ["ClaimMismatchError", "IncompatiblePeerError", "Other"])
 def test_a_peers_error_answer_is_cut_to_a_bounded_message(status, error):
