@@ -6,7 +6,9 @@ connection, answers matched by id; the engine socket, or a peer's framed TCP por
 FrameRequest and return the answer's status and body. Every call is bounded by its timeout; a
 connection that failed, timed out or sat idle longer than the server keeps it is replaced on the
 next call; ``close`` releases everything. Failures raise :class:`FrameLinkError` (no answer
-came), :class:`FrameConnectError` when no connection could be opened (so nothing was sent).
+came), :class:`FrameConnectError` when no connection could be opened (so nothing was sent),
+:class:`FrameRefusedError` when the server closed a new connection before a byte of answer (a
+listener at its connection cap closes new ones unread: nothing sent on it was taken).
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ class FrameLinkError(ConnectionError):
 
 class FrameConnectError(FrameLinkError):
     """No connection could be opened: the request was not sent."""
+
+
+class FrameRefusedError(FrameConnectError):
+    """The server closed the connection before it sent a byte on it: a listener at its
+    connection cap closes what it accepts at once, unread, so no call sent on it was taken (a
+    server that died after taking one looks the same; a call tried again elsewhere then finds
+    it gone, or restarted under another epoch)."""
 
 
 def _request(
@@ -177,6 +186,8 @@ class _Link:
         self.pending: dict[int, asyncio.Future[FrameAnswer]] = {}
         self.used_at = time.monotonic()
         self.closed = False
+        self.heard = False
+        """Whether the server sent anything on this connection (else its close refused it)."""
         self.task = asyncio.create_task(self._read(reader))
         # The loop may not have read the server's close yet when the next call comes: an idle
         # link is polled (no data is consumed) before it is reused.
@@ -188,6 +199,7 @@ class _Link:
         try:
             while True:
                 size = frame_length(await reader.readexactly(FRAME_HEADER))
+                self.heard = True
                 if size > MAX_ANSWER_BYTES:
                     error = FrameLinkError(f"answer frame of {size} bytes")
                     return
@@ -199,6 +211,9 @@ class _Link:
         except (OSError, asyncio.IncompleteReadError) as exc:
             if isinstance(exc, FrameLinkError):
                 error = exc
+            elif not self.heard and not self.closed:  # closed by the server, not by us
+                error = FrameRefusedError("the sidecar closed the connection before answering "
+                                          "anything on it (at its connection cap)")  # fmt: skip
         finally:
             self.shut(error)
 
@@ -261,7 +276,9 @@ class AsyncFrameConn:
                 link.pending[call_id] = fut
                 try:
                     link.cork.write(_request(call_id, op, query, body, auth))
-                    await link.cork.drain()
+                    # Lost: its reader tells why (refused or not) and fails ``fut`` with it.
+                    with contextlib.suppress(ConnectionError):
+                        await link.cork.drain()
                     answer = await fut
                 finally:
                     link.pending.pop(call_id, None)

@@ -146,8 +146,11 @@ free one, -1 turns it off; 7601 in the Kubernetes manifests), same envelope and 
 handshake stays on HTTP: its answer's `frames_port` names the port (0: none), and the reader
 sends those calls there from then on, or over HTTP where the port is 0 or cannot be opened
 (then until the next handshake; a connection that failed to open carried nothing, so nothing is
-sent twice). Every such frame carries its signature in the envelope's `auth` field: the value
-HTTP sends as `Authorization`, computed over the method, the op's path and the body's exact
+sent twice). A call whose new connection the port closes before answering anything (a listener
+at its connection cap closes what it accepts, unread: a flood) goes over HTTP, the peer API's
+own listener and cap, and the next call tries the port again. Every such frame carries its
+signature in the envelope's `auth` field: the value HTTP sends as `Authorization`, computed
+over the method, the op's path and the body's exact
 MessagePack bytes (Trust model); a frame of a signed operation takes no query. A missing, stale,
 replayed, tampered or foreign signature answers 401 (ErrorBody) before the body is decoded; the
 connection stays open. Both peer listeners share one nonce table, so a signature spent on one is

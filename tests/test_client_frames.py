@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import tempfile
 import threading
 import uuid
@@ -321,3 +322,51 @@ def test_a_late_or_unasked_answer_frame_is_never_taken_as_another_calls_answer(p
             await server.wait_closed()
 
     asyncio.run(scenario())
+
+
+def test_a_connection_closed_before_any_answer_is_refused_and_one_closed_after_is_not(path):
+    # A listener at its connection cap closes what it accepts, unread: nothing sent on it was
+    # taken (a caller may send it elsewhere). Closed after answering, the calls it carried may
+    # have been taken: a plain link error.
+    from kvxferd.api.frames import FrameServer
+    from kvxferd.api.operations import Gate
+    from kvxferd.frameconn import AsyncFrameConn, FrameLinkError, FrameRefusedError
+    from kvxferd.wire import FrameAnswer
+    from kvxferd.wire.frames import frame, frame_length
+
+    async def once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        size = frame_length(await reader.readexactly(4))
+        await reader.readexactly(size)
+        writer.write(frame(msgspec.msgpack.encode(FrameAnswer(1, 204))))
+        await writer.drain()
+        await reader.readexactly(4)  # the second call's frame: closed unanswered
+        writer.transport.abort()
+
+    async def scenario() -> None:
+        full = FrameServer([], None, Gate(), _limits(max_connections=0))
+        await full.start(_listening(path + ".full"))
+        conn = AsyncFrameConn(path + ".full", 5.0)
+        with pytest.raises(FrameRefusedError):
+            await conn.call("GET /healthz", None, msgspec.Raw(b"\xc0"))
+        await conn.aclose()
+        await full.close()
+        server = await asyncio.start_unix_server(once, path)
+        conn = AsyncFrameConn(path, 5.0)
+        try:
+            assert (await conn.call("GET /healthz", None, msgspec.Raw(b"\xc0")))[0] == 204
+            with pytest.raises(FrameLinkError) as info:
+                await conn.call("GET /healthz", None, msgspec.Raw(b"\xc0"))
+            assert not isinstance(info.value, FrameRefusedError)
+        finally:
+            await conn.aclose()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(scenario())
+
+
+def _listening(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    sock.listen()
+    return sock

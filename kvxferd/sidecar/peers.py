@@ -12,7 +12,9 @@ Claims, heartbeats and declines go as signed frames to the port the peer's hands
 (``frames_port``; a frame costs the peer about a third of an HTTP request), and over HTTP to a
 peer that names none. A framed port that cannot be connected to (a firewall, ``-1``) sends that
 peer's calls to HTTP until it is handshaken again; nothing was sent on it, so nothing is
-repeated.
+repeated. A call whose new connection the port closed before answering anything (a listener at
+its connection cap, 1,024 by default, closes new ones unread: a flood) goes over HTTP, the peer
+API's own listener and cap; the next call tries the port again.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from kvxferd.errors import (
     SegmentTooSmallError,
     UnknownHoldError,
 )
-from kvxferd.frameconn import FrameConnectError
+from kvxferd.frameconn import FrameConnectError, FrameRefusedError
 from kvxferd.sidecar.peer_clients import PeerClients
 from kvxferd.sidecar.peer_http import Reply
 from kvxferd.sidecar.pull_request import ReaderCounts
@@ -294,6 +296,10 @@ class PeerTable:
                     try:
                         status, content = await self._framed(address, port, path, request)
                         wire = "frames"
+                    except FrameRefusedError as exc:  # full (a flood?), not closed: this call
+                        log.debug("peer %s: framed port %d refused the %s (%s); sending it "
+                                  "over HTTP", address, port, what, exc)  # fmt: skip
+                        port = 0
                     except FrameConnectError as exc:
                         log.warning("peer %s: framed port %d unusable (%s); calling it over HTTP "
                                     "until the next handshake", address, port, exc)  # fmt: skip

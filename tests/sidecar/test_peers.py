@@ -493,3 +493,61 @@ def test_a_peer_answer_nested_too_deeply_is_an_invalid_answer_not_a_crash(call, 
             await table.close()
 
     asyncio.run(scenario())
+
+
+def test_a_framed_port_at_its_connection_cap_sends_the_claim_over_http_for_that_call():
+    # A flood of the framed port (its cap: 1,024) closes each new connection as it is accepted,
+    # before a frame is read: the claim was taken by no one, so it goes over HTTP (the peer
+    # API's own listener and cap) instead of failing its pull as "unreachable". The port is
+    # tried again by the next call: it is full, not closed.
+    import socket
+
+    import msgspec
+
+    from kvxferd.api.frames import FrameLimits, FrameServer
+    from kvxferd.api.operations import Gate
+    from kvxferd.sidecar.peers import Peer
+    from kvxferd.wire import ClaimRequest, ClaimResponse, Ticket
+    from tests.sidecar.harness import plan
+
+    grant = ClaimResponse(hold_id="h", expires_at=1e9, expected_readers=1, claim_s=1.0)
+    ticket = Ticket(
+        engine_id="e", epoch=1, hold_id="h", request_id="r", block_ids=[[1]], num_tokens=1,
+        expires_at=0.0, tp_rank=0, tp_size=1, peer="127.0.0.1:1",
+    )  # fmt: skip
+
+    async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r")[0]))
+        body = msgspec.json.encode(grant)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(body), body))  # fmt: skip
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> tuple[object, list, bool]:
+        full = FrameServer([], None, Gate(), FrameLimits(max_connections=0, max_frame_bytes=4096))
+        listener = socket.create_server(("127.0.0.1", 0))
+        await full.start(listener)
+        http_server = await asyncio.start_server(http, "127.0.0.1", 0)
+        address = f"127.0.0.1:{http_server.sockets[0].getsockname()[1]}"
+        calls: list[tuple[str, str]] = []
+        table = _table()
+        table._on_call = lambda call, wire: calls.append((call, wire))
+        manifest = plan("llama-3.1-8b", num_blocks=4)
+        table._peers[address] = Peer(address, "e", 1, "a", manifest, (),
+                                     frames_port=listener.getsockname()[1])  # fmt: skip
+        request = ClaimRequest(ticket=ticket, reader="me", reader_tp_size=1, claim_s=1.0)
+        try:
+            got = await asyncio.wait_for(table.claim(address, request), 10.0)
+            return got, calls, address in table._http_only
+        finally:
+            table._peers.clear()
+            await table.close()
+            http_server.close()
+            await full.close()
+
+    got, calls, http_only = asyncio.run(scenario())
+    assert got == grant
+    assert calls == [("claim", "http")]
+    assert not http_only
