@@ -330,6 +330,13 @@ def test_a_claim_answer_expecting_other_readers_than_the_shapes_give_fails_the_c
     assert "invalid claim" in str(got) and "expected_readers" in str(got)
 
 
+def test_a_claim_granted_to_a_reader_tp_size_that_cannot_read_the_manifest_fails_the_claim():
+    # 8 KV heads over 3 readers: the prefill refuses such a claim (422); a grant is invalid.
+    got = _claim_answered(_granted(expected_readers=1), prefill_tp=1, reader_tp_size=3)
+    assert isinstance(got, HandshakeError), got
+    assert "invalid claim" in str(got) and "cannot read its manifest" in str(got)
+
+
 @pytest.mark.parametrize("readers", [-1, 3, 1 << 40])
 def test_a_claim_answer_of_a_peer_not_handshaken_expects_at_most_the_readers_tp_size(readers):
     got = _claim_answered(_granted(expected_readers=readers), prefill_tp=None, reader_tp_size=2)
