@@ -36,7 +36,7 @@ from kvxferd.memory import check_sources, first_shrunk
 from kvxferd.metrics import Metrics
 from kvxferd.sidecar.fabric import Fabric
 from kvxferd.sidecar.handshake import mismatch, our_handshake
-from kvxferd.sidecar.holds import REAP_SLICE, DeclineOutcome, HoldTable
+from kvxferd.sidecar.holds import DeclineOutcome, HoldTable
 from kvxferd.sidecar.keepalive import decline_at_peers, keep_alive
 from kvxferd.sidecar.notifs import NotificationPoller
 from kvxferd.sidecar.offload import STOP_S, Offload
@@ -45,6 +45,7 @@ from kvxferd.sidecar.placements import Placements
 from kvxferd.sidecar.pull_request import ReaderCounts, check_reader_tp
 from kvxferd.sidecar.pulls import Pull, PullRunner
 from kvxferd.sidecar.reads import QUARANTINE_S
+from kvxferd.sidecar.reaper import reap
 from kvxferd.sidecar.signing import PeerKeys
 from kvxferd.sidecar.sources import close_sources, host_views, map_sources, release_sources
 from kvxferd.sidecar.tickets import check_addressed, sign_ticket, verify_ticket, verify_tickets
@@ -75,9 +76,6 @@ from kvxferd.wire import (
 )
 
 log = logging.getLogger(__name__)
-
-_REAP_MAX_SLEEP_S = 1.0
-
 
 GENERATION_SPAN = 1 << 48
 """Registration generations start at a random number below this (exact in JSON doubles)."""
@@ -171,7 +169,9 @@ class Sidecar:
     def start(self) -> None:
         """Start the background tasks (call from the running loop)."""
         self._tasks = [
-            asyncio.create_task(self._reaper(), name="kvxferd-reaper"),
+            asyncio.create_task(
+                reap(lambda: self.holds, self._after_release), name="kvxferd-reaper"
+            ),
             asyncio.create_task(self.notifs.run(), name="kvxferd-notifs"),
         ]
 
@@ -578,21 +578,6 @@ class Sidecar:
             if delta > 0:
                 self.metrics.holds_released.labels(reason).inc(delta)
                 self._released_reported[reason] = count
-
-    async def _reaper(self) -> None:
-        """Expire leases in deadline order; sleeps until the next deadline (bounded)."""
-        while True:
-            if self.holds is not None:
-                # In slices: 100k holds expiring together never stall the loop for long.
-                while len(self.holds.reap(max_items=REAP_SLICE)) == REAP_SLICE:
-                    self._after_release()
-                    await asyncio.sleep(0)
-                    if self.holds is None:
-                        break
-                self._after_release()
-            nxt = self.holds.next_deadline() if self.holds is not None else None
-            delay = _REAP_MAX_SLEEP_S if nxt is None else max(0.0, nxt - time.monotonic())
-            await asyncio.sleep(min(delay, _REAP_MAX_SLEEP_S) + 0.001)
 
 
 __all__ = ["Pull", "Sidecar", "check_reader_tp"]
