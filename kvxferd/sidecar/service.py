@@ -47,7 +47,7 @@ from kvxferd.sidecar.pulls import Pull, PullRunner
 from kvxferd.sidecar.reads import QUARANTINE_S
 from kvxferd.sidecar.reaper import reap
 from kvxferd.sidecar.signing import PeerKeys
-from kvxferd.sidecar.sources import close_sources, host_views, map_sources, release_sources
+from kvxferd.sidecar.sources import Retired, close_sources, host_views, map_sources, release_sources
 from kvxferd.sidecar.tickets import check_addressed, sign_ticket, verify_ticket, verify_tickets
 from kvxferd.transport import Agent, StripedAgent
 from kvxferd.wire import (
@@ -139,6 +139,7 @@ class Sidecar:
         # that engine's holds and pulls went to the other's memory.
         self._next_generation = secrets.randbelow(GENERATION_SPAN)
         self._registrations: list[Any] = []  # NIXL registrations of the memory sources
+        self._retired = Retired()  # zero pages where unregistered memory was, until close
         self._shrunk: tuple[str, str] | None = None  # (field, why) once a segment shrank
         self.offload = Offload(config, self.metrics, self._store_target, self._hold_blocks,
                                self._check_memory)  # fmt: skip
@@ -187,6 +188,7 @@ class Sidecar:
         await self.peers.close()
         copying = await self.offload.shutdown(STOP_S)  # bounded; warns if copies still run
         await asyncio.to_thread(self.agent.close)
+        self._retired.close()  # no UCX worker left to serve a late READ of them
         self.fabric.close()
         if not copying:  # else left mapped: no store copy reads or writes memory let go of
             close_sources(self._regions)
@@ -254,7 +256,9 @@ class Sidecar:
         copied finishes); it waits up to ``STOP_S`` for them, the store saves and the claimed
         holds to end. While a quarantined READ may still write the memory, a decode may still
         read it, or a store copy still runs, pulls and holds end all the same but the memory
-        stays registered and mapped (MemoryInUseError, 503: retry once those ended)."""
+        stays registered and mapped (MemoryInUseError, 503: retry once those ended). Unmapped
+        memory leaves zero pages at its addresses (``Retired``): a reader stalled past its
+        claim may still have READ copies queued in our UCX worker (TCP), which copy zeros."""
         holds, _ = self._require_engine()
         if self._registering:  # its self-test READ may still read the memory
             raise MemoryInUseError(
@@ -295,7 +299,7 @@ class Sidecar:
                     f"{STOP_S:g} s, so it stays registered (pulls and holds ended); retry"
                 )
             await self.pulls.close()
-            await release_sources(self.agent, self._registrations, self._regions)
+            await release_sources(self.agent, self._registrations, self._regions, self._retired)
             self._regions, self._registrations, self._bases = [], [], []
             self.manifest = None
             self.generation = -1
