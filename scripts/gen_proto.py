@@ -383,12 +383,17 @@ outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
   generation whose block ids and request are the hold's (else `missing`, as a claim would be
   refused), as long as no reader has claimed it (a claimed hold is reported `busy` and left to
   its readers).
-- **What the data plane trusts.** NIXL/UCX itself authenticates nothing: an agent that holds a
-  sidecar's agent metadata (its address and memory keys, which the handshake answer carries in
-  clear) can READ and WRITE that sidecar's registered memory and send it notifications under any
-  agent name. The peer secret keeps the metadata from anyone who cannot sign a handshake; an
-  on-path attacker on the peer network sees it. Keep UCX traffic on the private peer network
-  (the `kvxferd-peers` NetworkPolicy, `UCX_TCP_PORT_RANGE`, RDMA partitions); a MAC in the
+- **What the data plane trusts.** NIXL/UCX itself authenticates nothing, and only the
+  *reader's* NIXL checks a READ against the regions the target's agent metadata lists (its
+  address and memory keys, which the handshake answer carries in clear). A reader that edits
+  that list (measured here, nixl 1.x: no checksum, the keys not tied to the range) READs and
+  WRITEs any address of the sidecar process, the peer secret included, or crashes it, over UCX
+  TCP (the target's own worker copies what the request names) and over CMA; the reader picks
+  the transport. It can also notify under any agent name. So every holder of the peer secret is
+  trusted with the whole sidecar process, and the UCX ports must be reachable only from them:
+  keep UCX traffic on the private peer network (the `kvxferd-peers` NetworkPolicy,
+  `UCX_TCP_PORT_RANGE`, RDMA partitions). The peer secret keeps the metadata from anyone who
+  cannot sign a handshake; an on-path attacker on the peer network sees it. A MAC in the
   notification would not help against an attacker who can write the memory anyway.
 - **Block 0** is vLLM's null block: a hold may name it (placeholders keep their position), any
   number of times, but it is never data.
