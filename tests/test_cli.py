@@ -46,6 +46,14 @@ def test_serve_help_lists_every_environment_variable():
     assert "--engine-socket" in proc.stdout and "--peer-token-file" in proc.stdout
 
 
+def test_serve_help_states_the_exit_status_of_a_shutdown_stuck_on_the_store():
+    from kvxferd.sidecar.offload import EXIT_STORE_STUCK
+
+    proc = kvxferd("serve", "--help")
+    text = " ".join(proc.stdout.split())
+    assert f"; {EXIT_STORE_STUCK} when shutdown left store I/O blocked" in text
+
+
 def test_serve_help_shows_the_default_of_each_setting_flag():
     proc = kvxferd("serve", "--help")
     text = " ".join(proc.stdout.split())  # argparse wraps help lines

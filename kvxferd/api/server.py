@@ -43,6 +43,10 @@ from kvxferd.sidecar.service import Sidecar
 
 log = logging.getLogger(__name__)
 
+SHUTDOWN_GRACE_S = 10.0
+"""Seconds the calls still running at SIGINT/SIGTERM get to answer (HTTP and frames alike)
+before they are cancelled: a call waiting on a hung disk must not hold shutdown up."""
+
 
 class _Server(uvicorn.Server):
     """uvicorn.Server that leaves signal handling to us (two servers share one process)."""
@@ -88,6 +92,7 @@ def _uvicorn_config(
         access_log=False,
         lifespan="off",
         timeout_keep_alive=HTTP_SERVER_KEEPALIVE_S,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         **uvicorn_limits(limits, listener),
     )
 
@@ -229,7 +234,7 @@ async def _serve(config: Config) -> None:
             srv.should_exit = True
         for framed in (frames, peer_frames):
             if framed is not None:
-                await framed.close()
+                await framed.close(SHUTDOWN_GRACE_S)
         if peer_frames_sock is not None:
             peer_frames_sock.close()
         if frames_sock is not None:
@@ -245,3 +250,6 @@ async def _serve(config: Config) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(config.engine_socket)
         print("kvxferd stopped", file=sys.stderr, flush=True)
+        # Store I/O a hung disk holds would hold exit up for good: end at once then (with its
+        # own status; the kernel drops the socket locks with us). Else nothing changes.
+        sidecar.offload.exit_if_stuck()

@@ -13,6 +13,9 @@ from kvxferd.config import Config, env_help, load_config, replace
 from kvxferd.errors import ConfigError
 
 _UNIX_PATH_MAX = 107  # sun_path is 108 bytes on Linux, NUL included
+_EXIT_STATUSES = """Exit status: 0 once stopped by SIGINT/SIGTERM; 2 for a bad setting; 3 when
+shutdown left store I/O blocked (a hung disk): the sidecar then says so in one line and
+exits at once instead of waiting for it (EXIT_STORE_STUCK, kvxferd.sidecar.offload)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -24,7 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         description="Run a kvxferd sidecar: the engine API on a Unix socket (0600) and the peer "
         "API (handshake, claims, /metrics, /healthz, /readyz) on TCP; claims also as signed "
         "frames on a second TCP port.",
-        epilog="Every setting can also come from the environment (flags win):\n" + env_lines,
+        epilog=_EXIT_STATUSES
+        + "\n\nEvery setting can also come from the environment (flags win):\n"
+        + env_lines,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--engine-socket", metavar="PATH", help="engine API Unix socket path")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +44,9 @@ MAX_STORE_DEADLINE_S = 600.0
 """Longest ``StoreLoadRequest.deadline_s`` accepted."""
 STOP_S = 5.0
 """Seconds :meth:`Offload.stop` waits for the loads and saves on the engine's memory to end."""
+EXIT_STORE_STUCK = 3
+"""``kvxferd serve``'s exit status when shutdown left store I/O blocked (a hung disk): see
+:meth:`Offload.exit_if_stuck`."""
 T = TypeVar("T")
 
 Target = Callable[[int | None], tuple[Manifest, list[np.ndarray]]]
@@ -103,6 +108,9 @@ class Offload:
                 raise ConfigError(f"store_dir: {config.store_dir}: {exc.strerror}") from exc
         self._reported = {tier: _Reported() for tier in STORE_TIERS}
         self._running: dict[asyncio.Future[Any], threading.Event] = {}  # work on engine memory
+        self._lookups: set[asyncio.Future[Any]] = set()  # lookups' threads (no engine memory)
+        self.stuck = ""
+        """What of the store :meth:`shutdown` left blocked in I/O ("" when nothing)."""
 
     async def save(self, req: StoreSaveRequest) -> StoreSaved:
         """Copy a request's blocks (or a live hold's) into the store; entries already there are
@@ -147,7 +155,12 @@ class Offload:
         """Tokens each group can serve and the prefix all can (the minimum rule)."""
         store, (manifest, _regions) = self._require(), self._target(None)
         check_num_tokens(req.num_tokens, StoreError)
-        out = await asyncio.to_thread(store.lookup, manifest, req.keys, req.num_tokens)
+        work = asyncio.ensure_future(
+            asyncio.to_thread(store.lookup, manifest, req.keys, req.num_tokens)
+        )
+        self._lookups.add(work)  # known to shutdown until its thread ends (a hung disk: never)
+        work.add_done_callback(self._lookups.discard)
+        out = await asyncio.shield(work)
         self.metrics.store_lookup_tokens.labels("hit").inc(out.matched)
         self.metrics.store_lookup_tokens.labels("miss").inc(req.num_tokens - out.matched)
         if out.disagree:
@@ -199,22 +212,63 @@ class Offload:
         return sum(not work.done() for work in running)
 
     async def shutdown(self, timeout_s: float = STOP_S) -> int:
-        """:meth:`stop`, then, once no load or save runs, :meth:`close` waited for at most
-        ``timeout_s`` (an I/O thread stuck on a hung disk is left to process exit): how many
-        loads and saves still copy the engine's memory. While any does, the store stays open
-        (the copy's entry goes on to the store) and the caller must not unmap the memory."""
+        """:meth:`stop`, then, once no load or save runs, the lookups waited for and
+        :meth:`close` waited for, each for at most ``timeout_s``: how many loads and saves still
+        copy the engine's memory. While any does, the store stays open (the copy's entry goes
+        on to the store) and the caller must not unmap the memory. Whatever still blocks a
+        thread (a hung disk) is named in ``stuck``: the process must not wait for it at exit
+        (:meth:`exit_if_stuck`)."""
         copying = await self.stop(timeout_s)
         if copying:
             log.warning("shutdown: %d store loads or saves still copy the engine's memory after "
                         "%g s: it stays mapped and the store open until they end", copying,
                         timeout_s)  # fmt: skip
+            self.stuck = f"{copying} store loads or saves"
             return copying
+        lookups = list(self._lookups)
+        if lookups:
+            await asyncio.wait(lookups, timeout=timeout_s)
+        looking = sum(not work.done() for work in lookups)
+        if looking:
+            log.warning("shutdown: %d store lookups did not end in %g s (a hung disk?)", looking,
+                        timeout_s)  # fmt: skip
+            self.stuck = f"{looking} store lookups"
         try:
             await asyncio.wait_for(asyncio.to_thread(self.close), timeout_s)
         except TimeoutError:
-            log.warning("shutdown: the store's I/O threads did not end in %g s (a hung disk?); "
-                        "left to process exit", timeout_s)  # fmt: skip
+            log.warning("shutdown: the store's I/O threads did not end in %g s (a hung disk?)",
+                        timeout_s)  # fmt: skip
+            self.stuck = self.stuck or "the store's I/O threads"
         return 0
+
+    def exit_if_stuck(self) -> None:
+        """End the process at once, with EXIT_STORE_STUCK and one log line, if :meth:`shutdown`
+        left store work blocked in I/O; else return.
+
+        Without this, exit would wait for those threads without end: ``asyncio.run`` waits for
+        its default executor's threads (the loads, saves and lookups), and the interpreter
+        joins every ``concurrent.futures`` worker (the store's I/O threads) on its way out. A
+        thread blocked on a disk that hung can wait for good, and the orchestrator's SIGKILL
+        would be the only end.
+
+        Ending here is sound: no store work still running was answered, so nobody counts on it.
+        A save's thread writes from our own buffer to a temporary name, renamed into place only
+        once written (a later start deletes the leftover, tiers.STALE_TMP_S); a load writes the
+        engine's blocks, but never answered ``done``, so the engine recomputes them. The
+        engine's memory is the engine's: its segments outlive us, only our mapping of them
+        ends with the process (the NIXL agent is closed already). The kernel ends every thread
+        at exit that it lets a kill end (NFS and FUSE waits for an unsent request are
+        killable); one it holds uninterruptibly holds even SIGKILL up, nothing here can help.
+        """
+        if not self.stuck:
+            return
+        log.critical("exiting at once, exit status %d: %s still blocked in I/O after shutdown "
+                     "(a hung disk?); not waiting for them", EXIT_STORE_STUCK,
+                     self.stuck)  # fmt: skip
+        logging.shutdown()  # flushes the handlers: the line above is out before we are gone
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STORE_STUCK)
 
     def close(self) -> None:
         """Stop the store's I/O threads (calls in progress finish first)."""
