@@ -48,6 +48,7 @@ EXIT_STORE_STUCK = 3
 """``kvxferd serve``'s exit status when shutdown left store I/O blocked (a hung disk): see
 :meth:`Offload.exit_if_stuck`."""
 T = TypeVar("T")
+V = TypeVar("V")
 
 Target = Callable[[int | None], tuple[Manifest, list[np.ndarray]]]
 """Returns the registered manifest and a host view of each region (raises if none, or if the
@@ -108,7 +109,7 @@ class Offload:
                 raise ConfigError(f"store_dir: {config.store_dir}: {exc.strerror}") from exc
         self._reported = {tier: _Reported() for tier in STORE_TIERS}
         self._running: dict[asyncio.Future[Any], threading.Event] = {}  # work on engine memory
-        self._lookups: set[asyncio.Future[Any]] = set()  # lookups' threads (no engine memory)
+        self._lookups: dict[asyncio.Future[Any], None] = {}  # lookups (no engine memory)
         self.stuck = ""
         """What of the store :meth:`shutdown` left blocked in I/O ("" when nothing)."""
 
@@ -135,7 +136,7 @@ class Offload:
             _check_ids(manifest, block_ids, num_tokens)
         stop = threading.Event()  # set by stop(): the engine's memory is being let go
         out = await asyncio.shield(self._track(
-            stop, store.save, manifest, regions, block_ids, req.keys, num_tokens,
+            self._running, stop, store.save, manifest, regions, block_ids, req.keys, num_tokens,
             self._guard, pinned,  # a hold let go during a copy: that entry is not kept
             stop_at, stop,
         ))  # fmt: skip
@@ -155,12 +156,10 @@ class Offload:
         """Tokens each group can serve and the prefix all can (the minimum rule)."""
         store, (manifest, _regions) = self._require(), self._target(None)
         check_num_tokens(req.num_tokens, StoreError)
-        work = asyncio.ensure_future(
-            asyncio.to_thread(store.lookup, manifest, req.keys, req.num_tokens)
+        # known to shutdown until its thread ends (on a hung disk: never)
+        out = await asyncio.shield(
+            self._track(self._lookups, None, store.lookup, manifest, req.keys, req.num_tokens)
         )
-        self._lookups.add(work)  # known to shutdown until its thread ends (a hung disk: never)
-        work.add_done_callback(self._lookups.discard)
-        out = await asyncio.shield(work)
         self.metrics.store_lookup_tokens.labels("hit").inc(out.matched)
         self.metrics.store_lookup_tokens.labels("miss").inc(req.num_tokens - out.matched)
         if out.disagree:
@@ -179,8 +178,8 @@ class Offload:
             # Awaited to its end even if our caller gives up: the answer says nothing is written
             # any more (the thread checks ``stop_at`` and ``stop`` between entries).
             out = await asyncio.shield(self._track(
-                stop, store.load, manifest, regions, req.block_ids, req.keys, req.num_tokens,
-                stop_at, stop, self._guard,
+                self._running, stop, store.load, manifest, regions, req.block_ids, req.keys,
+                req.num_tokens, stop_at, stop, self._guard,
             ))  # fmt: skip
         except (PullError, SegmentTooSmallError) as exc:
             log.warning("store load %s failed: %s", req.request_id or "-", exc)
@@ -275,12 +274,15 @@ class Offload:
         if self.store is not None:
             self.store.close()
 
-    def _track(self, stop: threading.Event, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """``fn(*args)`` on a worker thread, known to :meth:`stop` (which sets ``stop``) until
-        it ends; await it shielded, so it is never marked done while the thread still runs."""
+    def _track(
+        self, registry: dict[asyncio.Future[Any], V], value: V, fn: Callable[..., T], *args: Any
+    ) -> asyncio.Future[T]:
+        """``fn(*args)`` on a worker thread, in ``registry`` (with ``value``: the event
+        :meth:`stop` sets, for work on the engine's memory) until it ends; await it shielded,
+        so it is never marked done while the thread still runs."""
         work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-        self._running[work] = stop
-        work.add_done_callback(lambda done: self._running.pop(done, None))
+        registry[work] = value
+        work.add_done_callback(lambda done: registry.pop(done, None))
         return work
 
     def _require(self) -> Store:

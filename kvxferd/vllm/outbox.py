@@ -38,7 +38,6 @@ class Outbox:
         self._connect = connect
         self._extend_s = extend_s
         self._declines: dict[str, list[dict[str, Any]]] = {}  # reason -> tickets
-        self._declining = 0  # tickets in _declines
         self._keepalives: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -51,12 +50,13 @@ class Outbox:
             return
         with self._lock:
             dropped = 0
+            room = MAX_PENDING - sum(map(len, self._declines.values()))  # a few reasons
             for d in declines:
-                room = max(0, MAX_PENDING - self._declining)
-                if room:
-                    self._declines.setdefault(d.reason, []).extend(d.tickets[:room])
-                    self._declining += min(room, len(d.tickets))
-                dropped += max(0, len(d.tickets) - room)
+                queued = d.tickets[: max(0, room)]
+                if queued:
+                    self._declines.setdefault(d.reason, []).extend(queued)
+                room -= len(queued)
+                dropped += len(d.tickets) - len(queued)
             if dropped:
                 log.warning("decline: %d tickets not queued (sender busy); their holds end with "
                             "their lease", dropped)  # fmt: skip
@@ -82,7 +82,7 @@ class Outbox:
 
     def _take(self) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]]]:
         with self._lock:
-            declines, self._declines, self._declining = self._declines, {}, 0
+            declines, self._declines = self._declines, {}
             keepalives, self._keepalives = self._keepalives, []
         return declines, keepalives
 
