@@ -41,7 +41,8 @@ class PeerHTTPError(ConnectionError):
 
 
 class _Stale(PeerHTTPError):
-    """A kept connection was closed by the peer before any answer: safe to retry once."""
+    """A kept connection was closed by the peer before any answer: retried once on a new one
+    (signed anew: the peer may have read the request, and recorded its nonce, before closing)."""
 
 
 @dataclass(frozen=True)
@@ -115,17 +116,40 @@ class PeerConnection:
         self.opened = 0
         """Connections opened so far."""
 
-    async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> Reply:
-        """POST ``body`` to ``path``; the peer's reply (OSError or TimeoutError otherwise)."""
-        request = _request(path, self.address, body, headers)
+    async def post(
+        self,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        sign: Callable[[], Mapping[str, str]] | None = None,
+    ) -> Reply:
+        """POST ``body`` to ``path``; the peer's reply (OSError or TimeoutError otherwise).
+
+        ``sign`` gives headers made anew for each attempt (a signature with a fresh nonce): a
+        kept connection the peer closed before answering is retried once on a new one, and the
+        peer may have read the first attempt (and recorded its nonce) before it closed, so the
+        same signature again would be refused as a replay."""
+        request = self._head(path, body, headers, sign)
         async with asyncio.timeout(self._timeout), self._slots:
             conn = self._take()
             if conn is not None:
                 try:
                     return await self._exchange(conn, request, body)
-                except _Stale:
-                    pass  # closed by the peer while idle: it never saw this request
+                except _Stale:  # closed by the peer (idle, or read and dropped unanswered)
+                    if sign is not None:
+                        request = self._head(path, body, headers, sign)
             return await self._exchange(await self._open(), request, body)
+
+    def _head(
+        self,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        sign: Callable[[], Mapping[str, str]] | None,
+    ) -> bytes:
+        """The request's head, with ``sign``'s headers made now."""
+        fields = headers if sign is None else {**headers, **sign()}
+        return _request(path, self.address, body, fields)
 
     def _take(self) -> _Conn | None:
         now = self._clock()

@@ -277,11 +277,13 @@ class PeerTable:
         OSError or TimeoutError when the peer cannot be reached or answers no usable HTTP."""
         if self._keys is None:
             raise ConfigError("peer_token: no peer secret configured; cannot sign peer calls")
-        auth = sign_request(self._keys, "POST", path, body)
+        keys = self._keys
+
+        def sign() -> dict[str, str]:  # each attempt: a fresh nonce, never a replay
+            return {"Authorization": sign_request(keys, "POST", path, body)}
+
         async with self._clients.client(address) as client:  # one small pool per peer
-            return await client.post(
-                path, body, {"Authorization": auth, "Content-Type": "application/json"}
-            )
+            return await client.post(path, body, {"Content-Type": "application/json"}, sign)
 
     async def _call(
         self, address: str, path: str, request: object, answer: type[T], what: str

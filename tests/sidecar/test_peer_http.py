@@ -273,3 +273,60 @@ def test_an_answer_no_request_asked_for_is_never_read_as_the_next_calls_answer()
         await server.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_retry_after_a_kept_connection_closed_unanswered_is_signed_anew_not_a_replay():
+    # The peer read the request (and recorded its signature's nonce), then closed the kept
+    # connection without answering. The one retry goes on a new connection: signed again, with
+    # a fresh nonce, it is accepted; the same signature again was refused as a replay (401).
+    from kvxferd.errors import AuthError
+    from kvxferd.sidecar.signing import PeerKeys, RequestVerifier, parse_header, sign_request
+
+    keys = PeerKeys.of("retry-secret")
+    verifier = RequestVerifier(keys)
+    nonces: list[str] = []
+    drop = [True]  # the first request of the second call: read, verified, closed unanswered
+
+    def auth(head: bytes) -> str:
+        line = next(x for x in head.split(b"\r\n") if x.lower().startswith(b"authorization:"))
+        return line.partition(b":")[2].strip().decode()
+
+    async def scenario() -> None:
+        writers: list[asyncio.StreamWriter] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writers.append(writer)
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    body = await reader.readexactly(_length(head))
+                    nonces.append(parse_header(auth(head))["nonce"])
+                    try:
+                        verifier.verify("POST", "/v1/heartbeat", body, auth(head))
+                    except AuthError as exc:
+                        writer.write(b"HTTP/1.1 401 Unauthorized\r\ncontent-length: %d\r\n\r\n%s"
+                                     % (len(str(exc)), str(exc).encode()))  # fmt: skip
+                        continue
+                    if body == b"2" and drop[0]:
+                        drop[0] = False
+                        break
+                    writer.write(_ok(body))
+                    await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        conn = _conn(address)
+        for body in (b"1", b"2"):
+
+            def sign(body: bytes = body) -> dict[str, str]:
+                return {"Authorization": sign_request(keys, "POST", "/v1/heartbeat", body)}
+
+            reply = await conn.post("/v1/heartbeat", body, {}, sign)
+            assert (reply.status_code, reply.text) == (200, body.decode())
+        assert not drop[0] and conn.opened == 2  # the second call's kept connection was dropped
+        assert len(nonces) == 3 and len(set(nonces)) == 3  # its retry carried a fresh nonce
+        await conn.aclose()
+        await _Server(server, writers).stop()
+
+    asyncio.run(scenario())
