@@ -265,12 +265,18 @@ class PeerTable:
         return ""
 
     async def heartbeat(self, address: str, request: Heartbeat) -> HeartbeatResponse:
-        """Extend holds at a prefill sidecar; the whole call is bounded by the timeout."""
-        return await self._call(address, "/v1/heartbeat", request, HeartbeatResponse, "heartbeat")
+        """Extend holds at a prefill sidecar; the whole call is bounded by the timeout. An
+        answer naming a hold the heartbeat did not is a HandshakeError (see ``_unasked``)."""
+        answer = await self._call(address, "/v1/heartbeat", request, HeartbeatResponse, "heartbeat")
+        _unasked(address, "heartbeat", request.hold_ids, answer)
+        return answer
 
     async def decline(self, address: str, request: DeclineRequest) -> DeclineResponse:
-        """Ask a prefill sidecar to release holds its decode will not read."""
-        return await self._call(address, "/v1/decline", request, DeclineResponse, "decline")
+        """Ask a prefill sidecar to release holds its decode will not read. An answer naming a
+        hold the decline did not is a HandshakeError (see ``_unasked``)."""
+        answer = await self._call(address, "/v1/decline", request, DeclineResponse, "decline")
+        _unasked(address, "decline", [t.hold_id for t in request.tickets], answer)
+        return answer
 
     async def _post(self, address: str, path: str, body: bytes) -> Reply:
         """One signed POST (the signature covers method, path, body, time and a fresh nonce);
@@ -416,6 +422,23 @@ def _check_bases(theirs: Handshake) -> None:
         if not 0 <= base <= _MAX_ADDRESS - max(region.size_bytes, 0):
             raise HandshakeError(f"region_bases[{i}]: {base} is no base of a {region.size_bytes}"
                                  " B region")  # fmt: skip
+
+
+def _unasked(
+    address: str, what: str, asked: list[str], answer: HeartbeatResponse | DeclineResponse
+) -> None:
+    """HandshakeError when ``answer`` names a hold ``asked`` does not: answers carry no call
+    id, and one naming other holds is another call's (a stale or stray answer) or a confused
+    peer's, none of whose lists can be trusted. A hold asked about and named in no list is
+    left to the caller (its lease is unknown: ``unanswered``)."""
+    wanted = set(asked)
+    for name in answer.__struct_fields__:
+        other = next((h for h in getattr(answer, name) if h not in wanted), None)
+        if other is not None:
+            raise HandshakeError(
+                f"peer {address} answered an invalid {what}: {name} names hold "
+                f"{one_line(other[:200])!r}, which the {what} did not"
+            )
 
 
 def _registered_again(address: str, theirs: int, ticket: int) -> str:
