@@ -7,8 +7,11 @@ FrameRequest and return the answer's status and body. Every call is bounded by i
 connection that failed, timed out or sat idle longer than the server keeps it is replaced on the
 next call; ``close`` releases everything. Failures raise :class:`FrameLinkError` (no answer
 came), :class:`FrameConnectError` when no connection could be opened (so nothing was sent),
-:class:`FrameRefusedError` when the server closed a new connection before a byte of answer (a
-listener at its connection cap closes new ones unread: nothing sent on it was taken).
+:class:`FrameConnectTimeoutError` when opening it took too long (a TCP listener whose accept
+queue is full), :class:`FrameRefusedError` when the server closed a new connection before a
+byte of answer (a listener at its connection cap closes new ones unread: nothing sent on it was
+taken). Calls that waited for a connect that failed fail with it (another of the same kind):
+each does not wait for a connect of its own in turn.
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ class FrameLinkError(ConnectionError):
 
 class FrameConnectError(FrameLinkError):
     """No connection could be opened: the request was not sent."""
+
+
+class FrameConnectTimeoutError(FrameConnectError):
+    """Opening the connection took longer than its bound: nothing was sent. A listener whose
+    accept queue is full (a flood) drops new connections' SYNs; so does a firewall dropping
+    them."""
 
 
 class FrameRefusedError(FrameConnectError):
@@ -256,6 +265,8 @@ class AsyncFrameConn:
         self._link: _Link | None = None
         self._ids = itertools.count(1)
         self._connecting: asyncio.Lock | None = None
+        self._failed: tuple[int, FrameConnectError] = (0, FrameConnectError(""))
+        """(connects that failed so far, the latest's error)."""
 
     async def call(
         self,
@@ -306,10 +317,14 @@ class AsyncFrameConn:
             return link
         if self._connecting is None:
             self._connecting = asyncio.Lock()
+        failures = self._failed[0]
         async with self._connecting:
             link = self._link
             if link is not None and link.usable():
                 return link
+            count, error = self._failed
+            if count != failures:  # the connect this call waited for failed: so does the call
+                raise type(error)(str(error))
             if link is not None:
                 link.shut(FrameLinkError("replaced an idle connection"))
             try:
@@ -319,6 +334,10 @@ class AsyncFrameConn:
                     async with asyncio.timeout(self.connect_timeout_s):
                         reader, writer = await asyncio.open_connection(*self.tcp, limit=1 << 16)
             except (OSError, TimeoutError) as exc:
-                raise FrameConnectError(f"cannot connect to {self.path}: {exc!r}") from exc
+                kind = FrameConnectTimeoutError if isinstance(exc, TimeoutError) else (
+                    FrameConnectError)  # fmt: skip
+                error = kind(f"cannot connect to {self.path}: {exc!r}")
+                self._failed = (count + 1, error)
+                raise error from exc
             self._link = _Link(reader, writer)
             return self._link

@@ -144,11 +144,14 @@ or not an envelope closes its connection (nothing else). `kvxferd.client` speaks
 `/v1/decline` -- are also served as frames on a second TCP port (`--peer-frames-port`; 0 picks a
 free one, -1 turns it off; 7601 in the Kubernetes manifests), same envelope and answers. The
 handshake stays on HTTP: its answer's `frames_port` names the port (0: none), and the reader
-sends those calls there from then on, or over HTTP where the port is 0 or cannot be opened
+sends those calls there from then on, or over HTTP where the port is 0 or refuses connections
 (then until the next handshake; a connection that failed to open carried nothing, so nothing is
 sent twice). A call whose new connection the port closes before answering anything (a listener
 at its connection cap closes what it accepts, unread: a flood) goes over HTTP, the peer API's
-own listener and cap, and the next call tries the port again. Every such frame carries its
+own listener and cap, and the next call tries the port again. A connection that does not open
+in time (1 s; a listener whose accept queue is full drops SYNs: a flood) sends its call and those
+of the next second over HTTP (a wait that doubles with each such timeout in a row, to 60 s),
+and then a call tries the port again. Every such frame carries its
 signature in the envelope's `auth` field: the value HTTP sends as `Authorization`, computed
 over the method, the op's path and the body's exact
 MessagePack bytes (Trust model); a frame of a signed operation takes no query. A missing, stale,

@@ -32,7 +32,8 @@ IDLE_S = 120.0
 CONNECTIONS_PER_PEER = 32
 """Connections one peer client may open (claims of concurrent pulls to one prefill rank)."""
 CONNECT_S = 1.0
-"""Longest wait to open a framed connection (a firewalled port: then HTTP is used)."""
+"""Longest wait to open a framed connection (then the call goes over HTTP: kvxferd.sidecar.peers
+says for how long the next ones do too)."""
 
 
 @dataclass

@@ -10,11 +10,15 @@ could at most show the stranger a signature valid for one request, for one windo
 
 Claims, heartbeats and declines go as signed frames to the port the peer's handshake names
 (``frames_port``; a frame costs the peer about a third of an HTTP request), and over HTTP to a
-peer that names none. A framed port that cannot be connected to (a firewall, ``-1``) sends that
+peer that names none. A framed port that refuses connections (a firewall, ``-1``) sends that
 peer's calls to HTTP until it is handshaken again; nothing was sent on it, so nothing is
 repeated. A call whose new connection the port closed before answering anything (a listener at
 its connection cap, 1,024 by default, closes new ones unread: a flood) goes over HTTP, the peer
-API's own listener and cap; the next call tries the port again.
+API's own listener and cap; the next call tries the port again. A call whose connection did not
+open in time (a listener whose accept queue is full drops the SYNs: a flood) goes over HTTP too,
+and so do the calls of the next FRAMES_RETRY_S (doubling with each timeout in a row, at most
+FRAMES_RETRY_MAX_S): then a call tries the port again, so at most one call per wait pays the
+connect bound (``peer_clients.CONNECT_S``) while the port stays unreachable.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -42,7 +47,7 @@ from kvxferd.errors import (
     SegmentTooSmallError,
     UnknownHoldError,
 )
-from kvxferd.frameconn import FrameConnectError, FrameRefusedError
+from kvxferd.frameconn import FrameConnectError, FrameConnectTimeoutError, FrameRefusedError
 from kvxferd.sidecar.peer_clients import PeerClients
 from kvxferd.sidecar.peer_http import Reply
 from kvxferd.sidecar.pull_request import ReaderCounts
@@ -67,6 +72,10 @@ T = TypeVar("T")
 _KEEP_EPOCHS = 4096  # (engine id, epoch) pairs remembered for the epochs-seen counter
 _MAX_ADDRESS = (1 << 63) - 1  # READ descriptor addresses are int64
 _MAX_TEXT = 1000  # characters kept of a peer's error detail and field
+FRAMES_RETRY_S = 1.0
+"""Calls sent over HTTP after a framed connect timed out, before one tries the port again."""
+FRAMES_RETRY_MAX_S = 60.0
+"""Bound of that wait (it doubles with each connect timeout in a row)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,7 @@ class PeerTable:
         timeout_s: float,
         on_change: Callable[[int, bool], None] | None = None,
         on_call: Callable[[str, str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._local_handshake = local_handshake
         self._add_agent = add_agent
@@ -121,7 +131,10 @@ class PeerTable:
         self._on_change = on_change
         self._on_call = on_call
         self._peers: dict[str, Peer] = {}
-        self._http_only: set[str] = set()  # cached peers whose framed port could not be opened
+        self._http_only: set[str] = set()  # cached peers whose framed port refused connecting
+        # cached peers whose framed connect timed out: (timeouts in a row, when to try again)
+        self._frames_wait: dict[str, tuple[int, float]] = {}
+        self._clock = clock
         # address -> (lock, callers using it); an entry lives only while someone uses it.
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._epochs: OrderedDict[tuple[str, int], None] = OrderedDict()
@@ -156,6 +169,7 @@ class PeerTable:
     def _adopt(self, address: str, peer: Peer) -> None:
         self._peers[address] = peer
         self._http_only.discard(address)
+        self._frames_wait.pop(address, None)
         pair = (peer.engine_id, peer.epoch)
         new = pair not in self._epochs
         self._epochs[pair] = None
@@ -298,15 +312,22 @@ class PeerTable:
         errors become our exceptions."""
         peer = self._peers.get(address)
         port = peer.frames_port if peer is not None and address not in self._http_only else 0
+        waiting = self._frames_wait.get(address)
+        if port and waiting is not None and self._clock() < waiting[1]:
+            port = 0  # its connect timed out lately: HTTP until the wait ends
         try:
             async with asyncio.timeout(self._timeout):
                 if port:
                     try:
                         status, content = await self._framed(address, port, path, request)
                         wire = "frames"
+                        self._frames_wait.pop(address, None)
                     except FrameRefusedError as exc:  # full (a flood?), not closed: this call
                         log.debug("peer %s: framed port %d refused the %s (%s); sending it "
                                   "over HTTP", address, port, what, exc)  # fmt: skip
+                        port = 0
+                    except FrameConnectTimeoutError as exc:  # a full accept queue (a flood?)
+                        self._wait_for_frames(address, peer, port, exc)
                         port = 0
                     except FrameConnectError as exc:
                         log.warning("peer %s: framed port %d unusable (%s); calling it over HTTP "
@@ -331,6 +352,20 @@ class PeerTable:
                 f"peer {address} answered an invalid {what}: {_text(exc)}"
             ) from exc
 
+    def _wait_for_frames(self, address: str, peer: Peer | None, port: int, exc: Exception) -> None:
+        """Send ``address``'s calls over HTTP for a while after its framed connect timed out
+        (FRAMES_RETRY_S, doubling with each timeout in a row up to FRAMES_RETRY_MAX_S)."""
+        if self._peers.get(address) is not peer:
+            return  # handshaken again meanwhile: its port is another's
+        streak, until = self._frames_wait.get(address, (0, 0.0))
+        if self._clock() < until:
+            return  # a call that waited on the same connect set the wait already
+        streak += 1
+        wait_s = min(FRAMES_RETRY_S * 2 ** min(streak - 1, 32), FRAMES_RETRY_MAX_S)
+        self._frames_wait[address] = (streak, self._clock() + wait_s)
+        log.warning("peer %s: framed port %d did not connect in time (%s); calling it over HTTP "
+                    "for %g s", address, port, exc, wait_s)  # fmt: skip
+
     async def _framed(
         self, address: str, port: int, path: str, request: object
     ) -> tuple[int, bytes]:
@@ -347,6 +382,7 @@ class PeerTable:
         """Drop a cached peer and its NIXL remote agent (peer died or restarted)."""
         peer = self._peers.pop(address, None)
         self._http_only.discard(address)
+        self._frames_wait.pop(address, None)
         if peer is not None:
             if self._on_change is not None:
                 self._on_change(len(self._peers), False)
