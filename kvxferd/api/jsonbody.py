@@ -8,6 +8,16 @@ on), :func:`fields` only the keys a Struct names (the others are skipped, not ev
 built), and :func:`value` decodes one kept value as a type, failing at its first part that does
 not fit rather than after building all of it.
 
+:func:`parse` builds one key and one ``msgspec.Raw`` per top-level key, some 157 bytes each: a
+32 MiB body of 3.1 million short keys took 494 MB and 3 s of the event loop as one dict (msgspec
+checks a dict's ``max_length`` only once it is built). So a body long enough to hold more than
+``MAX_KEYS`` keys is read key by key (:func:`_scan`): msgspec skips each key and value (checked,
+nothing built) and says where it ends, and the read stops at key ``MAX_KEYS + 1``
+(TooManyKeysError naming it): that body now costs 3.6 ms and 0.3 MB. A body within the bound
+costs the one msgspec pass it did. ``bytes.count(b":")`` bounds the keys from above but is no
+cheap gate: on 32 MiB it takes as long as msgspec's whole pass, and a prompt of colons is
+legitimate (``scripts/bench_jsonbody.py`` measures all three).
+
 msgspec refuses one thing JSON allows: an escaped lone surrogate (``"\\ud800"``, which UTF-8
 cannot carry). A body of at most ``LENIENT_BYTES`` that msgspec refuses is read by the stdlib
 parser instead and its values written anew, ASCII-escaped where UTF-8 cannot carry them (such a
@@ -29,10 +39,20 @@ Body = dict[str, msgspec.Raw]
 
 LENIENT_BYTES = 1 << 20
 """Largest body the stdlib parser reads where msgspec refused it (see the module docstring)."""
+MAX_KEYS = 1024
+"""Most top-level keys :func:`parse` reads (a repeated key counts each time); an OpenAI request
+has a few dozen. At ~157 bytes a key this bounds the dict at ~160 KB past the body."""
 
 T = TypeVar("T")
 _OBJECT = msgspec.json.Decoder(Body)
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # escaped, as the writer leaves it
+_VALUE = msgspec.json.Decoder(msgspec.Raw)
+_KEY = msgspec.json.Decoder(str)
+_BLANK = re.compile(rb"[ \t\n\r]*")
+_TRAILING = re.compile(r"trailing characters \(byte (\d+)\)$")
+_COLON, _COMMA, _CLOSE = b":"[0], b","[0], b"}"[0]
+_SHOWN = 64  # bytes of a key a refusal shows
+_TAIL = 64  # bytes before a separator searched for the end of a value
 
 
 class BodyError(ValueError):
@@ -43,9 +63,28 @@ class NotAnObjectError(BodyError):
     """JSON, but not an object (some callers name another culprit for this one)."""
 
 
-def parse(content: bytes) -> Body:
-    """``content`` as a JSON object's top-level keys; BodyError saying what is wrong."""
-    return _read(content, _OBJECT, _every_key)
+class TooManyKeysError(BodyError):
+    """A JSON object with more top-level keys than :func:`parse` reads; ``key`` is the first key
+    past the bound, as its JSON text (its first 64 bytes shown; at most 65 kept)."""
+
+    def __init__(self, limit: int, key: bytes) -> None:
+        shown = key[:_SHOWN].decode("utf-8", "replace") + ("..." if len(key) > _SHOWN else "")
+        super().__init__(f"has more than {limit} top-level keys (key {limit + 1} is {shown})")
+        self.limit = limit
+        self.key = key
+
+
+def parse(content: bytes, max_keys: int = MAX_KEYS) -> Body:
+    """``content`` as a JSON object's top-level keys; BodyError saying what is wrong,
+    TooManyKeysError past ``max_keys`` keys (read no further than the first key past them)."""
+    if len(content) > 5 * max_keys:  # room for more: '"":0,' is the shortest key and value
+        body = _scan(content, max_keys)
+        if body is not None:
+            return body
+    body = _read(content, _OBJECT, _every_key)
+    if len(body) > max_keys:  # read by the stdlib parser: at most LENIENT_BYTES, built whole
+        raise TooManyKeysError(max_keys, _json_bytes(list(body)[max_keys]))
+    return body
 
 
 def fields(content: bytes | msgspec.Raw, decoder: msgspec.json.Decoder[T]) -> T:
@@ -102,6 +141,70 @@ def _read(content: bytes | msgspec.Raw, decoder: msgspec.json.Decoder[T],
         return from_data(data)
     except RecursionError:  # the stdlib writer nests less deeply than its reader
         raise BodyError("is not JSON: nested too deeply") from None
+
+
+def _scan(content: bytes, max_keys: int) -> Body | None:
+    """:func:`parse` key by key: each key and value is skipped by msgspec (checked, nothing
+    built) to find where it ends, and the read stops at key ``max_keys + 1``
+    (TooManyKeysError). None where ``content`` is not a JSON object msgspec reads up to there:
+    then :func:`_read` says what is wrong, having built no more keys than this read (the same
+    parser stops at the same byte)."""
+    view = memoryview(content)
+    body: Body = {}
+    i = _blank(content, 0)
+    if content[i : i + 1] != b"{":
+        return None
+    i = _blank(content, i + 1)
+    if content[i : i + 1] == b"}":
+        return body if _blank(content, i + 1) == len(content) else None
+    for n in range(max_keys + 1):
+        colon = _end(view, i) if content[i : i + 1] == b'"' else None
+        if colon is None or content[colon] != _COLON:
+            return None
+        if n == max_keys:
+            raise TooManyKeysError(max_keys, content[i : min(colon, i + _SHOWN + 1)].rstrip())
+        try:
+            key = _KEY.decode(view[i:colon])
+        except msgspec.DecodeError:
+            return None
+        start = _blank(content, colon + 1)
+        end = _end(view, start)
+        if end is None or content[end] not in (_COMMA, _CLOSE):
+            return None
+        body[key] = _raw(content, view, start, end)
+        if content[end] == _CLOSE:
+            return body if _blank(content, end + 1) == len(content) else None
+        i = _blank(content, end + 1)
+    return None  # not reached: key max_keys + 1 raised above
+
+
+def _end(view: memoryview, i: int) -> int | None:
+    """Where the first byte after the JSON value at ``i`` and the blanks after it is; None where
+    no JSON value starts at ``i``, or it runs to the end of ``view``. msgspec checks the value
+    and refuses what follows it, naming the byte ("trailing characters (byte N)", counted from
+    1): msgspec has no call that decodes a prefix. Were that message to change, every body
+    would read as None here and be built whole again (tests/api/test_jsonbody.py says so)."""
+    try:
+        _VALUE.decode(view[i:])
+    except msgspec.DecodeError as exc:
+        found = _TRAILING.search(str(exc))
+        return i + int(found[1]) - 1 if found else None  # msgspec counts that byte from 1
+    except RecursionError:
+        return None
+    return None
+
+
+def _raw(content: bytes, view: memoryview, start: int, end: int) -> msgspec.Raw:
+    """The value from ``start`` to the blanks before ``end``, as the bytes that came."""
+    tail = content[max(start, end - _TAIL) : end]
+    if tail.strip(b" \t\n\r"):  # the value ends in these last bytes (as good as always)
+        return msgspec.Raw(view[start : end - len(tail) + len(tail.rstrip(b" \t\n\r"))])
+    return _VALUE.decode(view[start:end])  # a long run of blanks: msgspec trims them
+
+
+def _blank(content: bytes, i: int) -> int:
+    """Where the blanks (JSON whitespace) from ``i`` end."""
+    return _BLANK.match(content, i).end()  # type: ignore[union-attr]
 
 
 def _every_key(data: dict[str, Any]) -> Body:

@@ -5,6 +5,8 @@ The proxy changes a few top-level fields of a client's body (``max_tokens``, ``s
 Every other value is checked as JSON and passed on as the bytes that came (``msgspec.Raw``),
 never built into Python objects. Built by the stdlib parser, a 32 MiB body of empty lists took
 770 MB and 3.7 s of the proxy's one event loop; kept raw, no memory past the body and 0.06 s.
+A body has at most ``jsonbody.MAX_KEYS`` top-level keys (a 400 past them), so its keys cannot
+cost more than the body either.
 The reading itself, and the few bodies of a lone surrogate escape that msgspec refuses, are
 :mod:`kvxferd.api.jsonbody`'s (shared with the sim's front door).
 """

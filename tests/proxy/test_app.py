@@ -10,6 +10,7 @@ from collections.abc import Callable
 import openai
 import pytest
 
+from kvxferd.api.jsonbody import MAX_KEYS
 from kvxferd.proxy.bodies import KV_TRANSFER_STUB
 from tests.proxy.fakes import (
     free_port,
@@ -214,6 +215,24 @@ def test_bad_json_is_a_400(make_rig: Callable[..., Rig]) -> None:
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
     assert listed.status_code == 400
     assert rig.prefills[0].seen == []
+
+
+def test_a_body_of_too_many_top_level_keys_is_a_400_naming_the_first_past_the_bound(
+    make_rig: Callable[..., Rig],
+) -> None:
+    rig = make_rig()
+    many = {"model": "m", "prompt": "hi", **{f"k{i}": 0 for i in range(MAX_KEYS)}}
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=many)
+        ok = c.post("/v1/completions", json=completion())
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert (
+        f'more than {MAX_KEYS} top-level keys (key {MAX_KEYS + 1} is "k{MAX_KEYS - 2}")'
+        in (error["message"])
+    )
+    assert ok.status_code == 200 and len(rig.prefills[0].seen) == 1
 
 
 def test_nan_or_infinity_in_the_body_is_a_400_not_a_crash(make_rig: Callable[..., Rig]) -> None:
