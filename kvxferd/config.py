@@ -66,7 +66,13 @@ class Config:
     auth_skew_s: float = 30.0
     """Replay window of signed peer requests: clock skew tolerated either way, in seconds."""
     hold_grace_s: float = 2.0
-    """How long a claim for an engine-chosen hold id waits for the hold to be placed."""
+    """How long a claim for an engine-chosen hold id waits for the hold to be placed (in a pod:
+    placed by every rank)."""
+    pod_ranks: int = 1
+    """Engine TP ranks served by this one sidecar (a pod sidecar: one agent, one ticket and one
+    READ per request for all of them; every rank registers on the engine socket); 1: one rank."""
+    pod_register_timeout_s: float = 60.0
+    """How long a pod rank's register waits for the pod's other ranks to register."""
     max_claim_s: float = 120.0
     """Longest a claim pins a hold; the claim answer tells the reader what it got."""
     released_feed_bytes: int = 64 << 20
@@ -170,6 +176,12 @@ class Config:
         for name in ("store_dram_bytes", "store_file_bytes", "store_chunk_tokens"):
             if getattr(self, name) < (1 if name == "store_chunk_tokens" else 0):
                 raise ConfigError(f"{name}: out of range, got {getattr(self, name)}")
+        if not 1 <= self.pod_ranks <= 64:
+            raise ConfigError(f"pod_ranks: must be in [1, 64], got {self.pod_ranks}")
+        if not 0 < self.pod_register_timeout_s < math.inf:
+            raise ConfigError(
+                f"pod_register_timeout_s: must be > 0 and finite, got {self.pod_register_timeout_s}"
+            )
         if not 1 <= self.read_stripes <= 8:
             raise ConfigError(f"read_stripes: must be in [1, 8], got {self.read_stripes}")
         if self.require_transport not in ("any", "rdma"):

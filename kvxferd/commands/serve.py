@@ -56,6 +56,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="replay window of signed peer requests in seconds")  # fmt: skip
     p.add_argument("--hold-grace", type=float, dest="hold_grace_s", metavar="S",
                    help="seconds a claim waits for an engine-chosen hold")  # fmt: skip
+    p.add_argument("--pod-ranks", type=int, dest="pod_ranks", metavar="N",
+                   help="serve all N TP ranks of one engine from this sidecar (each rank "
+                   "registers on the engine socket; one ticket and one READ per request); "
+                   "default 1")  # fmt: skip
+    p.add_argument("--pod-register-timeout", type=float, dest="pod_register_timeout_s",
+                   metavar="S",
+                   help="seconds a pod rank's register waits for the others")  # fmt: skip
     p.add_argument("--max-claim", type=float, dest="max_claim_s", metavar="S",
                    help="longest a claim pins a hold in seconds")  # fmt: skip
     p.add_argument("--engine-id", metavar="ID",
@@ -170,6 +177,8 @@ def _load(args: argparse.Namespace) -> Config:
             "peer_token_previous": previous,
             "auth_skew_s": args.auth_skew_s,
             "hold_grace_s": args.hold_grace_s,
+            "pod_ranks": args.pod_ranks,
+            "pod_register_timeout_s": args.pod_register_timeout_s,
             "max_claim_s": args.max_claim_s,
             "engine_id": args.engine_id,
             "backends": tuple(args.backends) if args.backends else None,

@@ -109,6 +109,7 @@ from kvxferd.wire.peer import (
     Handshake,
     Heartbeat,
     HeartbeatResponse,
+    RankLayout,
 )
 from kvxferd.wire.store import (
     STORE_KEY_HEX,
@@ -145,6 +146,7 @@ __all__ = [
     "Group",
     "GroupKind",
     "Handshake",
+    "RankLayout",
     "HeadLayout",
     "Heartbeat",
     "HeartbeatResponse",

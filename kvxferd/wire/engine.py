@@ -22,7 +22,7 @@ from kvxferd.wire.manifest import (
     _Strict,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Peer protocol version, checked first at handshake. 1: first version."""
 ENGINE_API_VERSION = 1
 """Engine API version, in ``Identity``: bumped when engine and sidecar must both know a change
@@ -165,6 +165,9 @@ class Identity(msgspec.Struct, frozen=True, kw_only=True):
     own differs refuses to start."""
     kvxferd_version: str = ""
     """The sidecar's kvxferd release, for that refusal's message."""
+    pod_ranks: int = 1
+    """Engine TP ranks this sidecar serves together (``serve --pod-ranks``): >1 is a pod
+    sidecar, whose one ticket per request spans ranks 0..pod_ranks-1."""
 
 
 class HoldRequest(_Strict, kw_only=True):
@@ -194,7 +197,8 @@ class Ticket(_Strict, kw_only=True):
     """What a decode side needs to pull from one prefill rank; travels in ``kv_transfer_params``.
 
     Every prefill TP rank's sidecar holds its own copy of the request's blocks and issues its own
-    ticket; a pull carries the tickets of all prefill ranks, in rank order.
+    ticket; a pull carries the tickets of all prefill ranks, in rank order. A pod sidecar
+    (``ranks`` > 1) serves every rank of its engine: its one ticket is the pull's only one.
     """
 
     engine_id: EngineId
@@ -219,6 +223,9 @@ class Ticket(_Strict, kw_only=True):
     """Peer API address (host:port, at most 261 characters) of that rank's sidecar."""
     generation: int = 0
     """Prefill registration generation at hold time (a re-registered engine has a new one)."""
+    ranks: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)] = 1
+    """Prefill TP ranks the hold spans, ``tp_rank`` 0 up (1: one rank's sidecar; ``tp_size``: a
+    pod sidecar's hold over every rank, the pull's only ticket). MAC-covered."""
     token: Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[0-9a-f]*(?!\n)$")] = ""
     """HMAC-SHA256 (64 lowercase hex digits) over the other fields, keyed by the shared peer
     secret."""

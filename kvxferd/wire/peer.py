@@ -6,12 +6,21 @@ from typing import Annotated
 
 import msgspec
 
-from kvxferd.wire.engine import MAX_TICKETS_PER_CALL, Ticket
+from kvxferd.wire.engine import MAX_TICKETS_PER_CALL, MAX_TP, Ticket
 from kvxferd.wire.manifest import _POSITIVE, MAX_REGIONS, EngineId, HoldId, Manifest
 
 HoldIdsAnswered = Annotated[list[str], msgspec.Meta(max_length=MAX_TICKETS_PER_CALL)]
 """Hold ids a heartbeat or decline answer names in one of its lists: at most the holds the call
 asked about (MAX_TICKETS_PER_CALL); a prefill side's longer answer is an invalid one."""
+
+
+class RankLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """One more TP rank of a pod sidecar: its manifest and where its regions lie."""
+
+    manifest: Manifest
+    """That rank's KV manifest (``tp_rank`` names the rank)."""
+    region_bases: Annotated[list[int], msgspec.Meta(max_length=MAX_REGIONS)]
+    """Base address of each of its manifest regions in the sender's process."""
 
 
 class Handshake(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,6 +53,9 @@ class Handshake(msgspec.Struct, frozen=True, kw_only=True):
     """The sender's registration generation: its manifest, region bases and agent metadata are
     that registration's (an engine registering again changes them; a reader handshakes again
     for a ticket of another generation). -1: not stated (an older sidecar)."""
+    pod: Annotated[list[RankLayout], msgspec.Meta(max_length=MAX_TP - 1)] = []
+    """A pod sidecar's other ranks, ``tp_rank`` 1 up, in order (``manifest`` and
+    ``region_bases`` above are rank 0's); empty: the sender serves one rank."""
 
 
 class ClaimRequest(msgspec.Struct, frozen=True, kw_only=True):
