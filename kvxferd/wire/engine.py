@@ -191,6 +191,9 @@ class HoldRequest(_Strict, kw_only=True):
     generation: RegistrationGeneration = None
     """The registration generation these block ids refer to; another one is a 409
     (StaleGenerationError) and nothing is held. None: not checked."""
+    tp_rank: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_TP)] = -1
+    """The placing rank, on a pod sidecar (required there: the hold is claimable once every
+    rank placed it with the same ``hold_id``, blocks and tokens); -1: the sidecar's one rank."""
 
 
 class Ticket(_Strict, kw_only=True):
