@@ -24,6 +24,7 @@ connect bound (``peer_clients.CONNECT_S``) while the port stays unreachable.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -92,6 +93,18 @@ class Peer:
     """The peer's framed peer API port on its host (0: none)."""
     generation: int = -1
     """The peer's registration generation the rest describes (-1: not stated, an older peer)."""
+    pod: tuple[Peer, ...] = ()
+    """A pod sidecar's ranks 1 up, each as this peer with that rank's manifest and region
+    bases (empty: the peer serves one rank)."""
+
+    @property
+    def ranks(self) -> int:
+        """Prefill TP ranks this peer serves (its tickets span)."""
+        return 1 + len(self.pod)
+
+    def rank(self, r: int) -> Peer:
+        """This peer as rank ``r`` of its pod reads it (itself for rank 0)."""
+        return self.pod[r - 1] if r else self
 
     def serves(self, engine_id: str, epoch: int, generation: int) -> bool:
         """Whether this handshake describes the registration a ticket names (a peer that states
@@ -245,8 +258,8 @@ class PeerTable:
         gives the claim no finite end (the READ must end in it), names another hold (another
         call's answer), or expects other readers than the prefill's manifest and our TP size
         give (``descriptors.expected_readers``, what the prefill computes: fewer would release
-        the hold while a READ may still copy it; 0..``reader_tp_size`` for a peer not
-        handshaken, whose manifest we do not have).
+        the hold while a READ may still copy it; ``reader_tp_size`` from a pod; 0..that for a peer
+        not handshaken, whose manifest we do not have).
         """
         answer = await self._call(address, "/v1/claims", request, ClaimResponse, "claim")
         problem = self._claim_problem(self._peers.get(address), request, answer)
@@ -273,6 +286,8 @@ class PeerTable:
             want = self._readers.expected(peer.manifest, tp)
         except HoldRequestError as exc:  # the prefill would have refused it (422)
             return f"granted to reader TP size {tp}, which cannot read its manifest: {exc}"
+        if peer.pod:  # every decode rank reads some rank of a pod: each claims its hold once
+            want = tp
         if readers != want:
             return (f"expected_readers {readers}, where its manifest gives {want} for a reader "
                     f"TP size of {tp}")  # fmt: skip
@@ -429,9 +444,14 @@ class PeerTable:
         if diff:
             self._count("incompatible")
             raise IncompatiblePeerError(diff)
+        for i, rank in enumerate(theirs.pod):  # a pod's other ranks: checked as rank 0 is
+            diff = self._check_compatible(rank.manifest)
+            if diff:
+                self._count("incompatible")
+                raise IncompatiblePeerError({f"pod[{i}].{k}": v for k, v in diff.items()})
         agent_name = await self._add_agent(theirs.agent_metadata)
         self._count("ok")
-        return Peer(
+        peer = Peer(
             address=address,
             engine_id=theirs.engine_id,
             epoch=theirs.epoch,
@@ -441,6 +461,10 @@ class PeerTable:
             frames_port=theirs.frames_port if 0 < theirs.frames_port <= 65535 else 0,
             generation=theirs.generation if theirs.generation >= 0 else -1,
         )
+        pod = tuple(dataclasses.replace(peer, manifest=r.manifest,
+                                        region_bases=tuple(r.region_bases))
+                    for r in theirs.pod)  # fmt: skip
+        return dataclasses.replace(peer, pod=pod) if pod else peer
 
     def _count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
@@ -448,16 +472,31 @@ class PeerTable:
 
 def _check_bases(theirs: Handshake) -> None:
     """HandshakeError unless the answer gives one base per manifest region, each region within
-    the 64-bit address space (the READ descriptors' remote addresses are int64)."""
-    regions = theirs.manifest.regions
-    if len(theirs.region_bases) != len(regions):
-        raise HandshakeError(
-            f"region_bases: {len(theirs.region_bases)} bases for {len(regions)} regions"
-        )
-    for i, (base, region) in enumerate(zip(theirs.region_bases, regions, strict=True)):
+    the 64-bit address space (the READ descriptors' remote addresses are int64), for every rank
+    of a pod; a pod's ranks must be ranks 0..N-1 of TP N, in order."""
+    _check_rank_bases("", theirs.manifest, theirs.region_bases)
+    if not theirs.pod:
+        return
+    size = 1 + len(theirs.pod)
+    if (theirs.manifest.tp_rank, theirs.manifest.tp_size) != (0, size):
+        raise HandshakeError(f"manifest: rank {theirs.manifest.tp_rank} of "
+                             f"{theirs.manifest.tp_size} heads a pod of {size} ranks")  # fmt: skip
+    for i, rank in enumerate(theirs.pod):
+        m = rank.manifest
+        if (m.tp_rank, m.tp_size) != (i + 1, size):
+            raise HandshakeError(f"pod[{i}].manifest: rank {m.tp_rank} of {m.tp_size}, expected "
+                                 f"rank {i + 1} of {size}")  # fmt: skip
+        _check_rank_bases(f"pod[{i}].", m, rank.region_bases)
+
+
+def _check_rank_bases(where: str, manifest: Manifest, bases: list[int]) -> None:
+    regions = manifest.regions
+    if len(bases) != len(regions):
+        raise HandshakeError(f"{where}region_bases: {len(bases)} bases for {len(regions)} regions")
+    for i, (base, region) in enumerate(zip(bases, regions, strict=True)):
         if not 0 <= base <= _MAX_ADDRESS - max(region.size_bytes, 0):
-            raise HandshakeError(f"region_bases[{i}]: {base} is no base of a {region.size_bytes}"
-                                 " B region")  # fmt: skip
+            raise HandshakeError(f"{where}region_bases[{i}]: {base} is no base of a "
+                                 f"{region.size_bytes} B region")  # fmt: skip
 
 
 def _unasked(

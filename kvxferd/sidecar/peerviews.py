@@ -147,6 +147,23 @@ def table_read(
     )
 
 
+def joined(reads: Sequence[PeerRead]) -> PeerRead:
+    """Table READs from one agent (a pod sidecar's ranks) as one READ."""
+    parts = [r for r in reads if r.num_descriptors]
+    if len(parts) <= 1:
+        return parts[0] if parts else PeerRead(0, 0, 0)
+    assert all(r.tables is not None and r.memory == parts[0].memory for r in parts)
+    cols = [np.concatenate([r.tables[side][i] for r in parts])  # type: ignore[index]
+            for side in (0, 1) for i in (0, 1)]  # fmt: skip
+    return PeerRead(
+        sum(int(r.kv_bytes) for r in parts),
+        sum(int(r.state_bytes) for r in parts),
+        sum(int(r.num_descriptors) for r in parts),
+        tables=((cols[0], cols[1]), (cols[2], cols[3])),
+        memory=parts[0].memory,
+    )
+
+
 @dataclass(eq=False)
 class _Prepared:
     local: Manifest

@@ -1,8 +1,9 @@
 """A PullRequest checked against the local manifest, and what it asks of each prefill rank.
 
 ``check_reader_tp`` checks the decode TP size a claim announces; ``validate_pull`` is the one
-place a pull's block ids and tickets are checked (a 422 naming the
-field); ``unread_ranks`` gives the prefill ranks no decode rank reads from.
+place a pull's block ids and tickets are checked (a 422 naming the field: one ticket per prefill
+rank, or a pod sidecar's one ticket for all); ``unread_ranks`` gives the prefill ranks no decode
+rank reads from.
 """
 
 from __future__ import annotations
@@ -88,13 +89,18 @@ def validate_pull(req: PullRequest, local: Manifest, max_deadline_s: float = mat
         raise BlockIdError("tickets", "at least one ticket is needed")
     tp = req.tickets[0].tp_size
     for i, t in enumerate(req.tickets):
+        if t.ranks != 1 and (t.ranks != t.tp_size or len(req.tickets) != 1):
+            raise BlockIdError(
+                f"tickets[{i}].ranks", f"{t.ranks}: a pod sidecar's ticket spans all {t.tp_size} "
+                "ranks and is the pull's only ticket (else 1)",
+            )  # fmt: skip
         if t.tp_size != tp or t.tp_rank != i:
             raise BlockIdError(
                 f"tickets[{i}]", f"expected rank {i} of {tp}, got rank {t.tp_rank} of {t.tp_size}"
             )
         if t.block_ids != req.tickets[0].block_ids:
             raise BlockIdError(f"tickets[{i}].block_ids", "differs from tickets[0].block_ids")
-    if len(req.tickets) != tp:
+    if len(req.tickets) * req.tickets[0].ranks != tp:
         raise BlockIdError("tickets", f"{len(req.tickets)} tickets for prefill TP {tp}")
     remote = req.tickets[0].block_ids
     if len(req.block_ids) != len(local.groups):

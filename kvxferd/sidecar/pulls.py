@@ -1,5 +1,6 @@
 """Pulls on the decode side: handshake, plan every prefill rank's READ at once, then claim
-and read from each rank concurrently, then notify.
+and read from each rank concurrently, then notify (a pod sidecar, serving every prefill rank:
+one claim, one READ of every rank's memory, one notification; kvxferd.sidecar.readplans).
 
 A pull moves forward through PullState and ends DONE only when every source rank's claim
 succeeded and its READ completed; anything else ends FAILED with a reason code, never DONE
@@ -18,15 +19,13 @@ import functools
 import logging
 import secrets
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from kvxferd import descriptors
-from kvxferd.descriptors.fanin import FanInGeometry, fan_in_geometry
 from kvxferd.errors import (
     CapacityError,
     ClaimTimeoutError,
@@ -39,8 +38,9 @@ from kvxferd.errors import (
 )
 from kvxferd.metrics import BYTE_KINDS, PHASES
 from kvxferd.sidecar.finished import FinishedFeed
-from kvxferd.sidecar.peerviews import PeerRead, PeerViews, RankPlans, memory_of, table_read
+from kvxferd.sidecar.peerviews import PeerRead
 from kvxferd.sidecar.pull_request import validate_pull
+from kvxferd.sidecar.readplans import ReadPlanner
 from kvxferd.sidecar.reads import SETTLE_S, Reads, run_to_end
 from kvxferd.sidecar.states import PullState, advance
 from kvxferd.wire import (
@@ -64,8 +64,6 @@ LocalLayout = Callable[[], tuple[Manifest, Sequence[int]]]
 log = logging.getLogger(__name__)
 
 _KEEP_FINISHED = 4096  # finished pulls remembered for status queries
-_KEEP_GEOMETRIES = 256  # per-peer read geometries cached (keyed by peer epoch)
-_KEEP_FAN_INS = 64  # stacked geometries of the prefill ranks pulls read from together
 
 
 @dataclass
@@ -156,46 +154,12 @@ class PullRunner:
         self._finished: deque[str] = deque()  # ids of the finished ones in _pulls, oldest first
         self._in_flight = 0  # pulls started and not yet finished
         self._running: dict[str, asyncio.Task[None]] = {}
-        self._geometries: OrderedDict[
-            tuple[str, str, int, int, int], tuple[Manifest, descriptors.ReadGeometry]
-        ] = OrderedDict()
-        self._fan_ins: OrderedDict[
-            tuple[int, ...], tuple[tuple[descriptors.ReadGeometry, ...], FanInGeometry | None]
-        ] = OrderedDict()
         # Children bound once: a labels() lookup per observation is ~10 per READ (hot path).
         self._phase = {p: metrics.phase_duration.labels(p) for p in PHASES}
         self._bytes = {k: metrics.transfer_bytes.labels(k) for k in BYTE_KINDS}
         self.reads = Reads(transport, on_stuck=peers.forget)
-        self.rank_plans = RankPlans()
-        self.views = PeerViews(transport, enabled=prepped_reads)
+        self.planner = ReadPlanner(transport, prepped_reads=prepped_reads)
         self.feed = FinishedFeed()
-
-    def _geometry(self, local: Manifest, peer: Peer) -> descriptors.ReadGeometry:
-        """Per-peer read geometry (checks and per-layer work done once per peer epoch and
-        registration, and local registration)."""
-        key = (peer.address, peer.engine_id, peer.epoch, peer.generation, id(local))
-        cached = self._geometries.get(key)
-        if cached is not None and cached[0] is local:
-            self._geometries.move_to_end(key)
-            return cached[1]
-        geometry = descriptors.read_geometry(local, peer.manifest)
-        self._geometries[key] = (local, geometry)
-        while len(self._geometries) > _KEEP_GEOMETRIES:
-            self._geometries.popitem(last=False)
-        return geometry
-
-    def _fan_in(self, geometries: tuple[descriptors.ReadGeometry, ...]) -> FanInGeometry | None:
-        """The stacked geometry of these ranks (built once per set of peer epochs)."""
-        key = tuple(id(g) for g in geometries)
-        cached = self._fan_ins.get(key)
-        if cached is not None and all(a is b for a, b in zip(cached[0], geometries, strict=True)):
-            self._fan_ins.move_to_end(key)
-            return cached[1]
-        fan = fan_in_geometry(geometries)
-        self._fan_ins[key] = (geometries, fan)
-        while len(self._fan_ins) > _KEEP_FAN_INS:
-            self._fan_ins.popitem(last=False)
-        return fan
 
     def start(self, req: PullRequest) -> Pull:
         """Validate ``req`` synchronously (4xx to the engine), then run it in the background;
@@ -274,7 +238,7 @@ class PullRunner:
         (quarantined ones are released)."""
         await self.stop()
         await self.reads.close()
-        self.views.close()
+        self.planner.close()
 
     async def _run(self, pull: Pull) -> None:
         m = self._metrics
@@ -284,16 +248,23 @@ class PullRunner:
         try:
             async with asyncio.timeout(req.deadline_s):
                 local, bases = self._local()  # one registration for the whole pull
-                ranks = self.rank_plans.get(local, len(req.tickets))
-                tickets = [req.tickets[r] for r in ranks.sources]
+                pod = req.tickets[0].ranks > 1  # one sidecar serves every prefill rank
+                ranks = self.planner.rank_plans.get(local, req.tickets[0].tp_size)
+                tickets = req.tickets if pod else [req.tickets[r] for r in ranks.sources]
                 # A TaskGroup, not gather: one failed read cancels its siblings, so no READ is
                 # still running (and no handle still live) once the pull reports FAILED.
                 async with asyncio.TaskGroup() as group:
-                    for r in ranks.unread:
+                    for r in () if pod else ranks.unread:  # a pod's one hold is read by all
                         group.create_task(self._release_unread(req.tickets[r], local.tp_size))
                     peers = await self._handshake(pull, tickets)
                     self._guard()  # the memory READs write is still whole (the pull FAILS)
-                    plans = self._plan(pull, peers, tickets, local, bases)
+                    checked = pull.validated is local  # local ids checked once per pull
+                    if pod:
+                        plans = [self.planner.pod(req, peers[0], ranks.sources, local, bases,
+                                                  local_checked=checked)]  # fmt: skip
+                    else:
+                        plans = self.planner.ranks(req, peers, tickets, local, bases,
+                                                   local_checked=checked)  # fmt: skip
                     for peer, ticket, plan in zip(peers, tickets, plans, strict=True):
                         group.create_task(
                             self._read_from(pull, peer, ticket, plan, deadline, local)
@@ -364,39 +335,6 @@ class PullRunner:
                 peers[i] = task.result()
         self._phase["handshake"].observe(time.monotonic() - t0)
         return peers  # type: ignore[return-value]  # every None was replaced
-
-    def _plan(
-        self, pull: Pull, peers: list[Peer], tickets: list[Ticket], local: Manifest,
-        bases: Sequence[int],
-    ) -> list[PeerRead]:  # fmt: skip
-        """Every source rank's READ; one stacked plan for all ranks where they read the same
-        remote ids and share a geometry (kvxferd.descriptors.fanin), else one plan per rank."""
-        req = pull.request
-        assert req is not None  # dropped only once the pull ended
-        checked = pull.validated is local  # local ids checked once per pull, not per rank
-        geometries = tuple(self._geometry(local, p) for p in peers)
-        if len(peers) > 1 and not self.views.enabled:
-            ids = tickets[0].block_ids
-            fan = self._fan_in(geometries) if all(t.block_ids == ids for t in tickets) else None
-            if fan is not None:
-                plans = fan.plan(req.block_ids, ids, local_checked=checked)
-                memory = memory_of(local)
-                return [table_read(p, bases, peer, memory)
-                        for p, peer in zip(plans, peers, strict=True)]  # fmt: skip
-        return [
-            self.views.plan(
-                peer,
-                local,
-                bases,
-                geometry,
-                req.block_ids,
-                ticket.block_ids,
-                req.num_tokens,
-                ticket.num_tokens,
-                local_checked=checked,
-            )
-            for peer, ticket, geometry in zip(peers, tickets, geometries, strict=True)
-        ]
 
     async def _read_from(
         self, pull: Pull, peer: Peer, ticket: Ticket, plan: PeerRead, deadline: float,

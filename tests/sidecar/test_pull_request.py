@@ -123,3 +123,24 @@ def test_a_flood_of_skipped_ids_is_refused_before_it_is_walked():
     with pytest.raises(BlockIdError) as exc:
         validate_pull(_by_tokens([flood, [3], [4]], [[10], [11], [12]], 16), m)
     assert exc.value.field == "block_ids[0]"
+
+
+def _pod_request(tickets: int, ranks: int, tp: int) -> PullRequest:
+    one = _request([[1], [2], [3]], tp=1).tickets[0]
+    pod = msgspec.structs.replace(one, tp_size=tp, ranks=ranks)
+    return PullRequest(tickets=[pod] * tickets, block_ids=[[1], [2], [3]])
+
+
+def test_a_pod_sidecars_one_ticket_stands_for_every_prefill_rank():
+    validate_pull(_pod_request(tickets=1, ranks=4, tp=4), render(hybrid_spec()))
+
+
+@pytest.mark.parametrize(
+    ("tickets", "ranks", "tp"),
+    [(2, 2, 2), (1, 2, 4), (1, 4, 2)],
+    ids=["two pod tickets", "spans fewer ranks than the TP", "spans more ranks than the TP"],
+)
+def test_a_pod_ticket_that_is_not_the_one_ticket_of_every_rank_is_refused(tickets, ranks, tp):
+    with pytest.raises(BlockIdError) as exc:
+        validate_pull(_pod_request(tickets, ranks, tp), render(hybrid_spec()))
+    assert exc.value.field == "tickets[0].ranks"
