@@ -8,9 +8,10 @@ engine socket's framed protocol (``--http`` sends engine calls as HTTP/JSON inst
 
 - in-flight sweep: one prefill sidecar, N pulls in flight (N in 1,4,16,64): pulls/s, p50/p99
   of the pull call, CPU seconds of each sidecar per pull;
-- fan-in sweep: prefill TP 1,2,4,8 (one sidecar per prefill rank, as deployments run them),
-  the same bytes per pull (the decode reads its units from every rank), 16 in flight
-  (``--fanin-inflight``; 1 gives the latency): pulls/s, p50, and cost(TP k) / cost(TP 1)
+- fan-in sweep: prefill TP 1,2,4,8 (one sidecar per prefill rank, as deployments run them;
+  ``--pod``: one pod sidecar per prefill engine, ``serve --pod-ranks``), the same bytes per
+  pull (the decode reads its units from every rank), 16 in flight (``--fanin-inflight``; 1
+  gives the latency): pulls/s, p50, and cost(TP k) / cost(TP 1)
   against the issue's target (<= 2 at TP 8).
 
 Holds are placed before each round (untimed; the prefill engine's side of the work); a round's
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -146,8 +148,9 @@ async def measure(rig: Rig, inflight: int, args: argparse.Namespace, prof: Profi
     tp = len(rig.prefills)
     ranks = {
         "decode": rig.decode,
-        **{f"prefill-tp{tp}-r{i}": r for i, r in enumerate(rig.prefills)},
-    }
+        **({f"prefill-pod{tp}": rig.prefills[0]} if rig.pod else
+           {f"prefill-tp{tp}-r{i}": r for i, r in enumerate(rig.prefills)}),
+    }  # fmt: skip
     try:
         tickets = await rig.place_holds(pcs, pulls, inflight)
         await _round(rig, dc, tickets, inflight, verify=True)
@@ -207,21 +210,28 @@ def _own_cpu() -> float:
 
 
 @contextlib.contextmanager
-def prefill_engine(tp: int, num_blocks: int, tmp: str, prof: Profiler) -> Iterator[list[Rank]]:
-    """``tp`` prefill ranks (one sidecar each, started together), registered; stopped after."""
+def prefill_engine(tp: int, num_blocks: int, tmp: str, prof: Profiler, pod: bool = False
+                   ) -> Iterator[list[Rank]]:  # fmt: skip
+    """``tp`` prefill ranks (one sidecar each, started together; ``pod``: one sidecar serving
+    them all, ``serve --pod-ranks``), registered; stopped after."""
     manifests = [plan(tp, r, num_blocks) for r in range(tp)]
     pools = [Pool(m) for m in manifests]
     ranks: list[Rank] = []
     try:
-        names = [f"prefill-tp{tp}-r{r}" for r in range(tp)]
-        procs = SidecarProcess.start_many(tmp, names, wrap=prof.wrap)
+        if pod and tp > 1:
+            (one,) = SidecarProcess.start_many(tmp, [f"prefill-pod{tp}"], wrap=prof.wrap,
+                                               args=["--pod-ranks", str(tp)])  # fmt: skip
+            procs = [one] * tp
+        else:
+            names = [f"prefill-tp{tp}-r{r}" for r in range(tp)]
+            procs = SidecarProcess.start_many(tmp, names, wrap=prof.wrap)
         ranks = [Rank(s, m, p) for s, m, p in zip(procs, manifests, pools, strict=True)]
-        for r in ranks:
-            r.register()
+        with ThreadPoolExecutor(tp) as workers:  # a pod's registers wait for each other
+            list(workers.map(Rank.register, ranks))
         yield ranks
     finally:
-        for r in ranks:
-            r.sidecar.stop()
+        for s in {id(r.sidecar): r.sidecar for r in ranks}.values():
+            s.stop()
         for p in pools:
             p.close()
 
@@ -267,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, help="timed rounds per level (after a verified one)")
     ap.add_argument("--pulls", type=int, help="pulls per round (at least 2 per slot)")
     ap.add_argument("--verify-all", action="store_true", help="byte-verify timed rounds too")
+    ap.add_argument("--pod", action="store_true",
+                    help="fan-in sweep: one pod sidecar (serve --pod-ranks) per prefill engine "
+                    "instead of one sidecar per rank")  # fmt: skip
     ap.add_argument("--profile", metavar="DIR", help="cProfile the sidecars' timed rounds")
     ap.add_argument(
         "--http",
@@ -304,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             "verify_all": args.verify_all,
             "profile": bool(args.profile),
             "engine_wire": "http" if args.http else "frames",
+            "pod": args.pod,
         },  # fmt: skip
         "inflight": [],
         "fanin": [],
@@ -318,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 decode.register()
                 rig = Rig(decode, slots)
                 for tp in sorted(set(fanin) | ({1} if inflight else set())):
-                    with prefill_engine(tp, rig.num_blocks, tmp, prof) as ranks:
+                    with prefill_engine(tp, rig.num_blocks, tmp, prof, args.pod) as ranks:
                         rig.attach(ranks)
                         if tp == 1:
                             for n in inflight:

@@ -43,15 +43,18 @@ class SidecarProcess:
 
     @classmethod
     def start_many(
-        cls, tmp_dir: str, names: list[str], wrap: Callable[[str], list[str]] | None = None
-    ) -> list[SidecarProcess]:
+        cls, tmp_dir: str, names: list[str], wrap: Callable[[str], list[str]] | None = None,
+        args: list[str] = (),  # type: ignore[assignment]
+    ) -> list[SidecarProcess]:  # fmt: skip
         """Start one sidecar per name (in parallel) on Unix sockets under ``tmp_dir``.
 
         Waits (bounded) for every ready line; on failure stops those already started.
         ``wrap(name)`` gives what runs instead of ``-m kvxferd`` (e.g. a profiling wrapper
-        script and its arguments, which then pass the rest on to kvxferd).
+        script and its arguments, which then pass the rest on to kvxferd); ``args`` are more
+        ``serve`` flags.
         """
-        launched = [_launch(tmp_dir, n, wrap(n) if wrap else ["-m", "kvxferd"]) for n in names]
+        launched = [_launch(tmp_dir, n, wrap(n) if wrap else ["-m", "kvxferd"], list(args))
+                    for n in names]  # fmt: skip
         ready: list[SidecarProcess] = []
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
@@ -105,7 +108,7 @@ class SidecarProcess:
 
 
 def _launch(
-    tmp_dir: str, name: str, runner: list[str]
+    tmp_dir: str, name: str, runner: list[str], args: list[str]
 ) -> tuple[str, subprocess.Popen[str], queue.Queue[str]]:
     sock = os.path.join(tmp_dir, f"{name}.sock")
     env = {**os.environ, "KVXFERD_PEER_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
@@ -120,6 +123,7 @@ def _launch(
         "0",
         "--log-level",
         "warning",
+        *args,
     ]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

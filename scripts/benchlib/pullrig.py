@@ -1,6 +1,7 @@
 """Engine ranks for the pull benchmark: a small Mamba2 hybrid, slots of 16 blocks, verified pulls.
 
-A ``Rank`` is one engine rank: its ``kvxferd serve`` child, planned manifest and shm pool. The
+A ``Rank`` is one engine rank: its ``kvxferd serve`` child (a pod's ranks share one), planned
+manifest and shm pool. The
 decode rank (TP 1) and the prefill ranks (TP 1..8) share block ids: slot ``s`` owns the same
 16 blocks on every side, so concurrent pulls never write the same decode block. Every prefill
 rank's slot holds ``kvxferd.pattern`` bytes (seed per slot); a verified pull scrubs its decode
@@ -15,6 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from kvxferd import descriptors
@@ -113,11 +115,13 @@ class Rig:
             self._scrub.append(list(zip(p.local_region.tolist(), p.local_offset.tolist(),
                                         p.length.tolist(), strict=True)))  # fmt: skip
         self.expected_bytes = 0
+        self.pod = False  # the prefill ranks share one pod sidecar
         self._cursors: list[int] = []
 
     def attach(self, prefills: list[Rank]) -> None:
         """Use these prefill ranks (registered): write every slot's pattern on each."""
         self.prefills = prefills
+        self.pod = len(prefills) > 1 and prefills[0].sidecar is prefills[1].sidecar
         self._cursors = [0] * len(prefills)
         for r in prefills:
             for s, ids in enumerate(self.ids):
@@ -131,16 +135,21 @@ class Rig:
 
     async def place_holds(self, clients: list, pulls: int, slots: int, width: int = 64
                           ) -> list[list[Ticket]]:  # fmt: skip
-        """``pulls`` ticket lists (one ticket per prefill rank, rank order); pull ``i`` reads
-        slot ``i % slots``."""
+        """``pulls`` ticket lists (one ticket per prefill rank, rank order; a pod's one ticket,
+        every rank having placed the hold); pull ``i`` reads slot ``i % slots``."""
         gate = asyncio.Semaphore(width)
 
         async def one(i: int) -> list[Ticket]:
             ids, rid = self.ids[i % slots], f"pb-{uuid.uuid4().hex[:12]}"
             req = HoldRequest(request_id=rid, block_ids=ids, num_tokens=self.tokens,
                               lease_s=LEASE_S)  # fmt: skip
+            reqs = [req] * len(clients)
+            if self.pod:  # every rank places the hold under one id (the scheduler's)
+                reqs = [msgspec.structs.replace(req, hold_id=rid, tp_rank=r)
+                        for r in range(len(clients))]  # fmt: skip
             async with gate:
-                return list(await asyncio.gather(*(c.hold(req) for c in clients)))
+                got = await asyncio.gather(*(c.hold(q) for c, q in zip(clients, reqs, strict=True)))
+            return list(got[:1] if self.pod else got)
 
         return list(await asyncio.gather(*(one(i) for i in range(pulls))))
 
@@ -167,8 +176,9 @@ class Rig:
 
     async def wait_released(self, clients: list, tickets: list[list[Ticket]],
                             timeout_s: float = 60.0) -> None:  # fmt: skip
-        """Bounded: every hold of ``tickets`` released on its rank, each as ``notified``."""
-        for r, c in enumerate(clients):
+        """Bounded: every hold of ``tickets`` released on its rank, each as ``notified`` (a
+        pod's: on its one feed)."""
+        for r, c in enumerate(clients[: len(tickets[0])]):
             want = {t[r].hold_id for t in tickets}
             deadline = time.monotonic() + timeout_s
             while want:
