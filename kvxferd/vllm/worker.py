@@ -207,6 +207,10 @@ class WorkerSide:
                 f"({theirs}), this connector {ENGINE_API_VERSION} (kvxferd {__version__}): run "
                 "one kvxferd release in the engine and sidecar images"
             )
+        if ident.pod_ranks != 1:  # the connector's ranks each place holds and mint tickets
+            raise ConfigError(f"sidecar at {self.socket_path} serves a pod of {ident.pod_ranks} "
+                              "ranks (serve --pod-ranks): the vLLM connector needs a sidecar per "
+                              "rank for now; start it without --pod-ranks")  # fmt: skip
         if ident.generation >= 0 and ident.tp_rank != self.tp_rank:
             # Not an earlier engine of this rank: another rank's live registration, which an
             # unregister would take from under it (ranks sharing one socket).
