@@ -318,6 +318,36 @@ the number could name the other engine's registration), says so (an error, once 
 does not register again (the two would keep unregistering each other); its own instance with
 another generation (a register whose answer was lost) is adopted.
 
+## Pod sidecars: one sidecar for every rank of a prefill engine
+
+`kvxferd serve --pod-ranks N` serves all N TP ranks of one prefill engine from one process,
+one NIXL agent and one peer address, so a decode reads them with one claim, one READ and one
+notification instead of N of each (with a sidecar per rank every rank adds a hold, a claim, a
+READ and a notification on both sides).
+
+- **Registration**: each of the N workers sends its own `RegisterRequest` (its manifest, rank r
+  of TP N, its memory) on the shared engine socket; each answer waits, at most
+  `--pod-register-timeout`, until all N ranks registered, and all carry one generation. The
+  manifests must agree on everything but the rank (409 naming the field); a rank registered
+  twice is a 409 (`manifest.tp_rank`). An unregister from any rank unregisters the pod.
+- **Holds**: every worker places the hold under the same engine-chosen `hold_id`, naming its
+  `HoldRequest.tp_rank`, with the same block ids and tokens (409 naming the field otherwise). It
+  is one hold, claimable once every rank placed it: a claim that comes earlier waits for the
+  last placement as it waits for an engine-chosen id (`--hold-grace`). Every rank gets the same
+  ticket: `tp_rank` 0, `tp_size` N, `ranks` N, one MAC; the pull carries it alone.
+- **Handshake**: rank 0's manifest and region bases as today, ranks 1 up in `Handshake.pod`
+  (`RankLayout`), in order; the reader checks that they are ranks 1..N-1 of TP N, a base per
+  region each, every manifest compatible with its own, before it loads the agent.
+  `PROTOCOL_VERSION` went to 2 with it, so a reader that knows no pods is refused instead of
+  reading rank 0 as the whole model.
+- **Pull**: the decode plans each rank it reads from against that rank's manifest and bases, as
+  from a rank's own sidecar, and posts the joined tables as one READ; the claim (expected
+  readers: every decode rank, each claims the pod once) and the notification are one each. The
+  argument of "The claim off the critical path" holds unchanged: the pod's hold is one hold,
+  live from its last placement to its one release.
+- **Not yet**: the offload store on a pod sidecar (refused at start) and the vLLM connector's
+  workers sharing one (it refuses a pod sidecar at start: a sidecar per rank).
+
 ## Trust model
 
 Who is trusted: the engine rank and its sidecar trust each other (the engine API is a Unix socket
