@@ -9,6 +9,7 @@ HTTP listeners pick their parser with :func:`http_parser` (kvxferd.api.limits).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -86,6 +87,16 @@ def _httptools() -> bool:
     except ImportError:
         return False
     return True
+
+
+async def wait_while(busy: Callable[[], bool], changed: asyncio.Event, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` while ``busy()``, checking it again each time ``changed`` is
+    set (its setter's signal that the answer may have changed; cleared here before each wait)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while busy() and (left := deadline - asyncio.get_running_loop().time()) > 0:
+        changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), left)
 
 
 def _expire(fut: asyncio.Future[bool]) -> None:

@@ -44,6 +44,7 @@ An empty cell (st. = status) is inherited from the parent class.
     ├── NotRegisteredError         503                    no engine has registered yet
     ├── AlreadyRegisteredError     409                    this sidecar already has an engine
     │   └── RegisterInProgressError                       another register is being set up (retry)
+    ├── PodConflictError           409                    a pod rank disagrees with the pod (field)
     ├── StaleGenerationError       409                    not the current registration generation
     ├── MemoryInUseError           503                    a READ or store copy may still use it
     ├── UnknownPullError           404                    no pull with that id here
@@ -285,6 +286,19 @@ class AlreadyRegisteredError(KvxferdError):
 class RegisterInProgressError(AlreadyRegisteredError):
     """Another register is still mapping its memory or running its self-test: transient (the
     vLLM worker tries again, bounded), unlike an engine registered there."""
+
+
+class PodConflictError(KvxferdError):
+    """A pod sidecar's rank (``serve --pod-ranks``) disagrees with the pod: its register names a
+    rank already taken or a manifest that differs from the other ranks', its hold placement
+    repeats its rank or differs from the first rank's; ``field`` names what (HTTP 409)."""
+
+    status = 409
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
 
 
 class StaleGenerationError(KvxferdError):

@@ -136,6 +136,22 @@ class Metrics:
         for api in ("engine", "peer"):
             self.request_body_bytes.labels(api)
         add_store_metrics(self, r)
+        self._released_seen: dict[str, int] = {}  # release counts already counted, by reason
+
+    def count_releases(self, released: dict[str, int]) -> None:
+        """Bring ``kvxferd_holds_released`` up to the hold table's release counts by reason."""
+        seen = self._released_seen
+        for reason, count in released.items():
+            delta = count - seen.get(reason, 0)
+            if delta > 0:
+                self.holds_released.labels(reason).inc(delta)
+                seen[reason] = count
+
+    def peers_changed(self, count: int, new_epoch: bool) -> None:
+        """Remote peers with loaded metadata now ``count``; ``new_epoch``: one more seen."""
+        self.peers.set(count)
+        if new_epoch:
+            self.peer_epochs.inc()
 
     def set_backend(self, backend: str) -> None:
         """Record which NIXL backend carries transfers."""

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from kvxferd import descriptors
 from kvxferd.transport import Agent, ucxenv
-from kvxferd.wire import PROTOCOL_VERSION, Handshake, Manifest
+from kvxferd.wire import PROTOCOL_VERSION, Handshake, Manifest, RankLayout
 
 
 def our_handshake(
     agent: Agent, manifest: Manifest, bases: list[int], *, engine_id: str, epoch: int,
-    frames_port: int, generation: int,
+    frames_port: int, generation: int, pod: list[RankLayout] | None = None,
 ) -> Handshake:  # fmt: skip
     """This sidecar's handshake for the registered ``manifest`` (regions at ``bases``, its
-    registration ``generation``)."""
+    registration ``generation``; a pod sidecar's ranks 1 up in ``pod``)."""
     return Handshake(
         protocol_version=PROTOCOL_VERSION,
         engine_id=engine_id,
@@ -26,6 +26,7 @@ def our_handshake(
         tcp_tx_seg_bytes=agent.tcp_segments[0],
         tcp_rx_seg_bytes=agent.tcp_segments[1],
         generation=generation,
+        pod=pod or [],
     )
 
 

@@ -61,11 +61,13 @@ from kvxferd.sidecar.released import ReleasedLog
 from kvxferd.sidecar.states import HoldState, advance
 from kvxferd.wire import (
     HOLD_ID_PATTERN,
+    DeclineResponse,
     HoldReleaseReason,
     HoldRequest,
     Manifest,
     ReleasedHold,
     ReleasedHolds,
+    Ticket,
 )
 
 logger = logging.getLogger(__name__)
@@ -386,6 +388,25 @@ class HoldTable:
             return DeclineOutcome.BUSY
         self._release(hold, "declined", now)
         return DeclineOutcome.RELEASED
+
+    def decline_tickets(
+        self, tickets: Iterable[Ticket], here: tuple[str, int, int]
+    ) -> DeclineResponse:
+        """:meth:`decline` the hold of each (verified) ticket; a ticket naming another engine,
+        epoch or registration generation than ``here``'s is ``missing``, as a claim's is."""
+        out: dict[DeclineOutcome, list[str]] = {o: [] for o in DeclineOutcome}
+        for ticket in tickets:
+            ours = (ticket.engine_id, ticket.epoch, ticket.generation) == here
+            outcome = (
+                self.decline(ticket.hold_id, ticket.block_ids, ticket.request_id)
+                if ours else DeclineOutcome.MISSING
+            )  # fmt: skip
+            out[outcome].append(ticket.hold_id)
+        return DeclineResponse(
+            released=out[DeclineOutcome.RELEASED],
+            missing=out[DeclineOutcome.MISSING],
+            busy=out[DeclineOutcome.BUSY],
+        )
 
     def heartbeat(
         self, hold_ids: Iterable[str], extend_s: float, now: float | None = None

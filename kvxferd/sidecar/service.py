@@ -20,9 +20,11 @@ from typing import Any
 from msgspec import structs
 
 from kvxferd import __version__, descriptors
+from kvxferd.aio import wait_while
 from kvxferd.config import Config
 from kvxferd.errors import (
     AlreadyRegisteredError,
+    ConfigError,
     FabricNotReadyError,
     IncompatiblePeerError,
     MemoryInUseError,
@@ -36,18 +38,25 @@ from kvxferd.memory import check_sources, first_shrunk
 from kvxferd.metrics import Metrics
 from kvxferd.sidecar.fabric import Fabric
 from kvxferd.sidecar.handshake import mismatch, our_handshake
-from kvxferd.sidecar.holds import DeclineOutcome, HoldTable
+from kvxferd.sidecar.holds import HoldTable
 from kvxferd.sidecar.keepalive import decline_at_peers, keep_alive
 from kvxferd.sidecar.notifs import NotificationPoller
 from kvxferd.sidecar.offload import STOP_S, Offload
 from kvxferd.sidecar.peers import PeerTable
 from kvxferd.sidecar.placements import Placements
+from kvxferd.sidecar.pod import Pod, RankMemory
 from kvxferd.sidecar.pull_request import ReaderCounts, check_reader_tp
 from kvxferd.sidecar.pulls import Pull, PullRunner
-from kvxferd.sidecar.reads import QUARANTINE_S
 from kvxferd.sidecar.reaper import reap
 from kvxferd.sidecar.signing import PeerKeys
-from kvxferd.sidecar.sources import Retired, close_sources, host_views, map_sources, release_sources
+from kvxferd.sidecar.sources import (
+    Retired,
+    check_let_go,
+    close_sources,
+    host_views,
+    map_sources,
+    release_sources,
+)
 from kvxferd.sidecar.tickets import check_addressed, sign_ticket, verify_ticket, verify_tickets
 from kvxferd.transport import Agent, StripedAgent
 from kvxferd.wire import (
@@ -113,7 +122,7 @@ class Sidecar:
             check_compatible=self._compare,
             keys=self.keys,
             timeout_s=config.handshake_timeout_s,
-            on_change=self._peers_changed,
+            on_change=self.metrics.peers_changed,
             on_call=lambda call, wire: self.metrics.peer_calls.labels(call, wire).inc(),
         )
         self.pulls = PullRunner(
@@ -126,7 +135,6 @@ class Sidecar:
         self._secret = config.peer_token.encode()
         self._accepted = self.keys.accepted if self.keys is not None else (self._secret,)
         self._placements = Placements()  # claims waiting for their hold to be placed
-        self._released_reported: dict[str, int] = {}  # release counts already in metrics
         self._a_release = asyncio.Event()  # set on every release (unregister waits on it)
         self._readers = ReaderCounts()
         self.generation = -1  # registration generation; -1 while no engine is registered
@@ -141,6 +149,7 @@ class Sidecar:
         self._registrations: list[Any] = []  # NIXL registrations of the memory sources
         self._retired = Retired()  # zero pages where unregistered memory was, until close
         self._shrunk: tuple[str, str] | None = None  # (field, why) once a segment shrank
+        self.pod = Pod(config.pod_ranks) if config.pod_ranks > 1 else None  # None: one rank
         self.offload = Offload(config, self.metrics, self._store_target, self._hold_blocks,
                                self._check_memory)  # fmt: skip
         self.fabric = Fabric(config.require_transport, config.ucx_proto_log,
@@ -192,6 +201,8 @@ class Sidecar:
         self.fabric.close()
         if not copying:  # else left mapped: no store copy reads or writes memory let go of
             close_sources(self._regions)
+        if self.pod is not None and self.manifest is None:  # ranks of a pod still forming
+            close_sources([r for m in self.pod.reset() for r in m.regions])
         self._regions = []
 
     # ---------------------------------------------------------------- engine API
@@ -210,6 +221,11 @@ class Sidecar:
             )
         validate_manifest(req.manifest)
         sources = check_sources(req)
+        if self.pod is not None:
+            return await self.pod.register(
+                req, sources, agent=self.agent, adopt=self._adopt,
+                timeout_s=self.config.pod_register_timeout_s,
+            )  # fmt: skip
         self._registering = True  # set before the first await: no second register gets past
         try:
             return await self._register(req, sources)
@@ -217,12 +233,20 @@ class Sidecar:
             self._registering = False
 
     async def _register(self, req: RegisterRequest, sources: list[int]) -> RegisterResponse:
-        regions, self._registrations, self._bases = await map_sources(self.agent, req, sources)
-        self._regions, self._sources, self._shrunk = regions, sources, None
+        mapped = await map_sources(self.agent, req, sources)
+        return await self._adopt(RankMemory(req.manifest, *mapped, sources, req.instance))
+
+    async def _adopt(self, memory: RankMemory) -> RegisterResponse:
+        """Publish mapped memory (a pod's: every rank's, rank 0's manifest and bases) as the
+        registration under a new generation, then run the fabric self-test over it."""
+        regions = self._regions = memory.regions
+        self._registrations, self._bases = memory.registrations, memory.bases
+        self._sources, self._shrunk = memory.sources, None
         generation = self.generation = self._next_generation
         self._next_generation += 1
-        self.instance = req.instance
-        self.manifest = structs.replace(req.manifest, engine_id=self.engine_id, epoch=self.epoch)
+        self.instance = memory.instance
+        self.manifest = structs.replace(memory.manifest, engine_id=self.engine_id,
+                                        epoch=self.epoch)  # fmt: skip
         self.holds = HoldTable(
             self.manifest,
             default_lease_s=self.config.default_lease_s,
@@ -232,8 +256,11 @@ class Sidecar:
             released_log_bytes=self.config.released_feed_bytes,
             clock=time.monotonic,  # a wall-clock step must not expire a hold mid-READ
         )
-        holds = self.holds
-        await self.fabric.run_self_test(self.agent, regions, lambda: self.notifs.poll(holds))
+        holds, self._registering = self.holds, True  # no unregister during the self-test READ
+        try:
+            await self.fabric.run_self_test(self.agent, regions, lambda: self.notifs.poll(holds))
+        finally:
+            self._registering = False
         log.info(
             "registered %s: %d regions, %d groups, %d blocks",
             self.manifest.model,
@@ -276,31 +303,17 @@ class Sidecar:
             self._after_release()
             copying, _ = await asyncio.gather(
                 self.offload.stop(STOP_S),  # loads stop, saves end: bounded
-                self._until_read(holds, STOP_S),  # decodes finish READs they were granted
+                # decodes finish READs they were granted (released by notification or claim end)
+                wait_while(lambda: len(holds) > 0, self._a_release, STOP_S),
             )
-            reading = len(holds)  # now: some may have been read while the store copies ended
-            unsettled = self.pulls.reads.quarantined
-            if reading:
-                left = max(h.claimed_until for h in holds.live()) - time.monotonic()
-                raise MemoryInUseError(
-                    f"unregister: {reading} holds may still be read by decodes that claimed "
-                    f"them, so it stays registered (pulls ended, holds take no claim); retry "
-                    f"after their claims end (at most {max(left, 0.0):.0f} s)"
-                )
-            if unsettled:
-                raise MemoryInUseError(
-                    f"unregister: {unsettled} READs still unsettled may write this memory, so "
-                    f"it stays registered (pulls and holds ended); retry after they end (at "
-                    f"most {QUARANTINE_S:g} s)"
-                )
-            if copying:
-                raise MemoryInUseError(
-                    f"unregister: {copying} store loads or saves still copy this memory after "
-                    f"{STOP_S:g} s, so it stays registered (pulls and holds ended); retry"
-                )
+            # now: some holds may have been read while the store copies ended
+            claims = [h.claimed_until - time.monotonic() for h in holds.live()]
+            check_let_go(claims, self.pulls.reads.quarantined, copying)
             await self.pulls.close()
             await release_sources(self.agent, self._registrations, self._regions, self._retired)
             self._regions, self._registrations, self._bases = [], [], []
+            if self.pod is not None:  # every rank's memory went above: a fresh pod forms next
+                self.pod.reset()
             self.manifest = None
             self.generation = -1
             self.instance = ""
@@ -321,6 +334,7 @@ class Sidecar:
             default_lease_s=self.config.default_lease_s,
             max_claim_s=self.config.max_claim_s,
             instance=self.instance,
+            pod_ranks=self.config.pod_ranks,
             engine_api_version=ENGINE_API_VERSION,
             kvxferd_version=__version__,
         )
@@ -329,12 +343,16 @@ class Sidecar:
         """Pin a request's blocks under a lease; the ticket authorises one pull of them."""
         holds, manifest = self._require_memory()
         self._check_generation(req.generation)
+        pod = self.pod
+        if pod is not None and (ticket := pod.place(req, req.hold_id in holds, self._placements)):
+            return ticket  # a later rank's placement: the first rank's ticket
         hold = holds.hold(req)
-        self._placements.placed(hold.hold_id)  # a claim for this engine-chosen id came first
+        if pod is None:
+            self._placements.placed(hold.hold_id)  # a claim for this engine-chosen id came first
         self.metrics.holds_created.inc()
         self.notifs.wake.set()  # a READ may come before its claim: progress UCX promptly
         self.metrics.holds_active.set(holds.active)
-        ticket = Ticket(
+        signed = sign_ticket(Ticket(
             engine_id=self.engine_id,
             epoch=self.epoch,
             hold_id=hold.hold_id,
@@ -346,8 +364,9 @@ class Sidecar:
             tp_size=manifest.tp_size,
             peer=self.peer_address,
             generation=self.generation,
-        )
-        return sign_ticket(ticket, self._secret)
+            ranks=self.config.pod_ranks,
+        ), self._secret)  # fmt: skip
+        return pod.placements.first(req, signed) if pod is not None else signed
 
     def abort(self, req: AbortHoldRequest) -> None:
         """Give up a hold: released now, or, while a reader that claimed it may be reading,
@@ -361,8 +380,7 @@ class Sidecar:
 
     async def start_pull(self, req: PullRequest) -> PullAccepted:
         """Validate a pull and start it in the background."""
-        self._require_engine()
-        self._check_generation(req.generation)
+        self._require_reader(req.generation)
         # Every ticket's MAC before anything else: a forged ticket never causes a connection.
         verify_tickets(req.tickets, self._accepted)
         pull = self.pulls.start(req)
@@ -374,8 +392,7 @@ class Sidecar:
 
     async def run_pull(self, req: PullRequest) -> PullStatus:
         """Run a pull to its end and answer its final status."""
-        self._require_engine()
-        self._check_generation(req.generation)
+        self._require_reader(req.generation)
         verify_tickets(req.tickets, self._accepted)  # before any network call, as start_pull
         return await self.pulls.run(req)
 
@@ -424,11 +441,15 @@ class Sidecar:
         _, manifest = self._require_memory()
         ticket = req.ticket
         verify_ticket(ticket, self._accepted)
-        check_addressed(ticket, self.engine_id, self.epoch, self.generation, manifest)
-        readers = self._readers.expected(manifest, req.reader_tp_size)
+        ranks = self.config.pod_ranks
+        check_addressed(ticket, self.engine_id, self.epoch, self.generation, manifest, ranks)
+        readers = self._readers.expected(manifest, req.reader_tp_size)  # checks the TP size
+        readers = req.reader_tp_size if self.pod else readers  # a pod's: each reads it once
         await self._await_hold(ticket.hold_id)
         holds, manifest = self._require_engine()  # again: it may have re-registered meanwhile
-        check_addressed(ticket, self.engine_id, self.epoch, self.generation, manifest)
+        check_addressed(ticket, self.engine_id, self.epoch, self.generation, manifest, ranks)
+        if self.pod is not None:
+            self.pod.placements.check_placed(ticket.hold_id)
         try:
             grant = holds.claim(
                 ticket.hold_id, req.reader, req.claim_s, readers,
@@ -458,24 +479,12 @@ class Sidecar:
         claimed hold is ``busy`` (kept)."""
         holds, _ = self._require_engine()
         verify_tickets(req.tickets, self._accepted)
-        out: dict[DeclineOutcome, list[str]] = {o: [] for o in DeclineOutcome}
-        here = (self.engine_id, self.epoch, self.generation)
-        for ticket in req.tickets:
-            ours = (ticket.engine_id, ticket.epoch, ticket.generation) == here  # as a claim's
-            outcome = (
-                holds.decline(ticket.hold_id, ticket.block_ids, ticket.request_id)
-                if ours else DeclineOutcome.MISSING
-            )  # fmt: skip
-            out[outcome].append(ticket.hold_id)
+        out = holds.decline_tickets(req.tickets, (self.engine_id, self.epoch, self.generation))
         self._after_release()
-        if out[DeclineOutcome.RELEASED]:
+        if out.released:
             log.info("declined (%s): %d holds released", req.reason or "no reason",
-                     len(out[DeclineOutcome.RELEASED]))  # fmt: skip
-        return DeclineResponse(
-            released=out[DeclineOutcome.RELEASED],
-            missing=out[DeclineOutcome.MISSING],
-            busy=out[DeclineOutcome.BUSY],
-        )
+                     len(out.released))  # fmt: skip
+        return out
 
     # ---------------------------------------------------------------- internals
 
@@ -483,16 +492,13 @@ class Sidecar:
         """Unix time of a monotonic-clock time (only for the wire)."""
         return time.time() + (mono - time.monotonic())
 
-    def _peers_changed(self, count: int, new_epoch: bool) -> None:
-        self.metrics.peers.set(count)
-        if new_epoch:
-            self.metrics.peer_epochs.inc()
-
     async def _await_hold(self, hold_id: str) -> None:
         """Wait (up to ``hold_grace_s``) for a hold that is neither live nor released yet."""
         holds = self.holds
         grace = self.config.hold_grace_s
-        if holds is None or grace <= 0 or hold_id in holds or holds.was_released(hold_id):
+        pending = self.pod is not None and self.pod.placements.pending(hold_id)
+        if holds is None or grace <= 0 or holds.was_released(hold_id) or (
+                hold_id in holds and not pending):  # fmt: skip
             return
         await self._placements.wait(hold_id, grace)
 
@@ -502,6 +508,15 @@ class Sidecar:
         if self._leaving:
             raise NotRegisteredError("the engine is unregistering: its memory is being let go")
         return self.holds, self.manifest
+
+    def _require_reader(self, generation: int | None) -> None:
+        """:meth:`_require_engine` and :meth:`_check_generation` of a sidecar that may pull (a
+        rank's own: a prefill pod's only holds)."""
+        self._require_engine()
+        self._check_generation(generation)
+        if self.pod is not None:
+            raise ConfigError(f"pulls: a prefill pod sidecar (--pod-ranks {self.pod.ranks}) "
+                              "does not pull; a decode rank pulls through its own")  # fmt: skip
 
     def _check_generation(self, generation: int | None) -> None:
         """Refuse an engine call whose block ids mean an earlier registration's memory (None:
@@ -554,34 +569,30 @@ class Sidecar:
 
     def _local_handshake(self) -> Handshake:
         _, manifest = self._require_engine()
-        return our_handshake(self.agent, manifest, self._bases, engine_id=self.engine_id,
-                             epoch=self.epoch, frames_port=self.frames_port,
-                             generation=self.generation)  # fmt: skip
+        return our_handshake(
+            self.agent,
+            manifest,
+            self._bases,
+            engine_id=self.engine_id,
+            epoch=self.epoch,
+            frames_port=self.frames_port,
+            generation=self.generation,
+            pod=self.pod and self.pod.slots.layouts(self.engine_id, self.epoch),
+        )
 
     def _compare(self, remote: Manifest) -> dict[str, tuple[object, object]]:
         _, manifest = self._require_engine()
         return descriptors.compare_manifests(manifest, remote)
-
-    async def _until_read(self, holds: HoldTable, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for the holds left live (given up while claimed: readers may
-        still READ) to be released by notification or claim end (the caller counts the rest)."""
-        deadline = time.monotonic() + timeout_s
-        while len(holds) and (left := deadline - time.monotonic()) > 0:
-            self._a_release.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._a_release.wait(), left)
 
     def _after_release(self) -> None:
         """Bring the hold gauges and release counters up to date with the HoldTable."""
         self._a_release.set()
         if self.holds is None:
             return
+        if self.pod is not None and len(self.pod.placements):  # pending ones released: forget
+            self.pod.placements.prune(self.holds.__contains__)
         self.metrics.holds_active.set(self.holds.active)
-        for reason, count in self.holds.released_counts().items():
-            delta = count - self._released_reported.get(reason, 0)
-            if delta > 0:
-                self.metrics.holds_released.labels(reason).inc(delta)
-                self._released_reported[reason] = count
+        self.metrics.count_releases(self.holds.released_counts())
 
 
 __all__ = ["Pull", "Sidecar", "check_reader_tp"]

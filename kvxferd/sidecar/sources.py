@@ -12,8 +12,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from kvxferd.errors import MemoryInUseError
 from kvxferd.memory import open_region
 from kvxferd.memory.placeholder import Placeholder, close_leaving_zeros
+from kvxferd.sidecar.offload import STOP_S
+from kvxferd.sidecar.reads import QUARANTINE_S
 from kvxferd.transport import Agent
 from kvxferd.wire import Manifest, RegisterRequest
 
@@ -95,6 +98,37 @@ async def release_sources(
     retired.retire(regions)
 
 
+async def drop_sources(agent: Agent, registrations: list[Any], regions: list[Any]) -> None:
+    """Drop the NIXL registrations and unmap the sources of memory no READ was ever allowed
+    (a pod rank's register that timed out before its pod was complete)."""
+    for reg in registrations:
+        await asyncio.to_thread(agent.deregister, reg)
+    close_sources(regions)
+
+
+def check_let_go(claims_left_s: Sequence[float], unsettled: int, copying: int) -> None:
+    """MemoryInUseError (503: retry) while an unregistering engine's memory may still be used
+    after its pulls and holds ended: by decodes that claimed holds (``claims_left_s``, each
+    claim's time left), READs still unsettled, or store loads or saves still copying."""
+    if claims_left_s:
+        raise MemoryInUseError(
+            f"unregister: {len(claims_left_s)} holds may still be read by decodes that claimed "
+            f"them, so it stays registered (pulls ended, holds take no claim); retry after "
+            f"their claims end (at most {max(max(claims_left_s), 0.0):.0f} s)"
+        )
+    if unsettled:
+        raise MemoryInUseError(
+            f"unregister: {unsettled} READs still unsettled may write this memory, so it stays "
+            f"registered (pulls and holds ended); retry after they end (at most "
+            f"{QUARANTINE_S:g} s)"
+        )
+    if copying:
+        raise MemoryInUseError(
+            f"unregister: {copying} store loads or saves still copy this memory after "
+            f"{STOP_S:g} s, so it stays registered (pulls and holds ended); retry"
+        )
+
+
 def close_sources(regions: list[Any]) -> None:
     """Unmap every source."""
     for region in regions:
@@ -113,7 +147,9 @@ def host_views(regions: list[Any], sources: Sequence[int], manifest: Manifest) -
 __all__ = [
     "RETIRED_GENERATIONS",
     "Retired",
+    "check_let_go",
     "close_sources",
+    "drop_sources",
     "host_views",
     "map_sources",
     "release_sources",

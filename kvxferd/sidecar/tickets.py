@@ -64,6 +64,7 @@ def mint_tickets(
                 tp_size=ident.tp_size,
                 peer=ident.peer_address,
                 generation=ident.generation,
+                ranks=ident.pod_ranks,
             ),
             secret,
         )
@@ -101,11 +102,13 @@ def verify_tickets(tickets: Iterable[Ticket], secret: bytes | Iterable[bytes]) -
 
 
 def check_addressed(
-    ticket: Ticket, engine_id: str, epoch: int, generation: int, manifest: Manifest
-) -> None:
+    ticket: Ticket, engine_id: str, epoch: int, generation: int, manifest: Manifest,
+    ranks: int = 1,
+) -> None:  # fmt: skip
     """That a (verified) ticket names this sidecar as it is now: its engine and boot epoch, its
     registration generation (404 UnknownHoldError: the hold went with a restart, sleep/wake or
-    re-init) and this rank's TP shape (409 ClaimMismatchError)."""
+    re-init) and this rank's TP shape (409 ClaimMismatchError), the ranks a hold here spans
+    included (``ranks``: a pod sidecar's ``--pod-ranks``, whose manifest is rank 0's)."""
     if (ticket.engine_id, ticket.epoch) != (engine_id, epoch):
         raise UnknownHoldError(
             f"ticket names engine {ticket.engine_id} epoch {ticket.epoch}; this sidecar is "
@@ -115,6 +118,10 @@ def check_addressed(
         raise UnknownHoldError(
             f"ticket names registration generation {ticket.generation}; the engine "
             f"re-registered (sleep/wake?) and is at generation {generation}"
+        )
+    if ticket.ranks != ranks:
+        raise ClaimMismatchError(
+            "ticket.ranks", f"a hold over {ticket.ranks} ranks, but a hold here spans {ranks}"
         )
     if (ticket.tp_rank, ticket.tp_size) != (manifest.tp_rank, manifest.tp_size):
         raise ClaimMismatchError(
