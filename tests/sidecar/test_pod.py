@@ -1,0 +1,182 @@
+"""The pod's bookkeeping on its own (kvxferd.sidecar.pod): rank slots and what their manifests
+must agree on, the answer every rank of a forming pod shares, and holds pending until every
+rank placed them. Pure: no memory, no agent."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from msgspec import structs
+
+from kvxferd.errors import HoldRequestError, ManifestError, PodConflictError, UnknownHoldError
+from kvxferd.sidecar.placements import Placements
+from kvxferd.sidecar.pod import Pod, PodPlacements, PodSlots, RankMemory, first_difference
+from kvxferd.wire import HoldRequest, Ticket
+from tests.sidecar.harness import plan
+from tests.sidecar.pods import until
+
+MODEL = "llama-3.1-8b"
+
+
+def ranks(n: int) -> list:
+    """The manifests of a TP ``n`` engine's ranks (each rank's own segment names)."""
+    return [plan(MODEL, tp_size=n, tp_rank=r, num_blocks=8) for r in range(n)]
+
+
+def memory(manifest, tag: str = "") -> RankMemory:  # noqa: ANN001
+    n = len(manifest.regions)
+    return RankMemory(manifest, [f"{tag}region{i}" for i in range(n)],
+                      [f"{tag}reg{i}" for i in range(n)], list(range(n)), list(range(n)),
+                      instance=tag)  # fmt: skip
+
+
+def test_slots_fill_in_any_order_and_complete_with_the_last():
+    slots = PodSlots(4)
+    manifests = ranks(4)
+    for rank in (2, 0, 3):
+        assert slots.reserve(manifests[rank]) == rank
+        assert slots.fill(memory(manifests[rank], f"r{rank}")) is False
+    assert slots.missing == [1] and not slots.complete
+    slots.reserve(manifests[1])
+    assert slots.missing == [1]  # reserved is not registered: its memory is not there yet
+    assert slots.fill(memory(manifests[1], "r1")) is True
+    joined = slots.joined()
+    assert joined.manifest is manifests[0] and joined.instance == "r0"
+    assert joined.regions[: len(manifests[0].regions)] == memory(manifests[0], "r0").regions
+    assert len(joined.registrations) == 4 * len(manifests[0].regions)
+    layouts = slots.layouts("engine-x", 7)
+    assert [lay.manifest.tp_rank for lay in layouts] == [1, 2, 3]
+    assert {(lay.manifest.engine_id, lay.manifest.epoch) for lay in layouts} == {("engine-x", 7)}
+
+
+def test_a_taken_rank_another_tp_size_or_a_differing_field_is_refused_and_takes_nothing():
+    slots = PodSlots(2)
+    manifests = ranks(2)
+    slots.reserve(manifests[0])
+    with pytest.raises(PodConflictError) as taken:
+        slots.reserve(manifests[0])
+    assert taken.value.field == "manifest.tp_rank"
+    with pytest.raises(ManifestError) as size:
+        slots.reserve(ranks(4)[1])
+    assert size.value.field == "manifest.tp_size"
+    group = structs.replace(manifests[1].groups[0], block_size=32)
+    with pytest.raises(PodConflictError) as differs:
+        slots.reserve(structs.replace(manifests[1], groups=[group]))
+    assert differs.value.field == "manifest.groups[0].block_size"
+    region = structs.replace(manifests[1].regions[3], page_bytes=1)
+    with pytest.raises(PodConflictError) as page:
+        slots.reserve(
+            structs.replace(
+                manifests[1], regions=[*manifests[1].regions[:3], region, *manifests[1].regions[4:]]
+            )
+        )
+    assert page.value.field == "manifest.regions[3].page_bytes"
+    assert slots.missing == [0, 1]
+    # What is each rank's own: segment names, GPU, place in the allocation, engine id.
+    own = [structs.replace(r, device_id=1, source_offset=0) for r in manifests[1].regions]
+    assert slots.reserve(structs.replace(manifests[1], regions=own, engine_id="x")) == 1
+
+
+def test_a_vacated_slot_can_be_taken_again_and_clear_gives_back_every_memory():
+    slots = PodSlots(2)
+    manifests = ranks(2)
+    slots.reserve(manifests[0])
+    slots.fill(memory(manifests[0], "a"))
+    assert slots.vacate(0).instance == "a"
+    assert slots.vacate(0) is None  # once
+    slots.reserve(manifests[0])  # free again
+    slots.fill(memory(manifests[0], "b"))
+    slots.reserve(manifests[1])
+    assert [m.instance for m in slots.clear()] == ["b"]  # rank 1 reserved, not mapped
+    assert slots.missing == [0, 1]
+    slots.reserve(manifests[1])  # nothing of the old pod is in the way
+
+
+def test_first_difference_names_the_path():
+    assert first_difference({"a": [1, {"b": 2}]}, {"a": [1, {"b": 3}]}) == "manifest.a[1].b"
+    assert first_difference({"a": [1]}, {"a": [1, 2]}) == "manifest.a"
+    assert first_difference({"a": 1}, {"a": 1, "c": 2}) == "manifest.c"
+    assert first_difference({"a": [1]}, {"a": [1]}) is None
+
+
+def test_every_rank_of_a_forming_pod_shares_one_answer_and_a_cleared_pod_gets_a_new_one():
+    async def main() -> None:
+        slots = PodSlots(2)
+        answer = slots.round()
+        assert slots.round() is answer
+        answer.set_result("generation 5")
+        assert slots.round() is not answer  # answered while incomplete: a new round starts
+        manifests = ranks(2)
+        for m in manifests:
+            slots.reserve(m)
+            slots.fill(memory(m))
+        done = slots.round()
+        done.set_result("generation 6")
+        assert slots.round() is done  # complete: the same answer to every rank
+        slots.clear()
+        assert slots.round() is not done
+
+    asyncio.run(main())
+
+
+def ticket(hold_id: str = "h1") -> Ticket:
+    return Ticket(engine_id="e", epoch=1, hold_id=hold_id, request_id="r1", block_ids=[[1, 2]],
+                  num_tokens=20, expires_at=0.0, tp_rank=0, tp_size=3, ranks=3, peer="p:1",
+                  token="ab" * 32)  # fmt: skip
+
+
+def placement(rank: int, hold_id: str = "h1", **kw) -> HoldRequest:  # noqa: ANN003
+    terms = {"request_id": "r1", "block_ids": [[1, 2]], "num_tokens": 20, **kw}
+    return HoldRequest(hold_id=hold_id, tp_rank=rank, **terms)
+
+
+def test_a_hold_is_pending_until_its_last_rank_and_every_rank_gets_the_first_ticket():
+    table = PodPlacements(3)
+    t = ticket()
+    assert table.first(placement(1), t) is t
+    assert table.pending("h1")
+    with pytest.raises(UnknownHoldError, match=r"placed by ranks \[1\] of the pod's 3 only"):
+        table.check_placed("h1")
+    assert table.add(placement(0)) == (t, False)
+    with pytest.raises(PodConflictError) as twice:
+        table.add(placement(0))
+    assert twice.value.field == "tp_rank"
+    for field, value in (("block_ids", [[1, 3]]), ("num_tokens", 21), ("request_id", "r2")):
+        with pytest.raises(PodConflictError) as differs:
+            table.add(placement(2, **{field: value}))
+        assert differs.value.field == field
+    assert table.add(placement(2)) == (t, True)
+    assert not table.pending("h1") and len(table) == 0
+    table.check_placed("h1")  # claimable
+
+
+def test_pending_holds_no_longer_live_are_pruned():
+    table = PodPlacements(2)
+    table.first(placement(0, "a"), ticket("a"))
+    table.first(placement(0, "b"), ticket("b"))
+    table.prune(lambda hold_id: hold_id == "b")
+    assert not table.pending("a") and table.pending("b") and len(table) == 1
+    table.clear()
+    assert len(table) == 0
+
+
+def test_pod_place_needs_a_hold_id_and_rank_and_wakes_claims_at_the_last_rank():
+    async def main() -> None:
+        pod = Pod(2)
+        claims = Placements()
+        for req, field in ((placement(-1), "tp_rank"), (placement(2), "tp_rank"),
+                           (placement(0, hold_id=""), "hold_id")):  # fmt: skip
+            with pytest.raises(HoldRequestError) as bad:
+                pod.place(req, True, claims)
+            assert bad.value.field == field
+        assert pod.place(placement(0), False, claims) is None  # the first: the caller holds
+        t = ticket()
+        pod.placements.first(placement(0), t)
+        assert pod.place(placement(1), False, claims) is None  # the hold is gone: hold again
+        waiter = asyncio.create_task(claims.wait("h1", 30.0))
+        await until(lambda: len(claims) == 1, "the claim waiting")
+        assert pod.place(placement(1), True, claims) is t
+        await asyncio.wait_for(waiter, 5)  # woken by the last rank, long before the 30 s
+
+    asyncio.run(main())

@@ -1,0 +1,189 @@
+"""A pod sidecar's registration (``--pod-ranks N``): every rank of the engine registers on the
+one engine socket into a slot of its own; the answers wait for the whole pod and carry its one
+generation; a taken rank, another TP size or a manifest that differs from the others' is refused
+naming the field; a rank whose pod does not complete in time is refused and its memory let go;
+the handshake names every rank's layout; an unregister from any rank ends the whole pod.
+
+An in-process pod Sidecar over POSIX shm (self-test READ over NIXL loopback), driven on one loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+
+import numpy as np
+import pytest
+from msgspec import structs
+
+from kvxferd.config import Config
+from kvxferd.errors import (
+    ConfigError,
+    ManifestError,
+    NotRegisteredError,
+    PodConflictError,
+    StaleGenerationError,
+)
+from kvxferd.pattern import verify_pattern
+from kvxferd.sidecar.service import Sidecar
+from kvxferd.wire import PullRequest, UnregisterRequest
+from tests.sidecar.harness import TOKEN, plan
+from tests.sidecar.pods import MODEL, PIDS, PodPools, hold_on_all, register_all, run_pod, until
+
+pytestmark = pytest.mark.nixl
+
+
+def test_every_rank_registers_into_its_slot_and_all_answers_carry_one_generation():
+    async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
+        first = asyncio.create_task(sidecar.register(pools.request(2)))
+        await until(lambda: sidecar.pod.slots.missing == [0, 1, 3], "rank 2 in its slot")
+        assert not first.done()  # it waits for the others
+        assert not sidecar.ready and sidecar.identity().generation == -1  # no pod yet
+        rest = await register_all_but(sidecar, pools, 2)
+        answers = [await asyncio.wait_for(first, 30), *rest]
+        assert len({a.generation for a in answers}) == 1
+        assert answers[0].generation == sidecar.generation and sidecar.ready
+        ident = sidecar.identity()
+        assert (ident.pod_ranks, ident.tp_rank, ident.tp_size) == (4, 0, 4)
+        assert sidecar.manifest.tp_rank == 0  # rank 0's manifest on top
+        assert len(sidecar._regions) == sum(len(m.regions) for m in pools.manifests)
+
+    run_pod(scenario, ranks=4, engine_id="pod-register")
+
+
+async def register_all_but(sidecar: Sidecar, pools: PodPools, rank: int) -> list:
+    async with asyncio.timeout(60):
+        return list(await asyncio.gather(
+            *(sidecar.register(pools.request(r)) for r in range(pools.ranks) if r != rank)
+        ))  # fmt: skip
+
+
+def test_a_taken_rank_another_tp_size_or_a_differing_manifest_is_refused_naming_the_field():
+    async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
+        first = asyncio.create_task(sidecar.register(pools.request(0)))
+        await until(lambda: sidecar.pod.slots.missing == [1], "rank 0 in its slot")
+        with pytest.raises(PodConflictError) as taken:
+            await sidecar.register(pools.request(0))
+        assert taken.value.field == "manifest.tp_rank" and taken.value.status == 409
+        other_size = plan(MODEL, tp_size=4, tp_rank=1, num_blocks=pools.manifests[1].num_blocks)
+        with pytest.raises(ManifestError) as size:
+            await sidecar.register(pools.request(1, other_size))
+        assert size.value.field == "manifest.tp_size"
+        differs = structs.replace(pools.manifests[1], model="another-model")
+        with pytest.raises(PodConflictError) as model:
+            await sidecar.register(pools.request(1, differs))
+        assert model.value.field == "manifest.model"
+        assert sidecar.pod.slots.missing == [1] and not first.done()  # refused: nothing kept
+        # Each rank's own segment names (and the engine id it sent) may differ: accepted.
+        own = structs.replace(pools.manifests[1], engine_id="another-process")
+        second = await asyncio.wait_for(sidecar.register(pools.request(1, own)), 30)
+        assert (await asyncio.wait_for(first, 30)).generation == second.generation
+
+    run_pod(scenario, ranks=2, engine_id="pod-conflicts")
+
+
+def test_a_rank_whose_pod_does_not_complete_in_time_is_refused_and_its_memory_let_go():
+    async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
+        registered, deregistered = spy_registrations(sidecar)
+        with pytest.raises(NotRegisteredError, match=r"ranks \[1\] did not register within"):
+            await asyncio.wait_for(sidecar.register(pools.request(0)), 30)
+        assert sidecar.pod.slots.missing == [0, 1] and not sidecar.ready
+        assert registered and sorted(map(id, deregistered)) == sorted(map(id, registered))
+        assert sidecar._regions == []  # nothing of rank 0 is kept
+        # The pod forms afresh once both come (each within the timeout of the other).
+        answers = await register_all(sidecar, pools)
+        assert answers[0].generation == answers[1].generation == sidecar.generation
+
+    run_pod(scenario, ranks=2, engine_id="pod-timeout", pod_register_timeout_s=0.5)
+
+
+def spy_registrations(sidecar: Sidecar) -> tuple[list, list]:
+    """Every NIXL registration the agent makes, and every one it drops."""
+    made, dropped = [], []
+    register, deregister = sidecar.agent.register, sidecar.agent.deregister
+
+    def spy_register(regions):  # noqa: ANN001, ANN202
+        out = register(regions)
+        made.extend(out)
+        return out
+
+    def spy_deregister(reg):  # noqa: ANN001, ANN202
+        dropped.append(reg)
+        return deregister(reg)
+
+    sidecar.agent.register, sidecar.agent.deregister = spy_register, spy_deregister
+    return made, dropped
+
+
+def test_the_handshake_names_every_rank_and_where_its_regions_lie():
+    async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
+        pools.fill(PIDS, seed=11)
+        ours = sidecar._local_handshake()
+        answer = await sidecar.accept_handshake(ours)  # a reader of the same layout
+        assert answer.manifest.tp_rank == 0 and answer.generation == sidecar.generation
+        assert [layout.manifest.tp_rank for layout in answer.pod] == [1, 2, 3]
+        layouts = [(answer.manifest, answer.region_bases)] + [
+            (layout.manifest, layout.region_bases) for layout in answer.pod
+        ]
+        for rank, (manifest, bases) in enumerate(layouts):
+            assert (manifest.engine_id, manifest.epoch) == (sidecar.engine_id, sidecar.epoch)
+            # The bytes at each named base are that rank's own (its pattern, not another's).
+            views = [read_at(base, r.size_bytes) for base, r in zip(bases, manifest.regions,
+                                                                     strict=True)]  # fmt: skip
+            assert verify_pattern(manifest, views, PIDS, seed=11) is None, rank
+            if rank:
+                assert verify_pattern(layouts[0][0], views, PIDS, seed=11) is not None
+
+    run_pod(scenario, ranks=4, engine_id="pod-handshake", registered=True)
+
+
+def read_at(base: int, size: int) -> np.ndarray:
+    """A copy of ``size`` bytes of this process's memory at ``base`` (the sidecar's mapping)."""
+    return np.frombuffer(ctypes.string_at(base, size), dtype=np.uint8).copy()
+
+
+def test_an_unregister_from_any_rank_ends_the_pod_and_the_ranks_register_afresh():
+    async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
+        old = sidecar.generation
+        ticket = hold_on_all(sidecar, pools)
+        await sidecar.unregister(UnregisterRequest(generation=old))  # sent by any one rank
+        assert not sidecar.ready and sidecar.identity().generation == -1
+        assert sidecar._regions == [] and sidecar.pod.slots.missing == [0, 1]
+        with pytest.raises(NotRegisteredError):  # another rank's call of that pod
+            sidecar.released_since(0)
+        with pytest.raises(NotRegisteredError):
+            await sidecar.unregister(UnregisterRequest(generation=old))
+        new = (await register_all(sidecar, pools))[0].generation
+        assert new != old
+        with pytest.raises(StaleGenerationError):  # a rank still at the old pod's generation
+            await sidecar.unregister(UnregisterRequest(generation=old))
+        released = sidecar.released_since(0)
+        assert ticket.hold_id not in {h.hold_id for h in released.holds}  # a new table
+
+    run_pod(scenario, ranks=2, engine_id="pod-unregister", registered=True)
+
+
+def test_an_unregister_releases_the_pods_holds_as_unregistered():
+    async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
+        ticket = hold_on_all(sidecar, pools)
+        holds = sidecar.holds
+        await sidecar.unregister(UnregisterRequest(generation=sidecar.generation))
+        feed = holds.released_since(0)
+        assert [(h.hold_id, h.reason) for h in feed.holds] == [(ticket.hold_id, "unregistered")]
+
+    run_pod(scenario, ranks=2, engine_id="pod-unregister-holds", registered=True)
+
+
+def test_a_pod_sidecar_does_not_pull():
+    async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
+        ticket = hold_on_all(sidecar, pools)
+        with pytest.raises(ConfigError, match="pod sidecar"):
+            await sidecar.start_pull(PullRequest(tickets=[ticket], block_ids=PIDS))
+
+    run_pod(scenario, ranks=2, engine_id="pod-no-pulls", registered=True)
+
+
+def test_a_pod_sidecar_with_a_store_is_refused_at_startup():
+    with pytest.raises(ConfigError, match="pod_ranks: a pod sidecar has no store tier"):
+        Config(peer_token=TOKEN, pod_ranks=2, store_dir="/tmp/kvx-store")
+    Config(peer_token=TOKEN, pod_ranks=1, store_dir="/tmp/kvx-store")  # one rank: as before
