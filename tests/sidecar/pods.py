@@ -2,17 +2,21 @@
 pool in POSIX shm: every rank registers (the registers answer once all did), and a hold is placed
 by every rank. Driven directly on one event loop, as tests/sidecar/inprocess.py drives a rank's.
 
-For a decode-side test that pulls from a pod: :func:`run_pod` with ``registered=True`` and
-``peer_address`` set, then :func:`hold_on_all` (the blocks filled with ``kvxferd.pattern`` of
-``seed``, rank by rank) gives the one signed pod ticket; ``PodPools.manifests`` and ``views``
-are what every rank holds (``verify_pattern`` against them).
+For a decode-side test that pulls from a pod: :func:`pod_process` (a real ``kvxferd serve
+--pod-ranks N`` with every rank registered over its engine socket) and :func:`hold_ranks` (the
+blocks PIDS filled with ``kvxferd.pattern`` of ``seed``, each rank's own, then the hold placed
+by every rank) give the one signed pod ticket; ``PodPools.manifests[r]`` and
+``PodPools.pools[r].views`` are what rank r holds (``verify_pattern`` against them). In this
+process: :func:`run_pod` with ``registered=True``, then :func:`hold_on_all`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvxferd.config import Config
@@ -21,7 +25,7 @@ from kvxferd.pattern import write_pattern
 from kvxferd.sidecar.service import Sidecar
 from kvxferd.sim.kvpool import plan_ranks
 from kvxferd.wire import HoldRequest, Manifest, RegisterRequest, RegisterResponse, Ticket
-from tests.sidecar.harness import TOKEN, EnginePool
+from tests.sidecar.harness import QUIET, TOKEN, EnginePool, SidecarProcess, start_sidecar
 
 MODEL = "llama-3.1-8b"
 NUM_BLOCKS = 8
@@ -125,3 +129,55 @@ async def until(predicate: Callable[[], object], what: str, timeout_s: float = 1
                 await asyncio.sleep(0.005)
     except TimeoutError:
         raise AssertionError(f"timed out after {timeout_s} s waiting for {what}") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# The same over a real ``kvxferd serve --pod-ranks N`` process (its engine socket, every rank's
+# calls from its own client, as the pod's N workers make them)
+# ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def pod_process(
+    tmp_dir: str, ranks: int, *extra: str, name: str = "pod", env: dict[str, str] | None = None
+) -> Iterator[tuple[SidecarProcess, PodPools]]:
+    """A ``kvxferd serve --pod-ranks ranks`` child (``extra`` flags, no progress thread unless
+    ``env`` says) with every rank of a fresh pool registered; on the way out it must stop
+    cleanly (exit 0)."""
+    sidecar = start_sidecar(tmp_dir, name, "--pod-ranks", str(ranks), *extra,
+                            env={**QUIET, **(env or {})})  # fmt: skip
+    pools = PodPools(ranks)
+    try:
+        register_ranks(sidecar, pools)
+        yield sidecar, pools
+    finally:
+        code = sidecar.stop()
+        pools.close()
+    assert code == 0
+
+
+def register_ranks(sidecar: SidecarProcess, pools: PodPools, timeout_s: float = 60.0) -> list:
+    """Every rank's register on the engine socket at once, each from its own thread and client
+    (each answers only once all did); the answers, rank order."""
+
+    def one(rank: int) -> RegisterResponse:
+        with sidecar.client(timeout_s=timeout_s) as c:
+            req = pools.request(rank)
+            return c.register(req.manifest, req.regions, instance=f"rank-{rank}")
+
+    with ThreadPoolExecutor(pools.ranks) as ex:
+        futures = [ex.submit(one, r) for r in range(pools.ranks)]
+        return [f.result(timeout=timeout_s + 10) for f in futures]
+
+
+def hold_ranks(sidecar: SidecarProcess, pools: PodPools, generation: int, *,
+               hold_id: str = "pod-h1", seed: int = 5, **kw: Any) -> Ticket:  # fmt: skip
+    """Fill PIDS of every rank with the pattern of ``seed`` and place hold ``hold_id`` from
+    every rank's client (rank order): the pod's ticket, every rank's answer checked the same."""
+    pools.fill(PIDS, seed)
+    tickets = []
+    for rank in range(pools.ranks):
+        with sidecar.client() as c:
+            tickets.append(c.hold(hold_request(rank, generation, hold_id, **kw)))
+    assert all(t == tickets[0] for t in tickets), tickets
+    return tickets[0]
