@@ -215,7 +215,7 @@ class Sidecar:
         be told the same generation)."""
         if self._registering:  # checked first: its manifest is set before its self-test ends
             raise RegisterInProgressError("register: another engine's register is in progress")
-        if self.manifest is not None:
+        if self.manifest is not None and self.pod is None:  # a pod: its ranks' slots are taken
             raise AlreadyRegisteredError(
                 "register: this sidecar already has an engine; restart it first"
             )

@@ -47,6 +47,9 @@ def test_every_rank_registers_into_its_slot_and_all_answers_carry_one_generation
         assert (ident.pod_ranks, ident.tp_rank, ident.tp_size) == (4, 0, 4)
         assert sidecar.manifest.tp_rank == 0  # rank 0's manifest on top
         assert len(sidecar._regions) == sum(len(m.regions) for m in pools.manifests)
+        with pytest.raises(PodConflictError) as again:  # a complete pod: every rank is taken
+            await sidecar.register(pools.request(1))
+        assert again.value.field == "manifest.tp_rank"
 
     run_pod(scenario, ranks=4, engine_id="pod-register")
 
