@@ -11,6 +11,7 @@ wait ended and before the store wait does.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -34,19 +35,19 @@ def test_a_claimed_hold_read_while_the_store_copies_still_run_lets_the_unregiste
         assert holds is not None
         holds.claim(ticket.hold_id, "d0", 60.0, block_ids=[[5]], reader_tp_size=1)
 
-        until_read, hold_wait_over = sidecar._until_read, asyncio.Event()
+        until_read, hold_wait_over = service.wait_while, asyncio.Event()
 
-        async def hold_wait(table: object, timeout_s: float) -> int:
-            left = await until_read(table, timeout_s)  # type: ignore[arg-type]
+        async def hold_wait(busy: Callable[[], bool], changed: asyncio.Event,
+                            timeout_s: float) -> None:  # fmt: skip
+            await until_read(busy, changed, timeout_s)
             hold_wait_over.set()
-            return left
 
         async def store_copies_end_late(timeout_s: float) -> int:
             await asyncio.wait_for(hold_wait_over.wait(), 10)
             holds.notify(ticket.hold_id, "d0")  # the reader is done meanwhile
             return 0
 
-        monkeypatch.setattr(sidecar, "_until_read", hold_wait)
+        monkeypatch.setattr(service, "wait_while", hold_wait)  # the wait for read holds
         monkeypatch.setattr(sidecar.offload, "stop", store_copies_end_late)
         try:
             await asyncio.wait_for(
