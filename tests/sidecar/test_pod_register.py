@@ -100,6 +100,22 @@ def test_a_rank_whose_pod_does_not_complete_in_time_is_refused_and_its_memory_le
     run_pod(scenario, ranks=2, engine_id="pod-timeout", pod_register_timeout_s=0.5)
 
 
+def test_a_register_cancelled_while_it_waits_for_the_pod_lets_its_slot_and_memory_go():
+    async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
+        registered, deregistered = spy_registrations(sidecar)
+        waiting = asyncio.create_task(sidecar.register(pools.request(1)))
+        await until(lambda: sidecar.pod.slots.missing == [0], "rank 1 in its slot")
+        waiting.cancel()  # its worker went away (a server that cancels the call)
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert sidecar.pod.slots.missing == [0, 1]
+        assert registered and sorted(map(id, deregistered)) == sorted(map(id, registered))
+        answers = await register_all(sidecar, pools)  # rank 1 may come again
+        assert answers[0].generation == answers[1].generation
+
+    run_pod(scenario, ranks=2, engine_id="pod-cancelled")
+
+
 def spy_registrations(sidecar: Sidecar) -> tuple[list, list]:
     """Every NIXL registration the agent makes, and every one it drops."""
     made, dropped = [], []
