@@ -5,8 +5,9 @@ One ``kvxferd serve`` process serves the pod: each of its N ranks registers its 
 shared engine socket and places every hold under the same id. The decode sidecars (TP 1, and
 both ranks of TP 2) read each rank's TP slice from the one agent, as they would from N rank
 sidecars: every byte of every layer of every block they read is checked, and nothing outside
-those blocks changed. The models: a Mamba2 hybrid at TP 2 and 4, and a GDN hybrid whose 2 KV
-heads are replicated at TP 4 (ranks 1 and 3 read by no decode rank of TP 1 or 2).
+those blocks changed. The models: a Mamba2 hybrid at TP 2 and 4, a GDN hybrid at TP 2 (the
+planner gives these the same block sizes at TP 1, 2 and 4, so the same ids address the same
+tokens), and a llama cut to one KV head, replicated at TP 2 (decode TP 1 reads rank 0 alone).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from kvxferd import descriptors
+from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
 from kvxferd.pattern import verify_pattern, write_pattern
 from kvxferd.wire import HoldRequest, Manifest, PullRequest, Ticket
 from tests.sidecar.harness import (
@@ -35,6 +37,18 @@ from tests.sidecar.harness import (
 )
 
 pytestmark = pytest.mark.nixl
+
+ONE_KV_HEAD = "llama-1kv"
+"""llama-3.1-8b cut to 4 layers with a single KV head, held by both ranks at TP 2."""
+
+
+def _plan(config: str, tp_size: int, tp_rank: int, num_blocks: int) -> Manifest:
+    if config != ONE_KV_HEAD:
+        return plan(config, tp_size=tp_size, tp_rank=tp_rank, num_blocks=num_blocks)
+    hf = dict(load_hf_config("llama-3.1-8b"), num_key_value_heads=1, num_hidden_layers=4)
+    opts = PlanOptions(tp_size=tp_size, tp_rank=tp_rank, num_blocks=num_blocks,
+                       engine_id=f"t{uuid.uuid4().hex[:8]}")  # unique region names  # fmt: skip
+    return plan_manifest(hf, opts)
 
 
 @dataclass
@@ -59,17 +73,22 @@ class Cluster:
 
 @pytest.fixture(
     scope="module",
-    params=[("granite-4.0-h-tiny", 2), ("granite-4.0-h-tiny", 4), ("qwen3-next-80b-a3b", 4)],
-    ids=["mamba2-hybrid-pod2", "mamba2-hybrid-pod4", "gdn-hybrid-pod4"],
+    params=[
+        ("granite-4.0-h-tiny", 2),
+        ("granite-4.0-h-tiny", 4),
+        ("qwen3-next-80b-a3b", 2),
+        (ONE_KV_HEAD, 2),
+    ],
+    ids=["mamba2-hybrid-pod2", "mamba2-hybrid-pod4", "gdn-hybrid-pod2", "replicated-kv-head-pod2"],
 )
 def cluster(request, tmp_path_factory):
     config, size = request.param
-    probe = plan(config, num_blocks=4)
+    probe = _plan(config, 1, 0, 4)
     counts = [1 if g.kind == "mamba" else 3 for g in probe.groups]
     num_blocks = 2 * sum(counts) + 1  # room to fragment; block 0 stays unused
-    pod = [plan(config, tp_size=size, tp_rank=r, num_blocks=num_blocks) for r in range(size)]
-    decode = [plan(config, num_blocks=num_blocks)]
-    decode += [plan(config, tp_size=2, tp_rank=r, num_blocks=num_blocks) for r in range(2)]
+    pod = [_plan(config, size, r, num_blocks) for r in range(size)]
+    decode = [_plan(config, 1, 0, num_blocks)] + [_plan(config, 2, r, num_blocks) for r in range(2)]
+    assert len({tuple(g.block_size for g in m.groups) for m in pod + decode}) == 1
     tmp = str(tmp_path_factory.mktemp(f"pod-{config}-{size}"))
     pod_sidecar = start_sidecars(tmp, ["pod"], "--pod-ranks", str(size), env=QUIET)[0]
     others = start_sidecars(tmp, ["tp1-r0", "tp2-r0", "tp2-r1"], env=QUIET)
