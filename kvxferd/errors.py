@@ -291,7 +291,8 @@ class RegisterInProgressError(AlreadyRegisteredError):
 class PodConflictError(KvxferdError):
     """A pod sidecar's rank (``serve --pod-ranks``) disagrees with the pod: its register names a
     rank already taken or a manifest that differs from the other ranks', its hold placement
-    repeats its rank or differs from the first rank's; ``field`` names what (HTTP 409)."""
+    repeats its rank or differs from the first rank's, or it asks a prefill pod to pull;
+    ``field`` names what (HTTP 409)."""
 
     status = 409
 

@@ -24,11 +24,11 @@ from kvxferd.aio import wait_while
 from kvxferd.config import Config
 from kvxferd.errors import (
     AlreadyRegisteredError,
-    ConfigError,
     FabricNotReadyError,
     IncompatiblePeerError,
     MemoryInUseError,
     NotRegisteredError,
+    PodConflictError,
     RegisterInProgressError,
     SegmentTooSmallError,
     StaleGenerationError,
@@ -515,8 +515,9 @@ class Sidecar:
         self._require_engine()
         self._check_generation(generation)
         if self.pod is not None:
-            raise ConfigError(f"pulls: a prefill pod sidecar (--pod-ranks {self.pod.ranks}) "
-                              "does not pull; a decode rank pulls through its own")  # fmt: skip
+            raise PodConflictError("tickets", f"a prefill pod sidecar (--pod-ranks "
+                                   f"{self.pod.ranks}) does not pull; a decode rank pulls "
+                                   "through its own")  # fmt: skip
 
     def _check_generation(self, generation: int | None) -> None:
         """Refuse an engine call whose block ids mean an earlier registration's memory (None:

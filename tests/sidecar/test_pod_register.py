@@ -196,8 +196,9 @@ def test_an_unregister_releases_the_pods_holds_as_unregistered():
 def test_a_pod_sidecar_does_not_pull():
     async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
         ticket = hold_on_all(sidecar, pools)
-        with pytest.raises(ConfigError, match="pod sidecar"):
+        with pytest.raises(PodConflictError, match="pod sidecar") as exc:  # a 409, not a 500
             await sidecar.start_pull(PullRequest(tickets=[ticket], block_ids=PIDS))
+        assert exc.value.field == "tickets"
 
     run_pod(scenario, ranks=2, engine_id="pod-no-pulls", registered=True)
 
