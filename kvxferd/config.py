@@ -71,8 +71,10 @@ class Config:
     pod_ranks: int = 1
     """Engine TP ranks served by this one sidecar (a pod sidecar: one agent, one ticket and one
     READ per request for all of them; every rank registers on the engine socket); 1: one rank."""
-    pod_register_timeout_s: float = 60.0
-    """How long a pod rank's register waits for the pod's other ranks to register."""
+    pod_register_timeout_s: float = 20.0
+    """How long a pod rank's register waits for the pod's other ranks to register (then 503,
+    its slot let go, and the worker retries); less than the engine client's 30 s timeout, so the
+    answer comes before the client gives up on a call whose slot it still holds."""
     max_claim_s: float = 120.0
     """Longest a claim pins a hold; the claim answer tells the reader what it got."""
     released_feed_bytes: int = 64 << 20

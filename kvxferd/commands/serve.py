@@ -62,7 +62,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    "prefill only, no --store-dir); default 1")  # fmt: skip
     p.add_argument("--pod-register-timeout", type=float, dest="pod_register_timeout_s",
                    metavar="S",
-                   help="seconds a pod rank's register waits for the others")  # fmt: skip
+                   help="seconds a pod rank's register waits for the others, then 503 "
+                   "(default 20: under the engine client's 30 s timeout)")  # fmt: skip
     p.add_argument("--max-claim", type=float, dest="max_claim_s", metavar="S",
                    help="longest a claim pins a hold in seconds")  # fmt: skip
     p.add_argument("--engine-id", metavar="ID",
