@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -55,13 +56,31 @@ def start_sidecar(
     return start_sidecars(tmp_dir, [name], *extra, port=port, env=env)[0]
 
 
+ONE_KV_HEAD = "llama-1kv"
+"""A config name :func:`plan` knows beside the HF ones: llama-3.1-8b cut to 4 layers with a single
+KV head, which every rank of a TP 2 engine holds (replicated: decode TP 1 reads it from rank 0
+alone, and rank 1 is read by nobody)."""
+
+
 def plan(config: str, *, tp_size: int = 1, tp_rank: int = 0, num_blocks: int = 16,
          **options: object) -> Manifest:  # fmt: skip
     """A planned manifest with region names unique to this test run."""
     engine = f"t{uuid.uuid4().hex[:8]}"
     opts = PlanOptions(tp_size=tp_size, tp_rank=tp_rank, num_blocks=num_blocks,
                        engine_id=engine, **options)  # type: ignore[arg-type]  # fmt: skip
+    if config == ONE_KV_HEAD:
+        hf = dict(load_hf_config("llama-3.1-8b"), num_key_value_heads=1, num_hidden_layers=4)
+        return plan_manifest(hf, opts)
     return plan_manifest(load_hf_config(config), opts)
+
+
+@dataclass
+class EngineRank:
+    """One engine rank: its sidecar (a pod's ranks share one), manifest and pool."""
+
+    sidecar: Sidecar
+    manifest: Manifest
+    pool: EnginePool
 
 
 class EnginePool(RankPool):

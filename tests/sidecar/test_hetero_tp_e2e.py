@@ -11,21 +11,20 @@ these models (checked below), so no block_size override is needed.
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
 from kvxferd import descriptors
-from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
 from kvxferd.pattern import verify_pattern, write_pattern
 from kvxferd.wire import HoldRequest, Manifest, PullRequest, Ticket
 from tests.sidecar.harness import (
+    ONE_KV_HEAD,
     QUIET,
     EnginePool,
+    EngineRank,
     ReleasedFeed,
-    Sidecar,
     changed_outside,
     plan,
     split_ids,
@@ -35,27 +34,12 @@ from tests.sidecar.harness import (
 
 pytestmark = pytest.mark.nixl
 
-ONE_KV_HEAD = "llama-1kv"
-"""llama-3.1-8b cut to 4 layers with a single KV head: at TP 2 both prefill ranks hold that one
-head (replicated), so decode TP 1 reads it from rank 0 only and rank 1 is read by nobody."""
-
 
 def _manifest(config: str, tp_size: int, tp_rank: int, num_blocks: int) -> Manifest:
-    if config != ONE_KV_HEAD:
-        return plan(config, tp_size=tp_size, tp_rank=tp_rank, num_blocks=num_blocks)
-    hf = dict(load_hf_config("llama-3.1-8b"), num_key_value_heads=1, num_hidden_layers=4)
-    engine = f"t{uuid.uuid4().hex[:8]}"  # unique region names, as harness.plan does
-    opts = PlanOptions(tp_size=tp_size, tp_rank=tp_rank, num_blocks=num_blocks, engine_id=engine)
-    return plan_manifest(hf, opts)
+    return plan(config, tp_size=tp_size, tp_rank=tp_rank, num_blocks=num_blocks)
 
 
-@dataclass
-class Rank:
-    """One engine rank: its sidecar, manifest and pool."""
-
-    sidecar: Sidecar
-    manifest: Manifest
-    pool: EnginePool
+Rank = EngineRank
 
 
 @dataclass

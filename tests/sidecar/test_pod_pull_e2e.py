@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 
 from kvxferd import descriptors
-from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
 from kvxferd.pattern import verify_pattern, write_pattern
 from kvxferd.wire import HoldRequest, Manifest, PullRequest, Ticket
 from tests.sidecar.harness import (
+    ONE_KV_HEAD,
     QUIET,
     EnginePool,
+    EngineRank,
     ReleasedFeed,
-    Sidecar,
     changed_outside,
     metric,
     plan,
@@ -38,26 +38,11 @@ from tests.sidecar.harness import (
 
 pytestmark = pytest.mark.nixl
 
-ONE_KV_HEAD = "llama-1kv"
-"""llama-3.1-8b cut to 4 layers with a single KV head, held by both ranks at TP 2."""
+Rank = EngineRank
 
 
 def _plan(config: str, tp_size: int, tp_rank: int, num_blocks: int) -> Manifest:
-    if config != ONE_KV_HEAD:
-        return plan(config, tp_size=tp_size, tp_rank=tp_rank, num_blocks=num_blocks)
-    hf = dict(load_hf_config("llama-3.1-8b"), num_key_value_heads=1, num_hidden_layers=4)
-    opts = PlanOptions(tp_size=tp_size, tp_rank=tp_rank, num_blocks=num_blocks,
-                       engine_id=f"t{uuid.uuid4().hex[:8]}")  # unique region names  # fmt: skip
-    return plan_manifest(hf, opts)
-
-
-@dataclass
-class Rank:
-    """One engine rank: its sidecar (a pod's ranks share one), manifest and pool."""
-
-    sidecar: Sidecar
-    manifest: Manifest
-    pool: EnginePool
+    return plan(config, tp_size=tp_size, tp_rank=tp_rank, num_blocks=num_blocks)
 
 
 @dataclass
