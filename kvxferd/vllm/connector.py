@@ -1,9 +1,30 @@
-"""KvxferdConnector: vLLM 0.33's KV connector interface over one kvxferd sidecar per rank.
+"""KvxferdConnector: vLLM 0.33's KV connector interface over one kvxferd sidecar per rank, or
+over one pod sidecar for every rank of a prefill engine.
 
 ``kv_connector_extra_config``: ``sidecar_socket`` (a path with ``{rank}``), ``peer_token_file``
 (else ``KVXFERD_PEER_TOKEN``), ``partial_prefill`` (default: on for Mamba hybrids), and the
 store's ``store``, ``store_order``, ``store_chunk_tokens``, ``store_lookup_timeout_s``
 (kvxferd.vllm.storeplan.StoreOptions).
+
+``"pod": true`` (default false): the engine's TP workers share one pod sidecar (``kvxferd serve
+--pod-ranks N``, N the TP size; ``sidecar_socket`` one path without ``{rank}``, default
+``/run/kvxferd/engine.sock``). The setting is explicit, not read from the sidecar's identity,
+so the scheduler knows before any call how many identities to read; each worker checks the
+identity against it at start (ConfigError either way: a pod sidecar without ``"pod"``, a rank
+sidecar or a pod of another size with it). Then every worker registers its own rank on the one
+socket (the registers answer together, one generation; each worker holds its own engine lock,
+``<socket>.engine.lock.<rank>``) under an instance id the engine's workers share; the scheduler
+reads the one identity and mints one ticket per request (``ranks`` N), which the
+``kv_transfer_params`` carry alone; every worker places each hold under the scheduler's hold id
+with its ``tp_rank`` and reads the released feed with its own cursor. Sleep: the first worker's
+unregister ends the pod, the others wait until it has gone (their memory stays registered until
+then); wake-up: every worker registers again and the registers pair up at the sidecar. A worker
+refused as not registered (an unregister behind the engine) registers again at its next refused
+call, as with a rank's own sidecar; its register waits for the other ranks' (at most the
+sidecar's ``--pod-register-timeout``, then it tries again at its next refused call). Refused at
+start with a pod (ConfigError): ``{rank}`` in the socket, TP 1, ``kv_role`` kv_consumer and the
+store; a decode request that reaches a pod engine is computed locally (its tickets declined).
+A decode engine pulls from a pod with its own sidecar per rank, as from any prefill.
 """
 
 from __future__ import annotations
@@ -23,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvxferd.client import EngineClient, frames_available
 from kvxferd.errors import ConfigError
+from kvxferd.vllm import pod as pods
 from kvxferd.vllm.manifest import ConvGeometry, conv_geometry
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
 from kvxferd.vllm.storeplan import StoreOptions, StorePlanner
@@ -116,11 +138,14 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         _check_parallelism(vllm_config.parallel_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self._socket = extra.get("sidecar_socket", DEFAULT_SOCKET)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._store_options = StoreOptions.from_extra(extra)
+        self._pod = pods.check_config(extra, tp_size=tp_size, store=self._store_options.mode,
+                                      kv_role=str(self._kv_transfer_config.kv_role))  # fmt: skip
+        default = pods.DEFAULT_POD_SOCKET if self._pod else DEFAULT_SOCKET
+        self._socket = extra.get("sidecar_socket", default)
         self._lookup_client: EngineClient | None = None
         if role == KVConnectorRole.SCHEDULER:
             hybrid = bool(vllm_config.model_config.is_hybrid)
@@ -142,20 +167,27 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
                 partial_prefill=bool(extra.get("partial_prefill", hybrid)),
                 group_kinds=_group_kinds(kv_cache_config),
                 store=store,
+                pod=self._pod,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
             self._worker = WorkerSide(
-                self._socket.format(rank=rank),
+                self._socket if self._pod else self._socket.format(rank=rank),
                 model=vllm_config.model_config.model,
                 tp_rank=rank,
                 tp_size=tp_size,
                 conv=_conv_geometry(vllm_config, tp_size),
+                pod=self._pod,
+                instance=pods.shared_instance(vllm_config) if self._pod else None,
             )
 
     def _read_identities(self, tp_size: int) -> list[Any]:
+        """Each rank's sidecar identity (a pod's: the one)."""
+        if self._pod:
+            with EngineClient(self._socket, timeout_s=5.0) as client:
+                return [client.identity()]
         out = []
         for rank in range(tp_size):
             with EngineClient(self._socket.format(rank=rank), timeout_s=5.0) as client:

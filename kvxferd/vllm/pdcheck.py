@@ -67,8 +67,9 @@ class Rank:
 
     def __init__(
         self, engine: cpu.Engine, layout: str, tp_rank: int = 0, *,
-        sidecar_socket: str | None = None, fill: int | None = None,
+        sidecar_socket: str | None = None, fill: int | None = None, register: bool = True,
     ) -> None:  # fmt: skip
+        """``register`` False: the caller calls :meth:`register` (a pod's ranks, at once)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         size = engine.kv_cache_config.kv_cache_tensors[0].size
@@ -86,16 +87,22 @@ class Rank:
                 self.connector = KvxferdConnector(
                     engine.config, KVConnectorRole.WORKER, engine.kv_cache_config
                 )
-            try:
-                self.connector.register_kv_caches(self.views)
-            except BaseException:
-                self.connector.shutdown()
-                raise
         except BaseException:  # the segment goes with a rank that could not start
             self.shm.close()
             raise
-        self.manifest = self.connector._worker.manifest
+        self.manifest: Any = None
         self.failed: set[str] = set()  # failed loads vLLM was told of (hybrids: no block ids)
+        if register:
+            self.register()
+
+    def register(self) -> None:
+        """vLLM's ``register_kv_caches`` (the rank is closed if it fails)."""
+        try:
+            self.connector.register_kv_caches(self.views)
+        except BaseException:
+            self.close()
+            raise
+        self.manifest = self.connector._worker.manifest
 
     def arrays(self) -> list[np.ndarray]:
         """Each manifest region's bytes."""

@@ -1,8 +1,9 @@
 """The scheduler side of the connector: tickets minted here, holds and pulls handed to workers.
 
 ``request_finished_all_groups`` must answer at once, so the scheduler process mints each prefill
-rank's ticket itself (the shared secret read locally, each rank's Identity read once) and the
-workers place the holds with the minted ids in the same step. On the decode side a request with
+rank's ticket itself (the shared secret read locally, each rank's Identity read once; a pod
+sidecar's one Identity and one ticket for every rank) and the workers place the holds with the
+minted ids in the same step. On the decode side a request with
 tickets loads asynchronously (WAITING_FOR_REMOTE_KVS) and pulls only the blocks it lacks.
 
 A decode's ``kv_transfer_params`` come from whoever sent the request, and an exception raised in
@@ -201,9 +202,11 @@ class SchedulerSide:
         partial_prefill: bool,
         group_kinds: list[str] | None = None,
         store: StorePlanner | None = None,
+        pod: bool = False,
     ) -> None:
         self.engine_id = engine_id
         self.tp_size = tp_size
+        self.pod = pod  # the workers share one pod sidecar: one identity, one ticket
         self._secret = secret
         self._identities = identities
         self._known: list[Identity] | None = None
@@ -237,7 +240,11 @@ class SchedulerSide:
         except KvxferdError as exc:
             log.warning("prefill sidecars unavailable, finishing without holds: %s", exc)
         else:
-            if len(idents) == self.tp_size and all(i.generation >= 0 for i in idents):
+            shape = [self.tp_size] if self.pod else [1] * self.tp_size  # pod_ranks per sidecar
+            if [i.pod_ranks for i in idents] != shape:  # the workers refuse it at start
+                log.warning("prefill sidecars serve %s ranks, expected %s: finishing without "
+                            "holds", [i.pod_ranks for i in idents], shape)  # fmt: skip
+            elif all(i.generation >= 0 for i in idents):
                 return idents
             log.warning("a prefill sidecar has no engine registered: finishing without holds")
             self._known = None
@@ -332,6 +339,11 @@ class SchedulerSide:
             return None
         if groups is None and self.group_kinds is not None:
             groups = len(self.group_kinds)
+        if self.pod:  # its sidecar only holds: a pull through it would be refused
+            why = "this engine's workers share a prefill pod sidecar, which does not pull"
+            self._drop(request, InvalidRequestError(f"{tp.FIELD}.do_remote_prefill", why),
+                       "computed_locally")  # fmt: skip
+            return None
         try:
             n = len(request.prompt_token_ids or ())  # None: a prompt of embeddings
             remote = read_remote(params, n, self.block_size, groups)
@@ -342,7 +354,7 @@ class SchedulerSide:
             self._drop(request, exc)
             return None
 
-    def _drop(self, request: Any, exc: InvalidRequestError) -> None:
+    def _drop(self, request: Any, exc: InvalidRequestError, reason: str = "malformed") -> None:
         """Compute ``request`` locally: its params do not check out (declining its tickets,
         when they parse, frees the prefill's blocks at once)."""
         self._dequeued(request)
@@ -354,7 +366,7 @@ class SchedulerSide:
             tickets = tp.parse_tickets(params)
         except InvalidRequestError:
             return
-        self.orders.declines.append(Decline(msgspec.to_builtins(tickets), "malformed"))
+        self.orders.declines.append(Decline(msgspec.to_builtins(tickets), reason))
 
     def _store_hit(self, request: Any, remote: bool, num_computed: int) -> int:
         """Tokens to load from the store: only with nothing cached locally; with remote params
@@ -427,7 +439,8 @@ class SchedulerSide:
     # ---------------------------------------------------------------- prefill side
 
     def finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
-        """A prefill finished: mint one ticket per rank, order the holds, delay the free. With
+        """A prefill finished: mint one ticket per rank (a pod: one), order the holds, delay the
+        free. With
         store saves on, any request that ended normally is saved first (next step's orders)."""
         self._dequeued(request)
         if self.store is not None:

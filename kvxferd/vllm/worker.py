@@ -1,4 +1,5 @@
-"""The worker side of the connector: one kvxferd sidecar per rank, driven over the engine API.
+"""The worker side of the connector: one kvxferd sidecar per rank (or one pod sidecar every rank
+of the engine shares, kvxferd.vllm.pod), driven over the engine API.
 
 Registers vLLM's one backing allocation as many regions (a POSIX shared-memory segment on CPU,
 a CUDA IPC handle on GPU), places the holds the scheduler minted, starts the pulls, sends
@@ -34,6 +35,7 @@ from kvxferd.memory import CudaIpcRegion, shm_segment
 from kvxferd.sidecar.reads import QUARANTINE_S, SETTLE_S
 from kvxferd.vllm.manifest import ConvGeometry, backing_allocation, shift_regions, vllm_manifest
 from kvxferd.vllm.outbox import Outbox
+from kvxferd.vllm.pod import check_identity
 from kvxferd.vllm.quiet import QuietClient
 from kvxferd.vllm.scheduler import KEEPALIVE_EXTEND_S, StepOrders
 from kvxferd.vllm.storeio import StoreCalls
@@ -79,6 +81,8 @@ class WorkerSide:
         tp_rank: int,
         tp_size: int,
         conv: ConvGeometry | None = None,
+        pod: bool = False,
+        instance: str | None = None,
     ) -> None:
         # Frames when the sidecar serves them as this worker starts (else HTTP for its life).
         self.socket_path = socket_path
@@ -92,7 +96,9 @@ class WorkerSide:
         self.conv = conv  # how Mamba/GDN conv states are laid out (None: one shard per rank)
         self.generation = -1  # sent with every hold, pull and store call: the sidecar checks it
         self.epoch = -1  # the sidecar's boot epoch at our registration
-        self.instance = uuid.uuid4().hex  # this process's own id, told apart from another's
+        self.pod = pod  # the engine's ranks share this sidecar (a pod's): holds name our rank
+        # this engine's own id, told apart from another's (a pod's workers share one)
+        self.instance = instance or uuid.uuid4().hex
         self._lock: int | None = None  # fd holding <sidecar_socket>.engine.lock, once taken
         self._given_up_to: str | None = None  # instance ("": none named) it left the sidecar to
         self.manifest: Any = None  # what was registered (offsets from the segment start)
@@ -207,11 +213,8 @@ class WorkerSide:
                 f"({theirs}), this connector {ENGINE_API_VERSION} (kvxferd {__version__}): run "
                 "one kvxferd release in the engine and sidecar images"
             )
-        if ident.pod_ranks != 1:  # the connector's ranks each place holds and mint tickets
-            raise ConfigError(f"sidecar at {self.socket_path} serves a pod of {ident.pod_ranks} "
-                              "ranks (serve --pod-ranks): the vLLM connector needs a sidecar per "
-                              "rank for now; start it without --pod-ranks")  # fmt: skip
-        if ident.generation >= 0 and ident.tp_rank != self.tp_rank:
+        check_identity(ident, self.socket_path, self.pod, self.tp_size)
+        if ident.generation >= 0 and ident.tp_rank != self.tp_rank and not self.pod:
             # Not an earlier engine of this rank: another rank's live registration, which an
             # unregister would take from under it (ranks sharing one socket).
             raise ConfigError(
@@ -230,13 +233,14 @@ class WorkerSide:
         return True
 
     def _lock_sidecar(self) -> bool:
-        """Hold ``<sidecar_socket>.engine.lock`` for this process's life (whether it is held
-        now): a second engine given the same sidecar is refused at start (PathInUseError), while
-        one restarted after its predecessor exited finds it free. Where the engine may not make
-        that file, it goes on unlocked: the registration generation still keeps two engines'
-        memory apart."""
+        """Hold ``<sidecar_socket>.engine.lock`` (a pod's: ``.engine.lock.<rank>``) for this
+        process's life (whether it is held now): a second engine given the same sidecar is
+        refused at start (PathInUseError), while one restarted after its predecessor exited
+        finds it free. Where the engine may not make that file, it goes on unlocked: the
+        registration generation still keeps two engines' memory apart."""
         try:
-            self._lock = hold_lock(self.socket_path + ".engine.lock", "sidecar_socket",
+            lock = self.socket_path + ".engine.lock" + (f".{self.tp_rank}" if self.pod else "")
+            self._lock = hold_lock(lock, "sidecar_socket",
                                    f"{self.socket_path} is in use by another engine")  # fmt: skip
         except PathInUseError:
             raise
@@ -268,7 +272,8 @@ class WorkerSide:
         """Unregister ``generation``, retrying (bounded by the sidecar's longest claim, or the
         longest an unsettled READ is quarantined) while it refuses because a decode that claimed
         a hold may still READ this memory, or a READ may still write it: it must not be reused
-        under that READ."""
+        under that READ. A pod's: refused because another rank unregisters it, it returns once
+        that has ended (this rank's memory stays registered until then)."""
         deadline = time.monotonic() + max(max_claim_s, QUARANTINE_S) + _UNREGISTER_SLACK_S
         while True:
             try:
@@ -278,6 +283,14 @@ class WorkerSide:
                     raise
                 log.info("unregister waits: %s", exc)
                 time.sleep(1.0)  # a refusal for a read waited a few seconds already
+            except (NotRegisteredError, StaleGenerationError):
+                if not self.pod:
+                    raise
+                if self.client.identity().generation != generation:
+                    return  # another rank's unregister ended it
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)  # another rank's unregister is letting the pod go
 
     def restore(self) -> None:
         """vLLM's wake-up: register the same tensors again (a new generation; the scheduler
@@ -300,6 +313,7 @@ class WorkerSide:
                         num_tokens=h.num_tokens,
                         hold_id=h.hold_id,
                         generation=self.generation,
+                        tp_rank=self.tp_rank if self.pod else -1,
                     )
                 )
             except KvxferdError as exc:
@@ -315,7 +329,8 @@ class WorkerSide:
                 if isinstance(exc, (NotRegisteredError, StaleGenerationError)):
                     self._recover()
                 continue
-            minted = h.minted[self.tp_rank] if len(h.minted) > self.tp_rank else None
+            rank = 0 if self.pod else self.tp_rank  # a pod's one ticket
+            minted = h.minted[rank] if len(h.minted) > rank else None
             if minted is not None and minted != (placed.epoch, placed.generation):
                 # The ticket names an epoch/generation this sidecar no longer has: no claim can
                 # match it, so give the hold up now and have the scheduler re-read identities.

@@ -2,7 +2,8 @@
 
 A proxy sends a prefill ``{"do_remote_decode": true, ...}``; the prefill answers with
 ``do_remote_prefill: true``, the remote block ids per group, where its rank-0 sidecar is, its
-TP size and ``kvxferd_tickets`` (one signed Ticket per prefill rank, in rank order), which the
+TP size and ``kvxferd_tickets`` (one signed Ticket per prefill rank, in rank order; one alone,
+``ranks`` = TP size, from a prefill pod sidecar), which the
 proxy hands to a decode unchanged. Anyone who can reach a decode's OpenAI port can send these
 params, so every field is checked before it is acted on (the simulator and the vLLM connector
 read them with the functions here).
@@ -51,7 +52,20 @@ def parse_tickets(params: dict[str, Any]) -> list[Ticket]:
         match = _AT.match(one_line(str(exc)))  # an unknown field's name is the sender's text
         assert match is not None
         raise InvalidRequestError(field + (match["path"] or ""), match["message"]) from exc
+    if len(tickets) == 1 and tickets[0].ranks > 1:  # a pod sidecar's one ticket
+        t = tickets[0]
+        if t.tp_rank != 0 or t.tp_size != t.ranks:
+            raise InvalidRequestError(
+                f"{field}[0]", f"rank {t.tp_rank} of {t.tp_size} spanning {t.ranks} ranks, "
+                "expected rank 0 of all the ranks it spans (a prefill pod's one ticket)",
+            )  # fmt: skip
+        return tickets
     for i, t in enumerate(tickets):
+        if t.ranks != 1:
+            raise InvalidRequestError(
+                f"{field}[{i}].ranks", f"{t.ranks}: a prefill pod's ticket spans every rank and "
+                "comes alone",
+            )  # fmt: skip
         if t.tp_rank != i or t.tp_size != len(tickets):
             raise InvalidRequestError(
                 f"{field}[{i}]", f"rank {t.tp_rank} of {t.tp_size}, expected rank {i} of "

@@ -89,3 +89,29 @@ def test_an_unknown_ticket_field_is_named_on_one_line():
     assert info.value.field == "kv_transfer_params.kvxferd_tickets[0]"
     assert str(info.value).endswith("unknown field `x\\nkvxferd ready\\u2028\\x9b`")
     assert str(info.value).splitlines() == [str(info.value)]
+
+
+def _pod(rank: int, size: int, ranks: int) -> dict:
+    return {**msgspec.to_builtins(_ticket(rank, size)), "ranks": ranks}
+
+
+def test_a_prefill_pods_one_ticket_parses_alone():
+    """A pod sidecar's ticket (rank 0 of TP N, ``ranks`` N) is the pull's only ticket."""
+    (ticket,) = tp.parse_tickets({"do_remote_prefill": True, "kvxferd_tickets": [_pod(0, 2, 2)]})
+    assert (ticket.tp_rank, ticket.tp_size, ticket.ranks) == (0, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("tickets", "field"),
+    [
+        ([_pod(1, 2, 2)], "kv_transfer_params.kvxferd_tickets[0]"),  # not rank 0
+        ([_pod(0, 4, 2)], "kv_transfer_params.kvxferd_tickets[0]"),  # spans part of TP 4
+        ([_pod(0, 2, 2), _pod(1, 2, 2)], "kv_transfer_params.kvxferd_tickets[0].ranks"),
+        ([msgspec.to_builtins(_ticket(0, 2)), _pod(1, 2, 2)],
+         "kv_transfer_params.kvxferd_tickets[1].ranks"),
+    ],
+)  # fmt: skip
+def test_a_pod_ticket_that_is_not_alone_or_not_rank_0_of_every_rank_is_named(tickets, field):
+    with pytest.raises(InvalidRequestError) as info:
+        tp.parse_tickets({"do_remote_prefill": True, "kvxferd_tickets": tickets})
+    assert info.value.field == field
