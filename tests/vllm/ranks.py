@@ -17,8 +17,10 @@ class Rank(pdcheck.Rank):
     """One engine rank (``tp_rank`` of the engine's TP size) beside ``sidecar``: vLLM's views
     over a shm segment filled with SENTINEL, and its connector (worker role)."""
 
-    def __init__(self, engine, layout: str, sidecar, tp_rank: int = 0) -> None:
-        super().__init__(engine, layout, tp_rank, sidecar_socket=sidecar.socket, fill=SENTINEL)
+    def __init__(self, engine, layout: str, sidecar, tp_rank: int = 0, *,
+                 register: bool = True) -> None:  # fmt: skip
+        super().__init__(engine, layout, tp_rank, sidecar_socket=sidecar.socket, fill=SENTINEL,
+                         register=register)  # fmt: skip
 
     def step(self, orders) -> tuple:
         return super().step(KvxferdMetadata(orders))

@@ -204,21 +204,6 @@ def test_a_rank_whose_sidecar_another_rank_registered_refuses_to_take_it_over(en
         assert first.step(StepOrders()) == (None, None)  # still registered: not refused
 
 
-def test_an_engine_refuses_at_start_a_pod_sidecar(engines, tmp_path):
-    """A pod sidecar (``serve --pod-ranks``) serves every rank of one engine; the connector's
-    ranks each need their own sidecar, so it says so at start and registers nothing."""
-    engine = engines("dense", "LBHNC", num_blocks=24, tp_size=2)
-    (pod,) = start_sidecars(str(tmp_path), ["pod"], "--pod-ranks", "2")
-    try:
-        said = f"sidecar at {pod.socket} serves a pod of 2 ranks (serve --pod-ranks): "
-        with pytest.raises(ConfigError, match="^" + re.escape(said)):
-            Rank(engine, "LBHNC", pod, tp_rank=0)
-        with pod.client() as c:
-            assert c.identity().generation == -1
-    finally:
-        assert pod.stop() == 0
-
-
 def test_an_engine_refuses_at_start_a_sidecar_of_another_protocol(engines, tmp_path, monkeypatch):
     """The engine and sidecar images carry kvxferd separately; a connector whose protocol
     differs from its sidecar's says so at start, naming both releases, and touches nothing."""

@@ -1,0 +1,320 @@
+"""A prefill engine of TP 2 whose workers share one pod sidecar (``serve --pod-ranks 2``,
+``"pod": true``): vLLM's real Scheduler mints one ticket per request, both workers register and
+place each hold, a decode engine (a sidecar per rank) pulls every byte with that one ticket, the
+hold is released once; sleep and wake-up of the pod; what is still refused, and why."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+
+from kvxferd import pattern
+from kvxferd.errors import ConfigError, NotRegisteredError
+from kvxferd.sidecar.tickets import verify_ticket
+from kvxferd.vllm import pdcheck
+from kvxferd.vllm.connector import KvxferdConnector
+from kvxferd.vllm.scheduler import StepOrders
+from kvxferd.wire import Identity, Ticket
+from tests.sidecar.harness import TOKEN, changed_outside, start_sidecars, wait_until
+from tests.vllm.ranks import Rank, finish, prefill_side, step_until
+
+N = 300  # prompt tokens: three 128-token blocks
+
+
+def _register_at_once(ranks: list[Rank]) -> None:
+    """Every rank's ``register_kv_caches`` at once, as vLLM's workers do (a pod's registers
+    answer together)."""
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        for done in [pool.submit(r.register) for r in ranks]:
+            done.result(timeout=60)
+
+
+def _at_once(ranks: list[Rank], method: str) -> None:
+    """A connector method on every rank at once (vLLM's sleep and wake-up: collective_rpc)."""
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        for done in [pool.submit(getattr(r.connector, method)) for r in ranks]:
+            done.result(timeout=120)
+
+
+@contextlib.contextmanager
+def _pod_engine(engines, monkeypatch, tmp_path, decode_tp: int = 1):
+    """The prefill engine (dense, TP 2) beside one pod sidecar, both ranks registered, and a
+    decode engine of TP ``decode_tp`` with a sidecar per rank: (prefill, its ranks, the pod,
+    decode, its ranks)."""
+    monkeypatch.setenv("KVXFERD_PEER_TOKEN", TOKEN)
+    p_engine = engines("dense", "LBHNC", num_blocks=24, tp_size=2)
+    # (TP 2: another config than the prefill's, whose extra config says "pod")
+    d_engine = engines("dense", "LBHNC", num_blocks=24 if decode_tp == 1 else 32,
+                       **({"tp_size": decode_tp} if decode_tp > 1 else {}))  # fmt: skip
+    monkeypatch.setitem(p_engine.config.kv_transfer_config.kv_connector_extra_config, "pod", True)
+    names = ["pod"] + [f"d{r}" for r in range(decode_tp)]
+    (pod,) = start_sidecars(str(tmp_path), names[:1], "--pod-ranks", "2")
+    d_sides = start_sidecars(str(tmp_path), names[1:])
+    ranks: list[Rank] = []
+    try:
+        ranks += [Rank(p_engine, "LBHNC", pod, r, register=False) for r in range(2)]
+        _register_at_once(ranks)
+        decode = [Rank(d_engine, "LBHNC", s, r) for r, s in enumerate(d_sides)]
+        ranks += decode
+        yield p_engine, ranks[:2], pod, d_engine, decode
+    finally:
+        for rank in ranks:
+            rank.close()
+        for side in [pod, *d_sides]:
+            side.stop()
+
+
+def _same(orders: StepOrders) -> StepOrders:
+    """What ``pdcheck._wait_all`` wraps its empty orders in (tests.vllm.ranks.Rank wraps)."""
+    return orders
+
+
+def _step_all(ranks: list[Rank], meta, which: int) -> list[set[str]]:
+    """Every rank runs one step's metadata: what each reported finished (``which``)."""
+    return [rank.step(meta.orders)[which] or set() for rank in ranks]
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("decode_tp", [1, 2])
+def test_a_tp2_prefill_sharing_a_pod_sidecar_moves_every_byte_with_one_ticket(
+    engines, monkeypatch, tmp_path, decode_tp
+):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    with _pod_engine(engines, monkeypatch, tmp_path, decode_tp) as (
+        p_engine, prefill, pod, d_engine, decode,
+    ):  # fmt: skip
+        with pod.client() as c:
+            ident = c.identity()
+        assert (ident.pod_ranks, ident.tp_size, ident.generation >= 0) == (2, 2, True)
+        gens = {r.connector._worker.generation for r in prefill}
+        assert gens == {ident.generation}  # one registration, both ranks
+        instances = {r.connector._worker.instance for r in prefill}
+        assert instances == {ident.instance}  # the engine's workers share one id
+        for r in range(2):  # an engine lock per rank beside the one socket
+            assert os.path.exists(f"{pod.socket}.engine.lock.{r}")
+
+        p_sched, d_sched = pdcheck._scheduler(p_engine), pdcheck._scheduler(d_engine)
+        bs = p_engine.config.cache_config.block_size
+        tokens = list(range(1, N + 1))
+        p_sched.add_request(pdcheck.request("r1", tokens, {"do_remote_decode": True}, bs))
+        out, eng_out = pdcheck.step(p_sched)
+        (params,) = [o.kv_transfer_params for e in eng_out.values() for o in e.outputs
+                     if o.kv_transfer_params]  # fmt: skip
+        (ticket,) = params["kvxferd_tickets"]  # the pod's one ticket
+        assert (ticket["tp_rank"], ticket["tp_size"], ticket["ranks"]) == (0, 2, 2)
+        assert ticket["peer"] == pod.peer and params["tp_size"] == 2
+        held = [list(g) for g in ticket["block_ids"]]
+        for rank in prefill:  # each rank's own bytes (its KV heads)
+            pattern.write_pattern(rank.manifest, rank.arrays(), held, seed=41)
+        assert _step_all(prefill, out.kv_connector_metadata, 0) == [set(), set()]
+        out, _ = pdcheck.step(p_sched)  # the hold rides in this step's orders
+        assert [h.hold_id for h in out.kv_connector_metadata.orders.holds] == [ticket["hold_id"]]
+        assert _step_all(prefill, out.kv_connector_metadata, 0) == [set(), set()]  # both placed
+
+        d_sched.add_request(pdcheck.request("d1", tokens, dict(params), bs))
+        out, _ = pdcheck.step(d_sched)
+        (pull,) = out.kv_connector_metadata.orders.pulls
+        assert len(pull.tickets) == 1
+        before = [[a.copy() for a in r.arrays()] for r in decode]
+        started = [r.step(out.kv_connector_metadata.orders) for r in decode]
+        deadline = time.monotonic() + 60
+        recv = pdcheck._wait_all(decode, 1, _same, deadline, started)
+        assert recv == {"d1"}
+        for r, was in zip(decode, before, strict=True):
+            assert r.connector.get_block_ids_with_load_errors() == set() and not r.failed
+            assert pattern.verify_pattern(r.manifest, r.arrays(), pull.block_ids, 41) is None
+            assert changed_outside(was, r.arrays(), r.manifest, pull.block_ids) == 0
+        pdcheck.step(d_sched, KVConnectorOutput(finished_recving=recv))
+
+        # Released once: each worker reads it in its own cursor of the one feed, once.
+        sending = pdcheck._wait_all(prefill, 0, _same, time.monotonic() + 30)
+        assert sending == {"r1"}
+        with pod.client() as c:
+            released = c.released(0).holds
+        assert [h.hold_id for h in released] == [ticket["hold_id"]]
+        assert _step_all(prefill, out.kv_connector_metadata, 0) == [set(), set()]
+        free = p_sched.kv_cache_manager.block_pool.get_num_free_blocks()
+        pdcheck.step(p_sched, KVConnectorOutput(finished_sending=sending))
+        assert p_sched.kv_cache_manager.block_pool.get_num_free_blocks() > free  # vLLM freed them
+        assert "r1" not in p_sched.requests
+
+
+@pytest.mark.nixl
+def test_a_pods_sleep_ends_its_registration_once_and_wake_up_moves_new_requests(
+    engines, monkeypatch, tmp_path
+):
+    """Sleep: both workers unregister at once; the pod goes once, its hold with it (each worker
+    frees the blocks). Wake-up: both register again under one new generation; the scheduler's
+    next ticket names it and a decode pulls it byte-exact."""
+    with _pod_engine(engines, monkeypatch, tmp_path) as (_pe, prefill, pod, _de, (decode,)):
+        with pod.client() as c:
+            registered = c.identity().generation
+
+        def identities():
+            with pod.client() as c:
+                return [c.identity()]
+
+        sched = prefill_side(identities, 128, tp_size=2, pod=True)
+        _delay, old = finish(sched, "r1", [[1, 2, 3]], N)
+        (ticket,) = old["kvxferd_tickets"]
+        assert ticket["ranks"] == 2
+        orders = sched.take_orders()
+        assert [r.step(orders) for r in prefill] == [(None, None)] * 2  # both placed
+
+        _at_once(prefill, "unregister_kv_caches")
+        with pod.client() as c:
+            assert c.identity().generation == -1
+        assert [r.step(StepOrders()) for r in prefill] == [({"r1"}, None)] * 2
+
+        _at_once(prefill, "restore_kv_caches")
+        with pod.client() as c:
+            woke = c.identity().generation
+        assert woke == registered + 1
+        assert {r.connector._worker.generation for r in prefill} == {woke}
+        sched.stale({0, 1})
+        _delay, new = finish(sched, "r2", [[4, 5, 6]], N)
+        assert new["remote_registration_generation"] == woke
+        for rank in prefill:
+            pattern.write_pattern(rank.manifest, rank.arrays(), [[4, 5, 6]], seed=7)
+        orders = sched.take_orders()
+        assert [r.step(orders) for r in prefill] == [(None, None)] * 2
+
+        dreq = SimpleNamespace(request_id="d2", prompt_token_ids=list(range(N)),
+                               kv_transfer_params=dict(new))  # fmt: skip
+        d_sched = prefill_side(list, 128)  # the decode engine's scheduler side (no pod)
+        count, _ = d_sched.matched_tokens(dreq, 0)
+        d_sched.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: [[13, 14, 15]]), count)
+        assert step_until(decode, d_sched.take_orders(), 1, 60, "the pull") == {"d2"}
+        assert decode.connector.get_block_ids_with_load_errors() == set()
+        assert pattern.verify_pattern(decode.manifest, decode.arrays(), [[13, 14, 15]],
+                                      seed=7) is None  # fmt: skip
+        sending = wait_until(lambda: prefill[0].step(StepOrders())[0], 30, "release")
+        assert sending == {"r2"}
+
+
+@pytest.mark.nixl
+def test_a_pod_workers_sleep_returns_only_once_the_pod_let_its_memory_go(
+    engines, monkeypatch, tmp_path
+):
+    """A decode claimed the pod's hold and may still READ every rank's memory: the worker whose
+    unregister the sidecar refuses because another rank's runs (or finds it gone) waits for
+    that unregister to end, so vLLM's sleep never frees a rank's memory under that READ."""
+    from tests.vllm.test_sleep import _claim
+
+    with _pod_engine(engines, monkeypatch, tmp_path) as (_pe, prefill, pod, _de, _d):
+        with pod.client() as c:
+            ident = c.identity()
+        sched = prefill_side(lambda: [ident], 128, tp_size=2, pod=True)
+        _delay, params = finish(sched, "r1", [[1, 2, 3]], N)
+        orders = sched.take_orders()
+        assert [r.step(orders) for r in prefill] == [(None, None)] * 2
+        _claim(pod, params)  # 8 s, never read nor notified
+
+        def leaving() -> bool:
+            with pod.client() as c:
+                try:
+                    c.released(0)
+                except NotRegisteredError as exc:
+                    return "unregistering" in str(exc)
+            return False
+
+        def gone() -> int:
+            with pod.client() as c:
+                return c.identity().generation
+
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(prefill[0].connector.unregister_kv_caches)
+            wait_until(leaving, 30, "rank 0's unregister to start")
+            prefill[1].connector.unregister_kv_caches()
+            assert gone() == -1  # rank 1 returned once the pod had gone, not before
+            first.result(timeout=60)
+        assert [r.step(StepOrders()) for r in prefill] == [({"r1"}, None)] * 2
+
+
+@pytest.mark.nixl
+def test_a_rank_sidecar_and_a_pod_sidecar_each_refuse_the_other_setting(
+    engines, monkeypatch, tmp_path
+):
+    """A pod sidecar without ``"pod"`` (its ranks would each mint a ticket), and ``"pod"``
+    with a rank's own sidecar: refused at start, saying which setting to change; nothing is
+    registered."""
+    engine = engines("dense", "LBHNC", num_blocks=24, tp_size=2)
+    (pod,) = start_sidecars(str(tmp_path), ["pod"], "--pod-ranks", "2")
+    (rank_side,) = start_sidecars(str(tmp_path), ["r"])
+    try:
+        said = f"sidecar at {pod.socket} serves a pod of 2 ranks (serve --pod-ranks): set "
+        with pytest.raises(ConfigError, match="^" + re.escape(said)):
+            Rank(engine, "LBHNC", pod, tp_rank=0)
+        extra = engine.config.kv_transfer_config.kv_connector_extra_config
+        monkeypatch.setitem(extra, "pod", True)
+        said = (f"sidecar at {rank_side.socket} serves 1 rank(s) (serve --pod-ranks), but "
+                '"pod" is set and this engine has TP 2: start it with --pod-ranks 2')  # fmt: skip
+        with pytest.raises(ConfigError, match="^" + re.escape(said) + "$"):
+            Rank(engine, "LBHNC", rank_side, tp_rank=0)
+        for side in (pod, rank_side):
+            with side.client() as c:
+                assert c.identity().generation == -1
+    finally:
+        assert pod.stop() == 0
+        rank_side.stop()
+
+
+@pytest.mark.parametrize(
+    ("extra", "tp", "role", "said"),
+    [
+        ({"sidecar_socket": "/x/e{rank}.sock"}, 2, "kv_both",
+         "pod: sidecar_socket names one socket for every rank (no {rank})"),
+        ({}, 1, "kv_both", "pod: tensor_parallel_size is 1: a pod serves 2 ranks or more"),
+        ({}, 2, "kv_consumer", "pod: kv_role is kv_consumer: a pod sidecar only holds"),
+        ({"store": "both"}, 2, "kv_both", "pod: the store is not served by a pod sidecar"),
+        ({"pod": "yes"}, 2, "kv_both", "pod: expected true or false, got 'yes'"),
+    ],
+)  # fmt: skip
+def test_what_a_pod_cannot_serve_is_refused_at_start(engines, monkeypatch, extra, tp, role, said):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    engine = engines("dense", "LBHNC", num_blocks=24, **({"tp_size": tp} if tp > 1 else {}))
+    config = engine.config.kv_transfer_config
+    monkeypatch.setattr(config, "kv_connector_extra_config", {"pod": True, **extra})
+    monkeypatch.setattr(config, "kv_role", role)
+    with pytest.raises(ConfigError, match="^" + re.escape(said)):
+        KvxferdConnector(engine.config, KVConnectorRole.SCHEDULER, engine.kv_cache_config)
+
+
+def test_a_decode_request_reaching_a_pod_engine_is_computed_locally_and_its_ticket_declined():
+    """A pod sidecar only holds (it refuses pulls): the scheduler drops the params at once."""
+    ident = Identity(engine_id="P", epoch=1, generation=3, peer_address="127.0.0.1:1", tp_rank=0,
+                     tp_size=2, default_lease_s=30.0, pod_ranks=2)  # fmt: skip
+    sched = prefill_side(lambda: [ident], 128, tp_size=2, pod=True)
+    _delay, params = finish(sched, "r1", [[1, 2, 3]], N)
+    sched.take_orders()
+    req = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(N)),
+                          kv_transfer_params=dict(params))  # fmt: skip
+    assert sched.matched_tokens(req, 0) == (0, False)
+    assert req.kv_transfer_params["do_remote_prefill"] is False
+    (decline,) = sched.take_orders().declines
+    assert decline.reason == "computed_locally" and decline.tickets == params["kvxferd_tickets"]
+
+
+def test_a_pod_scheduler_mints_one_ticket_from_its_one_identity_and_none_from_a_rank_sidecar():
+    ident = Identity(engine_id="P", epoch=1, generation=3, peer_address="127.0.0.1:1", tp_rank=0,
+                     tp_size=2, default_lease_s=30.0, pod_ranks=2)  # fmt: skip
+    sched = prefill_side(lambda: [ident], 128, tp_size=2, pod=True)
+    delay, params = finish(sched, "r1", [[1, 2, 3]], N)
+    (ticket,) = params["kvxferd_tickets"]
+    assert delay and ticket["ranks"] == 2 and ticket["tp_size"] == 2
+    verify_ticket(msgspec.convert(ticket, Ticket), TOKEN.encode())  # signed as the pod signs
+    (hold,) = sched.take_orders().holds
+    assert hold.minted == [(1, 3)]
+    rank_ident = Identity(engine_id="P", epoch=1, generation=3, peer_address="127.0.0.1:1",
+                          tp_rank=0, tp_size=2, default_lease_s=30.0)  # fmt: skip
+    sched = prefill_side(lambda: [rank_ident], 128, tp_size=2, pod=True)
+    assert finish(sched, "r2", [[1, 2, 3]], N) == (False, None)  # the workers refuse it anyway
