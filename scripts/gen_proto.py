@@ -269,10 +269,12 @@ vLLM asks for a finished prefill's `kv_transfer_params` in its scheduler process
 sidecar. So the scheduler mints the tickets itself and the workers place the holds afterwards:
 
 1. **identities**: the scheduler reads each prefill rank's `GET /v1/identity` once (engine id,
-   boot epoch, registration generation, peer address, TP rank/size, default lease) and the peer
-   secret locally (it never goes on the wire).
+   boot epoch, registration generation, peer address, TP rank/size, default lease; a pod
+   sidecar's one identity for every rank, `pod_ranks` N) and the peer secret locally (it never
+   goes on the wire).
 2. **mint** (scheduler, per finished request, no I/O): one random hold id for the request and,
-   per rank, a `Ticket` naming that hold id, the rank's epoch and generation, signed with the
+   per rank (a pod: one for all, `ranks` N), a `Ticket` naming that hold id, the rank's epoch
+   and generation, signed with the
    same MAC code the sidecar uses (`kvxferd.sidecar.tickets.sign_ticket`). The tickets go out
    in `kv_transfer_params` at once; the blocks stay allocated (delayed free).
    **Rule:** an engine that mints its own tickets keeps the named blocks unchanged from minting
@@ -281,7 +283,9 @@ sidecar. So the scheduler mints the tickets itself and the workers place the hol
    (above, "The claim off the critical path"); by this rule it read the hold's bytes whenever
    the claim then succeeds, and a claim that fails fails the pull.
 3. **place** (workers, the next engine step): the hold order rides in the step's connector
-   metadata; each worker calls `POST /v1/holds` with `HoldRequest.hold_id` set to the minted id.
+   metadata; each worker calls `POST /v1/holds` with `HoldRequest.hold_id` set to the minted id
+   (on a pod sidecar, and `HoldRequest.tp_rank` set to its rank: the hold is claimable once
+   every rank placed it).
    The answer's ticket carries the sidecar's current epoch and generation: if they are not the
    minted ones (sidecar restarted, engine re-registered), no claim could ever match, so the
    worker aborts the hold, frees the blocks and tells the scheduler to read the identities again
@@ -345,8 +349,18 @@ READ and a notification on both sides).
   readers: every decode rank, each claims the pod once) and the notification are one each. The
   argument of "The claim off the critical path" holds unchanged: the pod's hold is one hold,
   live from its last placement to its one release.
-- **Not yet**: the offload store on a pod sidecar (refused at start) and the vLLM connector's
-  workers sharing one (it refuses a pod sidecar at start: a sidecar per rank).
+- **The vLLM connector**: with `"pod": true` in `kv_connector_extra_config` (and one
+  `sidecar_socket`, no `{{rank}}`) a prefill engine's TP workers share the pod sidecar: each
+  registers its rank (one engine lock per rank, `<socket>.engine.lock.<rank>`, and an
+  instance id the engine's workers share, so the pod's `Identity.instance` is each worker's
+  own), the scheduler mints one ticket per request from the one identity, each worker places
+  each hold with its `tp_rank` and reads the released feed with its own cursor. Sleep: the
+  first worker's unregister ends the pod and the others wait until it has gone; wake-up
+  registers every rank again. The setting and the sidecar must agree (refused at start either
+  way), and a pod engine only prefills (`kv_consumer` refused; a decode request that reaches it
+  is computed locally, its ticket declined).
+- **Not yet**: the offload store on a pod sidecar (the sidecar refuses `--store-dir` with
+  `--pod-ranks`, the connector the store with `"pod"`).
 
 ## Trust model
 
