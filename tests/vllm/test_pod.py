@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from kvxferd import pattern
-from kvxferd.errors import ConfigError, NotRegisteredError
+from kvxferd.errors import ConfigError, NotRegisteredError, PathInUseError
 from kvxferd.sidecar.tickets import verify_ticket
 from kvxferd.vllm import pdcheck
 from kvxferd.vllm.connector import KvxferdConnector
@@ -57,15 +57,15 @@ def _pod_engine(engines, monkeypatch, tmp_path, decode_tp: int = 1):
     names = ["pod"] + [f"d{r}" for r in range(decode_tp)]
     (pod,) = start_sidecars(str(tmp_path), names[:1], "--pod-ranks", "2")
     d_sides = start_sidecars(str(tmp_path), names[1:])
-    ranks: list[Rank] = []
+    prefill: list[Rank] = []  # (a test may replace its ranks: these are closed at the end)
+    decode: list[Rank] = []
     try:
-        ranks += [Rank(p_engine, "LBHNC", pod, r, register=False) for r in range(2)]
-        _register_at_once(ranks)
-        decode = [Rank(d_engine, "LBHNC", s, r) for r, s in enumerate(d_sides)]
-        ranks += decode
-        yield p_engine, ranks[:2], pod, d_engine, decode
+        prefill += [Rank(p_engine, "LBHNC", pod, r, register=False) for r in range(2)]
+        _register_at_once(prefill)
+        decode += [Rank(d_engine, "LBHNC", s, r) for r, s in enumerate(d_sides)]
+        yield p_engine, prefill, pod, d_engine, decode
     finally:
-        for rank in ranks:
+        for rank in prefill + decode:
             rank.close()
         for side in [pod, *d_sides]:
             side.stop()
@@ -237,6 +237,38 @@ def test_a_pod_workers_sleep_returns_only_once_the_pod_let_its_memory_go(
             assert gone() == -1  # rank 1 returned once the pod had gone, not before
             first.result(timeout=60)
         assert [r.step(StepOrders()) for r in prefill] == [({"r1"}, None)] * 2
+
+
+@pytest.mark.nixl
+def test_a_restarted_pod_engine_takes_its_pod_back_and_a_second_one_is_refused_at_start(
+    engines, monkeypatch, tmp_path
+):
+    """Each worker holds its rank's engine lock: a second engine's rank given the running pod
+    stops at start, touching nothing. An engine restarted after the first exited without
+    unregistering (its locks gone with it) finds the old pod registered under another instance:
+    its workers unregister it once between them and register the new pod."""
+    with _pod_engine(engines, monkeypatch, tmp_path) as (p_engine, prefill, pod, _de, _d):
+        with pod.client() as c:
+            before = c.identity()
+        taken = f"sidecar_socket: {pod.socket} is in use by another engine (pid {os.getpid()})"
+        with pytest.raises(PathInUseError, match="^" + re.escape(taken) + "$"):
+            Rank(p_engine, "LBHNC", pod, 1)
+        with pod.client() as c:
+            assert c.identity() == before
+
+        for rank in prefill:  # the engine exits without unregistering (killed)
+            rank.connector._worker.generation = -1
+            rank.close()
+        prefill.clear()
+        monkeypatch.setattr(p_engine.config, "instance_id", "restarted")
+        again = [Rank(p_engine, "LBHNC", pod, r, register=False) for r in range(2)]
+        prefill += again  # closed on the way out
+        _register_at_once(again)
+        with pod.client() as c:
+            after = c.identity()
+        assert after.generation == before.generation + 1 and after.instance != before.instance
+        assert {r.connector._worker.generation for r in again} == {after.generation}
+        assert {r.connector._worker.instance for r in again} == {after.instance}
 
 
 @pytest.mark.nixl
