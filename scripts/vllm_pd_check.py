@@ -23,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="config.json path/dir or a bundled name")
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
+    ap.add_argument(
+        "--prefill-pod",
+        action="store_true",
+        help="the prefill's ranks share one pod sidecar (serve --pod-ranks)",
+    )
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--num-blocks", type=int, default=64)
     ap.add_argument("--layout", default="LBHNC", help="vLLM KV cache layout (LBHNC, BLNHC, ...)")
@@ -31,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.prefill_tp < 1 or args.decode_tp < 1:
         print("vllm_pd_check: --prefill-tp and --decode-tp must be >= 1", file=sys.stderr)
+        return 2
+    if args.prefill_pod and args.prefill_tp < 2:
+        print("vllm_pd_check: --prefill-pod needs --prefill-tp >= 2", file=sys.stderr)
         return 2
     from kvxferd.vllm import pdcheck
 
@@ -42,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_tokens=args.prompt_tokens,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        prefill_pod=args.prefill_pod,
     )
     if args.json:
         print(json.dumps(dataclasses.asdict(report)))

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,13 +193,23 @@ def _bytes(manifest: Any, ids: list[list[int]]) -> tuple[int, int]:
 
 
 class Engine:
-    """One engine: vLLM's scheduler and one Rank per TP rank, stepped together."""
+    """One engine: vLLM's scheduler and one Rank per TP rank, stepped together (``pod``: the
+    ranks share a pod sidecar, so they register at once, as vLLM's workers do)."""
 
-    def __init__(self, engine: cpu.Engine, layout: str) -> None:
+    def __init__(self, engine: cpu.Engine, layout: str, pod: bool = False) -> None:
         tp = engine.config.parallel_config.tensor_parallel_size
         self.ranks: list[Rank] = []
-        for r in range(tp):
-            self.ranks.append(Rank(engine, layout, r))
+        try:
+            for r in range(tp):
+                self.ranks.append(Rank(engine, layout, r, register=not pod))
+            if pod:  # a pod's registers answer once every rank registered
+                with ThreadPoolExecutor(tp) as pool:
+                    for done in [pool.submit(rank.register) for rank in self.ranks]:
+                        done.result()
+        except BaseException:
+            for rank in self.ranks:
+                rank.close()
+            raise
         self.sched = _scheduler(engine)
 
     def work(self, meta: Any) -> list[tuple[set[str] | None, set[str] | None]]:
@@ -259,19 +270,29 @@ def run(
     prefill_tp: int = 1,
     decode_tp: int = 1,
     timeout_s: float = 120.0,
+    prefill_pod: bool = False,
 ) -> Report:
     """Move ``requests`` prompts from a prefill (TP ``prefill_tp``) to a decode engine (TP
-    ``decode_tp``), one sidecar per rank; verify every byte on every decode rank."""
+    ``decode_tp``), one sidecar per rank (``prefill_pod``: the prefill's ranks share one pod
+    sidecar, ``serve --pod-ranks``, and each request has one ticket); verify every byte on
+    every decode rank."""
     from vllm.v1.outputs import KVConnectorOutput
 
     tmp = tempfile.mkdtemp(prefix="kvx-pd-")
     mdir = model_dir(config, tmp)
     env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
-    names = [f"p{r}" for r in range(prefill_tp)] + [f"d{r}" for r in range(decode_tp)]
-    sidecars = launcher.start_sidecars(
-        tmp, names, "--log-level", "warning", token=TOKEN, env=env, merge_stderr=True,
-        die_with_parent=True,
-    )  # fmt: skip
+    names = [] if prefill_pod else [f"p{r}" for r in range(prefill_tp)]
+    names += [f"d{r}" for r in range(decode_tp)]
+    start = {"token": TOKEN, "env": env, "merge_stderr": True, "die_with_parent": True}
+    sidecars = launcher.start_sidecars(tmp, names, "--log-level", "warning", **start)
+    if prefill_pod:  # one sidecar for every prefill rank
+        try:
+            flags = ["--log-level", "warning", "--pod-ranks", str(prefill_tp)]
+            sidecars += launcher.start_sidecars(tmp, ["p"], *flags, **start)
+        except BaseException:
+            for s in sidecars:
+                s.stop()
+            raise
     os.environ["KVXFERD_PEER_TOKEN"] = TOKEN
     max_len = prompt_tokens + 16  # small: --num-blocks must cover one max-length request
     built: list[Engine] = []
@@ -282,7 +303,9 @@ def run(
                 num_blocks=num_blocks,
                 layout=layout,
                 max_model_len=max_len,
-                extra_config={"sidecar_socket": os.path.join(tmp, role + "{rank}.sock")},
+                extra_config={"sidecar_socket": os.path.join(tmp, role + "{rank}.sock")}
+                if role == "d" or not prefill_pod
+                else {"sidecar_socket": os.path.join(tmp, "p.sock"), "pod": True},
                 engine_id=name,
                 tp_size=tp,
             )  # fmt: skip
@@ -291,8 +314,8 @@ def run(
         groups = specs[0].kv_cache_config.kv_cache_groups
         kinds = [type(g.kv_cache_spec).__name__ for g in groups]
         report = Report(model=str(specs[0].config.model_config.architecture), groups=kinds)
-        for spec in specs:
-            built.append(Engine(spec, layout))
+        for spec, pod in zip(specs, (prefill_pod, False), strict=True):
+            built.append(Engine(spec, layout, pod))
         prefill, decode = built
         bs = specs[0].config.cache_config.block_size
         for i in range(requests):
@@ -302,6 +325,9 @@ def run(
             out, eng_out = step(prefill.sched)
             outs = [o for eo in eng_out.values() for o in eo.outputs if o.kv_transfer_params]
             params = outs[0].kv_transfer_params
+            if len(params["kvxferd_tickets"]) != (1 if prefill_pod else prefill_tp):
+                report.verified = False
+                report.failures.append(f"{rid}: {len(params['kvxferd_tickets'])} tickets")
             held = [list(g) for g in params["kvxferd_tickets"][0]["block_ids"]]
             for rank in prefill.ranks:
                 pattern.write_pattern(rank.manifest, rank.arrays(), held, seed=1000 + i)

@@ -578,8 +578,9 @@ class WorkerSide:
         try:
             if self.generation >= 0:
                 self.client.unregister(self.generation)
-        except KvxferdError as exc:
-            log.warning("unregister at shutdown failed: %s", exc)
+        except KvxferdError as exc:  # a pod's: another rank's unregister may have ended it
+            gone = self.pod and isinstance(exc, (NotRegisteredError, StaleGenerationError))
+            log.log(logging.INFO if gone else logging.WARNING, "unregister at shutdown: %s", exc)
         self._outbox.close()
         self._close_ipc()
         self.client.close()

@@ -56,6 +56,22 @@ def test_heterogeneous_tp_moves_byte_exact(config, p_tp, d_tp):
     assert report["kv_bytes"] > 0 and (report["state_bytes"] > 0) == (config != "dense")
 
 
+def test_a_hybrid_prefill_whose_ranks_share_a_pod_sidecar_moves_byte_exact():
+    """--prefill-pod: the prefill's TP 2 workers share one pod sidecar; one ticket a request,
+    its Mamba states and attention blocks read from both ranks."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts/vllm_pd_check.py"), "--config",
+         os.path.join(ROOT, "tests/vllm/configs/nemotron-h"), "--prefill-tp", "2",
+         "--prefill-pod", "--requests", "2", "--num-blocks", "16", "--json"],
+        capture_output=True, text=True, timeout=280, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["verified"] is True and report["failures"] == []
+    assert (report["requests_ok"], report["requests_failed"]) == (2, 0)
+    assert report["kv_bytes"] > 0 and report["state_bytes"] > 0
+
+
 def test_a_pull_that_ends_inside_the_step_that_started_it_is_counted():
     """vLLM reports a step's finished pulls in that step's output: the check must not drop the
     answer of the step that started the pull (a warm pull can end before that step returns)."""
