@@ -110,8 +110,8 @@ class HoldOrder:
     block_ids: list[list[int]]
     num_tokens: int
     minted: list[tuple[int, int]] = field(default_factory=list)
-    """Per rank, the (epoch, generation) its ticket names: a worker whose sidecar differs
-    (restarted, re-registered) reports the rank stale and frees the blocks."""
+    """Per rank (a pod: one for all), the (epoch, generation) its ticket names: a worker whose
+    sidecar differs (restarted, re-registered) reports the rank stale and frees the blocks."""
 
 
 @dataclass
@@ -246,7 +246,8 @@ class SchedulerSide:
                             "holds", [i.pod_ranks for i in idents], shape)  # fmt: skip
             elif all(i.generation >= 0 for i in idents):
                 return idents
-            log.warning("a prefill sidecar has no engine registered: finishing without holds")
+            else:
+                log.warning("a prefill sidecar has no engine registered: finishing without holds")
             self._known = None
         now = time.monotonic()
         self._ask_after = now + max(IDENTITY_RETRY_S, IDENTITY_RETRY_RATIO * (now - asked))

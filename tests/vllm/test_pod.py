@@ -201,6 +201,35 @@ def test_a_pods_sleep_ends_its_registration_once_and_wake_up_moves_new_requests(
 
 
 @pytest.mark.nixl
+def test_a_decode_that_will_not_read_declines_the_pods_one_ticket(engines, monkeypatch, tmp_path):
+    """A decode request aborted before it loads: its worker declines the one ticket through its
+    own sidecar, the pod releases the hold at once, and both prefill workers free the blocks."""
+    with _pod_engine(engines, monkeypatch, tmp_path) as (_pe, prefill, pod, _de, (decode,)):
+        with pod.client() as c:
+            ident = c.identity()
+        sched = prefill_side(lambda: [ident], 128, tp_size=2, pod=True)
+        _delay, params = finish(sched, "r1", [[1, 2, 3]], N)
+        orders = sched.take_orders()
+        assert [r.step(orders) for r in prefill] == [(None, None)] * 2
+
+        d_sched = prefill_side(list, 128)
+        dreq = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(N)),
+                               kv_transfer_params=dict(params),
+                               status=SimpleNamespace(name="FINISHED_ABORTED"))  # fmt: skip
+        d_sched.decline(dreq)
+        (decline,) = d_sched.orders.declines
+        assert decline.tickets == params["kvxferd_tickets"] and decline.reason == "aborted"
+        decode.step(d_sched.take_orders())  # the outbox sends it from its own thread
+
+        def released() -> list[str]:
+            with pod.client() as c:
+                return [h.reason for h in c.released(0).holds]
+
+        assert wait_until(released, 30, "the decline") == ["declined"]
+        assert [r.step(StepOrders()) for r in prefill] == [({"r1"}, None)] * 2
+
+
+@pytest.mark.nixl
 def test_a_pod_workers_sleep_returns_only_once_the_pod_let_its_memory_go(
     engines, monkeypatch, tmp_path
 ):
