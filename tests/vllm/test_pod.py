@@ -269,6 +269,43 @@ def test_a_pod_workers_sleep_returns_only_once_the_pod_let_its_memory_go(
 
 
 @pytest.mark.nixl
+def test_after_an_unregister_behind_the_engine_its_workers_register_the_pod_again(
+    engines, monkeypatch, tmp_path
+):
+    """An operator unregisters the pod behind the running engine: the next step's holds are
+    refused on every worker (freed at once), and the workers, stepping at once as vLLM's do,
+    register again; their registers pair up into one new generation, and the scheduler's
+    re-read identity mints tickets for it."""
+    with _pod_engine(engines, monkeypatch, tmp_path) as (_pe, prefill, pod, _de, _d):
+        with pod.client() as c:
+            before = c.identity()
+            c.unregister(before.generation)
+
+        def identities():
+            with pod.client() as c:
+                return [c.identity()]
+
+        sched = prefill_side(identities, 128, tp_size=2, pod=True)
+        sched._known = [before]  # read before the unregister: its ticket names the old one
+        finish(sched, "r1", [[1, 2, 3]], N)
+        orders = sched.take_orders()
+        with ThreadPoolExecutor(2) as pool:
+            steps = [pool.submit(r.step, orders) for r in prefill]
+            assert [s.result(timeout=60) for s in steps] == [({"r1"}, None)] * 2
+        with pod.client() as c:
+            after = c.identity()
+        assert after.generation == before.generation + 1 and after.instance == before.instance
+        assert {r.connector._worker.generation for r in prefill} == {after.generation}
+        metas = [r.connector.build_connector_worker_meta() for r in prefill]
+        assert [m.stale_ranks for m in metas] == [{0}, {1}]  # each tells the scheduler
+        sched.stale(metas[0].aggregate(metas[1]).stale_ranks)
+        _delay, params = finish(sched, "r2", [[4, 5, 6]], N)
+        assert params["remote_registration_generation"] == after.generation
+        orders = sched.take_orders()
+        assert [r.step(orders) for r in prefill] == [(None, None)] * 2  # held
+
+
+@pytest.mark.nixl
 def test_a_restarted_pod_engine_takes_its_pod_back_and_a_second_one_is_refused_at_start(
     engines, monkeypatch, tmp_path
 ):
