@@ -9,26 +9,10 @@ import asyncio
 import pytest
 
 from kvxferd.errors import HandshakeError
-from kvxferd.sidecar.peers import PeerTable
-from kvxferd.sidecar.signing import PeerKeys
 from kvxferd.wire import MAX_GROUPS, MAX_REGIONS
-
-
-def _table() -> PeerTable:
-    async def add(_: bytes) -> str:
-        raise AssertionError("no handshake succeeds here")
-
-    async def remove(_: str) -> None:
-        return None
-
-    return PeerTable(
-        local_handshake=lambda: None,  # type: ignore[arg-type, return-value]
-        add_agent=add,
-        remove_agent=remove,
-        check_compatible=lambda _: {},
-        keys=PeerKeys.of("s"),
-        timeout_s=5.0,
-    )
+from tests.sidecar.peertable import answering as _answering
+from tests.sidecar.peertable import table as _table
+from tests.sidecar.peertable import their_handshake as _their_handshake
 
 
 def test_handshake_locks_are_dropped_once_nobody_waits_on_them():
@@ -114,48 +98,6 @@ def test_a_cached_peer_is_served_while_a_handshake_with_its_address_is_in_progre
             await table.close()
 
     asyncio.run(scenario())
-
-
-def _answering(body: bytes) -> tuple[PeerTable, list[bytes]]:
-    """A table whose peer answers every handshake with ``body`` (200); the metadata it loads."""
-    import msgspec
-
-    from kvxferd.sidecar.peer_http import Reply
-    from kvxferd.wire import Handshake
-
-    loaded: list[bytes] = []
-
-    async def add(metadata: bytes) -> str:
-        loaded.append(metadata)
-        return "their-agent"
-
-    table = _table()
-    table._add_agent = add
-    mine = msgspec.json.decode(_their_handshake(), type=Handshake)
-    table._local_handshake = lambda: mine
-
-    async def post(address: str, path: str, _body: bytes) -> Reply:
-        return Reply(200, body)
-
-    table._post = post  # type: ignore[method-assign]
-    return table, loaded
-
-
-def _their_handshake(bases=lambda n: [1 << 30] * n, engine_id: str = "e") -> bytes:  # noqa: ANN001
-    """A prefill's handshake answer whose ``region_bases`` are ``bases(number of regions)``."""
-    import msgspec
-
-    from kvxferd.wire import PROTOCOL_VERSION, Handshake
-    from tests.sidecar.harness import plan
-
-    manifest = plan("qwen3-8b")
-    answer = Handshake(
-        protocol_version=PROTOCOL_VERSION, engine_id=engine_id, epoch=1,
-        agent_name="their-agent",
-        agent_metadata=b"md", manifest=manifest,
-        region_bases=bases(len(manifest.regions)),
-    )  # fmt: skip
-    return msgspec.json.encode(answer)
 
 
 def _their_long_manifest(key: str, n: int) -> bytes:
@@ -558,78 +500,3 @@ def test_a_framed_port_at_its_connection_cap_sends_the_claim_over_http_for_that_
     assert got == grant
     assert calls == [("claim", "http")]
     assert not http_only
-
-
-def _their_pod(ranks: int = 2, *, order=None, bases=lambda r, n: [(r + 1) << 30] * n) -> bytes:  # noqa: ANN001
-    """A pod sidecar's handshake answer: rank 0 at the top, ranks 1 up in ``pod`` (``order``
-    renumbers them, ``bases(rank, regions)`` gives each rank's bases)."""
-    import msgspec
-
-    from kvxferd.wire import PROTOCOL_VERSION, Handshake, RankLayout
-    from tests.sidecar.harness import plan
-
-    manifests = [plan("qwen3-8b", tp_size=ranks, tp_rank=r) for r in (order or range(ranks))]
-    layouts = [RankLayout(manifest=m, region_bases=bases(r, len(m.regions)))
-               for r, m in enumerate(manifests)]  # fmt: skip
-    answer = Handshake(
-        protocol_version=PROTOCOL_VERSION, engine_id="e", epoch=1, agent_name="their-agent",
-        agent_metadata=b"md", manifest=manifests[0], region_bases=layouts[0].region_bases,
-        pod=layouts[1:],
-    )  # fmt: skip
-    return msgspec.json.encode(answer)
-
-
-def test_a_pod_answer_is_adopted_as_one_peer_with_every_ranks_layout():
-    async def scenario() -> None:
-        table, loaded = _answering(_their_pod(4))
-        try:
-            peer = await table.get("127.0.0.1:1", "e", 1)
-            assert loaded == [b"md"] and peer.ranks == 4  # one agent for every rank
-            for r in range(4):
-                view = peer.rank(r)
-                assert view.manifest.tp_rank == r and view.agent_name == "their-agent"
-                assert set(view.region_bases) == {(r + 1) << 30}
-        finally:
-            await table.close()
-
-    asyncio.run(scenario())
-
-
-@pytest.mark.parametrize(
-    ("body", "field"),
-    [
-        (_their_pod(4, order=[0, 2, 1, 3]), "pod[0].manifest: rank 2 of 4"),
-        (_their_pod(2, bases=lambda r, n: [1 << 30] * (n - r)), "pod[0].region_bases"),
-        (_their_pod(2, bases=lambda r, n: [-1 if r else 1 << 30] * n), "pod[0].region_bases[0]"),
-    ],
-    ids=["ranks-out-of-order", "a-rank-short-of-bases", "a-rank-with-a-negative-base"],
-)
-def test_a_pod_answer_with_an_unusable_rank_is_a_handshake_error_and_loads_no_agent(body, field):
-    async def scenario() -> None:
-        table, loaded = _answering(body)
-        try:
-            with pytest.raises(HandshakeError, match=field.replace("[", r"\[")):
-                await table.get("127.0.0.1:1", "e", 1)
-            assert loaded == [] and len(table) == 0
-        finally:
-            await table.close()
-
-    asyncio.run(scenario())
-
-
-def test_a_pod_answer_with_more_ranks_than_its_tp_size_is_a_handshake_error():
-    import msgspec
-
-    answer = msgspec.json.decode(_their_pod(2))
-    answer["pod"] = answer["pod"] * 2  # three layouts for TP 2
-
-    async def scenario() -> None:
-        table, loaded = _answering(msgspec.json.encode(answer))
-        try:
-            with pytest.raises(HandshakeError, match="rank 0 of 2 heads a pod of 3 ranks"):
-                await table.get("127.0.0.1:1", "e", 1)
-            assert loaded == []
-        finally:
-            await table.close()
-
-    asyncio.run(scenario())
