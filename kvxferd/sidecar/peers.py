@@ -283,11 +283,9 @@ class PeerTable:
                 return f"expected_readers {readers} for a reader TP size of {tp}"
             return ""
         try:
-            want = self._readers.expected(peer.manifest, tp)
+            want = self._readers.expected(peer.manifest, tp, bool(peer.pod))
         except HoldRequestError as exc:  # the prefill would have refused it (422)
             return f"granted to reader TP size {tp}, which cannot read its manifest: {exc}"
-        if peer.pod:  # every decode rank reads some rank of a pod: each claims its hold once
-            want = tp
         if readers != want:
             return (f"expected_readers {readers}, where its manifest gives {want} for a reader "
                     f"TP size of {tp}")  # fmt: skip

@@ -41,19 +41,20 @@ class ReaderCounts:
     def __init__(self) -> None:
         self._seen: dict[tuple[int, int], tuple[Manifest, int]] = {}
 
-    def expected(self, manifest: Manifest, reader_tp_size: int) -> int:
+    def expected(self, manifest: Manifest, reader_tp_size: int, pod: bool = False) -> int:
         """Readers a hold of ``manifest`` expects from a decode of ``reader_tp_size`` ranks
-        (HoldRequestError if that TP size cannot read it)."""
+        (HoldRequestError if that TP size cannot read it); ``pod``: a pod sidecar's hold, which
+        every decode rank reads (some rank of it) once."""
         key = (id(manifest), reader_tp_size)
         hit = self._seen.get(key)
         if hit is not None and hit[0] is manifest:
-            return hit[1]
+            return reader_tp_size if pod else hit[1]
         check_reader_tp(manifest, reader_tp_size)  # raises: nothing cached
         readers = descriptors.expected_readers(manifest, reader_tp_size)
         if len(self._seen) >= self.KEEP:
             self._seen.clear()
         self._seen[key] = (manifest, readers)
-        return readers
+        return reader_tp_size if pod else readers
 
 
 def unread_ranks(local: Manifest, remote_tp: int) -> list[int]:

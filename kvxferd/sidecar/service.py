@@ -443,8 +443,7 @@ class Sidecar:
         verify_ticket(ticket, self._accepted)
         ranks = self.config.pod_ranks
         check_addressed(ticket, self.engine_id, self.epoch, self.generation, manifest, ranks)
-        readers = self._readers.expected(manifest, req.reader_tp_size)  # checks the TP size
-        readers = req.reader_tp_size if self.pod else readers  # a pod's: each reads it once
+        readers = self._readers.expected(manifest, req.reader_tp_size, self.pod is not None)
         await self._await_hold(ticket.hold_id)
         holds, manifest = self._require_engine()  # again: it may have re-registered meanwhile
         check_addressed(ticket, self.engine_id, self.epoch, self.generation, manifest, ranks)
