@@ -44,23 +44,23 @@ def _at_once(ranks: list[Rank], method: str) -> None:
 
 
 @contextlib.contextmanager
-def _pod_engine(engines, monkeypatch, tmp_path, decode_tp: int = 1):
-    """The prefill engine (dense, TP 2) beside one pod sidecar, both ranks registered, and a
-    decode engine of TP ``decode_tp`` with a sidecar per rank: (prefill, its ranks, the pod,
-    decode, its ranks)."""
+def _pod_engine(engines, monkeypatch, tmp_path, decode_tp: int = 1, prefill_tp: int = 2):
+    """The prefill engine (dense, TP ``prefill_tp``) beside one pod sidecar, every rank
+    registered, and a decode engine of TP ``decode_tp`` with a sidecar per rank: (prefill, its
+    ranks, the pod, decode, its ranks)."""
     monkeypatch.setenv("KVXFERD_PEER_TOKEN", TOKEN)
-    p_engine = engines("dense", "LBHNC", num_blocks=24, tp_size=2)
-    # (TP 2: another config than the prefill's, whose extra config says "pod")
+    p_engine = engines("dense", "LBHNC", num_blocks=24, tp_size=prefill_tp)
+    # (TP > 1: another config than any prefill's, whose extra config says "pod")
     d_engine = engines("dense", "LBHNC", num_blocks=24 if decode_tp == 1 else 32,
                        **({"tp_size": decode_tp} if decode_tp > 1 else {}))  # fmt: skip
     monkeypatch.setitem(p_engine.config.kv_transfer_config.kv_connector_extra_config, "pod", True)
     names = ["pod"] + [f"d{r}" for r in range(decode_tp)]
-    (pod,) = start_sidecars(str(tmp_path), names[:1], "--pod-ranks", "2")
+    (pod,) = start_sidecars(str(tmp_path), names[:1], "--pod-ranks", str(prefill_tp))
     d_sides = start_sidecars(str(tmp_path), names[1:])
     prefill: list[Rank] = []  # (a test may replace its ranks: these are closed at the end)
     decode: list[Rank] = []
     try:
-        prefill += [Rank(p_engine, "LBHNC", pod, r, register=False) for r in range(2)]
+        prefill += [Rank(p_engine, "LBHNC", pod, r, register=False) for r in range(prefill_tp)]
         _register_at_once(prefill)
         decode += [Rank(d_engine, "LBHNC", s, r) for r, s in enumerate(d_sides)]
         yield p_engine, prefill, pod, d_engine, decode
@@ -82,23 +82,33 @@ def _step_all(ranks: list[Rank], meta, which: int) -> list[set[str]]:
 
 
 @pytest.mark.nixl
-@pytest.mark.parametrize("decode_tp", [1, 2])
-def test_a_tp2_prefill_sharing_a_pod_sidecar_moves_every_byte_with_one_ticket(
-    engines, monkeypatch, tmp_path, decode_tp
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp"),
+    [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)],
+    ids=["tp2-to-tp1", "tp2-to-tp2", "tp4-to-tp1", "tp4-to-tp2", "tp4-to-tp4"],
+)
+def test_a_tp_n_prefill_sharing_a_pod_sidecar_moves_every_byte_with_one_ticket(
+    engines, monkeypatch, tmp_path, prefill_tp, decode_tp
 ):
+    """Every worker of a TP N prefill registers its rank on the one pod sidecar and places the
+    scheduler's one hold (one ticket, ``ranks`` N); a decode of another TP pulls every byte
+    with that ticket, and once the hold is released every prefill worker frees the blocks.
+    At TP 4 the dense config's two KV heads are replicated, each on two ranks (vLLM's rule
+    when TP exceeds the KV heads): a decode reads each head from one of its replicas."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    with _pod_engine(engines, monkeypatch, tmp_path, decode_tp) as (
+    with _pod_engine(engines, monkeypatch, tmp_path, decode_tp, prefill_tp) as (
         p_engine, prefill, pod, d_engine, decode,
     ):  # fmt: skip
+        none = [set()] * prefill_tp  # what each prefill worker reports finished
         with pod.client() as c:
             ident = c.identity()
-        assert (ident.pod_ranks, ident.tp_size, ident.generation >= 0) == (2, 2, True)
+        assert ident.pod_ranks == ident.tp_size == prefill_tp and ident.generation >= 0
         gens = {r.connector._worker.generation for r in prefill}
-        assert gens == {ident.generation}  # one registration, both ranks
+        assert gens == {ident.generation}  # one registration, every rank
         instances = {r.connector._worker.instance for r in prefill}
         assert instances == {ident.instance}  # the engine's workers share one id
-        for r in range(2):  # an engine lock per rank beside the one socket
+        for r in range(prefill_tp):  # an engine lock per rank beside the one socket
             assert os.path.exists(f"{pod.socket}.engine.lock.{r}")
 
         p_sched, d_sched = pdcheck._scheduler(p_engine), pdcheck._scheduler(d_engine)
@@ -109,15 +119,15 @@ def test_a_tp2_prefill_sharing_a_pod_sidecar_moves_every_byte_with_one_ticket(
         (params,) = [o.kv_transfer_params for e in eng_out.values() for o in e.outputs
                      if o.kv_transfer_params]  # fmt: skip
         (ticket,) = params["kvxferd_tickets"]  # the pod's one ticket
-        assert (ticket["tp_rank"], ticket["tp_size"], ticket["ranks"]) == (0, 2, 2)
-        assert ticket["peer"] == pod.peer and params["tp_size"] == 2
+        assert ticket["tp_rank"] == 0 and ticket["tp_size"] == ticket["ranks"] == prefill_tp
+        assert ticket["peer"] == pod.peer and params["tp_size"] == prefill_tp
         held = [list(g) for g in ticket["block_ids"]]
         for rank in prefill:  # each rank's own bytes (its KV heads)
             pattern.write_pattern(rank.manifest, rank.arrays(), held, seed=41)
-        assert _step_all(prefill, out.kv_connector_metadata, 0) == [set(), set()]
+        assert _step_all(prefill, out.kv_connector_metadata, 0) == none
         out, _ = pdcheck.step(p_sched)  # the hold rides in this step's orders
         assert [h.hold_id for h in out.kv_connector_metadata.orders.holds] == [ticket["hold_id"]]
-        assert _step_all(prefill, out.kv_connector_metadata, 0) == [set(), set()]  # both placed
+        assert _step_all(prefill, out.kv_connector_metadata, 0) == none  # every rank placed it
 
         d_sched.add_request(pdcheck.request("d1", tokens, dict(params), bs))
         out, _ = pdcheck.step(d_sched)
@@ -134,13 +144,14 @@ def test_a_tp2_prefill_sharing_a_pod_sidecar_moves_every_byte_with_one_ticket(
             assert changed_outside(was, r.arrays(), r.manifest, pull.block_ids) == 0
         pdcheck.step(d_sched, KVConnectorOutput(finished_recving=recv))
 
-        # Released once: each worker reads it in its own cursor of the one feed, once.
+        # Released once: each worker reads it in its own cursor of the one feed, once, and
+        # reports the request's blocks free (vLLM frees them once every worker has).
         sending = pdcheck._wait_all(prefill, 0, _same, time.monotonic() + 30)
         assert sending == {"r1"}
         with pod.client() as c:
             released = c.released(0).holds
         assert [h.hold_id for h in released] == [ticket["hold_id"]]
-        assert _step_all(prefill, out.kv_connector_metadata, 0) == [set(), set()]
+        assert _step_all(prefill, out.kv_connector_metadata, 0) == none
         free = p_sched.kv_cache_manager.block_pool.get_num_free_blocks()
         pdcheck.step(p_sched, KVConnectorOutput(finished_sending=sending))
         assert p_sched.kv_cache_manager.block_pool.get_num_free_blocks() > free  # vLLM freed them
