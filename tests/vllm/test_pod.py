@@ -44,14 +44,15 @@ def _at_once(ranks: list[Rank], method: str) -> None:
 
 
 @contextlib.contextmanager
-def _pod_engine(engines, monkeypatch, tmp_path, decode_tp: int = 1, prefill_tp: int = 2):
-    """The prefill engine (dense, TP ``prefill_tp``) beside one pod sidecar, every rank
+def _pod_engine(engines, monkeypatch, tmp_path, decode_tp: int = 1, prefill_tp: int = 2,
+                model: str = "dense"):  # fmt: skip
+    """The prefill engine (``model``, TP ``prefill_tp``) beside one pod sidecar, every rank
     registered, and a decode engine of TP ``decode_tp`` with a sidecar per rank: (prefill, its
     ranks, the pod, decode, its ranks)."""
     monkeypatch.setenv("KVXFERD_PEER_TOKEN", TOKEN)
-    p_engine = engines("dense", "LBHNC", num_blocks=24, tp_size=prefill_tp)
+    p_engine = engines(model, "LBHNC", num_blocks=24, tp_size=prefill_tp)
     # (TP > 1: another config than any prefill's, whose extra config says "pod")
-    d_engine = engines("dense", "LBHNC", num_blocks=24 if decode_tp == 1 else 32,
+    d_engine = engines(model, "LBHNC", num_blocks=24 if decode_tp == 1 else 32,
                        **({"tp_size": decode_tp} if decode_tp > 1 else {}))  # fmt: skip
     monkeypatch.setitem(p_engine.config.kv_transfer_config.kv_connector_extra_config, "pod", True)
     names = ["pod"] + [f"d{r}" for r in range(decode_tp)]
@@ -83,21 +84,36 @@ def _step_all(ranks: list[Rank], meta, which: int) -> list[set[str]]:
 
 @pytest.mark.nixl
 @pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp"),
-    [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)],
-    ids=["tp2-to-tp1", "tp2-to-tp2", "tp4-to-tp1", "tp4-to-tp2", "tp4-to-tp4"],
+    ("model", "prefill_tp", "decode_tp"),
+    [
+        ("dense", 2, 1),
+        ("dense", 2, 2),
+        ("dense", 4, 1),
+        ("dense", 4, 2),
+        ("dense", 4, 4),
+        ("dense-kv4", 4, 2),
+    ],  # fmt: skip
+    ids=[
+        "tp2-to-tp1",
+        "tp2-to-tp2",
+        "tp4-to-tp1",
+        "tp4-to-tp2",
+        "tp4-to-tp4",
+        "kv4-tp4-to-tp2",
+    ],  # fmt: skip
 )
 def test_a_tp_n_prefill_sharing_a_pod_sidecar_moves_every_byte_with_one_ticket(
-    engines, monkeypatch, tmp_path, prefill_tp, decode_tp
+    engines, monkeypatch, tmp_path, model, prefill_tp, decode_tp
 ):
     """Every worker of a TP N prefill registers its rank on the one pod sidecar and places the
     scheduler's one hold (one ticket, ``ranks`` N); a decode of another TP pulls every byte
     with that ticket, and once the hold is released every prefill worker frees the blocks.
     At TP 4 the dense config's two KV heads are replicated, each on two ranks (vLLM's rule
-    when TP exceeds the KV heads): a decode reads each head from one of its replicas."""
+    when TP exceeds the KV heads): a decode reads each head from one of its replicas; with four
+    heads (dense-kv4) each rank has its own, and a decode rank reads two ranks' heads."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    with _pod_engine(engines, monkeypatch, tmp_path, decode_tp, prefill_tp) as (
+    with _pod_engine(engines, monkeypatch, tmp_path, decode_tp, prefill_tp, model) as (
         p_engine, prefill, pod, d_engine, decode,
     ):  # fmt: skip
         none = [set()] * prefill_tp  # what each prefill worker reports finished
