@@ -338,7 +338,9 @@ READ and a notification on both sides).
   `HoldRequest.tp_rank`, with the same block ids and tokens (409 naming the field otherwise). It
   is one hold, claimable once every rank placed it: a claim that comes earlier waits for the
   last placement as it waits for an engine-chosen id (`--hold-grace`). Every rank gets the same
-  ticket: `tp_rank` 0, `tp_size` N, `ranks` N, one MAC; the pull carries it alone.
+  ticket: `tp_rank` 0, `tp_size` N, `ranks` N, one MAC; the pull carries it alone. A hold that
+  cannot be read whole is given up for every rank (released `aborted`): a later placement that
+  is refused (its engine frees its blocks), or a claim that outwaited the grace (404).
 - **Handshake**: rank 0's manifest and region bases as today, ranks 1 up in `Handshake.pod`
   (`RankLayout`), in order; the reader checks that they are ranks 1..N-1 of TP N, a base per
   region each, every manifest compatible with its own, before it loads the agent.

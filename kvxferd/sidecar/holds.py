@@ -44,6 +44,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from kvxferd.errors import (
     CapacityError,
@@ -69,6 +70,9 @@ from kvxferd.wire import (
     ReleasedHolds,
     Ticket,
 )
+
+if TYPE_CHECKING:
+    from kvxferd.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +136,20 @@ class HoldTable:
         self._given_up: OrderedDict[str, None] = OrderedDict()  # bounded by GIVEN_UP_IDS
         self._claimed_live = 0
         self._unknown_logged_at = -math.inf  # when an unknown notification was last logged
+
+    @classmethod
+    def configured(cls, manifest: Manifest, config: Config) -> HoldTable:
+        """The table of ``config``'s leases and bounds, on the monotonic clock (a wall-clock
+        step must not expire a hold mid-READ)."""
+        return cls(
+            manifest,
+            default_lease_s=config.default_lease_s,
+            max_lease_s=config.max_lease_s,
+            max_claim_s=config.max_claim_s,
+            max_holds=config.max_holds,
+            released_log_bytes=config.released_feed_bytes,
+            clock=time.monotonic,
+        )
 
     # -- queries ---------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ slot and waits for the others; the register that fills the last slot completes t
 rank's answer carries the pod's one generation (:meth:`PodSlots.round`). :class:`PodPlacements`
 keeps the holds some ranks placed and others not yet: a hold is claimable only once every rank
 placed it (with the same block ids, tokens and request), and every rank is answered the same
-signed ticket. Pure bookkeeping on the sidecar's loop; the Sidecar maps and releases memory.
+signed ticket. A hold that cannot be read whole is given up on every rank at once (see
+:meth:`Pod.place`). Pure bookkeeping on the sidecar's loop; the Sidecar maps and releases memory.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from typing import Any
 import msgspec
 
 from kvxferd.errors import (
+    DuplicateHoldError,
     HoldRequestError,
+    KvxferdError,
     ManifestError,
     NotRegisteredError,
     PodConflictError,
@@ -236,12 +239,10 @@ class PodPlacements:
 
     def add(self, req: HoldRequest) -> tuple[Ticket, bool]:
         """A later rank's placement of a pending hold: the pod's ticket, and whether that was
-        the last rank (the hold is claimable now). PodConflictError (409) naming the field when
-        the rank placed it already or its terms differ from the first placement's."""
+        the last rank (the hold is claimable now). A rank placing it again with the same terms
+        is answered the same (nothing changes). PodConflictError (409) naming the field when
+        its terms differ from the first placement's."""
         entry = self._partial[req.hold_id]
-        if req.tp_rank in entry.ranks:
-            raise PodConflictError("tp_rank", f"rank {req.tp_rank} placed hold "
-                                   f"{req.hold_id!r} already")  # fmt: skip
         for name, ours in (("block_ids", req.block_ids), ("num_tokens", req.num_tokens),
                            ("request_id", req.request_id)):  # fmt: skip
             theirs = getattr(entry, name)
@@ -254,6 +255,10 @@ class PodPlacements:
             del self._partial[req.hold_id]
             return entry.ticket, True
         return entry.ticket, False
+
+    def drop(self, hold_id: str) -> None:
+        """Forget ``hold_id`` (given up)."""
+        self._partial.pop(hold_id, None)
 
     def prune(self, live: Callable[[str], bool]) -> None:
         """Forget pending holds that are no longer live (released before every rank placed)."""
@@ -268,8 +273,9 @@ class Pod:
     """A pod sidecar's state beside the Sidecar's registration: its rank slots and its holds not
     yet placed by every rank."""
 
-    def __init__(self, ranks: int) -> None:
+    def __init__(self, ranks: int, give_up: Callable[[str], None]) -> None:
         self.ranks = ranks
+        self._give_up = give_up  # abort a live hold for every rank (the Sidecar's abort)
         self.slots = PodSlots(ranks)
         self.placements = PodPlacements(ranks)
         self.forming: asyncio.Task[None] | None = None  # the complete pod's adoption, if running
@@ -315,21 +321,57 @@ class Pod:
             answer.set_exception(exc)
             raise
 
-    def place(self, req: HoldRequest, live: bool, claims: Placements) -> Ticket | None:
-        """A rank's placement of hold ``req.hold_id`` (``live``: the HoldTable has it): None
-        when it is the first (the caller holds it and calls :meth:`PodPlacements.first`), else
-        the pod's ticket (:meth:`PodPlacements.add`); the last rank's wakes the ``claims``
-        waiting for it. HoldRequestError (422) without a hold id or rank."""
-        if not req.hold_id or not 0 <= req.tp_rank < self.ranks:
-            name = "tp_rank" if req.hold_id else "hold_id"
-            raise HoldRequestError(name, f"required on a pod sidecar (the scheduler's hold id, "
-                                   f"the placing rank 0..{self.ranks - 1})")  # fmt: skip
-        if not (live and self.placements.pending(req.hold_id)):
-            return None
-        ticket, last = self.placements.add(req)
+    def place(
+        self, req: HoldRequest, live: bool, claims: Placements, check: Callable[[], None]
+    ) -> Ticket | None:
+        """A rank's placement of hold ``req.hold_id`` (``live``: the HoldTable has it), after
+        ``check`` (the registration generation): None when it is the first (the caller holds it
+        and calls :meth:`PodPlacements.first`), else the pod's ticket (:meth:`PodPlacements.add`);
+        the last rank's wakes the ``claims`` waiting for it. HoldRequestError (422) without a
+        hold id or rank.
+
+        A placement of a live hold that is refused (its terms differ, its generation is stale,
+        every rank placed it already) gives the hold up for every rank before the refusal is
+        raised: the refused engine frees its blocks, so the hold can never be read whole, and
+        the ranks that placed it free theirs now (released ``aborted``) rather than at the
+        lease's end."""
+        try:
+            if not req.hold_id or not 0 <= req.tp_rank < self.ranks:
+                name = "tp_rank" if req.hold_id else "hold_id"
+                raise HoldRequestError(name, f"required on a pod sidecar (the scheduler's hold "
+                                       f"id, the placing rank 0..{self.ranks - 1})")  # fmt: skip
+            check()
+            if not live:
+                return None
+            if not self.placements.pending(req.hold_id):
+                raise DuplicateHoldError("hold_id", f"every rank of the pod placed "
+                                         f"{req.hold_id!r} already (rank {req.tp_rank} "
+                                         "again)")  # fmt: skip
+            ticket, last = self.placements.add(req)
+        except KvxferdError:
+            if live:
+                self.give_up(req.hold_id, claims)
+            raise
         if last:  # every rank placed it: claimable now
             claims.placed(req.hold_id)
         return ticket
+
+    def check_placed(self, hold_id: str, claims: Placements) -> None:
+        """For a claim that waited for ``hold_id``: UnknownHoldError (404) while some rank has
+        not placed it, and the hold is given up (its one pull fails: nobody will read it)."""
+        try:
+            self.placements.check_placed(hold_id)
+        except UnknownHoldError as exc:
+            self.give_up(hold_id, claims)
+            raise UnknownHoldError(f"{exc}; given up (released aborted)") from None
+
+    def give_up(self, hold_id: str, claims: Placements) -> None:
+        """Abort ``hold_id`` for every rank (released ``aborted``): nothing pending is kept for
+        it, and the claims waiting for it end now."""
+        self.placements.drop(hold_id)
+        with contextlib.suppress(KvxferdError):  # released meanwhile, or all let go already
+            self._give_up(hold_id)
+        claims.placed(hold_id)
 
     def reset(self) -> list[RankMemory]:
         """Forget the pod (unregistered, or the sidecar closes): the memory its slots held."""

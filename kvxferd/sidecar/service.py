@@ -149,7 +149,8 @@ class Sidecar:
         self._registrations: list[Any] = []  # NIXL registrations of the memory sources
         self._retired = Retired()  # zero pages where unregistered memory was, until close
         self._shrunk: tuple[str, str] | None = None  # (field, why) once a segment shrank
-        self.pod = Pod(config.pod_ranks) if config.pod_ranks > 1 else None  # None: one rank
+        give_up = lambda hold_id: self.abort(AbortHoldRequest(hold_id=hold_id))  # noqa: E731
+        self.pod = Pod(config.pod_ranks, give_up) if config.pod_ranks > 1 else None
         self.offload = Offload(config, self.metrics, self._store_target, self._hold_blocks,
                                self._check_memory)  # fmt: skip
         self.fabric = Fabric(config.require_transport, config.ucx_proto_log,
@@ -247,16 +248,8 @@ class Sidecar:
         self.instance = memory.instance
         self.manifest = structs.replace(memory.manifest, engine_id=self.engine_id,
                                         epoch=self.epoch)  # fmt: skip
-        self.holds = HoldTable(
-            self.manifest,
-            default_lease_s=self.config.default_lease_s,
-            max_lease_s=self.config.max_lease_s,
-            max_claim_s=self.config.max_claim_s,
-            max_holds=self.config.max_holds,
-            released_log_bytes=self.config.released_feed_bytes,
-            clock=time.monotonic,  # a wall-clock step must not expire a hold mid-READ
-        )
-        holds, self._registering = self.holds, True  # no unregister during the self-test READ
+        holds = self.holds = HoldTable.configured(self.manifest, self.config)
+        self._registering = True  # no unregister during the self-test READ
         try:
             await self.fabric.run_self_test(self.agent, regions, lambda: self.notifs.poll(holds))
         finally:
@@ -342,9 +335,10 @@ class Sidecar:
     def hold(self, req: HoldRequest) -> Ticket:
         """Pin a request's blocks under a lease; the ticket authorises one pull of them."""
         holds, manifest = self._require_memory()
-        self._check_generation(req.generation)
-        pod = self.pod
-        if pod is not None and (ticket := pod.place(req, req.hold_id in holds, self._placements)):
+        check = lambda: self._check_generation(req.generation)  # noqa: E731
+        if (pod := self.pod) is None:
+            check()
+        elif ticket := pod.place(req, req.hold_id in holds, self._placements, check):
             return ticket  # a later rank's placement: the first rank's ticket
         hold = holds.hold(req)
         if pod is None:
@@ -447,8 +441,8 @@ class Sidecar:
         await self._await_hold(ticket.hold_id)
         holds, manifest = self._require_engine()  # again: it may have re-registered meanwhile
         check_addressed(ticket, self.engine_id, self.epoch, self.generation, manifest, ranks)
-        if self.pod is not None:
-            self.pod.placements.check_placed(ticket.hold_id)
+        if self.pod is not None:  # a rank never placed it: given up
+            self.pod.check_placed(ticket.hold_id, self._placements)
         try:
             grant = holds.claim(
                 ticket.hold_id, req.reader, req.claim_s, readers,

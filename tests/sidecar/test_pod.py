@@ -9,7 +9,14 @@ import asyncio
 import pytest
 from msgspec import structs
 
-from kvxferd.errors import HoldRequestError, ManifestError, PodConflictError, UnknownHoldError
+from kvxferd.errors import (
+    DuplicateHoldError,
+    HoldRequestError,
+    ManifestError,
+    PodConflictError,
+    StaleGenerationError,
+    UnknownHoldError,
+)
 from kvxferd.sidecar.placements import Placements
 from kvxferd.sidecar.pod import Pod, PodPlacements, PodSlots, RankMemory, first_difference
 from kvxferd.wire import HoldRequest, Ticket
@@ -139,9 +146,8 @@ def test_a_hold_is_pending_until_its_last_rank_and_every_rank_gets_the_first_tic
     with pytest.raises(UnknownHoldError, match=r"placed by ranks \[1\] of the pod's 3 only"):
         table.check_placed("h1")
     assert table.add(placement(0)) == (t, False)
-    with pytest.raises(PodConflictError) as twice:
-        table.add(placement(0))
-    assert twice.value.field == "tp_rank"
+    assert table.add(placement(0)) == (t, False)  # a rank placing it again: the same answer
+    assert table.add(placement(1)) == (t, False)  # so does the first rank
     for field, value in (("block_ids", [[1, 3]]), ("num_tokens", 21), ("request_id", "r2")):
         with pytest.raises(PodConflictError) as differs:
             table.add(placement(2, **{field: value}))
@@ -161,22 +167,92 @@ def test_pending_holds_no_longer_live_are_pruned():
     assert len(table) == 0
 
 
+def no_check() -> None:
+    """The generation check of a current placement."""
+
+
 def test_pod_place_needs_a_hold_id_and_rank_and_wakes_claims_at_the_last_rank():
     async def main() -> None:
-        pod = Pod(2)
+        given_up: list[str] = []
+        pod = Pod(2, given_up.append)
         claims = Placements()
         for req, field in ((placement(-1), "tp_rank"), (placement(2), "tp_rank"),
                            (placement(0, hold_id=""), "hold_id")):  # fmt: skip
             with pytest.raises(HoldRequestError) as bad:
-                pod.place(req, True, claims)
+                pod.place(req, False, claims, no_check)
             assert bad.value.field == field
-        assert pod.place(placement(0), False, claims) is None  # the first: the caller holds
+        assert pod.place(placement(0), False, claims, no_check) is None  # first: caller holds
         t = ticket()
         pod.placements.first(placement(0), t)
-        assert pod.place(placement(1), False, claims) is None  # the hold is gone: hold again
+        assert pod.place(placement(1), False, claims, no_check) is None  # gone: hold again
         waiter = asyncio.create_task(claims.wait("h1", 30.0))
         await until(lambda: len(claims) == 1, "the claim waiting")
-        assert pod.place(placement(1), True, claims) is t
+        assert pod.place(placement(1), True, claims, no_check) is t
         await asyncio.wait_for(waiter, 5)  # woken by the last rank, long before the 30 s
+        assert given_up == []
 
     asyncio.run(main())
+
+
+def stale() -> None:
+    raise StaleGenerationError("generation 3 is not the registered 4")
+
+
+@pytest.mark.parametrize(
+    ("later", "check", "error", "field"),
+    [
+        (placement(1, num_tokens=21), no_check, PodConflictError, "num_tokens"),
+        (placement(1, block_ids=[[1, 3]]), no_check, PodConflictError, "block_ids"),
+        (placement(1), stale, StaleGenerationError, "generation"),
+        (placement(5), no_check, HoldRequestError, "tp_rank"),
+    ],
+    ids=["other-tokens", "other-blocks", "stale-generation", "no-such-rank"],
+)
+def test_a_refused_placement_of_a_pending_hold_gives_it_up_for_every_rank(
+    later,
+    check,
+    error,
+    field,  # noqa: ANN001
+):
+    """The refused rank's engine frees its blocks: the hold can never be read whole, so the
+    ranks that placed it are not left holding theirs until the lease ends."""
+
+    async def main() -> None:
+        given_up: list[str] = []
+        pod = Pod(3, given_up.append)
+        claims = Placements()
+        pod.placements.first(placement(0), ticket())
+        waiter = asyncio.create_task(claims.wait("h1", 30.0))
+        await until(lambda: len(claims) == 1, "the claim waiting")
+        with pytest.raises(error) as refused:
+            pod.place(later, True, claims, check)
+        assert refused.value.field == field
+        assert given_up == ["h1"] and not pod.placements.pending("h1")
+        await asyncio.wait_for(waiter, 5)  # the waiting claim ends now, not after its grace
+
+    asyncio.run(main())
+
+
+def test_a_refused_first_placement_gives_nothing_up_and_a_repeat_of_a_placed_hold_does():
+    given_up: list[str] = []
+    pod = Pod(2, given_up.append)
+    with pytest.raises(StaleGenerationError):  # no hold yet: nothing to give up
+        pod.place(placement(0), False, Placements(), stale)
+    assert given_up == []
+    pod.placements.first(placement(0), ticket())
+    assert pod.place(placement(1), True, Placements(), no_check) is not None  # all placed
+    with pytest.raises(DuplicateHoldError) as again:  # its engine frees the blocks: given up
+        pod.place(placement(1), True, Placements(), no_check)
+    assert again.value.field == "hold_id" and given_up == ["h1"]
+
+
+def test_a_claim_that_outwaited_a_rank_gives_the_hold_up():
+    given_up: list[str] = []
+    pod = Pod(2, given_up.append)
+    pod.placements.first(placement(1), ticket())
+    with pytest.raises(
+        UnknownHoldError, match=r"placed by ranks \[1\] of the pod's 2 only; given up"
+    ):
+        pod.check_placed("h1", Placements())
+    assert given_up == ["h1"] and not pod.placements.pending("h1")
+    pod.check_placed("h1", Placements())  # nothing pending: the HoldTable answers from here

@@ -1,9 +1,10 @@
 """A pod sidecar's holds: every rank places the scheduler's hold id with its own ``tp_rank``; the
 hold is claimable only once every rank placed it (a claim before waits ``hold_grace_s``, then
-succeeds or 404s); every rank is answered the same signed pod ticket (tp_rank 0, tp_size N,
-ranks N); later ranks must name the same blocks, tokens and request; an abort from any rank
-ends the hold; one release, which every rank's worker reads with its own cursor; claims check
-the ticket's ranks against the sidecar's and expect one reader per decode rank.
+succeeds, or 404s and gives the hold up); every rank is answered the same signed pod ticket (tp_rank
+0, tp_size N, ranks N); later ranks must name the same blocks, tokens and request, and a refused
+placement gives the hold up on every rank; an abort from any rank ends the hold; one release, which
+every rank's worker reads with its own cursor; claims check the ticket's ranks against the sidecar's
+and expect one reader per decode rank.
 
 An in-process pod Sidecar over POSIX shm (self-test READ over NIXL loopback), driven on one loop.
 """
@@ -19,7 +20,7 @@ from kvxferd.errors import (
     ClaimMismatchError,
     DuplicateHoldError,
     HoldRequestError,
-    PodConflictError,
+    KvxferdError,
     UnknownHoldError,
 )
 from kvxferd.sidecar.service import Sidecar
@@ -72,19 +73,23 @@ def test_a_claim_before_every_rank_placed_waits_and_then_succeeds():
     run_pod(scenario, ranks=4, engine_id="pod-claim-waits", registered=True, hold_grace_s=20.0)
 
 
-def test_a_claim_of_a_hold_not_placed_by_every_rank_404s_after_the_grace():
+def test_a_claim_of_a_hold_a_rank_never_placed_404s_after_the_grace_and_gives_it_up():
     async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
         ticket = sidecar.hold(hold_request(1, sidecar.generation))
         with pytest.raises(UnknownHoldError, match=r"placed by ranks \[1\] of the pod's 2 only"):
             await asyncio.wait_for(claim(sidecar, ticket), 10)
-        assert sidecar.holds.get(ticket.hold_id).reading == {}  # not claimed
-        sidecar.hold(hold_request(0, sidecar.generation))  # the last rank: claimable now
-        assert (await asyncio.wait_for(claim(sidecar, ticket), 10)).expected_readers == 1
+        # Its one pull failed: rank 1's blocks are released now, not at the lease's end.
+        feed = sidecar.released_since(0)
+        assert [(h.hold_id, h.reason) for h in feed.holds] == [(ticket.hold_id, "aborted")]
+        assert len(sidecar.holds) == 0 and len(sidecar.pod.placements) == 0
+        with pytest.raises(DuplicateHoldError):  # the late rank is refused: its engine frees
+            sidecar.hold(hold_request(0, sidecar.generation))
+        assert len(sidecar.holds) == 0
 
     run_pod(scenario, ranks=2, engine_id="pod-claim-404", registered=True, hold_grace_s=0.2)
 
 
-def test_later_ranks_must_place_the_same_hold_once_each():
+def test_later_ranks_must_place_the_same_hold_and_a_refused_one_gives_it_up_on_every_rank():
     async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
         gen = sidecar.generation
         with pytest.raises(HoldRequestError) as no_rank:
@@ -96,18 +101,27 @@ def test_later_ranks_must_place_the_same_hold_once_each():
         with pytest.raises(HoldRequestError) as past:
             sidecar.hold(hold_request(2, gen))
         assert past.value.field == "tp_rank"
-        first = sidecar.hold(hold_request(0, gen))
+        assert len(sidecar.holds) == 0  # nothing was placed by those
+        given_up = []
         for field, value in (("block_ids", [[3, 1, 7, 6]]), ("num_tokens", 59),
-                             ("request_id", "r2")):  # fmt: skip
-            with pytest.raises(PodConflictError) as differs:
-                sidecar.hold(hold_request(1, gen, **{field: value}))
-            assert differs.value.field == field and differs.value.status == 409
-        with pytest.raises(PodConflictError) as twice:
-            sidecar.hold(hold_request(0, gen))
-        assert twice.value.field == "tp_rank"
-        assert sidecar.hold(hold_request(1, gen)) == first  # still placeable by rank 1
-        with pytest.raises(DuplicateHoldError):  # placed by all: a repeat is a 409 too
-            sidecar.hold(hold_request(1, gen))
+                             ("request_id", "r2"), ("generation", gen - 1)):  # fmt: skip
+            hold_id = f"pod-{field}"
+            first = sidecar.hold(hold_request(0, gen, hold_id=hold_id, request_id=hold_id))
+            terms = {"request_id": hold_id, field: value}
+            later = hold_request(1, terms.pop("generation", gen), hold_id=hold_id, **terms)
+            with pytest.raises(KvxferdError) as differs:
+                sidecar.hold(later)
+            assert differs.value.field == field and differs.value.status in (404, 409)
+            given_up.append((first.hold_id, "aborted"))
+            assert [(h.hold_id, h.reason) for h in sidecar.released_since(0).holds] == given_up
+        assert len(sidecar.holds) == 0 and len(sidecar.pod.placements) == 0
+        first = sidecar.hold(hold_request(0, gen))
+        assert sidecar.hold(hold_request(0, gen)) == first  # a rank placing it again: the same
+        assert sidecar.hold(hold_request(1, gen)) == first  # the last rank: claimable
+        with pytest.raises(DuplicateHoldError):  # placed by all: a repeat is refused (409) and,
+            sidecar.hold(hold_request(1, gen))  # as that engine frees its blocks, given up
+        assert sidecar.released_since(0).holds[-1].hold_id == first.hold_id
+        assert len(sidecar.holds) == 0
 
     run_pod(scenario, ranks=2, engine_id="pod-placement-terms", registered=True)
 
