@@ -178,7 +178,10 @@ for the other sidecars.
    blocks (`POST /v1/holds`, block ids per KV-cache group) under a lease and gets a `Ticket`:
    engine id, boot epoch, peer address, hold id, block ids, expiry, TP rank and size, and an
    HMAC. Every prefill TP rank issues its own ticket; they travel to the decode engine in
-   `kv_transfer_params`.
+   `kv_transfer_params`. The same hold placed again (hold id, request, blocks, tokens) is
+   answered its ticket again. A second hold of a request that has a live one is a 409 that gives
+   the live one up (released `aborted`): an engine frees a refused request's blocks, so the
+   live hold could no longer be read.
 3. **pull** (decode side): the decode engine gives its sidecar the tickets of all prefill ranks
    (rank order) and its local block ids per group (`-1` skips a block it already has)
    (`POST /v1/pulls`, answered 202 with a pull id), then polls `GET /v1/pulls/{{pull_id}}?wait=S`

@@ -90,7 +90,10 @@ async def hold(sidecar: Sidecar, req: HoldRequest) -> Ticket:
     """Pin a prefilled request's blocks under a lease; returns the Ticket a decode side pulls with.
 
     The blocks stay pinned until the reader's NIXL notification, the end of the lease, or an
-    abort; each hold shows up exactly once in the released feed.
+    abort; each hold shows up exactly once in the released feed. The same hold placed again
+    (hold id, request, blocks, tokens) is answered its ticket again; another hold of a request
+    with a live hold is a 409 that gives the live one up (the engine frees a refused request's
+    blocks).
     """
     return sidecar.hold(req)
 

@@ -37,6 +37,7 @@ tokens span plus HOLD_SPARE_BLOCKS, checked before any id is looked at.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -180,6 +181,13 @@ class HoldTable:
             raise UnknownHoldError(self._unknown_detail(hold_id))
         return hold
 
+    def pinning(self, hold_id: str) -> tuple[list[list[int]], int, Callable[[], None]]:
+        """A live hold's block ids and tokens, for a store save, and a check that it still pins
+        them (run after each entry's copy; HoldExpiredError once it does not)."""
+        hold = self.get(hold_id)
+        hold.pinned(self._now(None))
+        return hold.block_ids, hold.num_tokens, lambda: hold.pinned(self._now(None))
+
     def was_released(self, hold_id: str) -> bool:
         """Whether ``hold_id`` was released (or given up before it was placed) recently enough
         to be remembered: no hold will have it."""
@@ -208,7 +216,11 @@ class HoldTable:
 
     def hold(self, request: HoldRequest, now: float | None = None) -> Hold:
         """Pin a request's blocks for ``request.lease_s`` (default if None, capped by the max);
-        CapacityError (503) while ``max_holds`` unexpired holds are live."""
+        CapacityError (503) while ``max_holds`` unexpired holds are live.
+
+        The same hold placed again (its id, request, blocks and tokens) is that hold, lease
+        unchanged. A request with another live hold is refused (409) and that hold given up
+        (``aborted``): an engine frees a refused request's blocks, so it could not be read."""
         now = self._now(now)
         if request.hold_id and not _HOLD_ID.fullmatch(request.hold_id):
             raise HoldRequestError("hold_id", "1-128 characters of A-Z a-z 0-9 . _ : -")
@@ -219,9 +231,13 @@ class HoldTable:
             lease = min(_positive(request.lease_s, "lease_s"), self.max_lease_s)
         existing = self.find_request(request.request_id)
         if existing is not None and not self._expire_if_due(existing, now):
-            raise DuplicateHoldError(
-                "request_id", f"{request.request_id!r} already has live hold {existing.hold_id}"
-            )
+            if (request.hold_id, request.block_ids, request.num_tokens) == (
+                    existing.hold_id, existing.block_ids, existing.num_tokens):  # fmt: skip
+                return existing
+            with contextlib.suppress(UnknownHoldError):
+                self.abort(existing.hold_id, now)
+            raise DuplicateHoldError("request_id", f"{request.request_id!r} already had live "
+                                     f"hold {existing.hold_id}: given up")  # fmt: skip
         hold_id = request.hold_id
         if hold_id and (hold_id in self._holds or self._released.get(hold_id) is not None):
             raise DuplicateHoldError("hold_id", f"{hold_id!r} is already (or was) a hold here")

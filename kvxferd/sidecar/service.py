@@ -14,7 +14,6 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
 from typing import Any
 
 from msgspec import structs
@@ -24,6 +23,7 @@ from kvxferd.aio import wait_while
 from kvxferd.config import Config
 from kvxferd.errors import (
     AlreadyRegisteredError,
+    DuplicateHoldError,
     FabricNotReadyError,
     IncompatiblePeerError,
     MemoryInUseError,
@@ -151,7 +151,8 @@ class Sidecar:
         self._shrunk: tuple[str, str] | None = None  # (field, why) once a segment shrank
         give_up = lambda hold_id: self.abort(AbortHoldRequest(hold_id=hold_id))  # noqa: E731
         self.pod = Pod(config.pod_ranks, give_up) if config.pod_ranks > 1 else None
-        self.offload = Offload(config, self.metrics, self._store_target, self._hold_blocks,
+        self.offload = Offload(config, self.metrics, self._store_target,
+                               lambda hold_id: self._require_engine()[0].pinning(hold_id),
                                self._check_memory)  # fmt: skip
         self.fabric = Fabric(config.require_transport, config.ucx_proto_log,
                              metric=self.metrics.fabric_transports)  # fmt: skip
@@ -340,10 +341,15 @@ class Sidecar:
             check()
         elif ticket := pod.place(req, req.hold_id in holds, self._placements, check):
             return ticket  # a later rank's placement: the first rank's ticket
-        hold = holds.hold(req)
+        held = holds.counters.held
+        try:
+            hold = holds.hold(req)  # the same hold placed again is that hold
+        except DuplicateHoldError:  # a request placed twice: its live hold was given up
+            self._after_release()
+            raise
         if pod is None:
             self._placements.placed(hold.hold_id)  # a claim for this engine-chosen id came first
-        self.metrics.holds_created.inc()
+        self.metrics.holds_created.inc(holds.counters.held - held)
         self.notifs.wake.set()  # a READ may come before its claim: progress UCX promptly
         self.metrics.holds_active.set(holds.active)
         signed = sign_ticket(Ticket(
@@ -537,13 +543,6 @@ class Sidecar:
                 log.error("registered memory %s", ": ".join(self._shrunk))
         if self._shrunk is not None:
             raise SegmentTooSmallError(*self._shrunk)
-
-    def _hold_blocks(self, hold_id: str) -> tuple[list[list[int]], int, Callable[[], None]]:
-        """A live hold's block ids and tokens, for a store save, and a check that it still pins
-        them (run after each entry's copy: hold clocks are monotonic)."""
-        hold = self._require_engine()[0].get(hold_id)
-        hold.pinned(time.monotonic())
-        return hold.block_ids, hold.num_tokens, lambda: hold.pinned(time.monotonic())
 
     def _store_target(self, generation: int | None) -> tuple[Manifest, list[Any]]:
         """The registered manifest and a host view of each region, for the store."""

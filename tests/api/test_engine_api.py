@@ -474,11 +474,27 @@ def test_a_hold_id_too_long_or_with_other_characters_is_a_422_naming_it(real, ho
     assert real.sidecar.holds.active == before
 
 
-def test_a_second_hold_of_a_live_request_is_a_409_naming_request_id(real):
-    body = _hold_body()
-    assert real.engine.post("/v1/holds", json=body).status_code == 200
+def test_a_second_hold_of_a_live_request_is_a_409_naming_request_id_and_gives_the_first_up(real):
+    body, before = _hold_body(), real.sidecar.holds.active
+    cursor = real.engine.get("/v1/released?cursor=0").json()["cursor"]
+    first = real.engine.post("/v1/holds", json=body).json()
     err = _error(real.engine.post("/v1/holds", json=body), 409)
     assert (err.error, err.field) == ("DuplicateHoldError", "request_id")
+    # The engine frees a refused request's blocks: the first hold is released, not read.
+    feed = real.engine.get(f"/v1/released?cursor={cursor}").json()
+    assert [(h["hold_id"], h["reason"]) for h in feed["holds"]] == [(first["hold_id"], "aborted")]
+    assert real.sidecar.holds.active == before
+
+
+def test_the_same_hold_placed_again_is_answered_its_ticket_again(real):
+    body, before = {**_hold_body(), "hold_id": "h-again"}, real.sidecar.holds.active
+    first = real.engine.post("/v1/holds", json=body).json()
+    again = real.engine.post("/v1/holds", json=body).json()
+    # Signed again: the same hold and lease (expires_at is the lease's end read off the wall
+    # clock at signing, so it may differ in its last digits, and with it the MAC).
+    same = {k: v for k, v in first.items() if k not in ("expires_at", "token")}
+    assert {k: v for k, v in again.items() if k not in ("expires_at", "token")} == same
+    assert real.sidecar.holds.active == before + 1
 
 
 @pytest.mark.parametrize(

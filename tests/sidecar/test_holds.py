@@ -25,7 +25,7 @@ from kvxferd.errors import (
 )
 from kvxferd.sidecar.holds import HoldTable, NotifyOutcome
 from kvxferd.sidecar.states import HoldState
-from kvxferd.wire import HOLD_SPARE_BLOCKS, MAX_TOKENS
+from kvxferd.wire import HOLD_SPARE_BLOCKS, MAX_TOKENS, HoldRequest
 from tests.sidecar.holdtable import NUM_BLOCKS, RES, FakeClock, manifest, req, table
 
 # -- hold ----------------------------------------------------------------------------------------
@@ -118,19 +118,36 @@ def test_a_flood_of_null_blocks_is_refused_by_its_length_before_any_id_is_looked
     assert len(t) == 0 and t.counters.held == 0
 
 
-def test_a_request_id_has_at_most_one_live_hold():
+def test_a_request_id_has_at_most_one_live_hold_and_placing_it_twice_gives_the_first_up():
+    """The engine frees a refused request's blocks: its live hold could not be read after."""
     clock = FakeClock()
     t = table(clock)
     first = t.hold(req("r1", lease_s=10))
-    with pytest.raises(DuplicateHoldError, match=first.hold_id) as err:
+    with pytest.raises(DuplicateHoldError, match=f"{first.hold_id}: given up") as err:
         t.hold(req("r1"))
     assert err.value.field == "request_id"
-    t.abort(first.hold_id)
+    assert len(t) == 0 and [r.reason for r in t.released_since(0).holds] == ["aborted"]
     second = t.hold(req("r1", lease_s=10))
     # Past its deadline (reaper not run yet): it expires now and the new hold is accepted.
     clock.t += 10
     third = t.hold(req("r1"))
     assert second.reason == "expired" and t.find_request("r1") is third
+
+
+def test_the_same_hold_placed_again_is_that_hold_with_its_lease_unchanged():
+    clock = FakeClock()
+    t = table(clock)
+    terms = {"request_id": "r1", "block_ids": [[1], [2]], "num_tokens": 1, "hold_id": "h-1"}
+    first = t.hold(HoldRequest(**terms, lease_s=10))
+    clock.t += 4
+    assert t.hold(HoldRequest(**terms, lease_s=30)) is first
+    assert first.expires_at == first.created_at + 10 and len(t) == t.counters.held == 1
+    for other in ({"num_tokens": 2}, {"block_ids": [[1], [3]]}, {"hold_id": "h-2"}):
+        t = table(clock)
+        held = t.hold(HoldRequest(**terms))
+        with pytest.raises(DuplicateHoldError):  # not the same hold: refused, the first given up
+            t.hold(HoldRequest(**{**terms, **other}))
+        assert held.hold_id not in t and len(t) == 0
 
 
 def test_table_configuration_is_checked():
