@@ -424,8 +424,9 @@ outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
   `reader_tp_size` (a prefill that expects fewer readers than read it releases the hold while
   a READ may still copy it; 0..`reader_tp_size` when the reader has not handshaken with it);
   else the pull fails (`handshake`). A heartbeat's or decline's answer may name only holds its
-  call named (else it is not this call's, and every hold of the call comes back `unanswered`
-  to the engine); a hold the call named and the answer lists nowhere is `unanswered`.
+  call named, each in one list (else it is not this call's, or says two things of a hold, and
+  every hold of the call comes back `unanswered` to the engine; a hold named twice in one list
+  counts once); a hold the call named and the answer lists nowhere is `unanswered`.
 - **Who may release.** The prefill engine (abort, or by unregistering; either, for a claimed
   hold, waits for its claimed readers' notifications or claims' ends), the lease (expiry,
   kept on a monotonic clock inside the process; absolute Unix times appear only on the wire),

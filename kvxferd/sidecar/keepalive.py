@@ -5,8 +5,9 @@ of requests this engine will not read (rejected, aborted). Either way the engine
 sidecar the tickets; the sidecar checks every ticket's MAC before any network call, groups them
 by prefill sidecar (``Ticket.peer``) and calls every one at once, each bounded by the peer
 table's timeout. A prefill sidecar that gives no usable answer (unreachable, refused, or one
-naming a hold it was not asked about: the peer table refuses it) does not fail the others: its
-holds come back ``unanswered``, as does a hold an answer does not mention.
+naming a hold it was not asked about or a hold in two lists: the peer table refuses it) does
+not fail the others: its holds come back ``unanswered``, as does a hold an answer does not
+mention; a hold an answer names twice in one list counts once.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ one that ended otherwise (an error, its timeout, a cancellation) is dropped with
 peer still sends on it (a slow peer's late answer), and a kept one on which anything arrived
 unasked (a stray or repeated answer) is dropped before it is reused, never read as the next
 call's answer. Bytes a peer sends after the next request left cannot be told from its answer;
-a claim's answer names its hold, a heartbeat's or decline's only the holds asked about, which
-the caller checks (kvxferd.sidecar.peers).
+a claim's answer names its hold, a heartbeat's or decline's only the holds asked about, each
+in one list, which the caller checks (kvxferd.sidecar.peers).
 """
 
 from __future__ import annotations

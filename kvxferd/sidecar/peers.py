@@ -293,14 +293,15 @@ class PeerTable:
 
     async def heartbeat(self, address: str, request: Heartbeat) -> HeartbeatResponse:
         """Extend holds at a prefill sidecar; the whole call is bounded by the timeout. An
-        answer naming a hold the heartbeat did not is a HandshakeError (see ``_unasked``)."""
+        answer naming a hold the heartbeat did not, or a hold in two lists, is a HandshakeError
+        (see ``_unasked``)."""
         answer = await self._call(address, "/v1/heartbeat", request, HeartbeatResponse, "heartbeat")
         _unasked(address, "heartbeat", request.hold_ids, answer)
         return answer
 
     async def decline(self, address: str, request: DeclineRequest) -> DeclineResponse:
         """Ask a prefill sidecar to release holds its decode will not read. An answer naming a
-        hold the decline did not is a HandshakeError (see ``_unasked``)."""
+        hold the decline did not, or a hold in two lists, is a HandshakeError (see ``_unasked``)."""
         answer = await self._call(address, "/v1/decline", request, DeclineResponse, "decline")
         _unasked(address, "decline", [t.hold_id for t in request.tickets], answer)
         return answer
@@ -500,10 +501,12 @@ def _check_rank_bases(where: str, manifest: Manifest, bases: list[int]) -> None:
 def _unasked(
     address: str, what: str, asked: list[str], answer: HeartbeatResponse | DeclineResponse
 ) -> None:
-    """HandshakeError when ``answer`` names a hold ``asked`` does not: answers carry no call
-    id, and one naming other holds is another call's (a stale or stray answer) or a confused
-    peer's, none of whose lists can be trusted. A hold asked about and named in no list is
-    left to the caller (its lease is unknown: ``unanswered``)."""
+    """HandshakeError when ``answer`` names a hold ``asked`` does not, or one hold in two of its
+    lists (extended and missing; released, missing or busy): answers carry no call id, and one
+    naming other holds is another call's (a stale or stray answer) or a confused peer's, as is
+    one saying two things of a hold; none of its lists can be trusted. A hold named twice in one
+    list says one thing twice: it counts once (kvxferd.sidecar.keepalive). A hold asked about
+    and named in no list is left to the caller (its lease is unknown: ``unanswered``)."""
     wanted = set(asked)
     for name in answer.__struct_fields__:
         other = next((h for h in getattr(answer, name) if h not in wanted), None)
@@ -512,6 +515,13 @@ def _unasked(
                 f"peer {address} answered an invalid {what}: {name} names hold "
                 f"{one_line(other[:200])!r}, which the {what} did not"
             )
+    listed: dict[str, str] = {}
+    for name in answer.__struct_fields__:
+        for hold in getattr(answer, name):
+            first = listed.setdefault(hold, name)
+            if first != name:
+                raise HandshakeError(f"peer {address} answered an invalid {what}: hold {hold!r} "
+                                     f"is in both {first} and {name}")  # fmt: skip
 
 
 def _registered_again(address: str, theirs: int, ticket: int) -> str:

@@ -1,7 +1,8 @@
 """Heartbeat and decline answers are tied to their request, as a claim's grant is to its hold:
 answers carry no call id, so one naming a hold the call did not (another call's answer, a stray
-one, a confused peer) is a HandshakeError and every hold of that call comes back ``unanswered``;
-a hold asked about and named in no list is ``unanswered``. Against real servers on loopback
+one, a confused peer), or one hold in two lists, is a HandshakeError and every hold of that call
+comes back ``unanswered``; a hold named twice in one list counts once; a hold asked about and
+named in no list is ``unanswered``. Against real servers on loopback
 that check the call's signature: the framed peer listener (FRAME_OPERATIONS) and an HTTP one."""
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ ASKED = ["a", "b", "c"]
 
 
 class _Prefill:
-    """A prefill sidecar's heartbeat and decline, answered by ``answer(asked hold ids)``."""
+    """A prefill sidecar's heartbeat and decline, answered by ``answer(asked hold ids)``: its
+    "yes" list is ``extended`` or ``released``, "no" ``missing``, "else" (if any) ``unanswered``
+    or ``busy``."""
 
     def __init__(self, answer: Callable[[list[str]], dict[str, list[str]]]) -> None:
         self.answer = answer
@@ -47,13 +50,15 @@ class _Prefill:
     def heartbeat(self, req: Heartbeat) -> HeartbeatResponse:
         self.asked.append(list(req.hold_ids))
         lists = self.answer(list(req.hold_ids))
-        return HeartbeatResponse(extended=lists["yes"], missing=lists["no"])
+        return HeartbeatResponse(extended=lists["yes"], missing=lists["no"],
+                                 unanswered=lists.get("else", []))  # fmt: skip
 
     def accept_decline(self, req: DeclineRequest) -> DeclineResponse:
         ids = [t.hold_id for t in req.tickets]
         self.asked.append(ids)
         lists = self.answer(ids)
-        return DeclineResponse(released=lists["yes"], missing=lists["no"])
+        return DeclineResponse(released=lists["yes"], missing=lists["no"],
+                               busy=lists.get("else", []))  # fmt: skip
 
 
 def _verify(verifier: RequestVerifier) -> Callable[[str, str, bytes, str], None]:
@@ -204,3 +209,37 @@ def test_a_hold_an_answer_leaves_out_is_unanswered_and_the_rest_kept(wire):
     assert (kept.extended, kept.missing, kept.unanswered) == (["a"], ["b"], ["c"])
     assert (declined.released, declined.missing, declined.unanswered) == (["a"], ["b"], ["c"])
     assert all(_names(a) <= set(ASKED) for a in (*direct, *engine))
+
+
+TWICE = {  # an answer naming a hold in two lists: (lists, the hold, heartbeat's, decline's)
+    "yes-and-no": (lambda ids: {"yes": ids, "no": ids[:1]}, "a",
+                   ("extended", "missing"), ("released", "missing")),
+    "no-and-else": (lambda ids: {"yes": [], "no": ids, "else": ids[2:]}, "c",
+                    ("missing", "unanswered"), ("missing", "busy")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("wire", ["frames", "http"])
+@pytest.mark.parametrize("case", TWICE)
+def test_an_answer_naming_a_hold_in_two_lists_is_invalid_and_every_hold_unanswered(wire, case):
+    lie, hold, *named = TWICE[case]
+    prefill = _Prefill(lie)
+    direct, engine = asyncio.run(_both(SERVED[wire], prefill))
+    assert prefill.asked == [ASKED] * 4  # every call reached the peer, signed and accepted
+    for got, what, (first, second) in zip(direct, ("heartbeat", "decline"), named, strict=True):
+        assert isinstance(got, HandshakeError), got
+        assert f"invalid {what}: hold {hold!r} is in both {first} and {second}" in str(got)
+    kept, declined = engine
+    assert (kept.extended, kept.missing, kept.unanswered) == ([], [], ASKED)
+    assert (declined.released, declined.missing, declined.unanswered) == ([], [], ASKED)
+
+
+@pytest.mark.parametrize("wire", ["frames", "http"])
+def test_a_hold_an_answer_names_twice_in_one_list_counts_once(wire):
+    prefill = _Prefill(lambda ids: {"yes": [ids[0], *ids[:2]], "no": [ids[2]] * 3})
+    direct, engine = asyncio.run(_both(SERVED[wire], prefill))
+    assert direct == [HeartbeatResponse(extended=["a", "a", "b"], missing=["c"] * 3),
+                      DeclineResponse(released=["a", "a", "b"], missing=["c"] * 3)]  # fmt: skip
+    kept, declined = engine
+    assert (kept.extended, kept.missing, kept.unanswered) == (["a", "b"], ["c"], [])
+    assert (declined.released, declined.missing, declined.unanswered) == (["a", "b"], ["c"], [])
