@@ -43,7 +43,8 @@ class PeerHTTPError(ConnectionError):
 
 class _Stale(PeerHTTPError):
     """A kept connection was closed by the peer before any answer: retried once on a new one
-    (signed anew: the peer may have read the request, and recorded its nonce, before closing)."""
+    (signed anew: the peer may have read the request, and recorded its nonce, before closing),
+    unless the call is one the peer must not get twice."""
 
 
 @dataclass(frozen=True)
@@ -123,13 +124,17 @@ class PeerConnection:
         body: bytes,
         headers: Mapping[str, str],
         sign: Callable[[], Mapping[str, str]] | None = None,
+        *,
+        resend: bool = True,
     ) -> Reply:
         """POST ``body`` to ``path``; the peer's reply (OSError or TimeoutError otherwise).
 
-        ``sign`` gives headers made anew for each attempt (a signature with a fresh nonce): a
-        kept connection the peer closed before answering is retried once on a new one, and the
-        peer may have read the first attempt (and recorded its nonce) before it closed, so the
-        same signature again would be refused as a replay."""
+        A kept connection the peer closed before answering is retried once on a new one, if
+        ``resend``: the peer may have read the first attempt, and done it, before it closed, so
+        only a call that does the same done twice may be sent again (a claim is not: a second
+        one counts a second READ). ``sign`` gives headers made anew for each attempt (a
+        signature with a fresh nonce): the peer may have recorded the first attempt's nonce,
+        and the same signature again would be refused as a replay."""
         request = self._head(path, body, headers, sign)
         async with asyncio.timeout(self._timeout), self._slots:
             conn = self._take()
@@ -137,6 +142,8 @@ class PeerConnection:
                 try:
                     return await self._exchange(conn, request, body)
                 except _Stale:  # closed by the peer (idle, or read and dropped unanswered)
+                    if not resend:
+                        raise
                     if sign is not None:
                         request = self._head(path, body, headers, sign)
             return await self._exchange(await self._open(), request, body)

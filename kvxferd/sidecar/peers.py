@@ -259,7 +259,10 @@ class PeerTable:
         call's answer), or expects other readers than the prefill's manifest and our TP size
         give (``descriptors.expected_readers``, what the prefill computes: fewer would release
         the hold while a READ may still copy it; ``reader_tp_size`` from a pod; 0..that for a peer
-        not handshaken, whose manifest we do not have).
+        not handshaken, whose manifest we do not have). A claim is never sent twice (over HTTP,
+        a kept connection closed unanswered fails it): the peer may have granted the first, and
+        a second claim of the reader counts a second READ, so the pull's one notification would
+        leave the hold pinned until the claim ends.
         """
         answer = await self._call(address, "/v1/claims", request, ClaimResponse, "claim")
         problem = self._claim_problem(self._peers.get(address), request, answer)
@@ -308,7 +311,9 @@ class PeerTable:
 
     async def _post(self, address: str, path: str, body: bytes) -> Reply:
         """One signed POST (the signature covers method, path, body, time and a fresh nonce);
-        OSError or TimeoutError when the peer cannot be reached or answers no usable HTTP."""
+        OSError or TimeoutError when the peer cannot be reached or answers no usable HTTP. A
+        claim is never sent again after a kept connection closed unanswered: the peer may have
+        granted it, and a reader's second claim counts a second READ (see ``claim``)."""
         if self._keys is None:
             raise ConfigError("peer_token: no peer secret configured; cannot sign peer calls")
         keys = self._keys
@@ -317,7 +322,8 @@ class PeerTable:
             return {"Authorization": sign_request(keys, "POST", path, body)}
 
         async with self._clients.client(address) as client:  # one small pool per peer
-            return await client.post(path, body, {"Content-Type": "application/json"}, sign)
+            return await client.post(path, body, {"Content-Type": "application/json"}, sign,
+                                     resend=path != "/v1/claims")  # fmt: skip
 
     async def _call(
         self, address: str, path: str, request: object, answer: type[T], what: str
