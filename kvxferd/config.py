@@ -180,9 +180,6 @@ class Config:
                 raise ConfigError(f"{name}: out of range, got {getattr(self, name)}")
         if not 1 <= self.pod_ranks <= 64:
             raise ConfigError(f"pod_ranks: must be in [1, 64], got {self.pod_ranks}")
-        if self.pod_ranks > 1 and self.store_dir:
-            raise ConfigError("pod_ranks: a pod sidecar has no store tier yet; set --pod-ranks 1 "
-                              "or leave --store-dir unset")  # fmt: skip
         if not 0 < self.pod_register_timeout_s < math.inf:
             raise ConfigError(
                 f"pod_register_timeout_s: must be > 0 and finite, got {self.pod_register_timeout_s}"

@@ -59,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--pod-ranks", type=int, dest="pod_ranks", metavar="N",
                    help="serve all N TP ranks of one engine from this sidecar (each rank "
                    "registers on the engine socket; one ticket and one READ per request; "
-                   "prefill only, no --store-dir); default 1")  # fmt: skip
+                   "prefill only; store calls name their rank); default 1")  # fmt: skip
     p.add_argument("--pod-register-timeout", type=float, dest="pod_register_timeout_s",
                    metavar="S",
                    help="seconds a pod rank's register waits for the others, then 503 "

@@ -50,9 +50,11 @@ EXIT_STORE_STUCK = 3
 T = TypeVar("T")
 V = TypeVar("V")
 
-Target = Callable[[int | None], tuple[Manifest, list[np.ndarray]]]
-"""Returns the registered manifest and a host view of each region (raises if none, or if the
-call's registration generation, when given, is not the registered one)."""
+Target = Callable[[int | None, int], tuple[Manifest, list[np.ndarray]]]
+"""Given a call's registration generation and ``tp_rank``: the manifest of that rank's memory
+and a host view of each of its regions (a pod sidecar's: the named rank's; raises if none is
+registered, if the generation, when given, is not the registered one, or if a pod's call names
+no rank of it)."""
 HoldBlocks = Callable[[str], tuple[list[list[int]], int, Callable[[], None]]]
 """A live hold's (block ids per group, tokens, a check that raises HoldExpiredError once the hold
 no longer pins them); raises UnknownHoldError/HoldExpiredError."""
@@ -67,6 +69,16 @@ def _no_holds(hold_id: str) -> tuple[list[list[int]], int, Callable[[], None]]:
 
 def _intact() -> None:
     """The guard of regions that cannot shrink."""
+
+
+def _rank_target(target: Target, generation: int | None, tp_rank: int) -> tuple[Manifest, Any]:
+    """``target``'s memory for ``tp_rank``, checked to be that rank's (StoreError naming
+    ``tp_rank`` when the sidecar's memory is another rank's: its entries would be that rank's)."""
+    manifest, regions = target(generation, tp_rank)
+    if tp_rank not in (-1, manifest.tp_rank):
+        raise StoreError("tp_rank", f"{tp_rank}, but this sidecar's engine is rank "
+                         f"{manifest.tp_rank} (-1 or its own rank)")  # fmt: skip
+    return manifest, regions
 
 
 def _check_ids(manifest: Manifest, block_ids: list[list[int]], num_tokens: int) -> None:
@@ -118,7 +130,8 @@ class Offload:
         skipped. Nothing is copied past STORE_SAVE_DEADLINE_S from now: the engine frees the
         blocks once its client gives up, a margin later."""
         stop_at = time.monotonic() + STORE_SAVE_DEADLINE_S
-        store, (manifest, regions) = self._require(), self._target(req.generation)
+        store = self._require()
+        manifest, regions = _rank_target(self._target, req.generation, req.tp_rank)
         block_ids, num_tokens, pinned = req.block_ids, req.num_tokens, None
         if req.hold_id:
             if block_ids:
@@ -154,7 +167,8 @@ class Offload:
 
     async def lookup(self, req: StoreLookupRequest) -> StoreLookup:
         """Tokens each group can serve and the prefix all can (the minimum rule)."""
-        store, (manifest, _regions) = self._require(), self._target(None)
+        store = self._require()
+        manifest, _regions = _rank_target(self._target, None, req.tp_rank)
         check_num_tokens(req.num_tokens, StoreError)
         # known to shutdown until its thread ends (on a hung disk: never)
         out = await asyncio.shield(
@@ -171,7 +185,8 @@ class Offload:
         entry is missing or corrupt."""
         if not (math.isfinite(req.deadline_s) and 0 < req.deadline_s <= MAX_STORE_DEADLINE_S):
             raise StoreError("deadline_s", f"must be in (0, {MAX_STORE_DEADLINE_S:g}]")
-        store, (manifest, regions) = self._require(), self._target(req.generation)
+        store = self._require()
+        manifest, regions = _rank_target(self._target, req.generation, req.tp_rank)
         _check_ids(manifest, req.block_ids, req.num_tokens)
         stop_at, stop = time.monotonic() + req.deadline_s, threading.Event()
         try:

@@ -30,10 +30,11 @@ from kvxferd.errors import (
     ManifestError,
     NotRegisteredError,
     PodConflictError,
+    StoreError,
     UnknownHoldError,
 )
 from kvxferd.sidecar.placements import Placements
-from kvxferd.sidecar.sources import drop_sources, map_sources
+from kvxferd.sidecar.sources import drop_sources, host_views, map_sources
 from kvxferd.transport import Agent
 from kvxferd.wire import (
     HoldRequest,
@@ -372,6 +373,16 @@ class Pod:
         with contextlib.suppress(KvxferdError):  # released meanwhile, or all let go already
             self._give_up(hold_id)
         claims.placed(hold_id)
+
+    def store_target(self, tp_rank: int) -> tuple[Manifest, list[Any]]:
+        """Rank ``tp_rank``'s manifest and a host view of each of its regions (a store call's
+        memory on a registered pod: each rank saves and loads its own blocks, under entries
+        named by its rank); StoreError (422) naming ``tp_rank`` unless it is a rank of the pod."""
+        if not 0 <= tp_rank < self.ranks:
+            raise StoreError("tp_rank", f"{tp_rank}: a store call on a pod sidecar names its "
+                             f"rank, 0..{self.ranks - 1}")  # fmt: skip
+        memory = self.slots.memory()[tp_rank]
+        return memory.manifest, host_views(memory.regions, memory.sources, memory.manifest)
 
     def reset(self) -> list[RankMemory]:
         """Forget the pod (unregistered, or the sidecar closes): the memory its slots held."""

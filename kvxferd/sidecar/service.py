@@ -544,10 +544,13 @@ class Sidecar:
         if self._shrunk is not None:
             raise SegmentTooSmallError(*self._shrunk)
 
-    def _store_target(self, generation: int | None) -> tuple[Manifest, list[Any]]:
-        """The registered manifest and a host view of each region, for the store."""
+    def _store_target(self, generation: int | None, tp_rank: int) -> tuple[Manifest, list[Any]]:
+        """The registered manifest and a host view of each region, for the store (a pod's:
+        rank ``tp_rank``'s, :meth:`Pod.store_target`)."""
         _, manifest = self._require_engine()
         self._check_generation(generation)
+        if self.pod is not None:
+            return self.pod.store_target(tp_rank)
         return manifest, host_views(self._regions, self._sources, manifest)
 
     @property

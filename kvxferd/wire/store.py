@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kvxferd.wire.engine import _FED_PER_GROUP, MAX_TOKENS, BlockIdsPerGroup
+from kvxferd.wire.engine import _FED_PER_GROUP, MAX_TOKENS, MAX_TP, BlockIdsPerGroup
 from kvxferd.wire.manifest import ChosenHoldId, RegistrationGeneration, RequestId, _Strict
 
 STORE_KEY_HEX = 32
@@ -17,6 +17,9 @@ StoreKey = Annotated[str, msgspec.Meta(max_length=STORE_KEY_HEX, pattern=STORE_K
 """A chunk key: 32 lowercase hex digits."""
 StoreKeys = Annotated[list[StoreKey], msgspec.Meta(max_length=MAX_TOKENS)]
 """A prompt's chunk keys: at most MAX_TOKENS (one chunk a token, the smallest chunk)."""
+StoreRank = Annotated[int, msgspec.Meta(ge=-1, lt=MAX_TP)]
+"""The TP rank whose blocks a store call means: -1 (or the rank) on a rank's own sidecar;
+required on a pod sidecar (0..ranks-1), whose ranks each save and load their own blocks."""
 STORE_SAVE_DEADLINE_S = 30.0
 """A sidecar copies no entry out of a save's blocks past this many seconds after the call came
 (it answers what it stored by then); clients wait longer, so none is copied from blocks an engine
@@ -45,6 +48,9 @@ class StoreSaveRequest(_Strict, kw_only=True):
     generation: RegistrationGeneration = None
     """The registration generation these block ids refer to; another one is a 409
     (StaleGenerationError) and nothing is saved. None: not checked."""
+    tp_rank: StoreRank = -1
+    """The saving rank, whose blocks are copied (required on a pod sidecar, else a 422 naming
+    it: a pod hold's block ids are every rank's); -1: the sidecar's one rank."""
 
 
 class StoreSaved(_Strict, kw_only=True):
@@ -75,6 +81,9 @@ class StoreLookupRequest(_Strict, kw_only=True):
         int, msgspec.Meta(extra_json_schema={"minimum": 0, "maximum": MAX_TOKENS})
     ]
     """Prompt tokens the keys cover (0..MAX_TOKENS, else a 422 naming it)."""
+    tp_rank: StoreRank = -1
+    """The rank asking, whose entries count (required on a pod sidecar, else a 422 naming it);
+    -1: the sidecar's one rank."""
 
 
 class StoreLookup(_Strict, kw_only=True):
@@ -111,6 +120,9 @@ class StoreLoadRequest(_Strict, kw_only=True):
     generation: RegistrationGeneration = None
     """The registration generation these block ids refer to; another one is a 409
     (StaleGenerationError) and nothing is written. None: not checked."""
+    tp_rank: StoreRank = -1
+    """The loading rank, whose blocks are written with its own entries (required on a pod
+    sidecar, else a 422 naming it); -1: the sidecar's one rank."""
 
 
 class StoreLoadStatus(_Strict, kw_only=True):

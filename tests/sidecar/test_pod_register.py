@@ -16,9 +16,7 @@ import numpy as np
 import pytest
 from msgspec import structs
 
-from kvxferd.config import Config
 from kvxferd.errors import (
-    ConfigError,
     ManifestError,
     NotRegisteredError,
     PodConflictError,
@@ -27,7 +25,7 @@ from kvxferd.errors import (
 from kvxferd.pattern import verify_pattern
 from kvxferd.sidecar.service import Sidecar
 from kvxferd.wire import PullRequest, UnregisterRequest
-from tests.sidecar.harness import TOKEN, plan
+from tests.sidecar.harness import plan
 from tests.sidecar.pods import MODEL, PIDS, PodPools, hold_on_all, register_all, run_pod, until
 
 pytestmark = pytest.mark.nixl
@@ -201,9 +199,3 @@ def test_a_pod_sidecar_does_not_pull():
         assert exc.value.field == "tickets"
 
     run_pod(scenario, ranks=2, engine_id="pod-no-pulls", registered=True)
-
-
-def test_a_pod_sidecar_with_a_store_is_refused_at_startup():
-    with pytest.raises(ConfigError, match="pod_ranks: a pod sidecar has no store tier"):
-        Config(peer_token=TOKEN, pod_ranks=2, store_dir="/tmp/kvx-store")
-    Config(peer_token=TOKEN, pod_ranks=1, store_dir="/tmp/kvx-store")  # one rank: as before

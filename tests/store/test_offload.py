@@ -44,7 +44,7 @@ def test_save_lookup_load_answer_and_count(tmp_path):
     target = {"regions": regions}
     metrics = Metrics(CollectorRegistry())
     cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK, store_dram_bytes=0)
-    off = Offload(cfg, metrics, lambda _: (m, target["regions"]))
+    off = Offload(cfg, metrics, lambda *_: (m, target["regions"]))
     keys = chunk_keys(list(range(tokens)), CHUNK)
 
     async def run():
@@ -79,7 +79,7 @@ def test_save_lookup_load_answer_and_count(tmp_path):
 
 
 def test_without_a_store_dir_every_call_names_the_setting():
-    off = Offload(Config(), Metrics(CollectorRegistry()), lambda _: pytest.fail("not reached"))
+    off = Offload(Config(), Metrics(CollectorRegistry()), lambda *_: pytest.fail("not reached"))
     with pytest.raises(StoreError) as err:
         asyncio.run(off.lookup(StoreLookupRequest(keys=[], num_tokens=0)))
     assert err.value.field == "store_dir"
@@ -90,7 +90,7 @@ def test_unusable_store_dir_is_a_config_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="store_dir"):
         Offload(
-            Config(store_dir=str(blocker / "sub")), Metrics(CollectorRegistry()), lambda _: None
+            Config(store_dir=str(blocker / "sub")), Metrics(CollectorRegistry()), lambda *_: None
         )
 
 
@@ -101,7 +101,7 @@ def test_a_hybrid_hold_saves_all_its_tokens_or_nothing(tmp_path):
     held, prefix = 400, 128
     regions, ids = filled(m, held, SEED)
     cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK)
-    off = Offload(cfg, Metrics(CollectorRegistry()), lambda _: (m, regions),
+    off = Offload(cfg, Metrics(CollectorRegistry()), lambda *_: (m, regions),
                   lambda _h: (ids, held, lambda: None))  # fmt: skip
     keys = chunk_keys(list(range(prefix)), CHUNK)
     with pytest.raises(StoreError) as err:
@@ -128,7 +128,7 @@ def test_a_save_from_a_hold_let_go_during_its_copy_keeps_no_entry_copied_after(t
             raise HoldExpiredError("hold h: let go (aborted); its blocks may be reused")
 
     cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK)
-    off = Offload(cfg, Metrics(CollectorRegistry()), lambda _: (m, regions),
+    off = Offload(cfg, Metrics(CollectorRegistry()), lambda *_: (m, regions),
                   lambda _h: (ids, held, pinned))  # fmt: skip
     keys = chunk_keys(list(range(held)), CHUNK)
     with pytest.raises(HoldExpiredError):
@@ -145,7 +145,7 @@ def test_a_save_or_load_listing_more_ids_than_its_tokens_span_is_refused_before_
     tokens = 2 * m.groups[0].block_size
     regions, ids = filled(m, tokens, SEED)
     cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK)
-    off = Offload(cfg, Metrics(CollectorRegistry()), lambda _: (m, regions))
+    off = Offload(cfg, Metrics(CollectorRegistry()), lambda *_: (m, regions))
     keys = chunk_keys(list(range(tokens)), CHUNK)
     most = 2 + HOLD_SPARE_BLOCKS
     flood = [ids[0] + [-1] * (most - len(ids[0])) + [m.num_blocks]]  # one id too many
@@ -172,7 +172,7 @@ def test_a_lookup_past_max_tokens_is_refused_naming_num_tokens(tmp_path):
     regions, _ids = filled(m, m.groups[0].block_size, SEED)
     chunk = 1 << 20
     cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=chunk)
-    off = Offload(cfg, Metrics(CollectorRegistry()), lambda _: (m, regions))
+    off = Offload(cfg, Metrics(CollectorRegistry()), lambda *_: (m, regions))
     for num_tokens in (MAX_TOKENS + 1, -1):
         with pytest.raises(StoreError) as err:
             asyncio.run(off.lookup(StoreLookupRequest(keys=[], num_tokens=num_tokens)))
@@ -202,7 +202,7 @@ def test_a_save_copies_nothing_once_its_client_may_have_given_up(tmp_path, monke
             write_pattern(m, regions, ids, SEED + 1)
 
     cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK)
-    off = Offload(cfg, Metrics(CollectorRegistry()), lambda _: (m, target["regions"]),
+    off = Offload(cfg, Metrics(CollectorRegistry()), lambda *_: (m, target["regions"]),
                   guard=slow_then_reused)  # fmt: skip
     keys = chunk_keys(list(range(tokens)), CHUNK)
     saved = asyncio.run(off.save(StoreSaveRequest(request_id="r", keys=keys, block_ids=ids,
@@ -241,7 +241,7 @@ def test_an_unregister_stops_a_save_before_its_next_copy(tmp_path):
             assert proceed.wait(30)
 
     cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK)
-    off = Offload(cfg, Metrics(CollectorRegistry()), lambda _: (m, regions),
+    off = Offload(cfg, Metrics(CollectorRegistry()), lambda *_: (m, regions),
                   guard=second_copy_waits)  # fmt: skip
     keys = chunk_keys(list(range(tokens)), CHUNK)
 
