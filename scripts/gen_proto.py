@@ -364,8 +364,14 @@ READ and a notification on both sides).
   registers every rank again. The setting and the sidecar must agree (refused at start either
   way), and a pod engine only prefills (`kv_consumer` refused; a decode request that reaches it
   is computed locally, its ticket declined).
-- **Not yet**: the offload store on a pod sidecar (the sidecar refuses `--store-dir` with
-  `--pod-ranks`, the connector the store with `"pod"`).
+- **Store**: a pod sidecar serves the offload store (`--store-dir`) to each rank: every
+  `/v1/store/*` call names its rank (`tp_rank`, required on a pod: a 422 naming it otherwise),
+  and the sidecar saves, looks up and loads with that rank's manifest and memory. Entries are
+  keyed by the writer's TP size and rank (`t<N>r<r>`), so a rank only ever loads the units it
+  owns: rank 0's entries are never loaded into rank 1. A pod hold's block ids are every rank's;
+  a save by `hold_id` from rank r copies rank r's blocks of it. On a rank's own sidecar
+  `tp_rank` may be left out (-1) or name its rank; another rank is a 422.
+- **Not yet**: the vLLM connector with the store on a pod (it refuses the store with `"pod"`).
 
 ## Trust model
 
