@@ -21,9 +21,11 @@ unregister ends the pod, the others wait until it has gone (their memory stays r
 then); wake-up: every worker registers again and the registers pair up at the sidecar. A worker
 refused as not registered (an unregister behind the engine) registers again at its next refused
 call, as with a rank's own sidecar; its register waits for the other ranks' (at most the
-sidecar's ``--pod-register-timeout``, then it tries again at its next refused call). Refused at
-start with a pod (ConfigError): ``{rank}`` in the socket, TP 1, ``kv_role`` kv_consumer and the
-store; a decode request that reaches a pod engine is computed locally (its tickets declined).
+sidecar's ``--pod-register-timeout``, then it tries again at its next refused call). With the
+store, every worker saves and loads its own rank's blocks through the pod (naming its
+``tp_rank``) and the scheduler looks up rank 0's. Refused at start with a pod (ConfigError):
+``{rank}`` in the socket, TP 1, ``kv_role`` kv_consumer; a decode request that reaches a pod
+engine is computed locally (its tickets declined).
 A decode engine pulls from a pod with its own sidecar per rank, as from any prefill.
 """
 
@@ -33,6 +35,7 @@ import json
 import os
 from typing import Any
 
+from msgspec import structs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -142,7 +145,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._store_options = StoreOptions.from_extra(extra)
-        self._pod = pods.check_config(extra, tp_size=tp_size, store=self._store_options.mode,
+        self._pod = pods.check_config(extra, tp_size=tp_size,
                                       kv_role=str(self._kv_transfer_config.kv_role))  # fmt: skip
         default = pods.DEFAULT_POD_SOCKET if self._pod else DEFAULT_SOCKET
         self._socket = extra.get("sidecar_socket", default)
@@ -195,14 +198,16 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         return out
 
     def _store_lookup(self, req: StoreLookupRequest) -> StoreLookup:
-        """Rank 0's store lookup, bounded by ``store_lookup_timeout_s`` (one kept client)."""
+        """Rank 0's store lookup (a pod's names rank 0), bounded by ``store_lookup_timeout_s``
+        (one kept client)."""
         if self._lookup_client is None:
             path = self._socket.format(rank=0)
             self._lookup_client = EngineClient(
                 path, timeout_s=self._store_options.lookup_timeout_s,
                 frames=frames_available(path),
             )  # fmt: skip
-        return self._lookup_client.store_lookup(req)
+        return self._lookup_client.store_lookup(structs.replace(req, tp_rank=0) if self._pod
+                                                else req)  # fmt: skip
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

@@ -5,6 +5,8 @@ With ``"pod": true`` in ``kv_connector_extra_config`` all N TP workers of a pref
 one sidecar (``sidecar_socket`` one path, without ``{rank}``): every worker registers its own
 rank there, the scheduler reads that one identity and mints one ticket per request (``ranks``
 N), and every worker places each hold under the scheduler's hold id with its own ``tp_rank``.
+With the store on, each worker's saves and loads name its ``tp_rank`` (its own blocks, under
+entries of its rank) and the scheduler's lookup names rank 0, as it asks rank 0's own sidecar.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from kvxferd.errors import ConfigError
 DEFAULT_POD_SOCKET = "/run/kvxferd/engine.sock"
 
 
-def check_config(extra: dict[str, Any], *, tp_size: int, kv_role: str, store: str) -> bool:
+def check_config(extra: dict[str, Any], *, tp_size: int, kv_role: str) -> bool:
     """Whether the engine's workers share a pod sidecar (``"pod": true``); ConfigError for
     what a pod cannot serve: a socket per rank, TP 1, a decode-only engine (a pod sidecar only
-    holds: it refuses pulls), the store (a pod sidecar has none)."""
+    holds: it refuses pulls). The store is served (each rank's calls name its ``tp_rank``)."""
     pod = extra.get("pod", False)
     if pod is False:
         return False
@@ -32,7 +34,6 @@ def check_config(extra: dict[str, Any], *, tp_size: int, kv_role: str, store: st
         (tp_size < 2, f"tensor_parallel_size is {tp_size}: a pod serves 2 ranks or more"),
         (kv_role == "kv_consumer", "kv_role is kv_consumer: a pod sidecar only holds (a decode "
          "pulls through a sidecar per rank)"),
-        (store != "off", "the store is not served by a pod sidecar (set store off)"),
     ):  # fmt: skip
         if bad:
             raise ConfigError(f"pod: {why}")

@@ -1,4 +1,5 @@
-"""The worker side of the store: one rank's saves and loads through its own sidecar.
+"""The worker side of the store: one rank's saves and loads through its own sidecar (or the
+pod sidecar every rank shares, each call naming the rank).
 
 Both calls are synchronous and bounded: a load by its ``deadline_s`` in the sidecar, which
 answers only once nothing more is written (so a load that fails by its deadline never writes into
@@ -26,9 +27,11 @@ log = logging.getLogger(__name__)
 class StoreCalls:
     """One rank's store calls and what they leave for ``get_finished`` and the load errors."""
 
-    def __init__(self, client: EngineClient, generation: Callable[[], int]) -> None:
+    def __init__(self, client: EngineClient, generation: Callable[[], int], tp_rank: int = -1
+                 ) -> None:  # fmt: skip
         self.client = client
         self._generation = generation  # the rank's registration: the sidecar checks it
+        self._tp_rank = tp_rank  # named on a pod sidecar (its blocks); -1: the rank's own
         self._done: set[str] = set()  # loads ended (done or failed) since the last take
         self._errors: set[int] = set()  # blocks of failed loads
         self._failed: set[str] = set()  # requests of failed loads
@@ -37,8 +40,8 @@ class StoreCalls:
         """Save each finished request's blocks (a failure is logged: nothing else depends on it)."""
         for o in orders:
             req = StoreSaveRequest(request_id=o.request_id, keys=o.keys, block_ids=o.block_ids,
-                                   num_tokens=o.num_tokens,
-                                   generation=self._generation())  # fmt: skip
+                                   num_tokens=o.num_tokens, generation=self._generation(),
+                                   tp_rank=self._tp_rank)  # fmt: skip
             try:
                 self.client.store_save(req)
             except KvxferdError as exc:
@@ -56,6 +59,7 @@ class StoreCalls:
                     num_tokens=o.num_tokens,
                     request_id=o.request_id,
                     generation=self._generation(),
+                    tp_rank=self._tp_rank,
                 )
                 try:
                     status = self.client.store_load(req)

@@ -118,7 +118,7 @@ class WorkerSide:
         self._waiting_told = -_WAITING_LOG_S  # when _tell last logged
         self._unheld: set[str] = set()  # holds the sidecar refused: free the blocks at once
         self._unanswered: dict[str, str] = {}  # request id -> hold id placed with no answer
-        self.store = StoreCalls(self.client, lambda: self.generation)  # saves and loads
+        self.store = StoreCalls(self.client, lambda: self.generation, tp_rank if pod else -1)
         self.asleep = False  # unregistered for vLLM's sleep mode until restore()
 
     def register(self, kv_caches: dict[str, Any], kv_cache_config: Any, total_heads: int) -> None:
