@@ -1,7 +1,8 @@
 """The store on a pod sidecar (``serve --pod-ranks N --store-dir``): each rank's worker saves,
 looks up and loads ITS rank's blocks through the one sidecar, naming its ``tp_rank``. The ranks
 share one hold (the same block ids); a save from rank r copies rank r's blocks under entries of
-rank r (``t<N>r<r>``), so rank 0's entries are never loaded into rank 1. A store call on a pod
+rank r (``t<N>r<r>``); rank 1 owns other KV heads than rank 0, so rank 0's entries are never
+loaded into rank 1 (it finds nothing until it saved its own). A store call on a pod
 that names no rank of it, and one on a rank's own sidecar that names another rank, is a 422
 naming ``tp_rank``, and nothing is written.
 

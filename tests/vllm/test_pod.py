@@ -1,7 +1,8 @@
 """A prefill engine of TP 2 whose workers share one pod sidecar (``serve --pod-ranks 2``,
 ``"pod": true``): vLLM's real Scheduler mints one ticket per request, both workers register and
 place each hold, a decode engine (a sidecar per rank) pulls every byte with that one ticket, the
-hold is released once; sleep and wake-up of the pod; what is still refused, and why."""
+hold is released once; sleep and wake-up of the pod; with the store on, each worker saves and
+loads its own rank's blocks through the pod; what is still refused, and why."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ import pytest
 from kvxferd import pattern
 from kvxferd.errors import ConfigError, NotRegisteredError, PathInUseError
 from kvxferd.sidecar.tickets import verify_ticket
+from kvxferd.store.tiers import parse_filename
 from kvxferd.vllm import pdcheck
 from kvxferd.vllm.connector import KvxferdConnector
 from kvxferd.vllm.scheduler import StepOrders
 from kvxferd.wire import Identity, Ticket
-from tests.sidecar.harness import TOKEN, changed_outside, start_sidecars, wait_until
-from tests.vllm.ranks import Rank, finish, prefill_side, step_until
+from tests.sidecar.harness import TOKEN, changed_outside, metric, start_sidecars, wait_until
+from tests.vllm import stores
+from tests.vllm.ranks import Rank, finish, prefill_side, step, step_until
 
 N = 300  # prompt tokens: three 128-token blocks
 
@@ -392,6 +395,48 @@ def test_a_rank_sidecar_and_a_pod_sidecar_each_refuse_the_other_setting(
         rank_side.stop()
 
 
+@pytest.mark.nixl
+def test_each_pod_worker_saves_its_own_rank_and_a_restarted_pod_loads_every_rank_back(
+    engines, monkeypatch, tmp_path
+):
+    """With the store on, each worker of a TP 2 prefill sharing a pod sidecar saves its own
+    rank's blocks of a finished request (entries of its rank); after a restart (a new pod
+    sidecar process, fresh memory, a new scheduler) the same prompt is looked up on rank 0 and
+    every worker loads its own rank's bytes: every byte of every layer of every loaded block
+    verified on each rank, nothing outside them written, and vLLM computes only the tail."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    monkeypatch.setenv("KVXFERD_PEER_TOKEN", TOKEN)
+    engine = engines("dense", stores.LAYOUT, num_blocks=32, tp_size=2)
+    cfg = engine.config.kv_transfer_config
+    monkeypatch.setattr(cfg, "kv_connector_extra_config", dict(cfg.kv_connector_extra_config))
+    prompt = [(5 * i) % 800 + 1 for i in range(N)]
+    first = stores.Engine(engine, tmp_path, "pod1", pod=True)
+    try:
+        assert first.sched.connector._sched.store is not None  # the pod takes the store
+        assert [s.num_tokens for s in first.run("r1", prompt)] == [N]
+    finally:
+        first.close()
+    entries = [parse_filename(p.name) for p in (tmp_path / "store").rglob("*.kvx")]
+    assert {(e.tp_size, e.tp_rank) for e in entries} == {(2, 0), (2, 1)}  # each rank its own
+
+    second = stores.Engine(engine, tmp_path, "pod2", pod=True)
+    try:
+        load, before, answer = stores.admit_load(second, "r2", prompt)
+        assert (load.num_tokens, load.error, answer) == (N, "", (None, {"r2"}))
+        for rank, was in zip(second.ranks, before, strict=True):
+            assert rank.connector.get_block_ids_with_load_errors() == set()
+            assert pattern.verify_token_pattern(rank.manifest, rank.arrays(), load.block_ids, N,
+                                                stores.SEED) is None  # fmt: skip
+            assert changed_outside(was, rank.arrays(), rank.manifest, load.block_ids) == 0
+        assert metric(second.sidecar.peer, "kvxferd_store_loads_total", outcome="done") == 2
+        step(second.sched, KVConnectorOutput(finished_recving={"r2"}))
+        out, _ = step(second.sched)
+        assert out.num_scheduled_tokens.get("r2", 0) == 1  # only the tail is computed
+    finally:
+        second.close()
+
+
 @pytest.mark.parametrize(
     ("extra", "tp", "role", "said"),
     [
@@ -399,7 +444,6 @@ def test_a_rank_sidecar_and_a_pod_sidecar_each_refuse_the_other_setting(
          "pod: sidecar_socket names one socket for every rank (no {rank})"),
         ({}, 1, "kv_both", "pod: tensor_parallel_size is 1: a pod serves 2 ranks or more"),
         ({}, 2, "kv_consumer", "pod: kv_role is kv_consumer: a pod sidecar only holds"),
-        ({"store": "both"}, 2, "kv_both", "pod: the store is not served by a pod sidecar"),
         ({"pod": "yes"}, 2, "kv_both", "pod: expected true or false, got 'yes'"),
     ],
 )  # fmt: skip

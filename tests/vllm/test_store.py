@@ -15,94 +15,11 @@ from kvxferd import pattern
 from kvxferd.store import chunk_keys
 from kvxferd.vllm.connector import store_root
 from kvxferd.vllm.scheduler import StepOrders
-from tests.sidecar.harness import changed_outside, metric, start_sidecars
-from tests.vllm.ranks import Rank, request, step
+from tests.sidecar.harness import changed_outside, metric
+from tests.vllm.ranks import step
+from tests.vllm.stores import CHUNK, LAYOUT, SEED, Engine, admit_load
 
 pytestmark = pytest.mark.nixl
-
-CHUNK, SEED, LAYOUT = 64, 23, "LBHNC"
-
-
-def _scheduler(engine):
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    return Scheduler(
-        vllm_config=engine.config,
-        kv_cache_config=engine.kv_cache_config,
-        structured_output_manager=StructuredOutputManager(engine.config),
-        block_size=engine.config.cache_config.block_size,
-    )
-
-
-class Engine:
-    """One engine "process": a sidecar per rank on the store directory, the worker ranks, a
-    scheduler (its connector reaches rank r's sidecar at ``NAME-r.sock``)."""
-
-    def __init__(self, engine, tmp_path, name: str, store: str = "both") -> None:
-        tp = engine.config.parallel_config.tensor_parallel_size
-        ext = engine.config.kv_transfer_config.kv_connector_extra_config
-        flags = ("--store-dir", str(tmp_path / "store"), "--store-chunk-tokens", str(CHUNK))
-        names = [f"{name}-{r}" for r in range(tp)]
-        self.sidecars = start_sidecars(str(tmp_path), names, *flags)
-        self.sidecar = self.sidecars[0]
-        ext.update(store=store, store_chunk_tokens=CHUNK)
-        self.ranks: list[Rank] = []
-        try:
-            for r, side in enumerate(self.sidecars):
-                self.ranks.append(Rank(engine, LAYOUT, side, tp_rank=r))
-            ext["sidecar_socket"] = str(tmp_path / f"{name}-{{rank}}.sock")
-            self.sched = _scheduler(engine)
-        except BaseException:
-            self.close()
-            raise
-        self.rank = self.ranks[0]
-        self.block_size = engine.config.cache_config.block_size
-
-    def step(self, orders) -> list[tuple]:  # noqa: ANN001
-        """Every rank's worker runs the step's orders: their get_finished answers."""
-        return [rank.step(orders) for rank in self.ranks]
-
-    def run(self, rid: str, prompt: list[int], max_tokens: int = 1):
-        """Run a request from nothing to its end; the save order it leaves (blocks filled with
-        the token pattern first, as the model would have computed them), then run."""
-        self.sched.add_request(request(rid, len(prompt), None, self.block_size, prompt=prompt,
-                                       max_tokens=max_tokens))  # fmt: skip
-        for _ in range(max_tokens):
-            out, _ = step(self.sched)
-            assert out.kv_connector_metadata.orders.loads == []  # nothing in the store yet
-            self.step(out.kv_connector_metadata.orders)
-        out, _ = step(self.sched)
-        orders = out.kv_connector_metadata.orders
-        for save in orders.saves:
-            for rank in self.ranks:
-                pattern.write_token_pattern(rank.manifest, rank.arrays(), save.block_ids,
-                                            save.num_tokens, SEED)  # fmt: skip
-        assert set(self.step(orders)) == {(None, None)}
-        return orders.saves
-
-    def close(self) -> None:
-        if getattr(self, "sched", None) is not None:
-            self.sched.shutdown()  # closes the scheduler connector's lookup client
-        for rank in self.ranks:
-            rank.close()
-        for side in self.sidecars:
-            assert side.stop() == 0
-
-
-def _load(eng: Engine, rid: str, prompt: list[int]):
-    """Admit a request; its load order and the worker's answer to it (bytes checked by caller)."""
-    from vllm.v1.request import RequestStatus
-
-    eng.sched.add_request(request(rid, len(prompt), None, eng.block_size, prompt=prompt))
-    out, _ = step(eng.sched)
-    assert eng.sched.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    loads = out.kv_connector_metadata.orders.loads
-    assert [ld.request_id for ld in loads] == [rid]
-    before = [a.copy() for a in eng.rank.arrays()]
-    answers = eng.step(out.kv_connector_metadata.orders)
-    assert all(a == answers[0] for a in answers)  # every rank loads the same order
-    return loads[0], before, answers[0]
 
 
 @pytest.mark.parametrize("model", ["dense", "nemotron-h"])
@@ -130,7 +47,7 @@ def test_a_restarted_engine_loads_a_saved_prompt_and_computes_only_the_tail(
     second = Engine(engine, tmp_path, "second")  # new sidecar process, new memory, new scheduler
     try:
         again = prompt + [7, 7] if hybrid else prompt  # the step helper samples token 7
-        load, before, answer = _load(second, "r2", again)
+        load, (before, *_), answer = admit_load(second, "r2", again)
         assert load.num_tokens == saves[0].num_tokens and not load.error
         assert answer == (None, {"r2"})
         assert second.rank.connector.get_block_ids_with_load_errors() == set()
@@ -165,7 +82,7 @@ def test_a_prompt_saved_at_tp2_loads_at_tp1(engines, tmp_path, monkeypatch):
     monkeypatch.setattr(cfg, "kv_connector_extra_config", dict(cfg.kv_connector_extra_config))
     second = Engine(engine, tmp_path, "tp1")
     try:
-        load, before, answer = _load(second, "r2", prompt)
+        load, (before, *_), answer = admit_load(second, "r2", prompt)
         assert load.num_tokens == 250 and answer == (None, {"r2"})
         rank = second.rank
         assert rank.connector.get_block_ids_with_load_errors() == set()
@@ -213,7 +130,7 @@ def test_a_corrupt_store_file_is_a_load_error_and_vllm_recomputes(
     second = Engine(engine, tmp_path, "second")
     try:
         again = prompt + [7, 7] if hybrid else prompt  # the step helper samples token 7
-        load, before, answer = _load(second, "r2", again)
+        load, (before, *_), answer = admit_load(second, "r2", again)
         assert answer == (None, {"r2"})  # finished, with errors
         bad = second.rank.connector.get_block_ids_with_load_errors()
         failed = second.rank.failed
