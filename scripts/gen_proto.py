@@ -367,11 +367,13 @@ READ and a notification on both sides).
 - **Store**: a pod sidecar serves the offload store (`--store-dir`) to each rank: every
   `/v1/store/*` call names its rank (`tp_rank`, required on a pod: a 422 naming it otherwise),
   and the sidecar saves, looks up and loads with that rank's manifest and memory. Entries are
-  keyed by the writer's TP size and rank (`t<N>r<r>`), so a rank only ever loads the units it
-  owns: rank 0's entries are never loaded into rank 1. A pod hold's block ids are every rank's;
-  a save by `hold_id` from rank r copies rank r's blocks of it. On a rank's own sidecar
-  `tp_rank` may be left out (-1) or name its rank; another rank is a 422.
-- **Not yet**: the vLLM connector with the store on a pod (it refuses the store with `"pod"`).
+  keyed by the writer's TP size and rank (`t<N>r<r>`) and a load takes only the units (KV heads,
+  state units) the loading rank owns, so no rank's blocks get another rank's heads (rank 0's
+  entries are loaded into rank 1 only where both own the same heads: replicated KV heads). A
+  pod hold's block ids are every rank's; a save by `hold_id` from rank r copies rank r's
+  blocks of it. On a rank's own sidecar `tp_rank` may be left out (-1) or name its rank;
+  another rank is a 422. The vLLM connector with `"store"` and `"pod"` names each worker's
+  rank in its saves and loads, and rank 0 in the scheduler's lookups.
 
 ## Trust model
 
