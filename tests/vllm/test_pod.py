@@ -396,25 +396,29 @@ def test_a_rank_sidecar_and_a_pod_sidecar_each_refuse_the_other_setting(
 
 
 @pytest.mark.nixl
+@pytest.mark.parametrize("model", ["dense", "nemotron-h"])
 def test_each_pod_worker_saves_its_own_rank_and_a_restarted_pod_loads_every_rank_back(
-    engines, monkeypatch, tmp_path
+    engines, monkeypatch, tmp_path, model
 ):
     """With the store on, each worker of a TP 2 prefill sharing a pod sidecar saves its own
     rank's blocks of a finished request (entries of its rank); after a restart (a new pod
     sidecar process, fresh memory, a new scheduler) the same prompt is looked up on rank 0 and
     every worker loads its own rank's bytes: every byte of every layer of every loaded block
-    verified on each rank, nothing outside them written, and vLLM computes only the tail."""
+    verified on each rank, nothing outside them written, and vLLM computes only the tail.
+    Hybrid: each rank's Mamba state shard too, the conversation going on (as in test_store)."""
     from vllm.v1.outputs import KVConnectorOutput
 
     monkeypatch.setenv("KVXFERD_PEER_TOKEN", TOKEN)
-    engine = engines("dense", stores.LAYOUT, num_blocks=32, tp_size=2)
+    engine = engines(model, stores.LAYOUT, num_blocks=32, tp_size=2)
     cfg = engine.config.kv_transfer_config
     monkeypatch.setattr(cfg, "kv_connector_extra_config", dict(cfg.kv_connector_extra_config))
     prompt = [(5 * i) % 800 + 1 for i in range(N)]
+    hybrid = model != "dense"  # saves the state after its answer: the next turn loads it
+    saved = N + 1 if hybrid else N
     first = stores.Engine(engine, tmp_path, "pod1", pod=True)
     try:
         assert first.sched.connector._sched.store is not None  # the pod takes the store
-        assert [s.num_tokens for s in first.run("r1", prompt)] == [N]
+        assert [s.num_tokens for s in first.run("r1", prompt, 2 if hybrid else 1)] == [saved]
     finally:
         first.close()
     entries = [parse_filename(p.name) for p in (tmp_path / "store").rglob("*.kvx")]
@@ -422,12 +426,13 @@ def test_each_pod_worker_saves_its_own_rank_and_a_restarted_pod_loads_every_rank
 
     second = stores.Engine(engine, tmp_path, "pod2", pod=True)
     try:
-        load, before, answer = stores.admit_load(second, "r2", prompt)
-        assert (load.num_tokens, load.error, answer) == (N, "", (None, {"r2"}))
+        again = prompt + [7, 7] if hybrid else prompt  # the step helper samples token 7
+        load, before, answer = stores.admit_load(second, "r2", again)
+        assert (load.num_tokens, load.error, answer) == (saved, "", (None, {"r2"}))
         for rank, was in zip(second.ranks, before, strict=True):
             assert rank.connector.get_block_ids_with_load_errors() == set()
-            assert pattern.verify_token_pattern(rank.manifest, rank.arrays(), load.block_ids, N,
-                                                stores.SEED) is None  # fmt: skip
+            assert pattern.verify_token_pattern(rank.manifest, rank.arrays(), load.block_ids,
+                                                saved, stores.SEED) is None  # fmt: skip
             assert changed_outside(was, rank.arrays(), rank.manifest, load.block_ids) == 0
         assert metric(second.sidecar.peer, "kvxferd_store_loads_total", outcome="done") == 2
         step(second.sched, KVConnectorOutput(finished_recving={"r2"}))
