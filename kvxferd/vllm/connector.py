@@ -35,7 +35,6 @@ import json
 import os
 from typing import Any
 
-from msgspec import structs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -198,16 +197,15 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         return out
 
     def _store_lookup(self, req: StoreLookupRequest) -> StoreLookup:
-        """Rank 0's store lookup (a pod's names rank 0), bounded by ``store_lookup_timeout_s``
-        (one kept client)."""
+        """A store lookup at rank 0's sidecar (or the pod), bounded by
+        ``store_lookup_timeout_s`` (one kept client)."""
         if self._lookup_client is None:
             path = self._socket.format(rank=0)
             self._lookup_client = EngineClient(
                 path, timeout_s=self._store_options.lookup_timeout_s,
                 frames=frames_available(path),
             )  # fmt: skip
-        return self._lookup_client.store_lookup(structs.replace(req, tp_rank=0) if self._pod
-                                                else req)  # fmt: skip
+        return self._lookup_client.store_lookup(req)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

@@ -162,7 +162,8 @@ class StorePlanner:
             return 0
         keys = chunk_keys(request.prompt_token_ids[:n], self.options.chunk_tokens, root)
         try:
-            hit = self._lookup(StoreLookupRequest(keys=keys, num_tokens=n)).matched
+            # rank 0's entries: the lookup asks rank 0's sidecar, or the pod naming rank 0
+            hit = self._lookup(StoreLookupRequest(keys=keys, num_tokens=n, tp_rank=0)).matched
         except KvxferdError as exc:  # fail open: the engine computes
             log.warning("store lookup for %.200r failed: %s", request.request_id, exc)
             return 0

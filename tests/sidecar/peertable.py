@@ -14,8 +14,9 @@ from kvxferd.wire import PROTOCOL_VERSION, Handshake
 from tests.sidecar.harness import plan
 
 
-def table() -> PeerTable:
-    """A peer table whose handshakes all fail before an agent is loaded."""
+def table(keys: PeerKeys | None = None) -> PeerTable:
+    """A peer table (signing with ``keys``, default a test secret) whose handshakes all fail
+    before an agent is loaded."""
 
     async def add(_: bytes) -> str:
         raise AssertionError("no handshake succeeds here")
@@ -28,7 +29,7 @@ def table() -> PeerTable:
         add_agent=add,
         remove_agent=remove,
         check_compatible=lambda _: {},
-        keys=PeerKeys.of("s"),
+        keys=keys or PeerKeys.of("s"),
         timeout_s=5.0,
     )
 

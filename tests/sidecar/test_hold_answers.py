@@ -31,6 +31,7 @@ from kvxferd.wire import (
     KeepaliveRequest,
     Ticket,
 )
+from tests.sidecar import peertable
 
 KEYS = PeerKeys.of("hold-answers-secret")
 TICKETS = b"hold-answers-ticket-secret"
@@ -77,7 +78,7 @@ async def _framed(prefill: _Prefill) -> AsyncIterator[tuple[PeerTable, str]]:
     listener = socket.create_server(("127.0.0.1", 0))
     await server.start(listener)
     address = "127.0.0.1:1"  # its HTTP listener: never called
-    table = _table()
+    table = peertable.table(KEYS)
     table._peers[address] = Peer(address, "e", 1, "agent", None, (),  # type: ignore[arg-type]
                                  frames_port=listener.getsockname()[1])  # fmt: skip
     try:
@@ -118,7 +119,7 @@ async def _http(prefill: _Prefill) -> AsyncIterator[tuple[PeerTable, str]]:
         writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    table = _table()
+    table = peertable.table(KEYS)
     try:
         yield table, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     finally:
@@ -130,20 +131,6 @@ async def _http(prefill: _Prefill) -> AsyncIterator[tuple[PeerTable, str]]:
 
 
 SERVED = {"frames": _framed, "http": _http}
-
-
-def _table() -> PeerTable:
-    async def add(_: bytes) -> str:
-        raise AssertionError("no handshake here")
-
-    async def remove(_: str) -> None:
-        return None
-
-    return PeerTable(
-        local_handshake=lambda: None,  # type: ignore[arg-type, return-value]
-        add_agent=add, remove_agent=remove, check_compatible=lambda _: {}, keys=KEYS,
-        timeout_s=5.0,
-    )  # fmt: skip
 
 
 def _tickets(address: str, ids: list[str]) -> list[Ticket]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from kvxferd import pattern
-from tests.sidecar.harness import start_sidecars
+from tests.sidecar.harness import changed_outside, start_sidecars
 from tests.vllm.ranks import Rank, request, step
 
 CHUNK, SEED, LAYOUT = 64, 23, "LBHNC"
@@ -107,3 +107,22 @@ def admit_load(eng: Engine, rid: str, prompt: list[int]):  # noqa: ANN201
     answers = eng.step(out.kv_connector_metadata.orders)
     assert all(a == answers[0] for a in answers)  # every rank loads the same order
     return loads[0], before, answers[0]
+
+
+def check_loaded(eng: Engine, load, num_tokens: int, before) -> None:  # noqa: ANN001
+    """On every rank: no load errors, the loaded blocks hold the saved bytes of ``num_tokens``
+    (every layer, every block), and nothing outside them changed since ``before``."""
+    for rank, was in zip(eng.ranks, before, strict=True):
+        assert rank.connector.get_block_ids_with_load_errors() == set()
+        assert pattern.verify_token_pattern(rank.manifest, rank.arrays(), load.block_ids,
+                                            num_tokens, SEED) is None  # fmt: skip
+        assert changed_outside(was, rank.arrays(), rank.manifest, load.block_ids) == 0
+
+
+def computes_only_the_tail(eng: Engine, rid: str) -> None:
+    """The workers report ``rid``'s load done; vLLM then schedules only its last token."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    step(eng.sched, KVConnectorOutput(finished_recving={rid}))
+    out, _ = step(eng.sched)
+    assert out.num_scheduled_tokens.get(rid, 0) == 1  # only the tail is computed

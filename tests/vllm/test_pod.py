@@ -26,7 +26,7 @@ from kvxferd.vllm.scheduler import StepOrders
 from kvxferd.wire import Identity, Ticket
 from tests.sidecar.harness import TOKEN, changed_outside, metric, start_sidecars, wait_until
 from tests.vllm import stores
-from tests.vllm.ranks import Rank, finish, prefill_side, step, step_until
+from tests.vllm.ranks import Rank, finish, prefill_side, step_until
 
 N = 300  # prompt tokens: three 128-token blocks
 
@@ -406,8 +406,6 @@ def test_each_pod_worker_saves_its_own_rank_and_a_restarted_pod_loads_every_rank
     every worker loads its own rank's bytes: every byte of every layer of every loaded block
     verified on each rank, nothing outside them written, and vLLM computes only the tail.
     Hybrid: each rank's Mamba state shard too, the conversation going on (as in test_store)."""
-    from vllm.v1.outputs import KVConnectorOutput
-
     monkeypatch.setenv("KVXFERD_PEER_TOKEN", TOKEN)
     engine = engines(model, stores.LAYOUT, num_blocks=32, tp_size=2)
     cfg = engine.config.kv_transfer_config
@@ -429,15 +427,9 @@ def test_each_pod_worker_saves_its_own_rank_and_a_restarted_pod_loads_every_rank
         again = prompt + [7, 7] if hybrid else prompt  # the step helper samples token 7
         load, before, answer = stores.admit_load(second, "r2", again)
         assert (load.num_tokens, load.error, answer) == (saved, "", (None, {"r2"}))
-        for rank, was in zip(second.ranks, before, strict=True):
-            assert rank.connector.get_block_ids_with_load_errors() == set()
-            assert pattern.verify_token_pattern(rank.manifest, rank.arrays(), load.block_ids,
-                                                saved, stores.SEED) is None  # fmt: skip
-            assert changed_outside(was, rank.arrays(), rank.manifest, load.block_ids) == 0
+        stores.check_loaded(second, load, saved, before)
         assert metric(second.sidecar.peer, "kvxferd_store_loads_total", outcome="done") == 2
-        step(second.sched, KVConnectorOutput(finished_recving={"r2"}))
-        out, _ = step(second.sched)
-        assert out.num_scheduled_tokens.get("r2", 0) == 1  # only the tail is computed
+        stores.computes_only_the_tail(second, "r2")
     finally:
         second.close()
 

@@ -11,13 +11,19 @@ import os
 
 import pytest
 
-from kvxferd import pattern
 from kvxferd.store import chunk_keys
 from kvxferd.vllm.connector import store_root
 from kvxferd.vllm.scheduler import StepOrders
 from tests.sidecar.harness import changed_outside, metric
 from tests.vllm.ranks import step
-from tests.vllm.stores import CHUNK, LAYOUT, SEED, Engine, admit_load
+from tests.vllm.stores import (
+    CHUNK,
+    LAYOUT,
+    Engine,
+    admit_load,
+    check_loaded,
+    computes_only_the_tail,
+)
 
 pytestmark = pytest.mark.nixl
 
@@ -29,8 +35,6 @@ def test_a_restarted_engine_loads_a_saved_prompt_and_computes_only_the_tail(
     """Dense: the same prompt again (vLLM recomputes the last token of a full hit). Hybrid: the
     conversation goes on (prompt + its answer): the Mamba state saved after the first request's
     computed tokens is exactly where the hit ends (a state cannot be rewound a token)."""
-    from vllm.v1.outputs import KVConnectorOutput
-
     engine = engines(model, LAYOUT, num_blocks=32)
     ext = engine.config.kv_transfer_config.kv_connector_extra_config
     monkeypatch.setattr(engine.config.kv_transfer_config, "kv_connector_extra_config", dict(ext))
@@ -47,18 +51,12 @@ def test_a_restarted_engine_loads_a_saved_prompt_and_computes_only_the_tail(
     second = Engine(engine, tmp_path, "second")  # new sidecar process, new memory, new scheduler
     try:
         again = prompt + [7, 7] if hybrid else prompt  # the step helper samples token 7
-        load, (before, *_), answer = admit_load(second, "r2", again)
+        load, before, answer = admit_load(second, "r2", again)
         assert load.num_tokens == saves[0].num_tokens and not load.error
         assert answer == (None, {"r2"})
-        assert second.rank.connector.get_block_ids_with_load_errors() == set()
-        rank = second.rank
-        assert pattern.verify_token_pattern(rank.manifest, rank.arrays(), load.block_ids,
-                                            load.num_tokens, SEED) is None  # fmt: skip
-        assert changed_outside(before, rank.arrays(), rank.manifest, load.block_ids) == 0
+        check_loaded(second, load, load.num_tokens, before)
         assert metric(second.sidecar.peer, "kvxferd_store_loads_total", outcome="done") == 1
-        step(second.sched, KVConnectorOutput(finished_recving={"r2"}))
-        out, _ = step(second.sched)
-        assert out.num_scheduled_tokens.get("r2", 0) == 1  # only the tail is computed
+        computes_only_the_tail(second, "r2")
     finally:
         second.close()
 
@@ -66,8 +64,6 @@ def test_a_restarted_engine_loads_a_saved_prompt_and_computes_only_the_tail(
 def test_a_prompt_saved_at_tp2_loads_at_tp1(engines, tmp_path, monkeypatch):
     """Both ranks of a TP-2 engine save their heads beside each other; a TP-1 engine after it
     finds every head of every chunk in the shared directory and loads them all."""
-    from vllm.v1.outputs import KVConnectorOutput
-
     prompt = [(3 * i) % 900 + 1 for i in range(250)]
     engine = engines("dense", LAYOUT, num_blocks=32, tp_size=2)
     cfg = engine.config.kv_transfer_config
@@ -82,16 +78,10 @@ def test_a_prompt_saved_at_tp2_loads_at_tp1(engines, tmp_path, monkeypatch):
     monkeypatch.setattr(cfg, "kv_connector_extra_config", dict(cfg.kv_connector_extra_config))
     second = Engine(engine, tmp_path, "tp1")
     try:
-        load, (before, *_), answer = admit_load(second, "r2", prompt)
+        load, before, answer = admit_load(second, "r2", prompt)
         assert load.num_tokens == 250 and answer == (None, {"r2"})
-        rank = second.rank
-        assert rank.connector.get_block_ids_with_load_errors() == set()
-        assert pattern.verify_token_pattern(rank.manifest, rank.arrays(), load.block_ids, 250,
-                                            SEED) is None  # fmt: skip
-        assert changed_outside(before, rank.arrays(), rank.manifest, load.block_ids) == 0
-        step(second.sched, KVConnectorOutput(finished_recving={"r2"}))
-        out, _ = step(second.sched)
-        assert out.num_scheduled_tokens.get("r2", 0) == 1
+        check_loaded(second, load, 250, before)
+        computes_only_the_tail(second, "r2")
     finally:
         second.close()
 
