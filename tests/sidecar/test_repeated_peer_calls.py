@@ -36,6 +36,7 @@ from kvxferd.wire import (
     HoldRequest,
     RegisterRequest,
 )
+from tests.sidecar import peertable
 from tests.sidecar.holdtable import req, table
 from tests.sidecar.inprocess import chosen_ticket, run_in_process
 
@@ -163,17 +164,7 @@ async def _over_http(sidecar: Sidecar) -> AsyncIterator[tuple[_Prefill, PeerTabl
     prefill = _Prefill(sidecar)
     server = await asyncio.start_server(prefill.handle, "127.0.0.1", 0)
 
-    async def add(_: bytes) -> str:
-        raise AssertionError("no handshake here")
-
-    async def remove(_: str) -> None:
-        return None
-
-    peers = PeerTable(
-        local_handshake=lambda: None,  # type: ignore[arg-type, return-value]
-        add_agent=add, remove_agent=remove, check_compatible=lambda _: {},
-        keys=PeerKeys.of("repeated-calls-secret"), timeout_s=5.0,
-    )  # fmt: skip
+    peers = peertable.table(PeerKeys.of("repeated-calls-secret"))
     try:
         yield prefill, peers, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     finally:
