@@ -89,6 +89,25 @@ def _check_ids(manifest: Manifest, block_ids: list[list[int]], num_tokens: int) 
     check_id_lists(tuple(g.block_size for g in manifest.groups), num_tokens, block_ids)
 
 
+def _prefix_ids(
+    manifest: Manifest, block_ids: list[list[int]], held: int, num_tokens: int
+) -> list[list[int]]:
+    """A hold's id lists as the lists of its first ``num_tokens`` tokens. A short list (a
+    sliding window's) ends at the block of the hold's last token, not the prefix's: read as the
+    prefix's, its blocks would be saved under other tokens' keys. Mamba lists stay as they are
+    (a hybrid hold is saved whole)."""
+    if num_tokens == held or len(block_ids) != len(manifest.groups):
+        return block_ids  # (a list per group or not: the store refuses the latter)
+    out = []
+    for group, ids in zip(manifest.groups, block_ids, strict=True):
+        if group.kind == "mamba":
+            out.append(ids)
+            continue
+        first = max(0, -(-held // group.block_size) - len(ids))  # request block of ids[0]
+        out.append(([-1] * first + list(ids))[: -(-num_tokens // group.block_size)])
+    return out
+
+
 @dataclass
 class _Reported:
     """Tier counters already added to the metrics (they are monotonic in the tiers)."""
@@ -145,6 +164,7 @@ class Offload:
                 # an earlier one: saved under a shorter prefix's key it would load wrong state.
                 raise StoreError("num_tokens", f"{num_tokens}: a hybrid hold saves all its "
                                  f"{held_tokens} tokens")  # fmt: skip
+            block_ids = _prefix_ids(manifest, block_ids, held_tokens, num_tokens)
         else:  # (a hold's ids passed the same checks when it was placed)
             _check_ids(manifest, block_ids, num_tokens)
         stop = threading.Event()  # set by stop(): the engine's memory is being let go

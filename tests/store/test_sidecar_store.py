@@ -10,7 +10,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.errors import BlockIdError, StoreError, UnknownHoldError
 from kvxferd.layout import request_blocks
-from kvxferd.pattern import verify_pattern, write_pattern
+from kvxferd.pattern import (
+    verify_pattern,
+    verify_token_pattern,
+    write_pattern,
+    write_token_pattern,
+)
 from kvxferd.store import chunk_keys
 from kvxferd.wire import (
     HOLD_SPARE_BLOCKS,
@@ -20,7 +25,7 @@ from kvxferd.wire import (
     StoreLookupRequest,
     StoreSaveRequest,
 )
-from tests.sidecar.harness import EnginePool, plan, start_sidecar
+from tests.sidecar.harness import SENTINEL, EnginePool, plan, start_sidecar
 from tests.store.helpers import DENSE, GDN, MAMBA2, block_ids, poisoned
 
 pytestmark = pytest.mark.nixl
@@ -194,6 +199,44 @@ def test_a_store_call_past_its_bounds_is_a_422_naming_the_field_and_the_sidecar_
                 client.store_lookup(StoreLookupRequest(keys=[], num_tokens=MAX_TOKENS + 1))
             assert (err.value.status, err.value.field) == (422, "num_tokens")
             assert client.store_lookup(StoreLookupRequest(keys=keys, num_tokens=tokens)).matched
+    finally:
+        assert sidecar.stop() == 0
+        pool.close()
+
+
+def test_a_save_of_a_holds_prefix_takes_a_sliding_windows_blocks_at_their_own_tokens(tmp_path):
+    """A hold's sliding-window list holds its last blocks (those of the hold's own tokens): a
+    save of a shorter prefix by the hold's id must read each block at the tokens it holds, not
+    at the prefix's last ones, else the prefix's window entries hold other tokens' KV."""
+    sw_preset, held, prefix, chunk = "gpt-oss-20b", 320, 288, 32  # window 128, blocks of 16
+    manifest = plan(sw_preset, num_blocks=48)
+    sw = next(g for g, grp in enumerate(manifest.groups) if grp.kind == "sliding_window")
+    bs = manifest.groups[sw].block_size
+    placed = block_ids(manifest, held, descending=True)  # as an engine places them
+    assert len(placed[sw]) == 10  # the window group keeps its last 10 blocks (tokens 160..319)
+    anchored = [list(g) for g in placed]
+    anchored[sw] = [-1] * (held // bs - 10) + placed[sw]  # full length: each at its own tokens
+    pool = EnginePool(manifest)
+    sidecar = start_sidecar(str(tmp_path), "swhold", "--store-dir", str(tmp_path / "s"),
+                            "--store-chunk-tokens", str(chunk))  # fmt: skip
+    try:
+        for n in (held, prefix):  # the window rows of both (160..319) hold the token pattern
+            write_token_pattern(manifest, pool.views, anchored, n, SEED)
+        with sidecar.client() as client:
+            client.register(manifest, pool.specs())
+            ticket = client.hold(HoldRequest(request_id="r", block_ids=placed, num_tokens=held))
+            keys = chunk_keys(list(range(prefix)), chunk)
+            client.store_save(StoreSaveRequest(request_id="r", keys=keys, hold_id=ticket.hold_id,
+                                               num_tokens=prefix))  # fmt: skip
+            hit = client.store_lookup(StoreLookupRequest(keys=keys, num_tokens=prefix))
+            assert hit.matched == prefix  # the prefix's window (160..287) is in the hold
+            for view in pool.views:
+                view[:] = SENTINEL
+            dst = block_ids(manifest, prefix)  # other blocks than the hold's
+            assert verify_token_pattern(manifest, pool.views, dst, prefix, SEED) is not None
+            done = client.store_load(StoreLoadRequest(keys=keys, block_ids=dst, num_tokens=prefix))
+            assert done.state == "done"
+            assert verify_token_pattern(manifest, pool.views, dst, prefix, SEED) is None
     finally:
         assert sidecar.stop() == 0
         pool.close()
