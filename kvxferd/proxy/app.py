@@ -305,7 +305,7 @@ def proxy_app(
             if d_req.extensions.get(UNSENT) is True:  # no decode will claim what the prefill holds
                 release_hold()
             raise
-        media = d_resp.headers.get("content-type", "application/json")
+        media = _media_type(d_resp.headers)
         if d_resp.status_code >= 400 or not media.startswith(_SSE):
             try:
                 content = await _read(d_resp, idle, limit)
@@ -515,5 +515,16 @@ def _passthrough(
 ) -> Response:
     """A backend's reply as is: status, body and content type."""
     out = {"X-Request-Id": request_id} if request_id else None
-    media = headers.get("content-type", "application/json")
-    return Response(content=content, status_code=status, media_type=media, headers=out)
+    return Response(content=content, status_code=status, media_type=_media_type(headers),
+                    headers=out)  # fmt: skip
+
+
+def _media_type(headers: httpx.Headers) -> str:
+    """A backend answer's Content-Type as its bytes, JSON if it has none. httpx decodes header
+    bytes as UTF-8 where they are, and a character past latin-1 ("€") could not be written
+    back: the client got a 500 and a streamed decode answer was left open. Bytes read as
+    latin-1 are written back as they came."""
+    for name, value in headers.raw:
+        if name.lower() == b"content-type":
+            return value.decode("latin-1")
+    return "application/json"

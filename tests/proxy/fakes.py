@@ -82,6 +82,9 @@ class FakeBackend:
     cut_body: threading.Event | None = None
     """A prefill's answer goes out in two parts: its head and the body's first byte, then (once
     this event is set) the rest, kv_transfer_params included."""
+    content_type: bytes = b""
+    """A completion answer (JSON or SSE) carries this Content-Type, as these bytes (a backend
+    may send any byte but CR, LF and NUL there)."""
 
     def completion_text(self, body: dict[str, Any]) -> str:
         params = body.get("kv_transfer_params") or {}
@@ -112,7 +115,8 @@ def fake_app(fake: FakeBackend) -> FastAPI:
         text = "p" if fake.role == "prefill" else fake.completion_text(body)
         if body.get("stream"):
             events = _sse(fake.name, text, chat, fake.delay_s, fake.stall)
-            return StreamingResponse(events, media_type="text/event-stream")
+            streamed = StreamingResponse(events, media_type="text/event-stream")
+            return _typed(streamed, fake.content_type)
         await asyncio.sleep(fake.delay_s)
         reply = _choice_body(fake.name, text, chat)
         if fake.role == "prefill" and not fake.omit_params:
@@ -141,7 +145,7 @@ def fake_app(fake: FakeBackend) -> FastAPI:
                               headers={"content-encoding": "gzip"})  # fmt: skip
         if fake.cut_body is not None:
             return StreamingResponse(_cut(answer.body, fake.cut_body), media_type=answer.media_type)
-        return answer
+        return _typed(answer, fake.content_type)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -166,6 +170,13 @@ def fake_app(fake: FakeBackend) -> FastAPI:
         return Response(status_code=200 if fake.healthy else 503)
 
     return app
+
+
+def _typed(answer: Response, content_type: bytes) -> Response:
+    """``answer`` with its Content-Type replaced by ``content_type`` (if any), byte for byte."""
+    if content_type:
+        answer.headers["content-type"] = content_type.decode("latin-1")  # starlette: latin-1
+    return answer
 
 
 def _choice_body(name: str, text: str, chat: bool) -> dict[str, Any]:

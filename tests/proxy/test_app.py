@@ -307,6 +307,30 @@ def test_compressed_answers_are_read_decoded(make_rig) -> None:
     assert rig.decodes[0].seen[0].body["kv_transfer_params"]["remote_engine_id"] == "P0"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_content_type_outside_latin_1_text_is_relayed_as_its_bytes_not_a_500(
+    make_rig, stream: bool
+) -> None:
+    """httpx reads header bytes as UTF-8 where they are; a "€" then could not be written back
+    (a 500, and a streamed decode answer left open)."""
+    rig = make_rig()
+    sent = (
+        b"application/json; note=\xe2\x82\xac"
+        if not stream
+        else b"text/event-stream; n=\xe2\x82\xac"
+    )
+    rig.decodes[0].content_type = sent
+    with rig.client() as c:
+        resp = c.post("/v1/completions", json=completion(stream=stream))
+    assert resp.status_code == 200, resp.text
+    [media] = [v for k, v in resp.headers.raw if k.lower() == b"content-type"]
+    assert media.startswith(sent)
+    if stream:
+        assert resp.content == b"".join(sse_events("D0", "D0 decoded from P0", chat=False))
+    else:
+        assert resp.json()["choices"][0]["text"] == "D0 decoded from P0"
+
+
 LIMIT = 4096  # bytes of a backend answer the proxy reads whole, in these tests
 
 
