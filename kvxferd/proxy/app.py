@@ -82,6 +82,10 @@ KEEPALIVE_PER_CLIENT = 16
 """Idle connections one backend client keeps (to prefills and decodes together; a client
 serves one request at a time until the proxy has more in flight than clients)."""
 _SSE = "text/event-stream"
+HELD_EVENT_BYTES = 64 << 10
+"""Most bytes of an SSE event held back until it is whole; a longer one is relayed as it comes."""
+_BLANK_LINES = (b"\n\n", b"\r\r", b"\r\n\r\n")
+"""What ends an SSE event, by the line ends a stream uses (LF, CR or CRLF)."""
 
 
 @dataclass(frozen=True)
@@ -495,19 +499,44 @@ async def _probe(
 async def _stream(
     resp: httpx.Response, decode: Backend, request_id: str, idle: float
 ) -> AsyncIterator[bytes]:
-    """Relay the decode's SSE bytes as they come (never cut while they keep coming); a broken or
-    silent (``idle`` s) stream ends with an SSE error event."""
+    """Relay the decode's SSE events as they come (never cut while bytes keep coming); a broken or
+    silent (``idle`` s) stream ends with an SSE error event. An event goes on once whole (up to
+    ``HELD_EVENT_BYTES``), so the error event never lands inside a cut one: a client's parser
+    would read both as one broken event, and the OpenAI client raised a JSON error instead."""
+    held = b""  # the start of an event not yet whole
+    whole = True  # what went out ends where an event does
     try:
         async for chunk in _chunks(resp, idle):  # decoded if the decode compressed
-            yield chunk
+            if not held and chunk.endswith(b"\n\n"):  # the usual chunk: whole events
+                yield chunk
+                whole = True
+                continue
+            held += chunk
+            end = _events_end(held)
+            if end:
+                yield held[:end]
+                held = held[end:]
+            if len(held) > HELD_EVENT_BYTES:  # not SSE as we know it: relay it as it comes
+                yield held
+                held, whole = b"", False
+            elif end:
+                whole = True
+        if held:
+            yield held
     except _BACKEND_ERRORS as exc:
         reason = describe_failure(exc)
         log.warning("request %s: decode %s stream broke: %s", request_id, decode.url, reason)
         message = f"decode backend {decode.url} stream broke: {reason}"
         event = {"error": {"message": message, "type": "bad_gateway", "param": None, "code": 502}}
-        yield f"data: {json.dumps(event)}\n\n".encode()
+        yield (b"" if whole else b"\n\n") + f"data: {json.dumps(event)}\n\n".encode()
     finally:
         await resp.aclose()
+
+
+def _events_end(data: bytes) -> int:
+    """Where the last whole SSE event in ``data`` ends (after its blank line), 0 if none does."""
+    ends = (data.rfind(sep) + len(sep) for sep in _BLANK_LINES if sep in data)
+    return max(ends, default=0)
 
 
 def _passthrough(

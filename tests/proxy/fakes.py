@@ -69,6 +69,8 @@ class FakeBackend:
     """Slow but alive: wait this long before a JSON answer, and between two SSE events."""
     stall: threading.Event | None = None
     """A stream stops after its first event until this event is set (a silent decode)."""
+    stall_mid_event: bool = False
+    """With ``stall``, the stream stops halfway through its second event instead."""
     set_cookie: str = ""
     """Every completion answer carries ``Set-Cookie: <this>`` (a backend behind a session-keeping
     gateway)."""
@@ -114,7 +116,7 @@ def fake_app(fake: FakeBackend) -> FastAPI:
             return JSONResponse({"error": error}, status_code=fake.fail_status)
         text = "p" if fake.role == "prefill" else fake.completion_text(body)
         if body.get("stream"):
-            events = _sse(fake.name, text, chat, fake.delay_s, fake.stall)
+            events = _sse(fake.name, text, chat, fake.delay_s, fake.stall, fake.stall_mid_event)
             streamed = StreamingResponse(events, media_type="text/event-stream")
             return _typed(streamed, fake.content_type)
         await asyncio.sleep(fake.delay_s)
@@ -215,10 +217,18 @@ async def _cut(content: bytes, until: threading.Event) -> AsyncIterator[bytes]:
 
 
 async def _sse(
-    name: str, text: str, chat: bool, gap_s: float = 0.0, stall: threading.Event | None = None
+    name: str,
+    text: str,
+    chat: bool,
+    gap_s: float = 0.0,
+    stall: threading.Event | None = None,
+    mid_event: bool = False,
 ) -> AsyncIterator[bytes]:
     for i, event in enumerate(sse_events(name, text, chat)):
         if i == 1 and stall is not None:
+            if mid_event:
+                half, event = event[: len(event) // 2], event[len(event) // 2 :]
+                yield half
             while not stall.is_set():
                 await asyncio.sleep(0.01)
         yield event

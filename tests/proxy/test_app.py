@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from kvxferd.api.jsonbody import MAX_KEYS
+from kvxferd.proxy import app as proxy_app_module
 from kvxferd.proxy.bodies import KV_TRANSFER_STUB
 from tests.proxy.fakes import (
     free_port,
@@ -465,6 +466,55 @@ def test_a_stream_silent_past_the_idle_bound_ends_with_an_error_event(make_rig) 
     last = json.loads(events[-1].removeprefix("data: "))
     assert rig.backends[1].url in last["error"]["message"]
     assert f"no next chunk within {SHORT_S:g} s" in last["error"]["message"]
+
+
+def test_a_stream_cut_mid_event_ends_with_its_error_event_whole(make_rig) -> None:
+    """The error event must not land inside the cut one: a client's SSE parser would read the
+    two as one broken event (the OpenAI client: a JSON error, not the proxy's message). Every
+    event the client gets is whole."""
+    rig = make_rig(timeout_s=SHORT_S)
+    rig.decodes[0].stall = threading.Event()
+    rig.decodes[0].stall_mid_event = True
+    try:
+        with rig.client() as c:
+            resp = c.post("/v1/completions", json=completion(stream=True))
+    finally:
+        rig.decodes[0].stall.set()
+    assert resp.status_code == 200
+    events = [json.loads(e.removeprefix("data: ")) for e in resp.text.split("\n\n") if e]
+    first = sse_events("D0", "D0 decoded from P0", chat=False)[0]
+    assert events[0] == json.loads(first.removeprefix(b"data: "))
+    assert len(events) == 2
+    assert rig.backends[1].url in events[1]["error"]["message"]
+    assert f"no next chunk within {SHORT_S:g} s" in events[1]["error"]["message"]
+
+
+def test_an_event_past_the_held_bound_goes_on_as_it_comes_and_the_error_event_after_it(
+    make_rig, monkeypatch
+) -> None:
+    monkeypatch.setattr(proxy_app_module, "HELD_EVENT_BYTES", 8)
+    rig = make_rig(timeout_s=SHORT_S)
+    rig.decodes[0].stall = threading.Event()
+    rig.decodes[0].stall_mid_event = True
+    try:
+        with rig.client() as c:
+            resp = c.post("/v1/completions", json=completion(stream=True))
+    finally:
+        rig.decodes[0].stall.set()
+    expected = sse_events("D0", "D0 decoded from P0", chat=False)
+    half = expected[1][: len(expected[1]) // 2]
+    assert resp.content.startswith(expected[0] + half + b"\n\ndata: ")
+    error = json.loads(resp.text.split("\n\n")[-2].removeprefix("data: "))["error"]
+    assert rig.backends[1].url in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("data", "end"),
+    [(b"data: 1\n\ndata: 2", 9), (b"data: 1\r\n\r\ndata: 2\r\n", 11), (b"data: 1\r\rda", 9),
+     (b"data: 1\r\n", 0), (b"", 0), (b"a\n\nb\n\nc", 6)],
+)  # fmt: skip
+def test_an_sse_event_ends_at_a_blank_line_of_any_line_end(data: bytes, end: int) -> None:
+    assert proxy_app_module._events_end(data) == end
 
 
 def test_a_refused_decode_connection_is_still_a_502_naming_it(make_rig) -> None:
