@@ -1,10 +1,11 @@
 """The proxy's FastAPI app: prefill with 1 token, then decode with the returned transfer params.
 
 Per request: pick a prefill and a decode (separate round-robin cycles), send the prefill a copy
-of the body with ``max_tokens=1``, ``stream=false`` and the ``kv_transfer_params`` stub, take the
-``kv_transfer_params`` it answers with, and send the ORIGINAL body plus those params to the
-decode, relaying its reply byte for byte (SSE when the client asked to stream). Both backends get
-the same ``X-Request-Id``. Nothing here depends on kvxferd-only fields, so real vLLM works too.
+of the body with ``max_tokens=1``, ``stream=false``, no ``n`` and the ``kv_transfer_params`` stub,
+take the ``kv_transfer_params`` it answers with, and send the ORIGINAL body plus those params to
+the decode, relaying its reply byte for byte (SSE when the client asked to stream; an event goes
+on once whole). Both backends get the same ``X-Request-Id``. Nothing here depends on
+kvxferd-only fields, so real vLLM works too.
 
 Timeouts are per phase, so a healthy answer is never cut while bytes keep coming: connect, first
 byte (the prefill's answer; a streaming decode's headers), idle (between chunks of any body) and,

@@ -31,7 +31,10 @@ KV_TRANSFER_STUB: dict[str, Any] = {
 
 _STUB = msgspec.Raw(msgspec.json.encode(KV_TRANSFER_STUB))
 _TRUE, _FALSE, _ONE = msgspec.Raw(b"true"), msgspec.Raw(b"false"), msgspec.Raw(b"1")
-_DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+_DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens", "n")
+"""Fields the prefill does without. ``n``: the decode samples the n completions from one
+prompt's KV; a vLLM prefill given ``n`` runs n requests, each holding its KV for a remote
+decode, and answers one's ``kv_transfer_params``: the other holds waited out their lease."""
 
 
 def encode(body: Body) -> bytes:
@@ -45,7 +48,8 @@ def streams(body: Body) -> bool:
 
 
 def prefill_body(body: Body, chat: bool) -> Body:
-    """The prefill's copy of a request: one token, no streaming, the transfer stub."""
+    """The prefill's copy of a request: one token, one sequence, no streaming, the transfer
+    stub."""
     out = dict(body)  # the values are shared, never changed
     out["kv_transfer_params"] = _STUB
     out["stream"] = _FALSE

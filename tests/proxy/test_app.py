@@ -23,7 +23,7 @@ from tests.sidecar.harness import wait_until
 
 def test_prefill_gets_one_token_no_stream_and_the_stub(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig()
-    body = completion(stream=True, stream_options={"include_usage": True}, min_tokens=4)
+    body = completion(stream=True, stream_options={"include_usage": True}, min_tokens=4, n=2)
     with rig.client() as c, c.stream("POST", "/v1/completions", json=body) as resp:
         assert resp.status_code == 200
         resp.read()
@@ -33,6 +33,8 @@ def test_prefill_gets_one_token_no_stream_and_the_stub(make_rig: Callable[..., R
     assert seen.body["stream"] is False
     assert seen.body["kv_transfer_params"] == KV_TRANSFER_STUB
     assert "stream_options" not in seen.body and "min_tokens" not in seen.body
+    assert "n" not in seen.body  # one prompt's KV, one hold: the decode samples n
+    assert rig.decodes[0].seen[0].body["n"] == 2
     assert "max_completion_tokens" not in seen.body
     assert seen.body["prompt"] == "hello world"
 

@@ -25,7 +25,7 @@ def test_values_go_on_as_the_bytes_that_came() -> None:
 
 
 def test_the_prefill_gets_one_token_no_stream_and_the_stub_and_nothing_else_changes() -> None:
-    body = parse(b'{"model": "m", "messages": [], "stream": true, "max_tokens": 9, '
+    body = parse(b'{"model": "m", "messages": [], "stream": true, "max_tokens": 9, "n": 4, '
                  b'"stream_options": {"include_usage": true}, "min_tokens": 2}')  # fmt: skip
     out = json.loads(encode(prefill_body(body, chat=True)))
     assert out == {"model": "m", "messages": [], "stream": False, "max_tokens": 1,
