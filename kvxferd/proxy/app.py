@@ -259,11 +259,13 @@ def proxy_app(
     async def forward(
         request: Request, path: str, chat: bool, client: httpx.AsyncBaseTransport
     ) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             body = parse(await request.body())
         except BodyError as exc:
-            return error_response(400, f"request body {exc}", "invalid_request_error")
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            return error_response(
+                400, f"request body {exc}", "invalid_request_error", request_id=request_id
+            )
         # Header values go on as the client's bytes (starlette decoded them as latin-1; httpx
         # would encode a str as ASCII and fail on any other byte).
         headers = {"X-Request-Id": request_id.encode("latin-1")}
@@ -278,16 +280,18 @@ def proxy_app(
         except _BACKEND_ERRORS as exc:
             log.warning("request %s: prefill %s failed: %s", request_id, prefill.url,
                         describe_failure(exc))  # fmt: skip
-            return unreachable(prefill, exc, first_byte)
+            return unreachable(prefill, exc, first_byte, request_id)
         if p_resp.status_code >= 400:
             return _passthrough(p_resp.status_code, p_content, p_resp.headers, request_id)
         try:
             params = transfer_params(p_content)
         except BodyError as exc:
-            return bad_backend_reply(prefill, f"answered a body that {exc}")
+            return bad_backend_reply(prefill, f"answered a body that {exc}", request_id)
         if params is None:
             return bad_backend_reply(
-                prefill, "answered without kv_transfer_params (is its KV connector configured?)"
+                prefill,
+                "answered without kv_transfer_params (is its KV connector configured?)",
+                request_id,
             )
 
         def release_hold() -> None:
@@ -305,7 +309,7 @@ def proxy_app(
             log.warning("request %s: decode %s failed: %s", request_id, decode.url,
                         describe_failure(exc))  # fmt: skip
             release_hold()
-            return unreachable(decode, exc, wait)
+            return unreachable(decode, exc, wait, request_id)
         except asyncio.CancelledError:  # the client has gone (_unless_gone)
             if d_req.extensions.get(UNSENT) is True:  # no decode will claim what the prefill holds
                 release_hold()
@@ -316,7 +320,7 @@ def proxy_app(
                 content = await _read(d_resp, idle, limit)
             except _BACKEND_ERRORS as exc:
                 release_hold()
-                return unreachable(decode, exc, idle)
+                return unreachable(decode, exc, idle, request_id)
             finally:
                 await d_resp.aclose()
             if d_resp.status_code >= 400:

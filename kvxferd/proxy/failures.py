@@ -14,10 +14,14 @@ from fastapi.responses import JSONResponse
 from kvxferd.proxy.routing import Backend
 
 
-def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    """One OpenAI-shaped error object with ``status``."""
+def error_response(
+    status: int, message: str, kind: str, param: str | None = None, request_id: str | None = None
+) -> JSONResponse:
+    """One OpenAI-shaped error object with ``status`` (and the request's ``X-Request-Id``, as
+    every answer of the P/D path carries)."""
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class BackendTimeout(TimeoutError):
@@ -49,7 +53,9 @@ def describe_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-def unreachable(backend: Backend, exc: BaseException, timeout_s: float) -> JSONResponse:
+def unreachable(
+    backend: Backend, exc: BaseException, timeout_s: float, request_id: str | None = None
+) -> JSONResponse:
     """502 for a backend that could not be reached or did not answer within ``timeout_s``."""
     reason = describe_failure(exc)
     if isinstance(exc, httpx.ConnectTimeout):
@@ -59,11 +65,11 @@ def unreachable(backend: Backend, exc: BaseException, timeout_s: float) -> JSONR
     ):
         reason += f" after {timeout_s:g} s"
     what = "failed" if isinstance(exc, AnswerTooLarge) else "unreachable"
-    return error_response(
-        502, f"{backend.role} backend {backend.url} {what}: {reason}", "bad_gateway"
-    )
+    message = f"{backend.role} backend {backend.url} {what}: {reason}"
+    return error_response(502, message, "bad_gateway", request_id=request_id)
 
 
-def bad_backend_reply(backend: Backend, what: str) -> JSONResponse:
+def bad_backend_reply(backend: Backend, what: str, request_id: str | None = None) -> JSONResponse:
     """502 for a backend that answered 2xx but not what the P/D protocol needs."""
-    return error_response(502, f"{backend.role} backend {backend.url}: {what}", "bad_gateway")
+    message = f"{backend.role} backend {backend.url}: {what}"
+    return error_response(502, message, "bad_gateway", request_id=request_id)

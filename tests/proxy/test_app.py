@@ -107,6 +107,22 @@ def test_same_request_id_to_both_given_or_generated(make_rig: Callable[..., Rig]
     assert p_ids[1] == made.headers["x-request-id"] and len(p_ids[1]) >= 16
 
 
+def test_the_proxys_own_errors_carry_the_request_id_too(make_rig: Callable[..., Rig]) -> None:
+    """Its 502s (and 400s) are the answers whose log lines a client most needs to find."""
+    rig = make_rig()
+    rig.prefills[0].omit_params = True
+    with rig.client() as c:
+        no_params = c.post("/v1/completions", json=completion(), headers={"X-Request-Id": "r1"})
+        bad_body = c.post("/v1/completions", content=b"{nope", headers={"X-Request-Id": "r2"})
+        rig.backends[1].stop()
+        rig.prefills[0].omit_params = False
+        no_decode = c.post("/v1/completions", json=completion(), headers={"X-Request-Id": "r3"})
+    assert [no_params.status_code, bad_body.status_code, no_decode.status_code] == [502, 400, 502]
+    assert [r.headers.get("x-request-id") for r in (no_params, bad_body, no_decode)] == [
+        "r1", "r2", "r3"
+    ]  # fmt: skip
+
+
 def test_authorization_header_reaches_both(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig()
     with rig.client() as c:
