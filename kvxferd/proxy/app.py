@@ -315,16 +315,18 @@ def proxy_app(
                 release_hold()
             raise
         media = _media_type(d_resp.headers)
-        if d_resp.status_code >= 400 or not media.startswith(_SSE):
+        refused = d_resp.status_code >= 400
+        if refused or not media.startswith(_SSE):
+            if refused:  # its head says so: whatever its body does, or the client, meanwhile
+                release_hold()
             try:
                 content = await _read(d_resp, idle, limit)
             except _BACKEND_ERRORS as exc:
-                release_hold()
+                if not refused:
+                    release_hold()
                 return unreachable(decode, exc, idle, request_id)
             finally:
                 await d_resp.aclose()
-            if d_resp.status_code >= 400:
-                release_hold()
             return _passthrough(d_resp.status_code, content, d_resp.headers, request_id)
         return StreamingResponse(
             _stream(d_resp, decode, request_id, idle),

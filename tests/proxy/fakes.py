@@ -82,8 +82,8 @@ class FakeBackend:
     gzip: bool = False
     """A JSON completion answer goes gzip-compressed (``Content-Encoding: gzip``), asked or not."""
     cut_body: threading.Event | None = None
-    """A prefill's answer goes out in two parts: its head and the body's first byte, then (once
-    this event is set) the rest, kv_transfer_params included."""
+    """A completion answer (JSON, a refusal's too) goes out in two parts: its head and the body's
+    first byte, then (once this event is set) the rest, a prefill's kv_transfer_params included."""
     content_type: bytes = b""
     """A completion answer (JSON or SSE) carries this Content-Type, as these bytes (a backend
     may send any byte but CR, LF and NUL there)."""
@@ -113,7 +113,11 @@ def fake_app(fake: FakeBackend) -> FastAPI:
             await asyncio.sleep(0.01)
         if fake.fail_status is not None:
             error = {"message": f"{fake.name} refuses", "type": "BadRequestError", "code": 7}
-            return JSONResponse({"error": error}, status_code=fake.fail_status)
+            refused = JSONResponse({"error": error}, status_code=fake.fail_status)
+            if fake.cut_body is not None:
+                parts = _cut(refused.body, fake.cut_body)
+                return StreamingResponse(parts, fake.fail_status, media_type=refused.media_type)
+            return refused
         text = "p" if fake.role == "prefill" else fake.completion_text(body)
         if body.get("stream"):
             events = _sse(fake.name, text, chat, fake.delay_s, fake.stall, fake.stall_mid_event)

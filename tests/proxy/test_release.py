@@ -85,6 +85,23 @@ def test_a_client_gone_while_the_prefill_answer_comes_makes_the_proxy_release(ma
     assert rig.decodes[0].seen == []
 
 
+def test_a_client_gone_while_a_refusing_decodes_answer_comes_makes_the_proxy_release(
+    make_rig,
+) -> None:
+    """The decode's status says it will not read the hold: its error body still arriving when the
+    client leaves changes nothing (the hold was left to its lease)."""
+    rig = make_rig(timeout_s=120.0, transport=lambda p, d: HeadWatch(d))
+    rig.decodes[0].fail_status = 400
+    rig.decodes[0].cut_body = cut = threading.Event()
+    try:
+        _hang_up_when(rig, rig.transport.headed.is_set, "the decode's refusal head")
+        wait_until(lambda: rig.app.state.clients.busy() == 0, 30.0, "the proxy seeing it gone")
+    finally:
+        cut.set()
+    _assert_released_what_the_prefill_answered(rig)
+    assert len(rig.decodes[0].seen) == 1
+
+
 def test_a_client_gone_before_the_prefill_answered_makes_the_proxy_release(make_rig) -> None:
     """The prefill finishes a request whose caller left and holds KV for it, but only its answer
     names that KV: the proxy waits for the answer (within its bounds) after the client left,
