@@ -53,7 +53,7 @@ class FakeBackend:
     """Completions wait for this event (set it to release them), or until their caller hangs
     up (recorded in ``left``)."""
     left: list[str] = field(default_factory=list)
-    """Paths of hanging or held completions whose caller closed the connection."""
+    """Paths of hanging or held completions, or of streams, whose caller closed the connection."""
     hold: threading.Event | None = None
     """Completions wait for this event, then answer as usual even if their caller has gone (an
     engine finishes a request whose caller left: uvicorn does not cancel it); a caller gone while
@@ -121,6 +121,7 @@ def fake_app(fake: FakeBackend) -> FastAPI:
         text = "p" if fake.role == "prefill" else fake.completion_text(body)
         if body.get("stream"):
             events = _sse(fake.name, text, chat, fake.delay_s, fake.stall, fake.stall_mid_event)
+            events = _noting_a_hang_up(events, fake.left, request.url.path)
             streamed = StreamingResponse(events, media_type="text/event-stream")
             return _typed(streamed, fake.content_type)
         await asyncio.sleep(fake.delay_s)
@@ -218,6 +219,18 @@ async def _cut(content: bytes, until: threading.Event) -> AsyncIterator[bytes]:
     while not until.is_set():
         await asyncio.sleep(0.01)
     yield content[1:]
+
+
+async def _noting_a_hang_up(
+    events: AsyncIterator[bytes], left: list[str], path: str
+) -> AsyncIterator[bytes]:
+    """``events``; ``path`` noted in ``left`` if their caller hangs up before the last."""
+    try:
+        async for event in events:
+            yield event
+    except asyncio.CancelledError:  # uvicorn saw the connection close
+        left.append(path)
+        raise
 
 
 async def _sse(

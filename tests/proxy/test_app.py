@@ -535,6 +535,26 @@ def test_an_sse_event_ends_at_a_blank_line_of_any_line_end(data: bytes, end: int
     assert proxy_app_module._events_end(data) == end
 
 
+def test_a_client_gone_mid_stream_has_the_proxy_hang_up_on_the_decode(make_rig) -> None:
+    """Else the decode would go on generating for nobody; the hold was its own (no release)."""
+    rig = make_rig(timeout_s=120.0)  # far past the waits below
+    decode = rig.decodes[0]
+    decode.stall = threading.Event()
+    try:
+        with (
+            rig.client() as c,
+            c.stream("POST", "/v1/completions", json=completion(stream=True)) as r,
+        ):
+            first = next(r.iter_raw())
+        wait_until(lambda: decode.left, 30.0, "the proxy hangs up on the decode")
+    finally:
+        decode.stall.set()
+    assert first == sse_events("D0", "D0 decoded from P0", chat=False)[0]
+    assert decode.left == ["/v1/completions"]
+    rig.proxy.stop()  # its shutdown waits for the releases it started
+    assert release_bodies(rig.prefills[0]) == []
+
+
 def test_a_refused_decode_connection_is_still_a_502_naming_it(make_rig) -> None:
     rig = make_rig(connect_s=SHORT_S, first_byte_s=30.0, generation_s=30.0)
     rig.backends[1].stop()
