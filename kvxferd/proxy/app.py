@@ -50,6 +50,7 @@ from kvxferd.config import HTTP_CLIENT_KEEPALIVE_S
 from kvxferd.lanes import ssl_context
 from kvxferd.proxy.bodies import (
     Body,
+    batch_size,
     decode_body,
     encode,
     parse,
@@ -266,6 +267,13 @@ def proxy_app(
             return error_response(
                 400, f"request body {exc}", "invalid_request_error", request_id=request_id
             )
+        if not chat and (prompts := batch_size(body)) > 1:
+            # A vLLM prefill would hold the KV of every prompt and answer one's params: the
+            # other holds would wait out their lease.
+            return error_response(
+                400, f"prompt: a batch of {prompts} prompts; the P/D path takes one prompt per "
+                "request", "invalid_request_error", param="prompt", request_id=request_id,
+            )  # fmt: skip
         # Header values go on as the client's bytes (starlette decoded them as latin-1; httpx
         # would encode a str as ASCII and fail on any other byte).
         headers = {"X-Request-Id": request_id.encode("latin-1")}

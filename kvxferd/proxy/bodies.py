@@ -37,6 +37,23 @@ prompt's KV; a vLLM prefill given ``n`` runs n requests, each holding its KV for
 decode, and answers one's ``kv_transfer_params``: the other holds waited out their lease."""
 
 
+_ITEM_STARTS = b'"['
+"""First bytes of a batch's items: prompts as strings or as token-id lists."""
+
+
+def batch_size(body: Body) -> int:
+    """How many prompts a completions body's ``prompt`` names: a list of strings or of
+    token-id lists is a batch, anything else one (a list of token ids is one prompt; a value
+    the backend cannot take is the backend's to refuse)."""
+    raw = body.get("prompt")
+    if raw is None or bytes(memoryview(raw)[:1]) != b"[":
+        return 1
+    head = bytes(memoryview(raw)[1:4097]).lstrip()  # token ids: no list built for them
+    if head and head[0] not in _ITEM_STARTS:
+        return 1
+    return len(msgspec.json.decode(raw, type=list[msgspec.Raw]))
+
+
 def encode(body: Body) -> bytes:
     """``body`` as JSON: its values' own bytes, in its key order."""
     return msgspec.json.encode(body)

@@ -10,6 +10,7 @@ import pytest
 from kvxferd.api.jsonbody import LENIENT_BYTES, BodyError, parse
 from kvxferd.proxy.bodies import (
     KV_TRANSFER_STUB,
+    batch_size,
     decode_body,
     encode,
     prefill_body,
@@ -102,3 +103,22 @@ def test_a_prefills_params_must_be_an_object_in_an_object() -> None:
         transfer_params(b"[]")
     lone = transfer_params(b'{"kv_transfer_params": {"note": "\\udc00"}}')
     assert lone is not None and json.loads(bytes(lone)) == {"note": "\udc00"}
+
+
+@pytest.mark.parametrize(
+    ("prompt", "prompts"),
+    [
+        (b'"one"', 1),
+        (b"[1, 2, 3]", 1),  # token ids: one prompt
+        (b'["one"]', 1),
+        (b"[[1, 2]]", 1),
+        (b"[]", 1),
+        (b'["one", "two"]', 2),
+        (b'[ "a", "b", "c"]', 3),
+        (b"[[1], [2, 3]]", 2),
+    ],
+)
+def test_a_completions_prompt_is_a_batch_only_as_a_list_of_prompts(
+    prompt: bytes, prompts: int
+) -> None:
+    assert batch_size(parse(b'{"model": "m", "prompt": ' + prompt + b"}")) == prompts
