@@ -105,8 +105,9 @@ class Store:
     ) -> None:  # fmt: skip
         if chunk_tokens < 1:
             raise StoreError("store_chunk_tokens", f"{chunk_tokens} < 1")
-        if dram_bytes < 0 or file_bytes < 0:
-            raise StoreError("store_dram_bytes", "capacities must be >= 0")
+        for name, capacity in (("store_dram_bytes", dram_bytes), ("store_file_bytes", file_bytes)):
+            if capacity < 0:
+                raise StoreError(name, f"{capacity}: capacities must be >= 0")
         self.chunk_tokens = chunk_tokens
         self.dram = DramTier(dram_bytes)
         self.pool = pool or BufferPool(STAGING_BYTES)

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from kvxferd.errors import StoreError
 from kvxferd.store import store as store_mod
 from kvxferd.store.format import CorruptEntry, Header
 from kvxferd.store.pool import BufferPool, size_class
@@ -240,3 +241,11 @@ def test_only_names_the_store_writes_are_entries():
     assert parse_filename(f"..-{'0' * 16}-t1r0.kvx") is None  # would name a path outside root
     assert parse_filename(f"{'a' * 32}-{'0' * 16}-t0r0.kvx") is None
     assert parse_filename(f"{'A' * 32}-{'0' * 16}-t1r0.kvx") is None
+
+
+@pytest.mark.parametrize("field", ["store_dram_bytes", "store_file_bytes"])
+def test_a_negative_capacity_is_refused_naming_its_own_field(tmp_path, field: str):
+    sizes = {"store_dram_bytes": 0, "store_file_bytes": 0, field: -1}
+    with pytest.raises(StoreError) as err:
+        store_mod.Store(str(tmp_path), 16, sizes["store_dram_bytes"], sizes["store_file_bytes"])
+    assert err.value.field == field
