@@ -3,8 +3,8 @@ over one pod sidecar for every rank of a prefill engine.
 
 ``kv_connector_extra_config``: ``sidecar_socket`` (a path with ``{rank}``), ``peer_token_file``
 (else ``KVXFERD_PEER_TOKEN``), ``partial_prefill`` (default: on for Mamba hybrids), and the
-store's ``store``, ``store_order``, ``store_chunk_tokens``, ``store_lookup_timeout_s``
-(kvxferd.vllm.storeplan.StoreOptions).
+store's ``store``, ``store_order``, ``store_chunk_tokens``, ``store_lookup_timeout_s``,
+``store_namespace`` (kvxferd.vllm.storeplan.StoreOptions).
 
 ``"pod": true`` (default false): the engine's TP workers share one pod sidecar (``kvxferd serve
 --pod-ranks N``, N the TP size; ``sidecar_socket`` one path without ``{rank}``, default
@@ -50,6 +50,7 @@ from kvxferd.vllm import pod as pods
 from kvxferd.vllm.manifest import ConvGeometry, conv_geometry
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
 from kvxferd.vllm.storeplan import StoreOptions, StorePlanner
+from kvxferd.vllm.weights import fingerprint
 from kvxferd.vllm.worker import WorkerSide
 from kvxferd.wire import StoreLookup, StoreLookupRequest
 
@@ -95,12 +96,19 @@ def _conv_geometry(vllm_config: Any, tp_size: int) -> ConvGeometry:
 
 def store_root(vllm_config: Any) -> bytes:
     """What besides the tokens decides the KV bytes of an engine, as the store keys' root: the
-    model (path, revision, weights dtype, quantization, its config with any overrides) and the
-    cache dtypes (fp8_e4m3 and fp8_e5m2 share one manifest dtype, not one meaning)."""
+    model (path, revision, the weights themselves: ``store_namespace`` or else their files' or
+    hub commit's fingerprint, kvxferd.vllm.weights; weights dtype, quantization, its config with
+    any overrides) and the cache dtypes (fp8_e4m3 and fp8_e5m2 share one manifest dtype, not
+    one meaning)."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
+    extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
+    namespace = StoreOptions.from_extra(extra).namespace
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    weights = f"namespace:{namespace}" if namespace else fingerprint(mc, download_dir)
     parts = {
         "model": str(mc.model),
         "revision": str(mc.revision),
+        "weights": weights,
         "dtype": str(mc.dtype),
         "quantization": str(mc.quantization),
         "hf_config": mc.hf_config.to_json_string(),

@@ -17,6 +17,7 @@ placeholder tokens, prompt embeddings) are neither looked up nor saved.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,9 @@ NULL_BLOCK = 0
 
 STORE_MODES = ("off", "load", "save", "both")
 STORE_ORDERS = ("remote_first", "store_first")
+NAMESPACE_MAX_LENGTH = 256
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+"""Characters a namespace refuses: ASCII and C1 controls, line and paragraph separators."""
 _SAVED_STATUSES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 """A request that ended normally: its blocks hold its computed tokens (an aborted one may not)."""
 
@@ -49,6 +53,9 @@ class StoreOptions:
     """Tokens per store chunk: must equal the sidecars' ``store_chunk_tokens``."""
     lookup_timeout_s: float = 2.0
     """Bound of one lookup from the scheduler (a slower or failed lookup is a miss)."""
+    namespace: str = ""
+    """Names the weights in the keys instead of their files or hub commit (the connector's
+    ``store_root``): engines loading one version from different copies share entries."""
 
     @property
     def load(self) -> bool:
@@ -73,7 +80,18 @@ class StoreOptions:
             )
         chunk = _number(extra, "store_chunk_tokens", cls.chunk_tokens, int)
         timeout = _number(extra, "store_lookup_timeout_s", cls.lookup_timeout_s, float)
-        return cls(mode=mode, order=order, chunk_tokens=chunk, lookup_timeout_s=timeout)
+        namespace = extra.get("store_namespace", "")
+        if (
+            not isinstance(namespace, str)
+            or len(namespace) > NAMESPACE_MAX_LENGTH
+            or _CONTROL.search(namespace)
+        ):
+            raise ConfigError(
+                f"kv_connector_extra_config.store_namespace: {namespace!r:.60} is not a string of "
+                f"at most {NAMESPACE_MAX_LENGTH} characters without control characters"
+            )
+        return cls(mode=mode, order=order, chunk_tokens=chunk, lookup_timeout_s=timeout,
+                   namespace=namespace)  # fmt: skip
 
 
 def _number(extra: dict[str, Any], key: str, default: Any, kind: type) -> Any:
