@@ -175,3 +175,16 @@ def test_a_bad_store_namespace_is_a_config_error_naming_it(value):
 def test_store_namespace_defaults_to_empty_and_takes_256_characters():
     assert StoreOptions.from_extra({}).namespace == ""
     assert StoreOptions.from_extra({"store_namespace": "n" * 256}).namespace == "n" * 256
+
+
+def test_a_hub_model_under_download_dir_is_named_from_there(
+    config, monkeypatch, hub_cache, tmp_path
+):
+    """vLLM's ``--download-dir`` is where it put the weights: its snapshot's commit names
+    them, before the default cache's."""
+    download = tmp_path / "download"
+    _hub_cache(download, "org/name", "4" * 40)
+    _hub_cache(hub_cache, "org/name", "5" * 40)
+    monkeypatch.setattr(config.model_config, "model", "org/name")
+    monkeypatch.setattr(config.load_config, "download_dir", str(download))
+    assert _weights_part(store_root(config)) == "hub:" + "4" * 40
