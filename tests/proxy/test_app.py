@@ -7,6 +7,7 @@ import socket
 import threading
 from collections.abc import Callable
 
+import httpx
 import openai
 import pytest
 
@@ -486,18 +487,23 @@ def test_a_stream_silent_past_the_idle_bound_ends_with_an_error_event(make_rig) 
     assert f"no next chunk within {SHORT_S:g} s" in last["error"]["message"]
 
 
-def test_a_stream_cut_mid_event_ends_with_its_error_event_whole(make_rig) -> None:
-    """The error event must not land inside the cut one: a client's SSE parser would read the
-    two as one broken event (the OpenAI client: a JSON error, not the proxy's message). Every
-    event the client gets is whole."""
+def _stream_cut_mid_event(make_rig: Callable[..., Rig]) -> tuple[Rig, httpx.Response]:
+    """A streamed completion whose decode stalls in the middle of its second event."""
     rig = make_rig(timeout_s=SHORT_S)
     rig.decodes[0].stall = threading.Event()
     rig.decodes[0].stall_mid_event = True
     try:
         with rig.client() as c:
-            resp = c.post("/v1/completions", json=completion(stream=True))
+            return rig, c.post("/v1/completions", json=completion(stream=True))
     finally:
         rig.decodes[0].stall.set()
+
+
+def test_a_stream_cut_mid_event_ends_with_its_error_event_whole(make_rig) -> None:
+    """The error event must not land inside the cut one: a client's SSE parser would read the
+    two as one broken event (the OpenAI client: a JSON error, not the proxy's message). Every
+    event the client gets is whole."""
+    rig, resp = _stream_cut_mid_event(make_rig)
     assert resp.status_code == 200
     events = [json.loads(e.removeprefix("data: ")) for e in resp.text.split("\n\n") if e]
     first = sse_events("D0", "D0 decoded from P0", chat=False)[0]
@@ -511,14 +517,7 @@ def test_an_event_past_the_held_bound_goes_on_as_it_comes_and_the_error_event_af
     make_rig, monkeypatch
 ) -> None:
     monkeypatch.setattr(proxy_app_module, "HELD_EVENT_BYTES", 8)
-    rig = make_rig(timeout_s=SHORT_S)
-    rig.decodes[0].stall = threading.Event()
-    rig.decodes[0].stall_mid_event = True
-    try:
-        with rig.client() as c:
-            resp = c.post("/v1/completions", json=completion(stream=True))
-    finally:
-        rig.decodes[0].stall.set()
+    rig, resp = _stream_cut_mid_event(make_rig)
     expected = sse_events("D0", "D0 decoded from P0", chat=False)
     half = expected[1][: len(expected[1]) // 2]
     assert resp.content.startswith(expected[0] + half + b"\n\ndata: ")

@@ -15,6 +15,7 @@ import pytest
 
 from kvxferd.proxy import app as proxy_app_module
 from tests.proxy.fakes import (
+    FakeBackend,
     HeadWatch,
     UnopenedDecode,
 )
@@ -71,16 +72,22 @@ def test_a_client_gone_while_a_kept_decode_connection_is_replaced_makes_the_prox
     assert len(rig.decodes[0].seen) == 1  # the first request only
 
 
+def _hang_up_at_head(rig: Rig, backend: FakeBackend, what: str) -> None:
+    """The client hangs up once ``backend``'s answer head reached the proxy, its body held back
+    until the proxy has let the request go."""
+    backend.cut_body = cut = threading.Event()
+    try:
+        _hang_up_when(rig, rig.transport.headed.is_set, what)
+        wait_until(lambda: rig.app.state.clients.busy() == 0, 30.0, "the proxy seeing it gone")
+    finally:
+        cut.set()
+
+
 def test_a_client_gone_while_the_prefill_answer_comes_makes_the_proxy_release(make_rig) -> None:
     """The prefill holds KV once it answers, but the tickets come in the answer's body: the
     proxy reads it to its end (within its bounds) after the client left, then releases."""
     rig = make_rig(timeout_s=120.0, transport=lambda p, d: HeadWatch(p))
-    rig.prefills[0].cut_body = cut = threading.Event()
-    try:
-        _hang_up_when(rig, rig.transport.headed.is_set, "the prefill's answer head")
-        wait_until(lambda: rig.app.state.clients.busy() == 0, 30.0, "the proxy seeing it gone")
-    finally:
-        cut.set()
+    _hang_up_at_head(rig, rig.prefills[0], "the prefill's answer head")
     _assert_released_what_the_prefill_answered(rig)
     assert rig.decodes[0].seen == []
 
@@ -92,12 +99,7 @@ def test_a_client_gone_while_a_refusing_decodes_answer_comes_makes_the_proxy_rel
     client leaves changes nothing (the hold was left to its lease)."""
     rig = make_rig(timeout_s=120.0, transport=lambda p, d: HeadWatch(d))
     rig.decodes[0].fail_status = 400
-    rig.decodes[0].cut_body = cut = threading.Event()
-    try:
-        _hang_up_when(rig, rig.transport.headed.is_set, "the decode's refusal head")
-        wait_until(lambda: rig.app.state.clients.busy() == 0, 30.0, "the proxy seeing it gone")
-    finally:
-        cut.set()
+    _hang_up_at_head(rig, rig.decodes[0], "the decode's refusal head")
     _assert_released_what_the_prefill_answered(rig)
     assert len(rig.decodes[0].seen) == 1
 
