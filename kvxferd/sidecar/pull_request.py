@@ -101,6 +101,11 @@ def validate_pull(req: PullRequest, local: Manifest, max_deadline_s: float = mat
             )
         if t.block_ids != req.tickets[0].block_ids:
             raise BlockIdError(f"tickets[{i}].block_ids", "differs from tickets[0].block_ids")
+        # Every rank holds the same request; another's ticket (its own MAC valid) would claim
+        # that request's hold and read its KV here, planned by ticket 0's tokens.
+        for name in ("request_id", "num_tokens"):
+            if getattr(t, name) != getattr(req.tickets[0], name):
+                raise BlockIdError(f"tickets[{i}].{name}", f"differs from tickets[0].{name}")
     if len(req.tickets) * req.tickets[0].ranks != tp:
         raise BlockIdError("tickets", f"{len(req.tickets)} tickets for prefill TP {tp}")
     remote = req.tickets[0].block_ids

@@ -117,3 +117,17 @@ def test_a_pull_whose_request_id_is_too_long_or_has_a_control_character_is_a_422
     resp = fake_engine.post(path, json={"tickets": [ticket], "block_ids": [[3]]})
     assert _error(resp, 422).field == "tickets[0].request_id"
     assert fake.calls == []
+
+
+@pytest.mark.parametrize("path", ["/v1/pulls", "/v1/pulls/run"])
+def test_a_pull_whose_tickets_name_two_requests_is_a_422_before_any_claim(real, path):
+    # Both MACs are valid: only their agreement shows rank 1's ticket is another request's.
+    from kvxferd.sidecar.tickets import sign_ticket
+    from tests.sidecar.harness import TOKEN
+
+    ranks = [msgspec.structs.replace(TICKET, tp_size=2, tp_rank=r) for r in range(2)]
+    ranks[1] = msgspec.structs.replace(ranks[1], request_id="another", hold_id="h2")
+    tickets = [msgspec.to_builtins(sign_ticket(t, TOKEN.encode())) for t in ranks]
+    err = _error(real.engine.post(path, json={"tickets": tickets, "block_ids": [[1]]}), 422)
+    assert err.field == "tickets[1].request_id"
+    assert err.error == "BlockIdError"

@@ -144,3 +144,22 @@ def test_a_pod_ticket_that_is_not_the_one_ticket_of_every_rank_is_refused(ticket
     with pytest.raises(BlockIdError) as exc:
         validate_pull(_pod_request(tickets, ranks, tp), render(hybrid_spec()))
     assert exc.value.field == "tickets[0].ranks"
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"request_id": "other"}, "tickets[1].request_id"),
+        ({"num_tokens": 8}, "tickets[1].num_tokens"),
+    ],
+)
+def test_tickets_of_another_request_are_refused_naming_the_ticket_that_differs(change, field):
+    # Each ticket's MAC is its own: rank 1's ticket of another request (same block ids) would
+    # claim that request's hold and read its KV into this one's blocks, planned by ticket 0's.
+    m = render(hybrid_spec())
+    req = _request([[1], [2], [3]])
+    tickets = [req.tickets[0], msgspec.structs.replace(req.tickets[1], **change)]
+    with pytest.raises(BlockIdError) as exc:
+        validate_pull(msgspec.structs.replace(req, tickets=tickets), m)
+    assert exc.value.field == field
+    assert "differs from tickets[0]" in str(exc.value)
