@@ -7,6 +7,7 @@ loads the length rule (``check_id_lists``). Pure functions; the pull's counterpa
 from __future__ import annotations
 
 from collections.abc import Callable, Sized
+from typing import cast
 
 import numpy as np
 
@@ -80,3 +81,29 @@ def check_hold_ids(
             k = int(data[order[rep + 1]].min())
             first = int(np.flatnonzero(arr == arr[k])[0])
             raise BlockIdError(f"{field_}[{k}]", f"id {int(arr[k])} repeats {field_}[{first}]")
+
+
+def check_store_ids(num_blocks: int, block_sizes: tuple[int, ...], num_tokens: int,
+                    block_ids: object) -> None:  # fmt: skip
+    """A save's or load's lists: ``check_id_lists``, then ids in ``[-1, num_blocks)`` (-1 skips
+    a block; msgpack carries ids up to 2**64-1) and no repeats but of -1 and the null block (one
+    block saved under two chunks' keys, or two chunks loaded into one); BlockIdError names it."""
+    for g, ids in enumerate(check_id_lists(block_sizes, num_tokens, block_ids)):
+        arr = np.asarray(ids)
+        if arr.size and arr.dtype.kind != "i":  # uint64 or float64: an id past int64 in it
+            seq = cast(list[int], ids)
+            k = next(k for k, b in enumerate(seq) if not -1 <= b < num_blocks)
+            raise BlockIdError(f"block_ids[{g}][{k}]", f"{seq[k]} outside [-1, {num_blocks})")
+        bad = np.flatnonzero((arr < -1) | (arr >= num_blocks))
+        if bad.size:
+            k = int(bad[0])
+            raise BlockIdError(f"block_ids[{g}][{k}]", f"{int(arr[k])} outside [-1, {num_blocks})")
+        data = np.flatnonzero(arr > NULL_BLOCK)  # positions of real blocks
+        order = np.argsort(arr[data], kind="stable")
+        srt = arr[data][order]
+        rep = np.flatnonzero(srt[1:] == srt[:-1])
+        if rep.size:
+            k = int(data[order[rep + 1]].min())
+            first = int(np.flatnonzero(arr == arr[k])[0])
+            raise BlockIdError(f"block_ids[{g}][{k}]", f"id {int(arr[k])} repeats "
+                               f"block_ids[{g}][{first}]")  # fmt: skip

@@ -24,7 +24,7 @@ import numpy as np
 from kvxferd.config import Config
 from kvxferd.errors import ConfigError, PullError, SegmentTooSmallError, StoreError
 from kvxferd.metrics import STORE_TIERS, Metrics
-from kvxferd.sidecar.hold_request import check_id_lists, check_num_tokens
+from kvxferd.sidecar.hold_request import check_num_tokens, check_store_ids
 from kvxferd.store import Store
 from kvxferd.store.tiers import TierStats
 from kvxferd.wire import (
@@ -82,11 +82,12 @@ def _rank_target(target: Target, generation: int | None, tp_rank: int) -> tuple[
 
 
 def _check_ids(manifest: Manifest, block_ids: list[list[int]], num_tokens: int) -> None:
-    """A save's or load's bounds, before any id is looked at: ``num_tokens`` 0..MAX_TOKENS
-    (StoreError), then a hold's rule for the lists (one per group, each at most the blocks the
-    tokens span plus HOLD_SPARE_BLOCKS; BlockIdError)."""
+    """A save's or load's bounds: ``num_tokens`` 0..MAX_TOKENS (StoreError), then a hold's rule
+    for the lists (one per group, each at most the blocks the tokens span plus HOLD_SPARE_BLOCKS)
+    before any id is looked at, then ids in range and not repeated (BlockIdError)."""
     check_num_tokens(num_tokens, StoreError)
-    check_id_lists(tuple(g.block_size for g in manifest.groups), num_tokens, block_ids)
+    sizes = tuple(g.block_size for g in manifest.groups)
+    check_store_ids(manifest.num_blocks, sizes, num_tokens, block_ids)
 
 
 def _prefix_ids(

@@ -240,3 +240,41 @@ def test_a_save_of_a_holds_prefix_takes_a_sliding_windows_blocks_at_their_own_to
     finally:
         assert sidecar.stop() == 0
         pool.close()
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"), [(1 << 63, "outside"), ((1 << 64) - 1, "outside"), ("repeat", "repeats")]
+)
+def test_a_store_id_past_int64_or_repeated_is_a_422_naming_it_and_nothing_is_stored(
+    tmp_path, bad, why
+):
+    """msgpack carries ids up to 2**64-1 (they were a 500); a repeated id would save one block
+    under two chunks' keys, or load two chunks into one block (they were done, 200)."""
+    manifest = plan(DENSE, num_blocks=8)
+    tokens = 2 * manifest.groups[0].block_size
+    keys = chunk_keys(list(range(tokens)), 16)
+    pool = EnginePool(manifest)
+    ids = block_ids(manifest, tokens)
+    wrong = [[ids[0][0], ids[0][0] if bad == "repeat" else bad, *ids[0][2:]], *ids[1:]]
+    sidecar = start_sidecar(str(tmp_path), "edges", "--store-dir", str(tmp_path / "s"),
+                            "--store-chunk-tokens", "16")  # fmt: skip
+    try:
+        with sidecar.client() as client:
+            client.register(manifest, pool.specs())
+            for call in (
+                lambda i: client.store_save(StoreSaveRequest(request_id="r", keys=keys,
+                                                             block_ids=i, num_tokens=tokens)),
+                lambda i: client.store_load(StoreLoadRequest(keys=keys, block_ids=i,
+                                                             num_tokens=tokens)),
+            ):  # fmt: skip
+                with pytest.raises(BlockIdError) as err:
+                    call(wrong)
+                assert (err.value.status, err.value.field) == (422, "block_ids[0][1]")
+                assert why in str(err.value)
+            hit = client.store_lookup(StoreLookupRequest(keys=keys, num_tokens=tokens))
+            assert hit.matched == 0  # the refused save stored nothing
+            assert client.store_save(StoreSaveRequest(request_id="r", keys=keys, block_ids=ids,
+                                                      num_tokens=tokens)).chunks_saved  # fmt: skip
+    finally:
+        assert sidecar.stop() == 0
+        pool.close()
