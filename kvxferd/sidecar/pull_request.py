@@ -15,6 +15,9 @@ from kvxferd.descriptors.geometry import iter_parts
 from kvxferd.errors import BlockIdError, HoldRequestError
 from kvxferd.wire import MAX_TP, Group, Manifest, PullRequest
 
+_MAX_ID = (1 << 63) - 1
+"""Largest block id a plan takes (int64); a ticket's larger one is no pool's."""
+
 
 def check_reader_tp(manifest: Manifest, reader_tp_size: int) -> None:
     """HoldRequestError (422, ``reader_tp_size``) unless it is a TP size the manifest's units
@@ -109,6 +112,10 @@ def validate_pull(req: PullRequest, local: Manifest, max_deadline_s: float = mat
     if len(req.tickets) * req.tickets[0].ranks != tp:
         raise BlockIdError("tickets", f"{len(req.tickets)} tickets for prefill TP {tp}")
     remote = req.tickets[0].block_ids
+    for g, ids in enumerate(remote):  # a hold's ids: >= 0; msgpack carries up to 2**64-1
+        if ids and (min(ids) < 0 or max(ids) > _MAX_ID):
+            k = next(k for k, b in enumerate(ids) if not 0 <= b <= _MAX_ID)
+            raise BlockIdError(f"tickets[0].block_ids[{g}][{k}]", f"{ids[k]} is no block id")
     if len(req.block_ids) != len(local.groups):
         raise BlockIdError(
             "block_ids", f"{len(req.block_ids)} groups given, the manifest has {len(local.groups)}"

@@ -131,3 +131,16 @@ def test_a_pull_whose_tickets_name_two_requests_is_a_422_before_any_claim(real, 
     err = _error(real.engine.post(path, json={"tickets": tickets, "block_ids": [[1]]}), 422)
     assert err.field == "tickets[1].request_id"
     assert err.error == "BlockIdError"
+
+
+def test_a_run_pull_whose_ticket_lists_an_id_past_int64_is_a_422_naming_it(real):
+    # Its MAC is valid: the id was only refused when the plan converted it (failed, internal).
+    from kvxferd.sidecar.tickets import sign_ticket
+    from tests.sidecar.harness import TOKEN
+
+    ticket = msgspec.structs.replace(TICKET, block_ids=[[1 << 63]])
+    body = {"tickets": [msgspec.to_builtins(sign_ticket(ticket, TOKEN.encode()))],
+            "block_ids": [[1]]}  # fmt: skip
+    resp = real.engine.post("/v1/pulls/run", content=msgspec.msgpack.encode(body),
+                            headers={"Content-Type": "application/msgpack"})  # fmt: skip
+    assert _error(resp, 422).field == "tickets[0].block_ids[0][0]"

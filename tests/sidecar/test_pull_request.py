@@ -163,3 +163,15 @@ def test_tickets_of_another_request_are_refused_naming_the_ticket_that_differs(c
         validate_pull(msgspec.structs.replace(req, tickets=tickets), m)
     assert exc.value.field == field
     assert "differs from tickets[0]" in str(exc.value)
+
+
+@pytest.mark.parametrize("bad", [1 << 63, (1 << 64) - 1, -1])
+def test_a_ticket_id_no_pool_can_have_is_refused_before_the_plan(bad):
+    # msgpack carries ids up to 2**64-1: past int64 the plan failed "internal" (OverflowError).
+    m = render(hybrid_spec())
+    req = _request([[1, 2], [3], [4]])
+    remote = [[10, bad], [11], [12]]
+    tickets = [msgspec.structs.replace(t, block_ids=remote) for t in req.tickets]
+    with pytest.raises(BlockIdError) as exc:
+        validate_pull(msgspec.structs.replace(req, tickets=tickets), m)
+    assert exc.value.field == "tickets[0].block_ids[0][1]"
