@@ -12,7 +12,7 @@ from typing import cast
 import numpy as np
 
 from kvxferd.descriptors.geometry import check_block_ids
-from kvxferd.errors import BlockIdError, KvxferdError
+from kvxferd.errors import BlockIdError, HoldRequestError, KvxferdError
 from kvxferd.wire import HOLD_SPARE_BLOCKS, MAX_TOKENS
 
 NULL_BLOCK = 0
@@ -24,6 +24,14 @@ def check_num_tokens(num_tokens: int, error: Callable[[str, str], KvxferdError])
     caller keeps its own error type: HoldRequestError for holds, StoreError for store calls)."""
     if not 0 <= num_tokens <= MAX_TOKENS:
         raise error("num_tokens", f"must be 0..{MAX_TOKENS}, got {num_tokens}")
+
+
+def check_hold_rank(tp_rank: int, own_rank: int) -> None:
+    """A hold placed on a one-rank sidecar names its rank or -1 (``tp_rank`` is a pod's field:
+    another rank's hold would be placed, and ticketed, as this one's); HoldRequestError."""
+    if tp_rank not in (-1, own_rank):
+        raise HoldRequestError("tp_rank", f"{tp_rank}, but this sidecar's engine is rank "
+                               f"{own_rank} (-1 or its own rank)")  # fmt: skip
 
 
 def most_hold_ids(block_size: int, num_tokens: int) -> int:

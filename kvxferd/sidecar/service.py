@@ -38,6 +38,7 @@ from kvxferd.memory import check_sources, first_shrunk
 from kvxferd.metrics import Metrics
 from kvxferd.sidecar.fabric import Fabric
 from kvxferd.sidecar.handshake import mismatch, our_handshake
+from kvxferd.sidecar.hold_request import check_hold_rank
 from kvxferd.sidecar.holds import HoldTable
 from kvxferd.sidecar.keepalive import decline_at_peers, keep_alive
 from kvxferd.sidecar.notifs import NotificationPoller
@@ -338,6 +339,7 @@ class Sidecar:
         holds, manifest = self._require_memory()
         check = lambda: self._check_generation(req.generation)  # noqa: E731
         if (pod := self.pod) is None:
+            check_hold_rank(req.tp_rank, manifest.tp_rank)
             check()
         elif ticket := pod.place(req, req.hold_id in holds, self._placements, check):
             return ticket  # a later rank's placement: the first rank's ticket

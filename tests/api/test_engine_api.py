@@ -463,6 +463,16 @@ def test_a_hold_past_max_tokens_or_listing_more_blocks_than_they_span_is_a_422_n
     assert real.sidecar.holds.active == before
 
 
+def test_a_hold_naming_another_tp_rank_than_the_sidecars_one_is_a_422_naming_tp_rank(real):
+    # tp_rank is a pod sidecar's field; here it was ignored: rank 3's hold placed as rank 0's.
+    before = real.sidecar.holds.active
+    err = _error(real.engine.post("/v1/holds", json=_hold_body(tp_rank=3)), 422)
+    assert (err.error, err.field) == ("HoldRequestError", "tp_rank")
+    assert real.sidecar.holds.active == before
+    resp = real.engine.post("/v1/holds", json=_hold_body(tp_rank=real.manifest.tp_rank))
+    assert resp.status_code == 200, resp.text  # its own rank, as -1
+
+
 @pytest.mark.parametrize("hold_id", ["x" * 129, "h\nkvxferd ready", "a b"],
                          ids=["129", "newline", "space"])  # fmt: skip
 def test_a_hold_id_too_long_or_with_other_characters_is_a_422_naming_it(real, hold_id):
