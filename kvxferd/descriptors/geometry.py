@@ -108,6 +108,11 @@ def check_block_ids(num_blocks: int, ids: object, field: str) -> np.ndarray:
         raise BlockIdError(field, f"expected a flat list of ids, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind == "u" or (arr.dtype.kind == "f" and isinstance(ids, list)):
+        # ints past int64 (msgpack carries them): uint64 would wrap, a mix reads as floats
+        k = next((k for k, b in enumerate(ids) if not 0 <= b < num_blocks), -1)  # type: ignore[arg-type]
+        if k >= 0:
+            raise BlockIdError(f"{field}[{k}]", f"id {ids[k]} outside [0, {num_blocks})")  # type: ignore[index]
     if arr.dtype.kind not in "iu":
         raise BlockIdError(field, f"ids must be integers, got {arr.dtype}")
     arr = arr.astype(np.int64, copy=False)

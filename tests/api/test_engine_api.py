@@ -463,6 +463,17 @@ def test_a_hold_past_max_tokens_or_listing_more_blocks_than_they_span_is_a_422_n
     assert real.sidecar.holds.active == before
 
 
+@pytest.mark.parametrize("ids", [[1 << 63], [1, 1 << 63], [1, (1 << 64) - 1]])
+def test_a_hold_id_past_int64_is_a_422_naming_that_entry_and_its_value(real, ids):
+    # msgpack carries them: one read back wrapped (-2**63), a mix with small ids as floats.
+    body = msgspec.msgpack.encode(_hold_body(block_ids=[ids]))
+    resp = real.engine.post("/v1/holds", content=body,
+                            headers={"Content-Type": "application/msgpack"})  # fmt: skip
+    err = _error(resp, 422)
+    assert (err.error, err.field) == ("BlockIdError", f"block_ids[0][{len(ids) - 1}]")
+    assert f"id {ids[-1]} outside" in err.detail
+
+
 def test_a_hold_naming_another_tp_rank_than_the_sidecars_one_is_a_422_naming_tp_rank(real):
     # tp_rank is a pod sidecar's field; here it was ignored: rank 3's hold placed as rank 0's.
     before = real.sidecar.holds.active
