@@ -193,7 +193,8 @@ class HoldRequest(_Strict, kw_only=True):
     (StaleGenerationError) and nothing is held. None: not checked."""
     tp_rank: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_TP)] = -1
     """The placing rank, on a pod sidecar (required there: the hold is claimable once every
-    rank placed it with the same ``hold_id``, blocks and tokens); -1: the sidecar's one rank."""
+    rank placed it with the same ``hold_id``, blocks and tokens); -1: the sidecar's one rank (on
+    a one-rank sidecar, -1 or that rank; another is a 422 naming it)."""
 
 
 class Ticket(_Strict, kw_only=True):
