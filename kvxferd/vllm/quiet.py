@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvxferd.client import EngineClient, SidecarUnreachableError
+from kvxferd.client import EngineClient, SidecarError, SidecarUnreachableError
 from kvxferd.errors import KvxferdError
 
 QUIET_S = 1.0
@@ -66,3 +66,12 @@ class QuietClient:
         return call
 
     _span = 0.0  # how long calls are refused after the last that got no answer
+
+
+def placed_maybe(exc: KvxferdError) -> bool:
+    """Whether the hold or pull whose call raised ``exc`` may have been placed (or started) all
+    the same: no answer came (unreachable, timed out), or one that is not a refusal (unreadable,
+    a server error)."""
+    if not isinstance(exc, SidecarError):
+        return False  # one of the sidecar's own errors: refused before anything was placed
+    return exc.status is None or not 400 <= exc.status < 500

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvxferd import __version__
 from kvxferd.api.sockets import hold_lock
-from kvxferd.client import EngineClient, SidecarError, frames_available
+from kvxferd.client import EngineClient, frames_available
 from kvxferd.errors import (
     AlreadyRegisteredError,
     ConfigError,
@@ -36,7 +36,7 @@ from kvxferd.sidecar.reads import QUARANTINE_S, SETTLE_S
 from kvxferd.vllm.manifest import ConvGeometry, backing_allocation, shift_regions, vllm_manifest
 from kvxferd.vllm.outbox import Outbox
 from kvxferd.vllm.pod import check_identity
-from kvxferd.vllm.quiet import QuietClient
+from kvxferd.vllm.quiet import QuietClient, placed_maybe
 from kvxferd.vllm.scheduler import KEEPALIVE_EXTEND_S, StepOrders
 from kvxferd.vllm.storeio import StoreCalls
 from kvxferd.wire import (
@@ -56,6 +56,7 @@ _UNREGISTER_SLACK_S = 10.0
 """Sleep and re-registration retry an unregister the sidecar refuses because a decode may still
 READ the memory (or a READ write it) for the sidecar's longest claim, or the longest an unsettled
 READ stays quarantined if that is longer, plus this."""
+_UNANSWERED = "?"  # + request id: a pull whose start got no answer (its id unknown)
 _WAITING_LOG_S = 30.0  # at most one line this often for a state asked every step (_tell)
 _REGISTER_WAIT_S = 30.0  # longest a register waits for another one the sidecar still sets up
 _REGISTER_PAUSES_S = (0.05, 1.0)  # first and longest pause between those tries (doubling)
@@ -317,7 +318,7 @@ class WorkerSide:
                     )
                 )
             except KvxferdError as exc:
-                if _placed_maybe(exc):  # a decode may claim it: freed once the feed says so
+                if placed_maybe(exc):  # a decode may claim it: freed once the feed says so
                     log.warning("hold for %.200r got no answer (%s); giving it up",
                                 h.request_id, exc)  # fmt: skip
                     self._holds[h.request_id] = h.hold_id
@@ -353,15 +354,19 @@ class WorkerSide:
                 generation=self.generation,
             )
             try:
-                accepted = self.client.pull(req)
-            except KvxferdError as exc:  # refused: vLLM recomputes these blocks
-                log.warning("pull for %.200r refused: %s", p.request_id, exc)
-                self._fail(p.request_id, p.block_ids)
-                if isinstance(exc, (NotRegisteredError, StaleGenerationError)):
-                    self._recover()
-                continue
+                pull_id = self.client.pull(req).pull_id
+            except KvxferdError as exc:
+                if not placed_maybe(exc):  # refused: vLLM recomputes these blocks
+                    log.warning("pull for %.200r refused: %s", p.request_id, exc)
+                    self._fail(p.request_id, p.block_ids)
+                    if isinstance(exc, (NotRegisteredError, StaleGenerationError)):
+                        self._recover()
+                    continue
+                # It may run all the same, its READ writing the blocks: the feed says how it ends
+                log.warning("pull for %.200r got no answer: %s", p.request_id, exc)
+                pull_id = _UNANSWERED + p.request_id
             ends_by = time.monotonic() + req.deadline_s + _PULL_SLACK_S
-            self._pulls[accepted.pull_id] = _Pull(p.request_id, p.block_ids, ends_by)
+            self._pulls[pull_id] = _Pull(p.request_id, p.block_ids, ends_by)
         if self.tp_rank == 0:  # one decline or keepalive covers every prefill rank
             self._outbox.decline(orders.declines)
             self._outbox.keepalive(orders.keepalives)
@@ -380,7 +385,8 @@ class WorkerSide:
                 break
             self._pull_cursor, read_all = page.cursor, not page.more
             for f in page.pulls:
-                pull = self._pulls.pop(f.pull_id, None)
+                pull = self._pulls.pop(f.pull_id, None) or self._pulls.pop(
+                    _UNANSWERED + f.request_id, None)  # fmt: skip
                 if pull is None:
                     continue  # another engine's pull, or one before a restart
                 if f.reason == "unsettled":  # vLLM would recompute into blocks a READ may write
@@ -587,11 +593,3 @@ class WorkerSide:
         if self._lock is not None:  # (the kernel drops it with the process anyway)
             os.close(self._lock)
             self._lock = None
-
-
-def _placed_maybe(exc: KvxferdError) -> bool:
-    """Whether a hold that raised ``exc`` may have been placed all the same: no answer came
-    (unreachable, timed out), or one that is not a refusal (unreadable, a server error)."""
-    if not isinstance(exc, SidecarError):
-        return False  # one of the sidecar's own errors: refused before anything was placed
-    return exc.status is None or not 400 <= exc.status < 500

@@ -224,3 +224,42 @@ def test_a_sidecar_restarted_beside_a_running_engine_is_registered_again(engines
         if prefill is not None:
             prefill.close()
         p_side.stop()
+
+
+def test_a_pull_whose_start_got_no_answer_is_not_reported_failed_while_it_may_run(pair):
+    """A pull call that timed out may have started at the sidecar, whose READ then writes the
+    request's blocks: reporting it failed at once would have vLLM recompute (or, aborted, reuse)
+    them under that READ. It is reported once the finished-pulls feed says how it ended."""
+    from kvxferd.client import EngineClient, frames_available
+
+    engine, p_side, d_side, prefill, decode = pair
+    ext = engine.config.kv_transfer_config.kv_connector_extra_config
+    ext["sidecar_socket"] = p_side.socket
+    params = _prefill(_scheduler(engine), prefill, "p1")
+
+    ext["sidecar_socket"] = d_side.socket
+    d_sched = _scheduler(engine)
+    d_sched.add_request(request("d1", N, dict(params)))
+    out, _ = step(d_sched)
+    orders = out.kv_connector_metadata.orders
+    assert [p.request_id for p in orders.pulls] == ["d1"]
+    worker = decode.connector._worker
+    # A short timeout for the test's sake (30 s in an engine) makes the pull call go unanswered.
+    short = EngineClient(d_side.socket, timeout_s=0.5, frames=frames_available(d_side.socket))
+    kept, worker.client.client = worker.client.client, short
+    try:
+        os.kill(d_side.child.pid, signal.SIGSTOP)
+        try:
+            assert decode.step(orders) == (None, None)  # not reported while it may run
+        finally:
+            os.kill(d_side.child.pid, signal.SIGCONT)
+        assert decode.connector.get_block_ids_with_load_errors() == set()
+        worker.client.client = kept
+        # The sidecar got the pull all the same and runs it: its feed says it is done.
+        recving = wait_until(lambda: decode.step(StepOrders())[1], 60, "the pull's end")
+        assert recving == {"d1"}
+        assert decode.connector.get_block_ids_with_load_errors() == set()
+        assert worker._pulls == {}
+    finally:
+        worker.client.client = kept
+        short.close()
