@@ -13,13 +13,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import httpx
+
 from kvxferd.client import EngineClient, SidecarError, SidecarUnreachableError
 from kvxferd.errors import KvxferdError
+from kvxferd.frameconn import FrameConnectError
 
 QUIET_S = 1.0
 """Shortest time calls are refused after one got no answer..."""
 QUIET_RATIO = 10.0
 """...and at least this many times as long as that call took."""
+_NOT_SENT = (httpx.ConnectError, FrameConnectError, FileNotFoundError, ConnectionRefusedError)
+"""Causes of an unreachable sidecar that mean the call never left: no connection was opened."""
 _ALWAYS = frozenset({"close", "identity", "register", "unregister"})
 """Calls made whatever the sidecar did before: closing, and registration's (start, sleep and
 wake-up, recovery: not made every step, and a wake-up must not fail for a past silence)."""
@@ -70,8 +75,13 @@ class QuietClient:
 
 def placed_maybe(exc: KvxferdError) -> bool:
     """Whether the hold or pull whose call raised ``exc`` may have been placed (or started) all
-    the same: no answer came (unreachable, timed out), or one that is not a refusal (unreadable,
-    a server error)."""
+    the same: no answer came (timed out, the connection lost), or one that is not a refusal
+    (unreadable, a server error). Not when no connection could be opened: nothing was sent."""
     if not isinstance(exc, SidecarError):
         return False  # one of the sidecar's own errors: refused before anything was placed
+    cause = exc.__cause__
+    while cause is not None:
+        if isinstance(cause, _NOT_SENT):
+            return False
+        cause = cause.__cause__
     return exc.status is None or not 400 <= exc.status < 500

@@ -263,3 +263,25 @@ def test_a_pull_whose_start_got_no_answer_is_not_reported_failed_while_it_may_ru
     finally:
         worker.client.client = kept
         short.close()
+
+
+def test_a_pull_to_a_sidecar_that_is_gone_is_reported_failed_at_once(pair):
+    """A pull that could not even connect was never sent: nothing can write its blocks, so it
+    is reported ended with every block a load error in that step (vLLM recomputes them now,
+    not after waiting out a pull that may be running)."""
+    engine, p_side, d_side, prefill, decode = pair
+    ext = engine.config.kv_transfer_config.kv_connector_extra_config
+    ext["sidecar_socket"] = p_side.socket
+    params = _prefill(_scheduler(engine), prefill, "p1")
+
+    ext["sidecar_socket"] = d_side.socket
+    d_sched = _scheduler(engine)
+    d_sched.add_request(request("d1", N, dict(params)))
+    out, _ = step(d_sched)
+    orders = out.kv_connector_metadata.orders
+    (pull,) = orders.pulls
+    d_side.stop()  # the decode's sidecar has gone: the pull call cannot connect
+    assert decode.step(orders) == (None, {"d1"})
+    errors = decode.connector.get_block_ids_with_load_errors()
+    assert errors == {b for g in pull.block_ids for b in g if b >= 0} and errors
+    assert decode.connector._worker._pulls == {}
