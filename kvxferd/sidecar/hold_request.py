@@ -81,14 +81,7 @@ def check_hold_ids(
         if bad.size:
             k = int(bad[0])
             raise BlockIdError(f"{field_}[{k}]", f"id {int(arr[k])} outside [0, {num_blocks})")
-        data = np.flatnonzero(arr != NULL_BLOCK)  # positions of real blocks
-        order = np.argsort(arr[data], kind="stable")
-        srt = arr[data][order]
-        rep = np.flatnonzero(srt[1:] == srt[:-1])
-        if rep.size:
-            k = int(data[order[rep + 1]].min())
-            first = int(np.flatnonzero(arr == arr[k])[0])
-            raise BlockIdError(f"{field_}[{k}]", f"id {int(arr[k])} repeats {field_}[{first}]")
+        _check_repeats(arr, arr != NULL_BLOCK, field_)
 
 
 def check_store_ids(num_blocks: int, block_sizes: tuple[int, ...], num_tokens: int,
@@ -106,12 +99,17 @@ def check_store_ids(num_blocks: int, block_sizes: tuple[int, ...], num_tokens: i
         if bad.size:
             k = int(bad[0])
             raise BlockIdError(f"block_ids[{g}][{k}]", f"{int(arr[k])} outside [-1, {num_blocks})")
-        data = np.flatnonzero(arr > NULL_BLOCK)  # positions of real blocks
-        order = np.argsort(arr[data], kind="stable")
-        srt = arr[data][order]
-        rep = np.flatnonzero(srt[1:] == srt[:-1])
-        if rep.size:
-            k = int(data[order[rep + 1]].min())
-            first = int(np.flatnonzero(arr == arr[k])[0])
-            raise BlockIdError(f"block_ids[{g}][{k}]", f"id {int(arr[k])} repeats "
-                               f"block_ids[{g}][{first}]")  # fmt: skip
+        _check_repeats(arr, arr > NULL_BLOCK, f"block_ids[{g}]")
+
+
+def _check_repeats(arr: np.ndarray, real: np.ndarray, field_: str) -> None:
+    """BlockIdError naming the first entry of ``arr`` (ids in range) that repeats an earlier
+    one, among the entries ``real`` marks (placeholders may repeat)."""
+    data = np.flatnonzero(real)  # positions of real blocks
+    order = np.argsort(arr[data], kind="stable")
+    srt = arr[data][order]
+    rep = np.flatnonzero(srt[1:] == srt[:-1])
+    if rep.size:
+        k = int(data[order[rep + 1]].min())
+        first = int(np.flatnonzero(arr == arr[k])[0])
+        raise BlockIdError(f"{field_}[{k}]", f"id {int(arr[k])} repeats {field_}[{first}]")

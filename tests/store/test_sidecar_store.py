@@ -4,6 +4,8 @@ over-long id list or token count is a 422 naming it, and the sidecar serves on."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -172,6 +174,16 @@ def test_save_a_live_hold_by_its_id(tmp_path):
         pool.close()
 
 
+def _save_and_load(client, keys: list[str], tokens: int) -> tuple[Callable, Callable]:
+    """A save and a load of ``keys`` over the block ids they are given (a bounds test feeds
+    both the same lists)."""
+    return (
+        lambda i: client.store_save(StoreSaveRequest(request_id="r", keys=keys, block_ids=i,
+                                                     num_tokens=tokens)),
+        lambda i: client.store_load(StoreLoadRequest(keys=keys, block_ids=i, num_tokens=tokens)),
+    )  # fmt: skip
+
+
 def test_a_store_call_past_its_bounds_is_a_422_naming_the_field_and_the_sidecar_serves_on(tmp_path):
     """More ids than a save's or load's tokens span, a lookup of more than MAX_TOKENS tokens."""
     manifest = plan(DENSE, num_blocks=8)
@@ -185,12 +197,7 @@ def test_a_store_call_past_its_bounds_is_a_422_naming_the_field_and_the_sidecar_
     try:
         with sidecar.client() as client:
             client.register(manifest, pool.specs())
-            for call in (
-                lambda i: client.store_save(StoreSaveRequest(request_id="r", keys=keys,
-                                                             block_ids=i, num_tokens=tokens)),
-                lambda i: client.store_load(StoreLoadRequest(keys=keys, block_ids=i,
-                                                             num_tokens=tokens)),
-            ):  # fmt: skip
+            for call in _save_and_load(client, keys, tokens):
                 with pytest.raises(BlockIdError) as err:
                     call(flood)
                 assert (err.value.status, err.value.field) == (422, "block_ids[0]")
@@ -261,12 +268,7 @@ def test_a_store_id_past_int64_or_repeated_is_a_422_naming_it_and_nothing_is_sto
     try:
         with sidecar.client() as client:
             client.register(manifest, pool.specs())
-            for call in (
-                lambda i: client.store_save(StoreSaveRequest(request_id="r", keys=keys,
-                                                             block_ids=i, num_tokens=tokens)),
-                lambda i: client.store_load(StoreLoadRequest(keys=keys, block_ids=i,
-                                                             num_tokens=tokens)),
-            ):  # fmt: skip
+            for call in _save_and_load(client, keys, tokens):
                 with pytest.raises(BlockIdError) as err:
                     call(wrong)
                 assert (err.value.status, err.value.field) == (422, "block_ids[0][1]")

@@ -226,6 +226,22 @@ def test_a_sidecar_restarted_beside_a_running_engine_is_registered_again(engines
         p_side.stop()
 
 
+def _pull_orders(pair) -> StepOrders:
+    """Request p1 prefilled, then d1 scheduled on the decode with p1's params: the step's
+    orders, which pull d1 (not run yet)."""
+    engine, p_side, d_side, prefill, _decode = pair
+    ext = engine.config.kv_transfer_config.kv_connector_extra_config
+    ext["sidecar_socket"] = p_side.socket
+    params = _prefill(_scheduler(engine), prefill, "p1")
+    ext["sidecar_socket"] = d_side.socket
+    d_sched = _scheduler(engine)
+    d_sched.add_request(request("d1", N, dict(params)))
+    out, _ = step(d_sched)
+    orders = out.kv_connector_metadata.orders
+    assert [p.request_id for p in orders.pulls] == ["d1"]
+    return orders
+
+
 def test_a_pull_whose_start_got_no_answer_is_not_reported_failed_while_it_may_run(pair):
     """A pull call that timed out may have started at the sidecar, whose READ then writes the
     request's blocks: reporting it failed at once would have vLLM recompute (or, aborted, reuse)
@@ -233,16 +249,7 @@ def test_a_pull_whose_start_got_no_answer_is_not_reported_failed_while_it_may_ru
     from kvxferd.client import EngineClient, frames_available
 
     engine, p_side, d_side, prefill, decode = pair
-    ext = engine.config.kv_transfer_config.kv_connector_extra_config
-    ext["sidecar_socket"] = p_side.socket
-    params = _prefill(_scheduler(engine), prefill, "p1")
-
-    ext["sidecar_socket"] = d_side.socket
-    d_sched = _scheduler(engine)
-    d_sched.add_request(request("d1", N, dict(params)))
-    out, _ = step(d_sched)
-    orders = out.kv_connector_metadata.orders
-    assert [p.request_id for p in orders.pulls] == ["d1"]
+    orders = _pull_orders(pair)
     worker = decode.connector._worker
     # A short timeout for the test's sake (30 s in an engine) makes the pull call go unanswered.
     short = EngineClient(d_side.socket, timeout_s=0.5, frames=frames_available(d_side.socket))
@@ -270,15 +277,7 @@ def test_a_pull_to_a_sidecar_that_is_gone_is_reported_failed_at_once(pair):
     is reported ended with every block a load error in that step (vLLM recomputes them now,
     not after waiting out a pull that may be running)."""
     engine, p_side, d_side, prefill, decode = pair
-    ext = engine.config.kv_transfer_config.kv_connector_extra_config
-    ext["sidecar_socket"] = p_side.socket
-    params = _prefill(_scheduler(engine), prefill, "p1")
-
-    ext["sidecar_socket"] = d_side.socket
-    d_sched = _scheduler(engine)
-    d_sched.add_request(request("d1", N, dict(params)))
-    out, _ = step(d_sched)
-    orders = out.kv_connector_metadata.orders
+    orders = _pull_orders(pair)
     (pull,) = orders.pulls
     d_side.stop()  # the decode's sidecar has gone: the pull call cannot connect
     assert decode.step(orders) == (None, {"d1"})
