@@ -14,7 +14,6 @@ from kvxferd import errors
 from kvxferd.api.engine import MAX_WAIT_S, engine_document
 from kvxferd.memory import SHM_DIR
 from kvxferd.wire import (
-    HOLD_SPARE_BLOCKS,
     MAX_BLOCK_IDS,
     MAX_GROUPS,
     MAX_LAYERS,
@@ -25,52 +24,34 @@ from kvxferd.wire import (
     NAME_MAX_LENGTH,
     AbortHoldRequest,
     DeclineRequest,
-    ErrorBody,
     HeartbeatResponse,
     KeepaliveRequest,
     PullAccepted,
     PullStatus,
     RegisterRequest,
     RegisterResponse,
-    ReleasedHolds,
     Ticket,
 )
 from tests.api.conftest import JSON
+from tests.api.engine_calls import error_of, hold_body
 from tests.sidecar.harness import plan
-
-
-def _error(resp, status: int) -> ErrorBody:
-    """The ErrorBody of an answer that must have ``status``; the field is named at most once."""
-    assert resp.status_code == status, resp.text
-    assert resp.headers["content-type"].startswith("application/json")
-    body = msgspec.json.decode(resp.content, type=ErrorBody)
-    assert f"{body.field}: {body.field}" not in body.detail or not body.field, body.detail
-    if body.field and "," not in body.field:  # one field: the detail starts with it, once
-        assert body.detail.startswith(f"{body.field}: "), body.detail
-    return body
-
-
-def _hold_body(**changes) -> dict:
-    body = {"request_id": f"r-{uuid.uuid4().hex[:8]}", "block_ids": [[1, 2]], "num_tokens": 20}
-    return {**body, **changes}
-
 
 # ------------------------------------------------------------------------------ decoding
 
 
-def test_a_body_that_is_not_json_is_a_400_decode_error(fake_engine, fake):
-    body = _error(fake_engine.post("/v1/holds", content=b"{not json", headers=JSON), 400)
+def test_a_body_that_is_not_json_is_a_400_decodeerror_of(fake_engine, fake):
+    body = error_of(fake_engine.post("/v1/holds", content=b"{not json", headers=JSON), 400)
     assert body.error == "DecodeError" and body.field == ""
     assert fake.calls == []
 
 
 def test_an_empty_body_is_a_400(fake_engine):
-    assert _error(fake_engine.post("/v1/holds/abort", content=b""), 400).error == "DecodeError"
+    assert error_of(fake_engine.post("/v1/holds/abort", content=b""), 400).error == "DecodeError"
 
 
 def test_a_wrong_type_is_a_422_naming_the_element_path(fake_engine, fake):
-    resp = fake_engine.post("/v1/holds", json=_hold_body(block_ids=[[1, "x"]]))
-    body = _error(resp, 422)
+    resp = fake_engine.post("/v1/holds", json=hold_body(block_ids=[[1, "x"]]))
+    body = error_of(resp, 422)
     assert (body.error, body.field) == ("ValidationError", "block_ids[0][1]")
     assert body.detail == "block_ids[0][1]: Expected `int`, got `str`"
     assert fake.calls == []
@@ -80,7 +61,7 @@ def test_a_wrong_type_deep_in_the_manifest_is_named_by_its_full_path(fake_engine
     manifest = plan("llama-3.1-8b", num_blocks=4)
     body = msgspec.to_builtins(RegisterRequest(manifest=manifest, regions=[]))
     body["manifest"]["regions"][0]["size_bytes"] = "big"
-    err = _error(fake_engine.post("/v1/register", json=body), 422)
+    err = error_of(fake_engine.post("/v1/register", json=body), 422)
     assert err.field == "manifest.regions[0].size_bytes"
 
 
@@ -94,19 +75,19 @@ def test_an_unknown_field_is_rejected_and_named(fake_engine, where, field):
     body = msgspec.to_builtins(RegisterRequest(manifest=manifest, regions=[]))
     target = body if where is None else body["manifest"]["regions"][0]
     target["colour"] = "blue"
-    err = _error(fake_engine.post("/v1/register", json=body), 422)
+    err = error_of(fake_engine.post("/v1/register", json=body), 422)
     assert (err.field, err.detail) == (field, f"{field}: unknown field")
 
 
 def test_a_missing_field_is_named(fake_engine):
-    body = _hold_body()
+    body = hold_body()
     del body["request_id"]
-    err = _error(fake_engine.post("/v1/holds", json=body), 422)
+    err = error_of(fake_engine.post("/v1/holds", json=body), 422)
     assert (err.field, err.detail) == ("request_id", "request_id: missing required field")
 
 
 def test_a_body_of_the_wrong_json_kind_is_a_422_without_a_field(fake_engine):
-    err = _error(fake_engine.post("/v1/holds", json=[1, 2]), 422)
+    err = error_of(fake_engine.post("/v1/holds", json=[1, 2]), 422)
     assert err.field == "" and "Expected `object`" in err.detail
 
 
@@ -125,7 +106,7 @@ def test_a_keepalive_reaches_the_sidecar_typed_and_answers_heartbeats(fake_engin
     answer = msgspec.json.decode(resp.content, type=HeartbeatResponse)
     assert (answer.extended, answer.missing, answer.unanswered) == (["h9"], [], [])
     assert fake.calls == [("keepalive", KeepaliveRequest(tickets=[ticket], extend_s=12.5))]
-    err = _error(fake_engine.post("/v1/keepalive", json={"tickets": [], "extend_s": "long"}), 422)
+    err = error_of(fake_engine.post("/v1/keepalive", json={"tickets": [], "extend_s": "long"}), 422)
     assert err.field == "extend_s"
 
 
@@ -158,21 +139,21 @@ def test_a_keepalive_reaches_the_sidecar_typed_and_answers_heartbeats(fake_engin
 )  # fmt: skip
 def test_kvxferd_errors_answer_their_status_class_and_field(fake_engine, fake, exc, status, field):
     fake.fail = exc
-    body = _error(fake_engine.post("/v1/holds", json=_hold_body()), status)
+    body = error_of(fake_engine.post("/v1/holds", json=hold_body()), status)
     assert (body.error, body.field) == (type(exc).__name__, field)
     assert body.detail == str(exc)
 
 
 def test_a_401_says_how_to_authenticate(fake_engine, fake):
     fake.fail = errors.AuthError("ticket.token: missing")
-    resp = fake_engine.post("/v1/holds", json=_hold_body())
-    assert _error(resp, 401).error == "AuthError"
+    resp = fake_engine.post("/v1/holds", json=hold_body())
+    assert error_of(resp, 401).error == "AuthError"
     assert resp.headers["www-authenticate"] == "KVX1"
 
 
 def test_an_unexpected_exception_is_a_500_and_the_app_keeps_answering(fake_engine, fake, caplog):
     fake.fail = ZeroDivisionError("bug")
-    body = _error(fake_engine.post("/v1/holds", json=_hold_body()), 500)
+    body = error_of(fake_engine.post("/v1/holds", json=hold_body()), 500)
     assert body.error == "InternalError" and "ZeroDivisionError: bug" in body.detail
     assert "failed unexpectedly" in caplog.text
     fake.fail = None
@@ -183,21 +164,21 @@ def test_an_unexpected_exception_is_a_500_and_the_app_keeps_answering(fake_engin
 def test_before_registration_engine_calls_answer_503_not_registered(fake_engine, fake):
     fake.ready = False
     for method, path, body in [
-        ("POST", "/v1/holds", _hold_body()),
+        ("POST", "/v1/holds", hold_body()),
         ("POST", "/v1/holds/abort", {"hold_id": "h"}),
         ("POST", "/v1/pulls", {"tickets": [], "block_ids": []}),
         ("GET", "/v1/released", None),
     ]:
         resp = fake_engine.request(method, path, json=body)
-        assert _error(resp, 503).error == "NotRegisteredError", path
+        assert error_of(resp, 503).error == "NotRegisteredError", path
     assert fake.calls == []
     assert fake_engine.get("/healthz").status_code == 200
 
 
 def test_an_unknown_path_and_a_wrong_method_answer_an_error_body(fake_engine):
-    assert _error(fake_engine.get("/v2/holds"), 404).error == "NotFound"
+    assert error_of(fake_engine.get("/v2/holds"), 404).error == "NotFound"
     resp = fake_engine.get("/v1/holds")
-    assert _error(resp, 405).error == "MethodNotAllowed"
+    assert error_of(resp, 405).error == "MethodNotAllowed"
     assert resp.headers["allow"] == "POST"
 
 
@@ -219,7 +200,7 @@ def test_a_pull_status_long_poll_is_cut_to_max_wait(fake_engine, fake, query, pa
 
 @pytest.mark.parametrize("wait", ["-1", "soon", "nan"])
 def test_a_bad_wait_is_a_422_naming_it(fake_engine, fake, wait):
-    err = _error(fake_engine.get(f"/v1/pulls/p7?wait={wait}"), 422)
+    err = error_of(fake_engine.get(f"/v1/pulls/p7?wait={wait}"), 422)
     assert err.field == "wait"
     assert fake.calls == []
 
@@ -230,22 +211,22 @@ def test_the_released_cursor_is_typed(fake_engine, fake):
         "cursor": 5,
         "more": False,
     }
-    assert _error(fake_engine.get("/v1/released?cursor=five"), 422).field == "cursor"
-    assert _error(fake_engine.get("/v1/released?cursor=-1"), 422).field == "cursor"
+    assert error_of(fake_engine.get("/v1/released?cursor=five"), 422).field == "cursor"
+    assert error_of(fake_engine.get("/v1/released?cursor=-1"), 422).field == "cursor"
     assert fake.calls == [("released_since", (5, 1024))]
 
 
 def test_the_released_feed_is_paged_by_a_typed_limit(fake_engine, fake):
     assert fake_engine.get("/v1/released?cursor=2&limit=10").status_code == 200
     for bad in ("0", "4097", "many"):
-        assert _error(fake_engine.get(f"/v1/released?limit={bad}"), 422).field == "limit"
+        assert error_of(fake_engine.get(f"/v1/released?limit={bad}"), 422).field == "limit"
     assert fake.calls == [("released_since", (2, 10))]
 
 
 def test_a_decline_reaches_the_sidecar_typed(fake_engine, fake):
     body = {"tickets": [], "reason": "rejected"}
     assert fake_engine.post("/v1/decline", json=body).status_code == 200
-    assert _error(fake_engine.post("/v1/decline", json={"tickets": 3}), 422).field == "tickets"
+    assert error_of(fake_engine.post("/v1/decline", json={"tickets": 3}), 422).field == "tickets"
     [(name, req)] = fake.calls
     assert name == "decline" and isinstance(req, DeclineRequest) and req.reason == "rejected"
 
@@ -260,7 +241,7 @@ def test_a_decline_or_keepalive_past_max_tickets_per_call_is_a_422_naming_ticket
     body = {"tickets": [ticket] * (MAX_TICKETS_PER_CALL + 1), "extend_s": 1.0}
     if route == "/v1/decline":
         del body["extend_s"]
-    err = _error(fake_engine.post(route, json=body), 422)
+    err = error_of(fake_engine.post(route, json=body), 422)
     assert (err.error, err.field) == ("ValidationError", "tickets")
     assert fake.calls == []  # the sidecar never sees it, and keeps serving
     body["tickets"] = body["tickets"][:MAX_TICKETS_PER_CALL]
@@ -293,7 +274,7 @@ def test_a_group_of_more_than_max_block_ids_is_a_422_naming_it_before_the_sideca
         body = {**body, "tickets": [{**ticket, **t} for t in body["tickets"]]}
     resp = fake_engine.post(route, content=msgspec.msgpack.encode(body),
                             headers={"Content-Type": "application/msgpack"})  # fmt: skip
-    err = _error(resp, 422)
+    err = error_of(resp, 422)
     assert (err.error, err.field) == ("ValidationError", field)
     assert fake.calls == []  # the sidecar never sees it, and keeps serving
     assert fake_engine.post("/v1/decline", json={"tickets": [ticket]}).status_code == 200
@@ -337,7 +318,7 @@ def _manifest_naming(what: str, name: str) -> dict:
                        "regions": []}, "manifest.regions[0].name"),
      ("/v1/register", {"manifest": _manifest_naming("layer", "l" * (NAME_MAX_LENGTH + 1)),
                        "regions": []}, "manifest.groups[0].layers[0].name"),
-     ("/v1/holds", _hold_body(block_ids=_GROUPS), "block_ids"),
+     ("/v1/holds", hold_body(block_ids=_GROUPS), "block_ids"),
      ("/v1/pulls", {"tickets": [], "block_ids": _GROUPS}, "block_ids"),
      ("/v1/store/save", {"request_id": "r", "keys": [], "block_ids": _GROUPS}, "block_ids"),
      ("/v1/store/load", {"keys": [], "block_ids": _GROUPS, "num_tokens": 0}, "block_ids")],
@@ -351,7 +332,7 @@ def test_a_list_past_its_bound_is_a_422_naming_it_before_the_sidecar(
     encode = msgspec.json.encode if wire == "json" else msgspec.msgpack.encode
     resp = fake_engine.post(route, content=encode(body),
                             headers={"Content-Type": f"application/{wire}"})  # fmt: skip
-    err = _error(resp, 422)
+    err = error_of(resp, 422)
     assert (err.error, err.field) == ("ValidationError", field)
     assert fake.calls == []  # the sidecar never sees it, and keeps serving
     assert fake_engine.post("/v1/decline", json={"tickets": []}).status_code == 200
@@ -359,7 +340,7 @@ def test_a_list_past_its_bound_is_a_422_naming_it_before_the_sidecar(
 
 @pytest.mark.parametrize("reason", ["rejected\nkvxferd ready", "rejected\n", "x" * 257])
 def test_a_decline_whose_reason_is_not_one_short_line_is_a_422_naming_it(fake_engine, fake, reason):
-    err = _error(fake_engine.post("/v1/decline", json={"tickets": [], "reason": reason}), 422)
+    err = error_of(fake_engine.post("/v1/decline", json={"tickets": [], "reason": reason}), 422)
     assert err.field == "reason"
     assert fake.calls == []
 
@@ -393,7 +374,7 @@ def test_the_served_openapi_document_is_the_generated_one(fake_engine):
 def test_a_registered_sidecar_answers_with_its_identity_and_refuses_a_second_engine(real):
     assert real.manifest.engine_id == "api-test" and real.sidecar.ready
     body = RegisterRequest(manifest=plan("llama-3.1-8b", num_blocks=8), regions=real.pool.specs())
-    err = _error(real.engine.post("/v1/register", content=msgspec.json.encode(body)), 409)
+    err = error_of(real.engine.post("/v1/register", content=msgspec.json.encode(body)), 409)
     assert err.error == "AlreadyRegisteredError" and "already has an engine" in err.detail
 
 
@@ -411,7 +392,7 @@ def test_a_registered_sidecar_answers_with_its_identity_and_refuses_a_second_eng
 def test_register_checks_the_region_sources_against_the_manifest(fresh, mutate, status, error,
                                                                  field):  # fmt: skip
     body = RegisterRequest(manifest=fresh.manifest, regions=mutate(fresh.pool.specs()))
-    err = _error(fresh.engine.post("/v1/register", content=msgspec.json.encode(body)), status)
+    err = error_of(fresh.engine.post("/v1/register", content=msgspec.json.encode(body)), status)
     assert (err.error, err.field) == (error, field)
     assert not fresh.sidecar.ready
     good = RegisterRequest(manifest=fresh.manifest, regions=fresh.pool.specs())
@@ -424,153 +405,26 @@ def test_register_checks_the_region_sources_against_the_manifest(fresh, mutate, 
 def test_register_refuses_a_segment_smaller_than_its_region_naming_the_field(fresh):
     os.truncate(os.path.join(SHM_DIR, fresh.pool.specs()[0].name), 4096)  # the engine's doing
     body = RegisterRequest(manifest=fresh.manifest, regions=fresh.pool.specs())
-    err = _error(fresh.engine.post("/v1/register", content=msgspec.json.encode(body)), 422)
+    err = error_of(fresh.engine.post("/v1/register", content=msgspec.json.encode(body)), 422)
     assert (err.error, err.field) == ("SegmentTooSmallError", "regions[0].size_bytes")
     assert "has 4096 bytes" in err.detail
     assert not fresh.sidecar.ready
 
 
-def test_a_hold_returns_a_signed_ticket_for_this_rank(real):
-    body = _hold_body(block_ids=[[1, 2]])
-    resp = real.engine.post("/v1/holds", json=body)
-    assert resp.status_code == 200, resp.text
-    ticket = msgspec.json.decode(resp.content, type=Ticket)
-    assert (ticket.engine_id, ticket.request_id, ticket.block_ids) == (
-        "api-test", body["request_id"], [[1, 2]])  # fmt: skip
-    assert ticket.peer == "127.0.0.1:9" and len(ticket.token) == 64
-
-
-@pytest.mark.parametrize(
-    ("block_ids", "field"),
-    [([[1, 8]], "block_ids[0][1]"), ([[1, -1]], "block_ids[0][1]"),
-     ([[3, 3]], "block_ids[0][1]"), ([[1], [2]], "block_ids")],
-    ids=["past-the-end", "negative", "repeated", "wrong-group-count"],
-)  # fmt: skip
-def test_a_hold_with_bad_block_ids_is_a_422_naming_the_block(real, block_ids, field):
-    err = _error(real.engine.post("/v1/holds", json=_hold_body(block_ids=block_ids)), 422)
-    assert (err.error, err.field) == ("BlockIdError", field)
-
-
-def test_a_hold_past_max_tokens_or_listing_more_blocks_than_they_span_is_a_422_naming_it(real):
-    before = real.sidecar.holds.active
-    err = _error(real.engine.post("/v1/holds", json=_hold_body(num_tokens=MAX_TOKENS + 1)), 422)
-    assert (err.error, err.field) == ("HoldRequestError", "num_tokens")
-    block_size = real.manifest.groups[0].block_size
-    most = -(-20 // block_size) + HOLD_SPARE_BLOCKS
-    flood = [0] * most + [99]  # one null too many, and a bad id never looked at
-    err = _error(real.engine.post("/v1/holds", json=_hold_body(block_ids=[flood])), 422)
-    assert (err.error, err.field) == ("BlockIdError", "block_ids[0]")
-    assert real.sidecar.holds.active == before
-
-
-@pytest.mark.parametrize("ids", [[1 << 63], [1, 1 << 63], [1, (1 << 64) - 1]])
-def test_a_hold_id_past_int64_is_a_422_naming_that_entry_and_its_value(real, ids):
-    # msgpack carries them: one read back wrapped (-2**63), a mix with small ids as floats.
-    body = msgspec.msgpack.encode(_hold_body(block_ids=[ids]))
-    resp = real.engine.post("/v1/holds", content=body,
-                            headers={"Content-Type": "application/msgpack"})  # fmt: skip
-    err = _error(resp, 422)
-    assert (err.error, err.field) == ("BlockIdError", f"block_ids[0][{len(ids) - 1}]")
-    assert f"id {ids[-1]} outside" in err.detail
-
-
-def test_a_hold_naming_another_tp_rank_than_the_sidecars_one_is_a_422_naming_tp_rank(real):
-    # tp_rank is a pod sidecar's field; here it was ignored: rank 3's hold placed as rank 0's.
-    before = real.sidecar.holds.active
-    err = _error(real.engine.post("/v1/holds", json=_hold_body(tp_rank=3)), 422)
-    assert (err.error, err.field) == ("HoldRequestError", "tp_rank")
-    assert real.sidecar.holds.active == before
-    resp = real.engine.post("/v1/holds", json=_hold_body(tp_rank=real.manifest.tp_rank))
-    assert resp.status_code == 200, resp.text  # its own rank, as -1
-
-
-@pytest.mark.parametrize("hold_id", ["x" * 129, "h\nkvxferd ready", "a b"],
-                         ids=["129", "newline", "space"])  # fmt: skip
-def test_a_hold_id_too_long_or_with_other_characters_is_a_422_naming_it(real, hold_id):
-    before = real.sidecar.holds.active
-    err = _error(real.engine.post("/v1/holds", json=_hold_body(hold_id=hold_id)), 422)
-    assert (err.error, err.field) == ("ValidationError", "hold_id")
-    err = _error(real.engine.post("/v1/holds/abort", json={"hold_id": hold_id}), 422)
-    assert (err.error, err.field) == ("ValidationError", "hold_id")
-    assert real.sidecar.holds.active == before
-
-
-def test_a_second_hold_of_a_live_request_is_a_409_naming_request_id_and_gives_the_first_up(real):
-    body, before = _hold_body(), real.sidecar.holds.active
-    cursor = real.engine.get("/v1/released?cursor=0").json()["cursor"]
-    first = real.engine.post("/v1/holds", json=body).json()
-    err = _error(real.engine.post("/v1/holds", json=body), 409)
-    assert (err.error, err.field) == ("DuplicateHoldError", "request_id")
-    # The engine frees a refused request's blocks: the first hold is released, not read.
-    feed = real.engine.get(f"/v1/released?cursor={cursor}").json()
-    assert [(h["hold_id"], h["reason"]) for h in feed["holds"]] == [(first["hold_id"], "aborted")]
-    assert real.sidecar.holds.active == before
-
-
-def test_the_same_hold_placed_again_is_answered_its_ticket_again(real):
-    body, before = {**_hold_body(), "hold_id": "h-again"}, real.sidecar.holds.active
-    first = real.engine.post("/v1/holds", json=body).json()
-    again = real.engine.post("/v1/holds", json=body).json()
-    # Signed again: the same hold and lease (expires_at is the lease's end read off the wall
-    # clock at signing, so it may differ in its last digits, and with it the MAC).
-    same = {k: v for k, v in first.items() if k not in ("expires_at", "token")}
-    assert {k: v for k, v in again.items() if k not in ("expires_at", "token")} == same
-    assert real.sidecar.holds.active == before + 1
-
-
-@pytest.mark.parametrize(
-    "request_id",
-    ["r\nkvxferd ready", "r\n", "r\x1b[2J", "x" * 513],
-    ids=["newline", "trailing-newline", "escape", "513-characters"],
-)
-def test_a_hold_with_a_request_id_that_is_too_long_or_has_a_control_character_is_a_422(
-    real, request_id
-):
-    before = real.sidecar.holds.active
-    err = _error(real.engine.post("/v1/holds", json=_hold_body(request_id=request_id)), 422)
-    assert (err.error, err.field) == ("ValidationError", "request_id")
-    assert real.sidecar.holds.active == before
-
-
-def test_a_hold_with_a_512_character_request_id_is_placed_and_its_ticket_names_it(real):
-    request_id = uuid.uuid4().hex.ljust(512, "\t")
-    resp = real.engine.post("/v1/holds", json=_hold_body(request_id=request_id))
-    assert resp.status_code == 200, resp.text
-    ticket = msgspec.json.decode(resp.content, type=Ticket)
-    assert ticket.request_id == request_id
-    assert real.engine.post("/v1/holds/abort", json={"hold_id": ticket.hold_id}).status_code == 204
-
-
 @pytest.mark.parametrize("path", ["/v1/store/save", "/v1/store/load"])
 def test_a_store_call_with_a_newline_in_its_request_id_is_a_422_naming_it(fake_engine, fake, path):
     body = {"request_id": "r\n", "keys": ["0" * 32], "block_ids": [[1]], "num_tokens": 16}
-    assert _error(fake_engine.post(path, json=body), 422).field == "request_id"
+    assert error_of(fake_engine.post(path, json=body), 422).field == "request_id"
     assert fake.calls == []
 
 
-def test_abort_releases_once_then_the_hold_is_unknown(real):
-    ticket = msgspec.json.decode(
-        real.engine.post("/v1/holds", json=_hold_body(block_ids=[[4]])).content, type=Ticket
-    )
-    cursor = msgspec.json.decode(real.engine.get("/v1/released").content, type=ReleasedHolds)
-    assert real.engine.post("/v1/holds/abort", json={"hold_id": ticket.hold_id}).status_code == 204
-    err = _error(real.engine.post("/v1/holds/abort", json={"hold_id": ticket.hold_id}), 404)
-    assert err.error == "UnknownHoldError"
-    feed = msgspec.json.decode(
-        real.engine.get(f"/v1/released?cursor={cursor.cursor}").content, type=ReleasedHolds
-    )
-    assert [(h.hold_id, h.reason, h.block_ids) for h in feed.holds] == [
-        (ticket.hold_id, "aborted", [[4]])
-    ]
-
-
-def test_the_status_of_an_unknown_pull_is_a_404_unknown_pull_error(real):
-    err = _error(real.engine.get("/v1/pulls/nope?wait=0"), 404)
+def test_the_status_of_an_unknown_pull_is_a_404_unknown_pullerror_of(real):
+    err = error_of(real.engine.get("/v1/pulls/nope?wait=0"), 404)
     assert err.error == "UnknownPullError" and "'nope'" in err.detail
 
 
 def test_a_pull_without_tickets_is_a_422_naming_tickets(real):
-    err = _error(real.engine.post("/v1/pulls", json={"tickets": [], "block_ids": [[1]]}), 422)
+    err = error_of(real.engine.post("/v1/pulls", json={"tickets": [], "block_ids": [[1]]}), 422)
     assert (err.error, err.field) == ("BlockIdError", "tickets")
 
 
@@ -584,7 +438,7 @@ def test_a_ticket_with_a_wrong_mac_is_a_401_naming_it_before_any_call(real, rout
     body = {"/v1/pulls": {"tickets": tickets, "block_ids": [[4]]},
             "/v1/keepalive": {"tickets": tickets, "extend_s": 5.0},
             "/v1/decline": {"tickets": tickets}}[route]  # fmt: skip
-    err = _error(real.engine.post(route, json=body), 401)
+    err = error_of(real.engine.post(route, json=body), 401)
     assert (err.error, err.field) == ("AuthError", "tickets[1].token")
     assert real.engine.post("/v1/holds/abort", json={"hold_id": good.hold_id}).status_code == 204
 
@@ -598,10 +452,10 @@ def test_a_ticket_with_a_wrong_mac_is_a_401_naming_it_before_any_call(real, rout
     ids=["peer-header-injection", "peer-too-long", "token-too-long", "tokens-past-max"],
 )  # fmt: skip
 def test_a_ticket_whose_peer_token_or_tokens_are_malformed_is_a_422_naming_it(real, change, field):
-    good = msgspec.json.decode(real.engine.post("/v1/holds", json=_hold_body(block_ids=[[5]]))
+    good = msgspec.json.decode(real.engine.post("/v1/holds", json=hold_body(block_ids=[[5]]))
                                .content, type=Ticket)  # fmt: skip
     ticket = {**msgspec.to_builtins(good), **change}
-    err = _error(real.engine.post("/v1/pulls", json={"tickets": [ticket], "block_ids": [[6]]}),
+    err = error_of(real.engine.post("/v1/pulls", json={"tickets": [ticket], "block_ids": [[6]]}),
                  422)  # fmt: skip
     assert (err.error, err.field) == ("ValidationError", field)
     assert real.engine.post("/v1/holds/abort", json={"hold_id": good.hold_id}).status_code == 204
@@ -612,4 +466,4 @@ def test_before_registration_the_sidecar_itself_raises_not_registered(fresh):
         fresh.sidecar.released_since(0)
     with pytest.raises(errors.NotRegisteredError):
         fresh.sidecar.abort(AbortHoldRequest(hold_id="h"))
-    assert _error(fresh.engine.get("/v1/released"), 503).error == "NotRegisteredError"
+    assert error_of(fresh.engine.get("/v1/released"), 503).error == "NotRegisteredError"
