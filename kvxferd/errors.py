@@ -46,6 +46,7 @@ An empty cell (st. = status) is inherited from the parent class.
     │   └── RegisterInProgressError                       another register is being set up (retry)
     ├── PodConflictError           409                    a pod rank disagrees with the pod (field)
     ├── StaleGenerationError       409                    not the current registration generation
+    ├── CallExpiredError           408                    the engine gave the call up before it came
     ├── MemoryInUseError           503                    a READ or store copy may still use it
     ├── UnknownPullError           404                    no pull with that id here
     ├── PullError                  502  pull              a pull did not move every byte
@@ -307,6 +308,14 @@ class StaleGenerationError(KvxferdError):
 
     status = 409
     field = "generation"  # the offending field, in the API's ErrorBody
+
+
+class CallExpiredError(KvxferdError):
+    """An engine call came after its ``not_after_ns``: the engine had given it up (its client
+    timed out) and may have freed or reused the blocks, so it touches nothing (HTTP 408)."""
+
+    status = 408
+    field = "not_after_ns"  # the offending field, in the API's ErrorBody
 
 
 class MemoryInUseError(KvxferdError):

@@ -21,6 +21,8 @@ PHASES = ("handshake", "claim", "post", "wire", "notify", "total")
 """Pull phases timed by kvxferd_pull_phase_duration_seconds."""
 BYTE_KINDS = ("kv", "state")
 """kv: attention K/V bytes; state: Mamba conv/SSM bytes."""
+EXPIRING_CALLS = ("hold", "pull", "store_save", "store_load")
+"""Engine calls stamped with ``not_after_ns`` (label ``op`` of kvxferd_engine_calls_expired)."""
 
 
 class Metrics:
@@ -68,6 +70,14 @@ class Metrics:
             "kvxferd_holds_active", "Holds currently pinning blocks", registry=r
         )
         self.holds_created = Counter("kvxferd_holds_created", "Holds created", registry=r)
+        self.calls_expired = Counter(
+            "kvxferd_engine_calls_expired",
+            "Engine calls refused because they came after their not_after_ns (a stalled sidecar)",
+            ["op"],
+            registry=r,
+        )
+        for op in EXPIRING_CALLS:
+            self.calls_expired.labels(op)
         self.holds_released = Counter(
             "kvxferd_holds_released", "Holds released, by reason", ["reason"], registry=r
         )

@@ -11,7 +11,8 @@ import httpx
 import msgspec
 import pytest
 
-from kvxferd import errors
+from kvxferd import calls, errors
+from kvxferd.calls import Call, wait_pull
 from kvxferd.client import (
     MSGPACK,
     POLL_SLICE_S,
@@ -19,12 +20,19 @@ from kvxferd.client import (
     EngineClient,
     SidecarError,
     SidecarUnreachableError,
-    _Call,
-    _wait_pull,
     error_for,
 )
 from kvxferd.sidecar.tickets import sign_ticket
-from kvxferd.wire import ErrorBody, HoldRequest, PullRequest, PullStatus, Ticket
+from kvxferd.wire import (
+    ErrorBody,
+    HoldRequest,
+    PullRequest,
+    PullStatus,
+    StoreLoadRequest,
+    StoreSaveRequest,
+    Ticket,
+)
+from kvxferd.wire.store import STORE_SAVE_DEADLINE_S
 from tests.sidecar.harness import TOKEN, EnginePool, plan, start_sidecar
 
 
@@ -184,7 +192,7 @@ def test_the_async_client_reports_a_missing_socket(tmp_path):
 
 def test_wait_pull_polls_in_bounded_slices_until_its_timeout():
     now = [0.0]
-    steps = _wait_pull("p", timeout_s=70.0, clock=lambda: now[0])
+    steps = wait_pull("p", timeout_s=70.0, clock=lambda: now[0])
     waits = []
     call = next(steps)
     with pytest.raises(StopIteration) as done:
@@ -198,7 +206,7 @@ def test_wait_pull_polls_in_bounded_slices_until_its_timeout():
 
 
 def test_wait_pull_stops_at_the_first_final_state():
-    steps = _wait_pull("p", timeout_s=70.0, clock=lambda: 0.0)
+    steps = wait_pull("p", timeout_s=70.0, clock=lambda: 0.0)
     next(steps)
     with pytest.raises(StopIteration) as done:
         steps.send(PullStatus(pull_id="p", state="done"))
@@ -206,7 +214,7 @@ def test_wait_pull_stops_at_the_first_final_state():
 
 
 def test_pull_ids_are_quoted_into_the_path():
-    steps = _wait_pull("a/b?c", timeout_s=0.0, clock=lambda: 0.0)
+    steps = wait_pull("a/b?c", timeout_s=0.0, clock=lambda: 0.0)
     assert next(steps).path == "/v1/pulls/a%2Fb%3Fc"
 
 
@@ -238,7 +246,7 @@ def test_error_answers_rebuild_the_sidecars_class_or_fall_back(body, kind, field
 
 
 def test_an_error_answer_that_is_not_an_error_body_keeps_status_and_text():
-    call = _Call("GET", "/v1/released")
+    call = Call("GET", "/v1/released")
     resp = httpx.Response(502, text="<html>bad gateway</html>")
     with pytest.raises(SidecarError) as info:
         call.result(resp)
@@ -246,19 +254,17 @@ def test_an_error_answer_that_is_not_an_error_body_keeps_status_and_text():
 
 
 def test_an_unusable_success_answer_is_a_sidecar_error():
-    call = _Call("GET", "/v1/pulls/p", PullStatus)
+    call = Call("GET", "/v1/pulls/p", PullStatus)
     with pytest.raises(SidecarError) as info:
         call.result(httpx.Response(200, content=msgspec.json.encode({"pull_id": 3})))
     assert info.value.status == 200 and info.value.body.error == "DecodeError"
 
 
 def test_a_run_pull_waits_past_the_pulls_deadline_and_the_feed_is_paged():
-    from kvxferd.client import _finished_pulls, _run_pull
-
-    call = _run_pull(_dead_peer_pull())
+    call = calls.run_pull(_dead_peer_pull())
     assert (call.method, call.path) == ("POST", "/v1/pulls/run")
     assert call.request_args()["timeout"] > _dead_peer_pull().deadline_s  # answered at its end
-    feed = _finished_pulls(4, 16)
+    feed = calls.finished_pulls(4, 16)
     assert (feed.path, feed.params) == ("/v1/pulls/finished", {"cursor": 4, "limit": 16})
 
 
@@ -268,6 +274,26 @@ def test_run_pull_answers_the_failure_of_a_pull_from_a_dead_peer(sidecar):
         feed = client.finished_pulls(0)
     assert (status.state, status.reason) == ("failed", "handshake")
     assert any(f.pull_id == status.pull_id and f.failed_block_ids == [[2]] for f in feed.pulls)
+
+
+def test_calls_that_touch_the_engines_memory_say_when_the_engine_gives_them_up():
+    """A stalled sidecar must not act on a call the engine gave up (kvxferd.sidecar.expiry)."""
+    t0 = time.monotonic_ns()
+    hold = calls.hold(_hold([[7]]), 7.0).body
+    pull = calls.pull(_dead_peer_pull()).body
+    run = calls.run_pull(_dead_peer_pull()).body
+    keys = ["0" * 32]
+    save = calls.store_save(StoreSaveRequest(request_id="r", keys=keys, block_ids=[[1]])).body
+    load = calls.store_load(StoreLoadRequest(keys=keys, block_ids=[[1]], num_tokens=16,
+                                             deadline_s=4.0)).body  # fmt: skip
+    t1 = time.monotonic_ns()
+    for req, act_s in [(hold, 7.0), (pull, 20.0), (run, 20.0), (save, STORE_SAVE_DEADLINE_S),
+                       (load, 4.0)]:  # fmt: skip
+        assert t0 + act_s * 1e9 <= req.not_after_ns <= t1 + act_s * 1e9, req
+    mine = msgspec.structs.replace(_hold([[7]]), not_after_ns=5)
+    assert calls.hold(mine, 7.0).body.not_after_ns == 5  # the caller's own stays
+    nan = msgspec.structs.replace(_dead_peer_pull(), deadline_s=float("nan"))
+    assert calls.pull(nan).body.not_after_ns == 0  # no time: the sidecar's 422 names deadline_s
 
 
 # ------------------------------------------------------------------------------ the two encodings
@@ -293,23 +319,22 @@ def test_both_encodings_give_the_same_structs_and_errors(sidecar, packed):
 
 
 def test_msgpack_is_used_for_the_per_request_calls_only():
-    from kvxferd.client import _finished_pulls, _identity, _register, _run_pull
-
     req = _dead_peer_pull()
-    run = _run_pull(req)
+    run = calls.run_pull(req)
     packed = run.request_args(msgpack=True)
     assert packed["headers"] == {"Content-Type": MSGPACK, "Accept": MSGPACK}
-    assert msgspec.msgpack.decode(packed["content"], type=PullRequest) == req
+    sent = msgspec.msgpack.decode(packed["content"], type=PullRequest)
+    assert sent == msgspec.structs.replace(req, not_after_ns=sent.not_after_ns) == run.body
     assert run.request_args(msgpack=False)["headers"] == {"Content-Type": "application/json"}
-    assert _finished_pulls(0, 8).request_args(msgpack=True)["headers"] == {"Accept": MSGPACK}
-    assert "headers" not in _identity().request_args(msgpack=True)
+    assert calls.finished_pulls(0, 8).request_args(msgpack=True)["headers"] == {"Accept": MSGPACK}
+    assert "headers" not in calls.identity().request_args(msgpack=True)
     manifest = plan("llama-3.1-8b", num_blocks=2)
-    register = _register(manifest, []).request_args(msgpack=True)
+    register = calls.register(manifest, []).request_args(msgpack=True)
     assert register["headers"] == {"Content-Type": "application/json"}
 
 
 def test_answers_are_decoded_by_their_content_type():
-    call = _Call("GET", "/v1/pulls/p", PullStatus, lean=True)
+    call = Call("GET", "/v1/pulls/p", PullStatus, lean=True)
     status = PullStatus(pull_id="p", state="done", kv_bytes=8)
     packed = httpx.Response(200, content=msgspec.msgpack.encode(status),
                             headers={"Content-Type": MSGPACK})  # fmt: skip

@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "kvxferd.pattern": 5,
     "kvxferd.sidecar": 5,
     "kvxferd.api": 6,
+    "kvxferd.calls": 6,
     "kvxferd.client": 6,
     "kvxferd.frameconn": 5,
     "kvxferd.lanes": 6,

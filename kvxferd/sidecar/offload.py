@@ -24,6 +24,7 @@ import numpy as np
 from kvxferd.config import Config
 from kvxferd.errors import ConfigError, PullError, SegmentTooSmallError, StoreError
 from kvxferd.metrics import STORE_TIERS, Metrics
+from kvxferd.sidecar.expiry import act_by
 from kvxferd.sidecar.hold_request import check_num_tokens, check_store_ids
 from kvxferd.store import Store
 from kvxferd.store.tiers import TierStats
@@ -148,8 +149,10 @@ class Offload:
     async def save(self, req: StoreSaveRequest) -> StoreSaved:
         """Copy a request's blocks (or a live hold's) into the store; entries already there are
         skipped. Nothing is copied past STORE_SAVE_DEADLINE_S from now: the engine frees the
-        blocks once its client gives up, a margin later."""
-        stop_at = time.monotonic() + STORE_SAVE_DEADLINE_S
+        blocks once its client gives up, a margin later; nor is an entry whose copy ended past
+        the call's ``not_after_ns`` kept."""
+        by = act_by(req.not_after_ns, self.metrics.calls_expired.labels("store_save").inc)
+        stop_at = min(time.monotonic() + STORE_SAVE_DEADLINE_S, by)
         store = self._require()
         manifest, regions = _rank_target(self._target, req.generation, req.tp_rank)
         block_ids, num_tokens, pinned = req.block_ids, req.num_tokens, None
@@ -206,10 +209,11 @@ class Offload:
         entry is missing or corrupt."""
         if not (math.isfinite(req.deadline_s) and 0 < req.deadline_s <= MAX_STORE_DEADLINE_S):
             raise StoreError("deadline_s", f"must be in (0, {MAX_STORE_DEADLINE_S:g}]")
+        by = act_by(req.not_after_ns, self.metrics.calls_expired.labels("store_load").inc)
         store = self._require()
         manifest, regions = _rank_target(self._target, req.generation, req.tp_rank)
         _check_ids(manifest, req.block_ids, req.num_tokens)
-        stop_at, stop = time.monotonic() + req.deadline_s, threading.Event()
+        stop_at, stop = min(time.monotonic() + req.deadline_s, by), threading.Event()
         try:
             # Awaited to its end even if our caller gives up: the answer says nothing is written
             # any more (the thread checks ``stop_at`` and ``stop`` between entries).

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import secrets
 import time
 from collections import deque
@@ -37,6 +38,7 @@ from kvxferd.errors import (
     reason_code,
 )
 from kvxferd.metrics import BYTE_KINDS, PHASES
+from kvxferd.sidecar.expiry import act_by
 from kvxferd.sidecar.finished import FinishedFeed
 from kvxferd.sidecar.peerviews import PeerRead
 from kvxferd.sidecar.pull_request import validate_pull
@@ -75,6 +77,9 @@ class Pull:
     """The engine's request while the pull runs; dropped once it ended (its status needs none
     of it, and up to ``_KEEP_FINISHED`` finished pulls are kept)."""
     started: float = field(default_factory=time.monotonic)
+    ends_by: float = math.inf
+    """Monotonic time the pull ends by: its deadline, counted from the engine's call when the
+    call said when that was (``not_after_ns``), never from a late arrival."""
     state: PullState = PullState.PENDING
     reason: str = ""
     detail: str = ""
@@ -164,6 +169,7 @@ class PullRunner:
     def start(self, req: PullRequest) -> Pull:
         """Validate ``req`` synchronously (4xx to the engine), then run it in the background;
         CapacityError (503) while ``max_in_flight`` pulls are running."""
+        by = act_by(req.not_after_ns, self._metrics.calls_expired.labels("pull").inc)
         local = self._local()[0]
         validate_pull(req, local, self._max_deadline_s)
         if self._in_flight >= self._max_in_flight:
@@ -171,6 +177,7 @@ class PullRunner:
                 "max_pulls_in_flight", f"{self._in_flight} pulls are running; retry when one ends"
             )
         pull = Pull(pull_id=secrets.token_hex(8), request=req, validated=local)
+        pull.ends_by = min(pull.started + req.deadline_s, by)
         self._pulls[pull.pull_id] = pull
         self._in_flight += 1
         self._metrics.pulls_in_flight.inc()
@@ -244,9 +251,9 @@ class PullRunner:
         m = self._metrics
         req = pull.request
         assert req is not None  # dropped only once the pull ended
-        deadline = time.monotonic() + req.deadline_s
+        deadline = pull.ends_by
         try:
-            async with asyncio.timeout(req.deadline_s):
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 local, bases = self._local()  # one registration for the whole pull
                 pod = req.tickets[0].ranks > 1  # one sidecar serves every prefill rank
                 ranks = self.planner.rank_plans.get(local, req.tickets[0].tp_size)

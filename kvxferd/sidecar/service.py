@@ -36,6 +36,7 @@ from kvxferd.errors import (
 from kvxferd.layout import validate_manifest
 from kvxferd.memory import check_sources, first_shrunk
 from kvxferd.metrics import Metrics
+from kvxferd.sidecar.expiry import act_by
 from kvxferd.sidecar.fabric import Fabric
 from kvxferd.sidecar.handshake import mismatch, our_handshake
 from kvxferd.sidecar.hold_request import check_hold_rank
@@ -336,6 +337,7 @@ class Sidecar:
 
     def hold(self, req: HoldRequest) -> Ticket:
         """Pin a request's blocks under a lease; the ticket authorises one pull of them."""
+        act_by(req.not_after_ns, self.metrics.calls_expired.labels("hold").inc)
         holds, manifest = self._require_memory()
         check = lambda: self._check_generation(req.generation)  # noqa: E731
         if (pod := self.pod) is None:

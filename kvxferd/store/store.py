@@ -140,7 +140,8 @@ class Store:
         each copy and raises to drop that entry and stop (the blocks may have changed under it:
         the hold that pinned them was let go). Past ``stop_at`` (``time.monotonic()``) or once
         ``stop`` is set (both checked just before each copy) nothing more is copied: the caller
-        may have freed the blocks, or the engine's memory is being let go."""
+        may have freed the blocks, or the engine's memory is being let go. An entry whose copy
+        ended past ``stop_at`` is not kept either (its blocks may have changed under it)."""
         t0 = time.perf_counter()
         ids = self._check(manifest, block_ids, keys, num_tokens)
         out = SaveOutcome()
@@ -188,6 +189,10 @@ class Store:
                         except BaseException:
                             cached.buffer.release()
                             raise
+                    if stop_at is not None and time.monotonic() > stop_at:
+                        cached.buffer.release()  # the blocks may have been freed meanwhile
+                        out.cut = "deadline"
+                        break
                     if self.dram.put(eid, cached):
                         out.dram_bytes += cached.size
                     if len(writes) >= _AHEAD:  # bounded: at most _AHEAD entries wait for the disk

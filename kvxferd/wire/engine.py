@@ -17,6 +17,7 @@ from kvxferd.wire.manifest import (
     FedRequestId,
     HoldId,
     Manifest,
+    NotAfterNs,
     RegistrationGeneration,
     RequestId,
     _Strict,
@@ -24,10 +25,12 @@ from kvxferd.wire.manifest import (
 
 PROTOCOL_VERSION = 2
 """Peer protocol version, checked first at handshake. 1: first version."""
-ENGINE_API_VERSION = 1
+ENGINE_API_VERSION = 2
 """Engine API version, in ``Identity``: bumped when engine and sidecar must both know a change
 (a request field, a meaning); the vLLM connector refuses a sidecar whose version differs.
-1: registrations name their generation and instance (sidecars from before report 0)."""
+1: registrations name their generation and instance (sidecars from before report 0).
+2: holds, pulls, store saves and loads carry ``not_after_ns`` (a sidecar of 1 refuses the
+field; one that ignored it would act on calls the engine gave up)."""
 
 MAX_TOKENS = 1 << 24
 """Most tokens a hold may cover (16,777,216): past every model's context."""
@@ -195,6 +198,10 @@ class HoldRequest(_Strict, kw_only=True):
     """The placing rank, on a pod sidecar (required there: the hold is claimable once every
     rank placed it with the same ``hold_id``, blocks and tokens); -1: the sidecar's one rank (on
     a one-rank sidecar, -1 or that rank; another is a 422 naming it)."""
+    not_after_ns: NotAfterNs = 0
+    """The engine's monotonic clock (ns) past which it no longer waits for this answer: a hold
+    arriving later is not placed (a 408, CallExpiredError), since the engine may have freed
+    the blocks; 0: no bound. The Python client sets it to its call timeout."""
 
 
 class Ticket(_Strict, kw_only=True):
@@ -268,6 +275,11 @@ class PullRequest(_Strict, kw_only=True):
     generation: RegistrationGeneration = None
     """The registration generation these block ids refer to; another one is a 409
     (StaleGenerationError) and nothing is read. None: not checked."""
+    not_after_ns: NotAfterNs = 0
+    """The engine's monotonic clock (ns) by which the pull must have ended: one arriving later
+    is a 408 (CallExpiredError) and reads nothing, and ``deadline_s`` ends there at the latest
+    (it counts from the engine's call, not from a late arrival). 0: no bound but
+    ``deadline_s``. The Python client sets it to the call's start plus ``deadline_s``."""
 
 
 class DeclineRequest(_Strict, kw_only=True):

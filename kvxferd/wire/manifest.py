@@ -66,6 +66,11 @@ RegistrationGeneration = int | None
 """The registration generation an engine call's block ids refer to (the ``generation`` its
 register answer gave): any other, -1 included, is a 409 StaleGenerationError and the call
 touches nothing; None is not checked (tools, sims)."""
+NotAfterNs = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+"""When an engine call that touches the engine's memory must stop acting: the engine's
+``time.monotonic_ns()`` (CLOCK_MONOTONIC, which every process of one host shares; the engine
+socket is local). Past it the engine has given the call up and may reuse the blocks; 0: no
+bound but the call's own deadline."""
 
 MANIFEST_VERSION = 1
 """Bump when the manifest's meaning changes. 1: first version."""

@@ -7,7 +7,13 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvxferd.wire.engine import _FED_PER_GROUP, MAX_TOKENS, MAX_TP, BlockIdsPerGroup
-from kvxferd.wire.manifest import ChosenHoldId, RegistrationGeneration, RequestId, _Strict
+from kvxferd.wire.manifest import (
+    ChosenHoldId,
+    NotAfterNs,
+    RegistrationGeneration,
+    RequestId,
+    _Strict,
+)
 
 STORE_KEY_HEX = 32
 """Hex digits of a store key (a 128-bit blake2b digest, ``kvxferd.store.chunk_keys``)."""
@@ -51,6 +57,11 @@ class StoreSaveRequest(_Strict, kw_only=True):
     tp_rank: StoreRank = -1
     """The saving rank, whose blocks are copied (required on a pod sidecar, else a 422 naming
     it: a pod hold's block ids are every rank's); -1: the sidecar's one rank."""
+    not_after_ns: NotAfterNs = 0
+    """The engine's monotonic clock (ns) past which it may free the blocks: a save arriving
+    later is a 408 (CallExpiredError), and no entry whose copy ends later is kept. 0: no bound
+    but STORE_SAVE_DEADLINE_S from arrival. The Python client sets it to the call's start plus
+    STORE_SAVE_DEADLINE_S."""
 
 
 class StoreSaved(_Strict, kw_only=True):
@@ -123,6 +134,11 @@ class StoreLoadRequest(_Strict, kw_only=True):
     tp_rank: StoreRank = -1
     """The loading rank, whose blocks are written with its own entries (required on a pod
     sidecar, else a 422 naming it); -1: the sidecar's one rank."""
+    not_after_ns: NotAfterNs = 0
+    """The engine's monotonic clock (ns) past which nothing may be written: a load arriving
+    later is a 408 (CallExpiredError), and ``deadline_s`` ends there at the latest (it counts
+    from the engine's call, not from a late arrival). 0: no bound but ``deadline_s``. The
+    Python client sets it to the call's start plus ``deadline_s``."""
 
 
 class StoreLoadStatus(_Strict, kw_only=True):

@@ -60,6 +60,27 @@ def test_a_read_that_outlasts_the_deadline_writes_nothing(tmp_path, monkeypatch)
     assert all(not np.any(r) for r in dest)
 
 
+def test_a_save_keeps_no_entry_whose_copy_ended_past_its_deadline(tmp_path, monkeypatch):
+    """The engine frees the blocks once the save's ``stop_at`` passes: an entry copied across it
+    may hold another request's KV, so it is dropped (the copies before it are kept)."""
+    m = plan(MAMBA2, blocks=12)
+    tokens = 2 * CHUNK
+    regions, ids = filled(m, tokens, SEED)
+    clock = [0.0]
+    fake = SimpleNamespace(monotonic=lambda: clock[0], perf_counter=time.perf_counter)
+    monkeypatch.setattr("kvxferd.store.store.time", fake)
+    s = store(tmp_path, CHUNK)
+    copies = [0]
+
+    def copied() -> None:  # after each entry's copy: the second one outlasts the deadline
+        copies[0] += 1
+        clock[0] += 10.0 if copies[0] == 2 else 0.0
+
+    out = s.save(m, regions, ids, keys(tokens, CHUNK), tokens, kept=copied, stop_at=5.0)
+    assert (out.cut, out.chunks_saved, copies[0]) == ("deadline", 1, 2)
+    assert s.files.stats.entries == 1  # before: 2, the second copied from freed blocks
+
+
 def test_a_stopped_load_fails_cancelled_and_writes_nothing(tmp_path):
     """Its ``stop`` event is set (the engine unregisters): no entry is written from then on."""
     m = plan(MAMBA2, blocks=12)

@@ -11,7 +11,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvxferd import client as client_mod
+from kvxferd import calls
 from kvxferd.config import Config
 from kvxferd.errors import BlockIdError, ConfigError, HoldExpiredError, StoreError
 from kvxferd.metrics import Metrics
@@ -220,9 +220,14 @@ def test_a_save_copies_nothing_once_its_client_may_have_given_up(tmp_path, monke
 
 
 def test_a_client_waits_for_a_save_past_the_sidecars_save_deadline():
-    """What makes the deadline above safe: the engine frees the blocks only after its wait."""
+    """What makes the deadline above safe: the engine frees the blocks only after its wait, and
+    tells the sidecar to stop by then, however late the call comes."""
     req = StoreSaveRequest(request_id="r", keys=[], block_ids=[], num_tokens=0)
-    assert client_mod._store_save(req).timeout_s > STORE_SAVE_DEADLINE_S + 1.0
+    t0 = time.monotonic_ns()
+    call = calls.store_save(req)
+    assert call.timeout_s > STORE_SAVE_DEADLINE_S + 1.0
+    assert call.body.not_after_ns <= time.monotonic_ns() + STORE_SAVE_DEADLINE_S * 1e9
+    assert call.body.not_after_ns >= t0 + STORE_SAVE_DEADLINE_S * 1e9
 
 
 def test_an_unregister_stops_a_save_before_its_next_copy(tmp_path):
