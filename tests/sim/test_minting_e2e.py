@@ -65,6 +65,11 @@ def test_from_its_second_request_a_prefill_answers_with_tickets_it_minted(sims):
         tickets = params["kvxferd_tickets"]
         assert len(tickets) == 2 and tickets[0]["hold_id"] == tickets[1]["hold_id"]
         assert _text(d, prompt, params) == _text(c, prompt)
+        # Its blocks come back once the read's notification reached the prefill (after the
+        # decode answered): the pool holds ``first`` and one more request, not two more.
+        released = before["holds_released"] + i + 1
+        wait_until(lambda: p.stats()["holds_released"] >= released, BOUND_S,  # noqa: B023
+                   f"request {i}'s hold released")  # fmt: skip
     assert p.stats()["tickets_minted"] == before["tickets_minted"] + 3
     prompt = "Held first, so the sim learns how its sidecars sign."
     assert _text(d, prompt, first) == _text(c, prompt)
