@@ -50,7 +50,9 @@ def window_first_chunk(spans: Sequence[tuple[int, int]], n: int, window: int) ->
 
 
 def check_keys(keys: Sequence[str], num_tokens: int, chunk_tokens: int) -> None:
-    """Keys must be well-formed and exactly one per chunk of ``num_tokens`` (StoreError)."""
+    """Keys must be well-formed, exactly one per chunk of ``num_tokens`` and all different
+    (StoreError naming the entry): a key names its whole prefix, so a repeat is never a prompt's
+    (saved, it would file one chunk's entry under another chunk's key)."""
     want = -(-num_tokens // chunk_tokens) if num_tokens > 0 else 0
     if num_tokens < 0:
         raise StoreError("num_tokens", f"{num_tokens} < 0")
@@ -58,6 +60,9 @@ def check_keys(keys: Sequence[str], num_tokens: int, chunk_tokens: int) -> None:
         raise StoreError(
             "keys", f"{len(keys)} keys, {num_tokens} tokens in chunks of {chunk_tokens} need {want}"
         )
+    first: dict[str, int] = {}
     for i, key in enumerate(keys):
         if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
             raise StoreError(f"keys[{i}]", f"not {STORE_KEY_HEX} lowercase hex digits")
+        if first.setdefault(key, i) != i:
+            raise StoreError(f"keys[{i}]", f"repeats keys[{first[key]}]")

@@ -21,8 +21,11 @@ STORE_KEY_PATTERN = rf"^[0-9a-f]{{{STORE_KEY_HEX}}}(?!\n)$"
 """A chunk key's text (kvxferd.store.keys checks keys an engine hands over with it)."""
 StoreKey = Annotated[str, msgspec.Meta(max_length=STORE_KEY_HEX, pattern=STORE_KEY_PATTERN)]
 """A chunk key: 32 lowercase hex digits."""
-StoreKeys = Annotated[list[StoreKey], msgspec.Meta(max_length=MAX_TOKENS)]
-"""A prompt's chunk keys: at most MAX_TOKENS (one chunk a token, the smallest chunk)."""
+StoreKeys = Annotated[
+    list[StoreKey], msgspec.Meta(max_length=MAX_TOKENS, extra_json_schema={"uniqueItems": True})
+]
+"""A prompt's chunk keys: at most MAX_TOKENS (one chunk a token, the smallest chunk), all
+different (a key names its whole prefix; the sidecar answers a repeat with a 422 naming it)."""
 StoreRank = Annotated[int, msgspec.Meta(ge=-1, lt=MAX_TP)]
 """The TP rank whose blocks a store call means: -1 (or the rank) on a rank's own sidecar;
 required on a pod sidecar (0..ranks-1), whose ranks each save and load their own blocks."""

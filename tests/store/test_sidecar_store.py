@@ -280,3 +280,39 @@ def test_a_store_id_past_int64_or_repeated_is_a_422_naming_it_and_nothing_is_sto
     finally:
         assert sidecar.stop() == 0
         pool.close()
+
+
+def test_a_store_call_repeating_a_key_is_a_422_naming_that_key_and_nothing_is_stored(tmp_path):
+    """Keys chain the whole prefix, so one prompt never repeats a key: a save that did stored the
+    state after chunk 2 under chunk 0's key (a later one-chunk prompt matched it and its load
+    failed store_corrupt, deleting it); a lookup or load that did would read it for chunk 2."""
+    manifest = plan(MAMBA2, num_blocks=16)
+    tokens = 3 * CHUNK
+    keys = chunk_keys(list(range(tokens)), CHUNK)
+    repeated = [keys[0], keys[1], keys[0]]
+    pool = EnginePool(manifest)
+    ids = block_ids(manifest, tokens)
+    write_pattern(manifest, pool.views, ids, SEED)
+    sidecar = start_sidecar(str(tmp_path), "repeats", "--store-dir", str(tmp_path / "s"),
+                            "--store-chunk-tokens", str(CHUNK))  # fmt: skip
+    try:
+        with sidecar.client() as client:
+            client.register(manifest, pool.specs())
+            calls = (
+                lambda: client.store_save(StoreSaveRequest(request_id="r", keys=repeated,
+                                                           block_ids=ids, num_tokens=tokens)),
+                lambda: client.store_lookup(StoreLookupRequest(keys=repeated, num_tokens=tokens)),
+                lambda: client.store_load(StoreLoadRequest(keys=repeated, block_ids=ids,
+                                                           num_tokens=tokens)),
+            )  # fmt: skip
+            for call in calls:
+                with pytest.raises(StoreError) as err:
+                    call()
+                assert (err.value.status, err.value.field) == (422, "keys[2]")
+                assert "repeats keys[0]" in str(err.value)
+            for n in (CHUNK, tokens):  # the refused save stored nothing
+                hit = client.store_lookup(StoreLookupRequest(keys=keys[: n // CHUNK], num_tokens=n))
+                assert hit.matched == 0 and not any(hit.matched_tokens)
+    finally:
+        assert sidecar.stop() == 0
+        pool.close()
