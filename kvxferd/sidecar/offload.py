@@ -22,7 +22,13 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvxferd.config import Config
-from kvxferd.errors import ConfigError, PullError, SegmentTooSmallError, StoreError
+from kvxferd.errors import (
+    BlockIdError,
+    ConfigError,
+    PullError,
+    SegmentTooSmallError,
+    StoreError,
+)
 from kvxferd.metrics import STORE_TIERS, Metrics
 from kvxferd.sidecar.expiry import act_by
 from kvxferd.sidecar.hold_request import check_num_tokens, check_store_ids
@@ -85,10 +91,18 @@ def _rank_target(target: Target, generation: int | None, tp_rank: int) -> tuple[
 def _check_ids(manifest: Manifest, block_ids: list[list[int]], num_tokens: int) -> None:
     """A save's or load's bounds: ``num_tokens`` 0..MAX_TOKENS (StoreError), then a hold's rule
     for the lists (one per group, each at most the blocks the tokens span plus HOLD_SPARE_BLOCKS)
-    before any id is looked at, then ids in range and not repeated (BlockIdError)."""
+    before any id is looked at, then ids in range and not repeated, then a full-attention list
+    at least as long as the blocks the tokens span (BlockIdError). A shorter list is a sliding
+    window's last blocks; read so, a full-attention one would save nothing and say nothing."""
     check_num_tokens(num_tokens, StoreError)
     sizes = tuple(g.block_size for g in manifest.groups)
     check_store_ids(manifest.num_blocks, sizes, num_tokens, block_ids)
+    for g, (group, ids) in enumerate(zip(manifest.groups, block_ids, strict=True)):
+        span = -(-num_tokens // group.block_size)
+        if group.kind == "full_attention" and len(ids) < span:
+            raise BlockIdError(f"block_ids[{g}]", f"{len(ids)} ids; {num_tokens} tokens in blocks "
+                               f"of {group.block_size} span {span} (a full-attention group lists "
+                               "each, -1 for one not to save)")  # fmt: skip
 
 
 def _prefix_ids(
@@ -185,6 +199,7 @@ class Offload:
         self._sync_tiers()
         return StoreSaved(
             chunks_saved=out.chunks_saved, chunks_present=out.chunks_present,
+            chunks_skipped=out.chunks_skipped,
             kv_bytes=out.kv_bytes, state_bytes=out.state_bytes, dram_bytes=out.dram_bytes,
             file_bytes=out.file_bytes, duration_s=out.duration_s,
         )  # fmt: skip

@@ -64,6 +64,8 @@ class SaveOutcome:
 
     chunks_saved: int = 0
     chunks_present: int = 0
+    chunks_skipped: int = 0
+    """Entries not saved for want of their blocks (-1, a window's blocks gone, no state)."""
     kv_bytes: int = 0
     state_bytes: int = 0
     dram_bytes: int = 0
@@ -153,12 +155,15 @@ class Store:
                 specs = part_specs(manifest, g)
                 if group.kind == "mamba":
                     block = int(ids[g][-1]) if ids[g].size else -1
-                    if block < 0 or not spans:
+                    if not spans:
+                        continue
+                    if block < 0:
+                        out.chunks_skipped += 1
                         continue
                     chunks = [len(spans) - 1]  # the state after the last token
                 else:
                     chunks = list(range(len(spans)))
-                for c in chunks:
+                for i, c in enumerate(chunks):
                     eid = EntryId(keys[c], fp, manifest.tp_size, manifest.tp_rank)
                     if self.dram.has(eid) or self.files.has(eid):
                         out.chunks_present += 1
@@ -170,7 +175,9 @@ class Store:
                             tm = token_map(group, ids[g], s, e, f"block_ids[{g}]")
                         except BlockIdError:
                             if group.kind == "sliding_window":
+                                out.chunks_skipped += 1
                                 continue  # blocks that left the window: save the ones still held
+                            out.chunks_skipped += len(chunks) - i
                             break  # a missing block ends what this group can save
                     if guard is not None:
                         guard()

@@ -46,7 +46,8 @@ class StoreSaveRequest(_Strict, kw_only=True):
     block_ids: BlockIdsPerGroup = []
     """Logical block ids per group, in request order (mamba: the state block last); empty when
     ``hold_id`` names them. A group lists at most the blocks ``num_tokens`` span (at least 1)
-    plus HOLD_SPARE_BLOCKS, as a hold's, else a 422 naming it."""
+    plus HOLD_SPARE_BLOCKS, as a hold's, a full-attention group at least the blocks they span
+    (-1: not saved), else a 422 naming it; a shorter list (a sliding window's) holds the last."""
     num_tokens: Annotated[
         int, msgspec.Meta(extra_json_schema={"minimum": -1, "maximum": MAX_TOKENS})
     ] = -1
@@ -74,6 +75,11 @@ class StoreSaved(_Strict, kw_only=True):
     """Entries (chunk x group) written."""
     chunks_present: int
     """Entries already in the store (not written again)."""
+    chunks_skipped: int = 0
+    """Entries the tokens span that were not saved for want of their blocks: -1 ids, a sliding
+    window's blocks that left it, a full-attention group's chunks from its first missing block
+    on, a Mamba group without a state block. Saved, present and skipped add up to every entry
+    unless the save stopped early (its deadline, an unregister)."""
     kv_bytes: int = 0
     """Attention bytes copied out of the blocks."""
     state_bytes: int = 0

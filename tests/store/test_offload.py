@@ -264,3 +264,22 @@ def test_an_unregister_stops_a_save_before_its_next_copy(tmp_path):
     hit = asyncio.run(off.lookup(StoreLookupRequest(keys=keys, num_tokens=tokens)))
     assert hit.matched == CHUNK
     off.close()
+
+
+def test_a_hybrid_save_without_a_state_block_answers_the_state_skipped(tmp_path):
+    """A Mamba group whose state block is -1 saves no state: the attention chunks are saved,
+    the state is counted skipped (it was not counted at all)."""
+    m = plan(MAMBA2, blocks=24)
+    tokens = m.groups[0].block_size
+    regions, ids = filled(m, tokens, SEED)
+    mamba = [g for g, group in enumerate(m.groups) if group.kind == "mamba"]
+    ids[mamba[0]] = [-1]
+    cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK)
+    off = Offload(cfg, Metrics(CollectorRegistry()), lambda *_: (m, regions))
+    keys = chunk_keys(list(range(tokens)), CHUNK)
+    saved = asyncio.run(off.save(StoreSaveRequest(request_id="r", block_ids=ids, keys=keys,
+                                                  num_tokens=tokens)))  # fmt: skip
+    attention = len(m.groups) - len(mamba)
+    assert saved.chunks_skipped == 1
+    assert saved.chunks_saved == attention * len(keys) + len(mamba) - 1
+    off.close()

@@ -316,3 +316,60 @@ def test_a_store_call_repeating_a_key_is_a_422_naming_that_key_and_nothing_is_st
     finally:
         assert sidecar.stop() == 0
         pool.close()
+
+
+def test_a_save_whose_full_attention_list_is_short_of_its_tokens_is_a_422_naming_the_list(
+    tmp_path,
+):
+    """A full-attention group lists a block for every block its tokens span (-1 for one not to
+    save): a short list was read as the request's last blocks and saved nothing, answered 200."""
+    manifest = plan(DENSE, num_blocks=8)
+    tokens = 3 * manifest.groups[0].block_size
+    keys = chunk_keys(list(range(tokens)), 16)
+    pool = EnginePool(manifest)
+    ids = block_ids(manifest, tokens)
+    sidecar = start_sidecar(str(tmp_path), "short", "--store-dir", str(tmp_path / "s"),
+                            "--store-chunk-tokens", "16")  # fmt: skip
+    try:
+        with sidecar.client() as client:
+            client.register(manifest, pool.specs())
+            for short in ([ids[0][:-1]], [[]]):
+                req = StoreSaveRequest(request_id="r", keys=keys, block_ids=short,
+                                       num_tokens=tokens)  # fmt: skip
+                with pytest.raises(BlockIdError) as err:
+                    client.store_save(req)
+                assert (err.value.status, err.value.field) == (422, "block_ids[0]")
+                assert f"span {len(ids[0])}" in str(err.value)
+            hit = client.store_lookup(StoreLookupRequest(keys=keys, num_tokens=tokens))
+            assert hit.matched == 0
+    finally:
+        assert sidecar.stop() == 0
+        pool.close()
+
+
+def test_a_partial_save_answers_the_entries_it_skipped_for_want_of_blocks(tmp_path):
+    """A sliding window's blocks that left it (its short list holds the last ones) and a
+    full-attention group's chunks from a -1 on are not saved: the answer counts them, so saved,
+    present and skipped add up to every entry of the tokens."""
+    sw_preset, tokens, chunk = "gpt-oss-20b", 320, 32  # window 128 in blocks of 16: 10 blocks
+    manifest = plan(sw_preset, num_blocks=48)
+    fa = next(g for g, grp in enumerate(manifest.groups) if grp.kind == "full_attention")
+    keys = chunk_keys(list(range(tokens)), chunk)
+    pool = EnginePool(manifest)
+    ids = block_ids(manifest, tokens)
+    write_pattern(manifest, pool.views, ids, SEED)
+    ids[fa][12] = -1  # tokens 192..207: chunks 6..9 of that group are not saved
+    sidecar = start_sidecar(str(tmp_path), "partial", "--store-dir", str(tmp_path / "s"),
+                            "--store-chunk-tokens", str(chunk))  # fmt: skip
+    try:
+        with sidecar.client() as client:
+            client.register(manifest, pool.specs())
+            save = StoreSaveRequest(request_id="r", keys=keys, block_ids=ids, num_tokens=tokens)
+            saved = client.store_save(save)
+            # full attention: chunks 0..5 saved, 6..9 skipped; the window: 5..9 saved, 0..4 not
+            assert (saved.chunks_saved, saved.chunks_skipped) == (6 + 5, 4 + 5)
+            again = client.store_save(save)
+            assert (again.chunks_saved, again.chunks_present, again.chunks_skipped) == (0, 11, 9)
+    finally:
+        assert sidecar.stop() == 0
+        pool.close()
