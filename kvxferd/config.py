@@ -132,6 +132,9 @@ class Config:
     store_file_bytes: int = 64 << 30
     """Bytes of store files this sidecar keeps in store_dir (LRU beyond; split the budget when
     sidecars share a directory)."""
+    store_file_entries: int = 1 << 18
+    """Most store files this sidecar keeps in store_dir (LRU beyond, as the bytes): bounds the
+    inodes and the index memory (~440 bytes a file) a flood of tiny entries would take."""
     store_chunk_tokens: int = 64
     """Tokens per store chunk (hybrid_chunk_size); every engine sharing a store uses the same."""
     prepped_reads: bool = False
@@ -175,7 +178,8 @@ class Config:
         if self.default_lease_s > self.max_lease_s:
             raise ConfigError("default_lease_s: larger than max_lease_s")
         self._check_body_budget()
-        for name in ("store_dram_bytes", "store_file_bytes", "store_chunk_tokens"):
+        for name in ("store_dram_bytes", "store_file_bytes", "store_file_entries",
+                     "store_chunk_tokens"):  # fmt: skip
             if getattr(self, name) < (1 if name == "store_chunk_tokens" else 0):
                 raise ConfigError(f"{name}: out of range, got {getattr(self, name)}")
         if not 1 <= self.pod_ranks <= 64:

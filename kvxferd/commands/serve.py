@@ -86,6 +86,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--store-dir", metavar="PATH", help="store file-tier directory (enables it)")
     p.add_argument("--store-dram-bytes", type=int, metavar="N", help="store DRAM pool bytes")
     p.add_argument("--store-file-bytes", type=int, metavar="N", help="store file-tier bytes")
+    p.add_argument("--store-file-entries", type=int, metavar="N",
+                   help="most store files kept (LRU beyond, as the bytes)")  # fmt: skip
     p.add_argument("--store-chunk-tokens", type=int, metavar="N", help="tokens per store chunk")
     p.add_argument("--prepped-reads", action=argparse.BooleanOptionalAction, default=None,
                    dest="prepped_reads",
@@ -192,6 +194,7 @@ def _load(args: argparse.Namespace) -> Config:
             "store_dir": args.store_dir,
             "store_dram_bytes": args.store_dram_bytes,
             "store_file_bytes": args.store_file_bytes,
+            "store_file_entries": args.store_file_entries,
             "store_chunk_tokens": args.store_chunk_tokens,
             "require_transport": args.require_transport,
             "prepped_reads": args.prepped_reads,

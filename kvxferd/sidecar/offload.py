@@ -151,6 +151,7 @@ class Offload:
                     config.store_chunk_tokens,
                     config.store_dram_bytes,
                     config.store_file_bytes,
+                    file_entries=config.store_file_entries,
                 )
             except OSError as exc:
                 raise ConfigError(f"store_dir: {config.store_dir}: {exc.strerror}") from exc

@@ -43,7 +43,7 @@ from kvxferd.store.canonical import (
 from kvxferd.store.coverage import Plan, plan_sources, unit_runs
 from kvxferd.store.keys import check_keys, chunk_spans, window_first_chunk
 from kvxferd.store.pool import BufferPool
-from kvxferd.store.tiers import Cached, DramTier, EntryId, FileTier
+from kvxferd.store.tiers import FILE_ENTRIES, Cached, DramTier, EntryId, FileTier
 from kvxferd.wire import STORE_KEY_HEX, Manifest
 
 log = logging.getLogger(__name__)
@@ -103,18 +103,19 @@ class Store:
 
     def __init__(
         self, root: str, chunk_tokens: int, dram_bytes: int, file_bytes: int, fsync: bool = False,
-        pool: BufferPool | None = None,
+        pool: BufferPool | None = None, file_entries: int = FILE_ENTRIES,
     ) -> None:  # fmt: skip
         if chunk_tokens < 1:
             raise StoreError("store_chunk_tokens", f"{chunk_tokens} < 1")
-        for name, capacity in (("store_dram_bytes", dram_bytes), ("store_file_bytes", file_bytes)):
+        for name, capacity in (("store_dram_bytes", dram_bytes), ("store_file_bytes", file_bytes),
+                               ("store_file_entries", file_entries)):  # fmt: skip
             if capacity < 0:
                 raise StoreError(name, f"{capacity}: capacities must be >= 0")
         self.chunk_tokens = chunk_tokens
         self.dram = DramTier(dram_bytes)
         self.pool = pool or BufferPool(STAGING_BYTES)
         """Entry buffers (pass one to share a warm pool between stores, as the benchmark does)."""
-        self.files = FileTier(root, file_bytes, fsync=fsync)
+        self.files = FileTier(root, file_bytes, fsync=fsync, max_entries=file_entries)
         self.disagreements = 0
         self._io = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="kvxferd-store")
 

@@ -1,4 +1,5 @@
-"""The two tiers: a bounded host-DRAM pool and a directory of files, each evicting LRU by bytes.
+"""The two tiers: a bounded host-DRAM pool and a directory of files, each evicting LRU by bytes
+(the files by their count too).
 
 Both hold encoded entries (:mod:`kvxferd.store.format`) under an :class:`EntryId`. Files are
 written to a temporary name and renamed into place, so a reader never sees a half-written entry
@@ -8,8 +9,8 @@ policy: none by default. The store is a cache: after a power loss a renamed file
 torn, and its checksums then fail, so it is deleted and counted instead of loaded. ``fsync=True``
 syncs each file before its rename, for directories shared with something that needs durability.
 
-The file tier's byte bound is per process, over the files it knows: its own writes, what it
-found at start and what lookups discover; sidecars sharing a directory should split the budget.
+The file tier's bounds (bytes, files) are per process, over the files it knows: its own writes,
+what it found at start and what lookups discover; sidecars sharing a directory should split them.
 Only plain files are entries: a link, FIFO or directory under an entry's name is not counted
 or offered (a read that meets one drops it as corrupt; a link's target is never touched). Only
 real directories are the ``<key[:2]>`` subdirectories: one that is a link (to a place outside the
@@ -57,6 +58,11 @@ own clock, with the granularity of the directories' mtimes (see :class:`_Listing
 CLOCK_REUSE_S = 0.01
 """How long one reading of the clock file serves the listings that follow (an older reading is
 still a bound: it only leaves more of them untrusted), so lookups set it at most 100 times/s."""
+FILE_ENTRIES = 1 << 18
+"""Default bound on the files a file tier keeps (``store_file_entries``): a flood of tiny entries
+within the byte budget would otherwise run the disk out of inodes and the index (``_sizes`` and
+the listings, ~440 bytes a file) out of memory; 262,144 files are ~4 MiB an entry at the default
+64 GiB, ~1k files a subdirectory."""
 STALE_TMP_S = 600.0
 """Age past which a temporary is a crash's leftover (a sidecar sharing the directory may be
 writing a younger one right now)."""
@@ -209,7 +215,8 @@ class _Listing:
 
 
 class FileTier:
-    """Entries as files under ``root/<key[:2]>/``, LRU (by use, then mtime) past ``capacity``.
+    """Entries as files under ``root/<key[:2]>/``, LRU (by use, then mtime) past ``capacity``
+    bytes or ``max_entries`` files.
 
     Lookups list a subdirectory once and reuse that while its mtime shows no change, so their
     cost does not grow with the directory. The listings hold one name per file of the (at most
@@ -217,9 +224,13 @@ class FileTier:
     ``_sizes`` holds items, at ~120 bytes each against ~320 for an item of ``_sizes``.
     """
 
-    def __init__(self, root: str | os.PathLike[str], capacity: int, fsync: bool = False) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], capacity: int, fsync: bool = False,
+        max_entries: int = FILE_ENTRIES,
+    ) -> None:  # fmt: skip
         self.root = Path(root)
         self.capacity = capacity
+        self.max_entries = max_entries
         self.fsync = fsync
         self.stats = TierStats()
         self._sizes: OrderedDict[EntryId, int] = OrderedDict()
@@ -292,7 +303,7 @@ class FileTier:
         """Write the entry (temp + rename) unless present; False if it was not written."""
         size = sum(len(b) for b in buffers)
         final, name = self.path(eid), eid.filename
-        if size > self.capacity:
+        if size > self.capacity or self.max_entries < 1:
             return False
         tmp = f"{name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP}"
         try:
@@ -490,11 +501,15 @@ class FileTier:
             self.stats.entries -= 1
 
     def _evict(self, keep: EntryId | None) -> None:
-        for eid in list(self._sizes):
-            if self.stats.bytes <= self.capacity:
+        """Remove least recently used entries (never ``keep``) until both bounds hold. Under
+        _lock."""
+        while self.stats.bytes > self.capacity or self.stats.entries > self.max_entries:
+            lru = iter(self._sizes)  # anew each time: no copy of the index per write
+            eid = next(lru, None)
+            if eid is not None and eid == keep:
+                eid = next(lru, None)
+            if eid is None:
                 return
-            if eid == keep:
-                continue
             _unlink(self.path(eid))
             self._forget(eid)
             self.stats.evictions += 1

@@ -373,3 +373,41 @@ def test_a_partial_save_answers_the_entries_it_skipped_for_want_of_blocks(tmp_pa
     finally:
         assert sidecar.stop() == 0
         pool.close()
+
+
+def test_a_sidecar_keeps_at_most_store_file_entries_files_evicting_the_least_recent(tmp_path):
+    """Three one-chunk prompts under --store-file-entries 2 (DRAM off): the first is evicted,
+    the other two are served, the last loads byte-exact; the eviction is counted."""
+    manifest = plan(DENSE, num_blocks=8)
+    tokens = manifest.groups[0].block_size
+    prompts = [chunk_keys([p] * tokens, tokens) for p in (1, 2, 3)]
+    pool = EnginePool(manifest)
+    ids = block_ids(manifest, tokens)
+    write_pattern(manifest, pool.views, ids, SEED)
+    store_dir = tmp_path / "s"
+    sidecar = start_sidecar(str(tmp_path), "entries", "--store-dir", str(store_dir),
+                            "--store-chunk-tokens", str(tokens), "--store-dram-bytes", "0",
+                            "--store-file-entries", "2")  # fmt: skip
+    try:
+        with sidecar.client() as client:
+            client.register(manifest, pool.specs())
+            for keys in prompts:
+                save = StoreSaveRequest(request_id="r", keys=keys, block_ids=ids,
+                                        num_tokens=tokens)  # fmt: skip
+                assert client.store_save(save).chunks_saved == 1
+            assert len(list(store_dir.rglob("*.kvx"))) == 2
+            hits = [client.store_lookup(StoreLookupRequest(keys=k, num_tokens=tokens)).matched
+                    for k in prompts]  # fmt: skip
+            assert hits == [0, tokens, tokens]
+            scratch, dst = poisoned(manifest, tokens, SEED)
+            for view, want in zip(pool.views, scratch, strict=True):
+                view[:] = want
+            done = client.store_load(StoreLoadRequest(keys=prompts[2], block_ids=dst,
+                                                      num_tokens=tokens))  # fmt: skip
+            assert done.state == "done" and done.file_bytes > 0
+            assert verify_pattern(manifest, pool.views, dst, SEED) is None
+        values = _metrics(sidecar)
+        assert values[("kvxferd_store_evictions_total", (("tier", "file"),))] == 1
+    finally:
+        assert sidecar.stop() == 0
+        pool.close()

@@ -127,6 +127,30 @@ def test_file_tier_restart_evicts_oldest_to_a_smaller_budget(tmp_path):
     assert [e for e in map(_eid, range(5)) if smaller.has(e)] == [_eid(3), _eid(4)]
 
 
+def test_file_tier_is_bounded_in_files_too_and_evicts_lru(tmp_path):
+    """A flood of tiny entries stays within the byte budget but not the disk's inodes or the
+    index's memory: the file count has its own bound, evicting as the bytes do."""
+    tier = FileTier(tmp_path, capacity=1 << 20, max_entries=2)
+    for i in range(2):
+        assert tier.write(_eid(i), [bytes(10)])
+    tier.read(_eid(0), POOL.take, max_size=10)[0].release()  # touch 0
+    assert tier.write(_eid(2), [bytes(10)])
+    assert tier.stats.entries == 2 and tier.stats.evictions == 1
+    assert [tier.has(_eid(i)) for i in range(3)] == [True, False, True]
+    assert len(list(tmp_path.rglob("*.kvx"))) == 2
+    assert not FileTier(tmp_path / "none", capacity=1 << 20, max_entries=0).write(_eid(0), [b"x"])
+
+
+def test_file_tier_restart_evicts_oldest_to_a_smaller_file_count(tmp_path):
+    tier = FileTier(tmp_path, capacity=1 << 20)
+    for i in range(5):
+        tier.write(_eid(i), [bytes(10)])
+        tier.read(_eid(i), POOL.take, max_size=10)[0].release()  # mtime order = write order
+    fewer = FileTier(tmp_path, capacity=1 << 20, max_entries=2)
+    assert fewer.stats.entries == 2 and len(list(tmp_path.rglob("*.kvx"))) == 2
+    assert [e for e in map(_eid, range(5)) if fewer.has(e)] == [_eid(3), _eid(4)]
+
+
 def test_file_over_the_callers_bound_is_corrupt_and_never_allocated(tmp_path):
     """A file grown or planted under an entry's name (the directory may be shared) must not
     size the sidecar's memory: refused before any buffer is taken for it."""
@@ -243,9 +267,17 @@ def test_only_names_the_store_writes_are_entries():
     assert parse_filename(f"{'A' * 32}-{'0' * 16}-t1r0.kvx") is None
 
 
-@pytest.mark.parametrize("field", ["store_dram_bytes", "store_file_bytes"])
+@pytest.mark.parametrize("field", ["store_dram_bytes", "store_file_bytes", "store_file_entries"])
 def test_a_negative_capacity_is_refused_naming_its_own_field(tmp_path, field: str):
-    sizes = {"store_dram_bytes": 0, "store_file_bytes": 0, field: -1}
+    sizes = {"store_dram_bytes": 0, "store_file_bytes": 0, "store_file_entries": 0, field: -1}
     with pytest.raises(StoreError) as err:
-        store_mod.Store(str(tmp_path), 16, sizes["store_dram_bytes"], sizes["store_file_bytes"])
+        store_mod.Store(str(tmp_path), 16, sizes["store_dram_bytes"], sizes["store_file_bytes"],
+                        file_entries=sizes["store_file_entries"])  # fmt: skip
     assert err.value.field == field
+
+
+def test_the_configs_default_file_count_is_the_stores():
+    from kvxferd.config import Config
+    from kvxferd.store.tiers import FILE_ENTRIES
+
+    assert Config().store_file_entries == FILE_ENTRIES
