@@ -10,7 +10,13 @@ torn, and its checksums then fail, so it is deleted and counted instead of loade
 syncs each file before its rename, for directories shared with something that needs durability.
 
 The file tier's bounds (bytes, files) are per process, over the files it knows: its own writes,
-what it found at start and what lookups discover; sidecars sharing a directory should split them.
+what it found at start and what lookups and reads discover; sidecars sharing a directory should
+split them. A sibling's file counts once known (at start: every file) and is evicted like ours,
+so a shared directory holds less than the sum of the bounds, never more (but for the files of a
+sidecar gone for good, until another one starts or meets them); a file a sibling removed stays
+counted until a read misses it or our eviction reaches it. The files carry no owner: replicas
+of one engine setup write the very same names, and each sidecar adopting what it finds is what
+keeps the files of a setup no longer running (another model, TP size) bounded.
 Only plain files are entries: a link, FIFO or directory under an entry's name is not counted
 or offered (a read that meets one drops it as corrupt; a link's target is never touched). Only
 real directories are the ``<key[:2]>`` subdirectories: one that is a link (to a place outside the
