@@ -94,15 +94,16 @@ def _conv_geometry(vllm_config: Any, tp_size: int) -> ConvGeometry:
     return conv_geometry(hf.to_dict(), tp_size, get_conv_state_layout())
 
 
-def store_root(vllm_config: Any) -> bytes:
+def store_root(vllm_config: Any, namespace: str | None = None) -> bytes:
     """What besides the tokens decides the KV bytes of an engine, as the store keys' root: the
-    model (path, revision, the weights themselves: ``store_namespace`` or else their files' or
-    hub commit's fingerprint, kvxferd.vllm.weights; weights dtype, quantization, its config with
-    any overrides) and the cache dtypes (fp8_e4m3 and fp8_e5m2 share one manifest dtype, not
-    one meaning)."""
+    model (path, revision, the weights themselves: ``namespace`` or else their files' or hub
+    commit's fingerprint, kvxferd.vllm.weights; weights dtype, quantization, its config with any
+    overrides) and the cache dtypes (fp8_e4m3 and fp8_e5m2 share one manifest dtype, not one
+    meaning). ``namespace`` None: the connector config's ``store_namespace``."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
-    extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
-    namespace = StoreOptions.from_extra(extra).namespace
+    if namespace is None:
+        extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
+        namespace = StoreOptions.from_extra(extra).namespace
     download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
     weights = f"namespace:{namespace}" if namespace else fingerprint(mc, download_dir)
     parts = {
@@ -164,7 +165,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
                 store = StorePlanner(
                     self._store_options,
                     self._store_lookup,
-                    root=store_root(vllm_config),
+                    root=store_root(vllm_config, self._store_options.namespace),
                     kinds=_group_kinds(kv_cache_config),
                     block_size=vllm_config.cache_config.block_size,
                 )
