@@ -371,8 +371,9 @@ READ and a notification on both sides).
   state units) the loading rank owns, so no rank's blocks get another rank's heads (rank 0's
   entries are loaded into rank 1 only where both own the same heads: replicated KV heads). A
   pod hold's block ids are every rank's; a save by `hold_id` from rank r copies rank r's
-  blocks of it. On a rank's own sidecar `tp_rank` may be left out (-1) or name its rank;
-  another rank is a 422. The vLLM connector with `"store"` and `"pod"` names each worker's
+  blocks of it, once rank r placed it (before, a 422 naming `hold_id`: the hold does not pin
+  that rank's blocks yet). On a rank's own sidecar `tp_rank` may be left out (-1) or name its
+  rank; another rank is a 422. The vLLM connector with `"store"` and `"pod"` names each worker's
   rank in its saves and loads, and rank 0 in the scheduler's lookups.
 
 ## Trust model

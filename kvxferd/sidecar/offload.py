@@ -62,15 +62,16 @@ Target = Callable[[int | None, int], tuple[Manifest, list[np.ndarray]]]
 and a host view of each of its regions (a pod sidecar's: the named rank's; raises if none is
 registered, if the generation, when given, is not the registered one, or if a pod's call names
 no rank of it)."""
-HoldBlocks = Callable[[str], tuple[list[list[int]], int, Callable[[], None]]]
-"""A live hold's (block ids per group, tokens, a check that raises HoldExpiredError once the hold
-no longer pins them); raises UnknownHoldError/HoldExpiredError."""
+HoldBlocks = Callable[[str, int], tuple[list[list[int]], int, Callable[[], None]]]
+"""Given a hold id and the saving ``tp_rank``: the live hold's (block ids per group, tokens, a
+check that raises HoldExpiredError once the hold no longer pins them); raises UnknownHoldError/
+HoldExpiredError, or StoreError naming ``hold_id`` when that pod rank has not placed it."""
 Guard = Callable[[], None]
 """Raises SegmentTooSmallError once a region's segment no longer backs it (run before each
 entry's copy: touching the truncated pages would kill the sidecar with SIGBUS)."""
 
 
-def _no_holds(hold_id: str) -> tuple[list[list[int]], int, Callable[[], None]]:
+def _no_holds(hold_id: str, tp_rank: int) -> tuple[list[list[int]], int, Callable[[], None]]:
     raise StoreError("hold_id", "this sidecar cannot look holds up")
 
 
@@ -174,7 +175,7 @@ class Offload:
         if req.hold_id:
             if block_ids:
                 raise StoreError("block_ids", "give block_ids or hold_id, not both")
-            block_ids, held_tokens, pinned = self._holds(req.hold_id)
+            block_ids, held_tokens, pinned = self._holds(req.hold_id, req.tp_rank)
             num_tokens = held_tokens if num_tokens < 0 else num_tokens
             if not 0 <= num_tokens <= held_tokens:
                 raise StoreError("num_tokens", f"{num_tokens} outside the hold's {held_tokens}")

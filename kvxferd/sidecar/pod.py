@@ -230,6 +230,15 @@ class PodPlacements:
             raise UnknownHoldError(f"hold_id {hold_id!r}: placed by ranks {sorted(entry.ranks)} "
                                    f"of the pod's {self.ranks} only")  # fmt: skip
 
+    def check_rank(self, hold_id: str, rank: int) -> None:
+        """StoreError (422) naming ``hold_id`` while rank ``rank`` has not placed it (a save by
+        the hold from that rank: the hold does not pin that rank's blocks yet)."""
+        entry = self._partial.get(hold_id)
+        if entry is not None and rank not in entry.ranks:
+            raise StoreError("hold_id", f"{hold_id!r}: rank {rank} has not placed it (placed by "
+                             f"ranks {sorted(entry.ranks)} of the pod's {self.ranks}); a rank "
+                             "saves by a hold it placed")  # fmt: skip
+
     def first(self, req: HoldRequest, ticket: Ticket) -> Ticket:
         """Rank ``req.tp_rank`` placed the hold first (the HoldTable holds it now): ``ticket``
         is what every rank is answered (returned)."""

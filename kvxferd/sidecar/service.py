@@ -153,8 +153,7 @@ class Sidecar:
         self._shrunk: tuple[str, str] | None = None  # (field, why) once a segment shrank
         give_up = lambda hold_id: self.abort(AbortHoldRequest(hold_id=hold_id))  # noqa: E731
         self.pod = Pod(config.pod_ranks, give_up) if config.pod_ranks > 1 else None
-        self.offload = Offload(config, self.metrics, self._store_target,
-                               lambda hold_id: self._require_engine()[0].pinning(hold_id),
+        self.offload = Offload(config, self.metrics, self._store_target, self._pinning,
                                self._check_memory)  # fmt: skip
         self.fabric = Fabric(config.require_transport, config.ucx_proto_log,
                              metric=self.metrics.fabric_transports)  # fmt: skip
@@ -556,6 +555,14 @@ class Sidecar:
         if self.pod is not None:
             return self.pod.store_target(tp_rank)
         return manifest, host_views(self._regions, self._sources, manifest)
+
+    def _pinning(self, hold_id: str, tp_rank: int) -> tuple[list[list[int]], int, Any]:
+        """``HoldTable.pinning`` for a store save by ``hold_id``; on a pod, only once rank
+        ``tp_rank`` placed it (its blocks are not pinned before)."""
+        out = self._require_engine()[0].pinning(hold_id)
+        if self.pod is not None:
+            self.pod.placements.check_rank(hold_id, tp_rank)
+        return out
 
     @property
     def region_bases(self) -> list[int]:

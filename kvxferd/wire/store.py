@@ -54,7 +54,8 @@ class StoreSaveRequest(_Strict, kw_only=True):
     """Tokens the blocks hold (the Mamba state is the state after this many; at most
     MAX_TOKENS); -1 with ``hold_id``: the hold's."""
     hold_id: ChosenHoldId = ""
-    """Save the blocks of this live hold (pinned while it lasts) instead of ``block_ids``."""
+    """Save the blocks of this live hold (pinned while it lasts) instead of ``block_ids``; on
+    a pod, one ``tp_rank`` placed (else a 422 naming it)."""
     generation: RegistrationGeneration = None
     """The registration generation these block ids refer to; another one is a 409
     (StaleGenerationError) and nothing is saved. None: not checked."""

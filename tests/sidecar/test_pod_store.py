@@ -1,9 +1,9 @@
 """The store on a pod sidecar (``serve --pod-ranks N --store-dir``): each rank's worker saves,
 looks up and loads ITS rank's blocks through the one sidecar, naming its ``tp_rank``. The ranks
 share one hold (the same block ids); a save from rank r copies rank r's blocks under entries of
-rank r (``t<N>r<r>``); rank 1 owns other KV heads than rank 0, so rank 0's entries are never
-loaded into rank 1 (it finds nothing until it saved its own). A store call on a pod
-that names no rank of it, and one on a rank's own sidecar that names another rank, is a 422
+rank r (``t<N>r<r>``), once rank r placed it; rank 1 owns other KV heads than rank 0, so rank
+0's entries are never loaded into rank 1 (it finds nothing until it saved its own). A store call
+on a pod that names no rank of it, and one on a rank's own sidecar that names another rank, is a 422
 naming ``tp_rank``, and nothing is written.
 
 An in-process pod Sidecar over POSIX shm (self-test READ over NIXL loopback), driven on one
@@ -38,6 +38,7 @@ from tests.sidecar.pods import (
     PodPools,
     hold_on_all,
     hold_ranks,
+    hold_request,
     pod_process,
     run_pod,
 )
@@ -217,3 +218,36 @@ def test_a_rank_sidecar_refuses_a_store_call_naming_another_rank(tmp_path):
     finally:
         assert sidecar.stop() == 0
         pool.close()
+
+
+def test_a_rank_saves_by_a_pod_hold_only_once_it_placed_that_hold(tmp_path):
+    """The pod's hold pins a rank's blocks only from that rank's placement on: before it, rank
+    r's engine may still be writing them (or have let them go), so a save by ``hold_id`` from a
+    rank that has not placed the hold is a 422 naming ``hold_id``, and nothing is written; once
+    it placed it, the same save stores that rank's bytes."""
+    store_dir = tmp_path / "store"
+
+    async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
+        gen, offload = sidecar.generation, sidecar.offload
+        pools.fill(PIDS, SEED)
+        ticket = sidecar.hold(hold_request(0, gen))  # rank 0 only: rank 1's blocks not pinned
+
+        def save(rank: int):  # noqa: ANN202
+            return offload.save(StoreSaveRequest(request_id="r1", keys=KEYS,
+                                                 hold_id=ticket.hold_id, generation=gen,
+                                                 tp_rank=rank))  # fmt: skip
+
+        with pytest.raises(StoreError) as err:
+            await save(1)
+        assert (err.value.status, err.value.field) == (422, "hold_id")
+        assert "rank 1" in str(err.value) and "placed by ranks [0]" in str(err.value)
+        assert not list(store_dir.rglob("*.kvx"))  # nothing saved under rank 1's entries
+        assert ticket.hold_id in sidecar.holds  # the hold itself is left as it was
+
+        assert (await save(0)).chunks_saved == len(KEYS)  # rank 0 placed it: its blocks
+        assert sidecar.hold(hold_request(1, gen)) == ticket
+        assert (await save(1)).chunks_saved == len(KEYS)
+        assert _ranks_stored(store_dir) == {0: set(KEYS), 1: set(KEYS)}
+
+    run_pod(scenario, ranks=2, engine_id="pod-store-unplaced", registered=True,
+            store_dir=str(store_dir), store_chunk_tokens=CHUNK)  # fmt: skip

@@ -102,7 +102,7 @@ def test_a_hybrid_hold_saves_all_its_tokens_or_nothing(tmp_path):
     regions, ids = filled(m, held, SEED)
     cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK)
     off = Offload(cfg, Metrics(CollectorRegistry()), lambda *_: (m, regions),
-                  lambda _h: (ids, held, lambda: None))  # fmt: skip
+                  lambda _h, _r: (ids, held, lambda: None))  # fmt: skip
     keys = chunk_keys(list(range(prefix)), CHUNK)
     with pytest.raises(StoreError) as err:
         asyncio.run(off.save(StoreSaveRequest(request_id="r", keys=keys, hold_id="h",
@@ -129,7 +129,7 @@ def test_a_save_from_a_hold_let_go_during_its_copy_keeps_no_entry_copied_after(t
 
     cfg = Config(store_dir=str(tmp_path), store_chunk_tokens=CHUNK)
     off = Offload(cfg, Metrics(CollectorRegistry()), lambda *_: (m, regions),
-                  lambda _h: (ids, held, pinned))  # fmt: skip
+                  lambda _h, _r: (ids, held, pinned))  # fmt: skip
     keys = chunk_keys(list(range(held)), CHUNK)
     with pytest.raises(HoldExpiredError):
         asyncio.run(off.save(StoreSaveRequest(request_id="r", keys=keys, hold_id="h")))
