@@ -6,7 +6,8 @@ from the step, a prefill pod that stopped answering would stall the step that de
 one of its holds alive. One thread sends them instead, through its own connection to the
 sidecar; what is handed over while it is busy waits for its next round, declines first (at most
 ``MAX_PENDING`` tickets of each kind; a decline dropped beyond that leaves its hold to end with
-its lease, a keepalive waits for its next one).
+its lease, a keepalive waits for its next one). A sender that cannot open its connection tries
+CONNECT_TRIES times, then ends; the next hand-over starts another (what waits stays queued).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING = 4 * MAX_TICKETS_PER_CALL
 """Tickets of each kind (declines, keepalives) waiting for the sender at most."""
+CONNECT_TRIES = 5
+"""Tries a sender makes to open its connection (each failure logged) before it ends; the next
+hand-over starts a new one, and what was queued waits for it."""
+CONNECT_BACKOFF_S = 0.1
+"""The wait after a sender's first failed try, doubled after each (1.5 s over all its tries)."""
 CLOSE_WAIT_S = 1.0
 """How long closing waits for the round in flight and what is queued (the thread is a daemon: it
 ends with vLLM)."""
@@ -42,7 +48,8 @@ class Outbox:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
-        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()  # set by close: a sender waiting to try again ends
+        self._thread: threading.Thread | None = None  # None: no sender (or it gave up)
 
     def decline(self, declines: list[Decline]) -> None:
         """Queue a step's declines for the next round; returns at once."""
@@ -86,8 +93,28 @@ class Outbox:
             keepalives, self._keepalives = self._keepalives, []
         return declines, keepalives
 
+    def _open(self) -> EngineClient | None:
+        """The sender's connection, after at most CONNECT_TRIES tries with a growing wait
+        between; None when they all failed (the sender is let go: the next hand-over starts a
+        new one) or the outbox closed meanwhile."""
+        for attempt in range(CONNECT_TRIES):
+            try:
+                return self._connect()
+            except Exception as exc:  # a failure of the call we make, whatever its kind
+                log.warning("outbox: connecting to the sidecar failed (try %d of %d): %s",
+                            attempt + 1, CONNECT_TRIES, exc)  # fmt: skip
+            if attempt + 1 < CONNECT_TRIES and self._stop.wait(CONNECT_BACKOFF_S * 2**attempt):
+                return None
+        log.error("outbox: gave up connecting after %d tries; declines and keepalives wait "
+                  "for the next hand-over's sender", CONNECT_TRIES)  # fmt: skip
+        with self._lock:
+            self._thread = None
+        return None
+
     def _run(self) -> None:
-        client = self._connect()
+        client = self._open()
+        if client is None:
+            return
         try:
             while True:
                 self._wake.wait()
@@ -131,6 +158,7 @@ class Outbox:
         """Send what is queued of the declines and stop the thread (waiting at most
         CLOSE_WAIT_S for it)."""
         self._closed = True
+        self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(CLOSE_WAIT_S)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from kvxferd.vllm.outbox import MAX_PENDING, Outbox
+from kvxferd.vllm.outbox import CONNECT_TRIES, MAX_PENDING, Outbox
 from kvxferd.vllm.scheduler import Decline
 from kvxferd.wire import MAX_TICKETS_PER_CALL, DeclineResponse, HeartbeatResponse
 from tests.sidecar.harness import wait_until
@@ -120,3 +120,69 @@ def test_a_sender_never_used_starts_no_thread_and_closes_at_once():
     outbox.keepalive(_tickets(1))  # after close: dropped, nothing started
     outbox.decline([Decline(_tickets(1), "aborted")])
     assert outbox._thread is None
+
+
+class FlakyConnect:
+    """A ``connect`` that raises its first ``fails`` times (a sidecar restarting, or the worker
+    out of file descriptors), then gives ``client``."""
+
+    def __init__(self, client: StuckClient, fails: int) -> None:
+        self.client, self.fails, self.tries = client, fails, 0
+
+    def __call__(self) -> StuckClient:
+        self.tries += 1
+        if self.tries <= self.fails:
+            raise OSError(24, "Too many open files")
+        return self.client
+
+
+def test_a_sender_whose_connection_failed_tries_again_and_sends_what_waits(caplog):
+    client = StuckClient()
+    client.release.set()
+    connect = FlakyConnect(client, fails=2)
+    outbox = Outbox(connect, 30.0)
+    outbox.decline([Decline(_tickets(2), "aborted")])
+    wait_until(lambda: len(client.calls) == 1, 30, "the decline sent")
+    assert client.calls == [("decline", 2, "aborted")] and connect.tries == 3
+    assert caplog.text.count("Too many open files") == 2  # each failed try logged
+    outbox.keepalive(_tickets(1, first=2))  # the thread goes on with its one connection
+    wait_until(lambda: len(client.calls) == 2, 30, "the keepalive sent")
+    assert connect.tries == 3
+    outbox.close()
+    assert client.closed
+
+
+def test_a_sender_that_gave_up_connecting_starts_again_at_the_next_hand_over(caplog):
+    client = StuckClient()
+    client.release.set()
+    connect = FlakyConnect(client, fails=CONNECT_TRIES)
+    outbox = Outbox(connect, 30.0)
+    outbox.decline([Decline(_tickets(2), "aborted")])
+    wait_until(lambda: outbox._thread is None, 30, "the sender giving up")  # bounded tries
+    assert connect.tries == CONNECT_TRIES and client.calls == []
+    assert f"gave up connecting after {CONNECT_TRIES} tries" in caplog.text
+    outbox.keepalive(_tickets(1, first=2))  # the next step's: a new sender, declines first
+    wait_until(lambda: len(client.calls) == 2, 30, "what waited sent")
+    assert client.calls == [("decline", 2, "aborted"), ("keepalive", 1, 30.0)]
+    outbox.close()
+    assert client.closed
+
+
+def test_a_sender_closed_while_it_waits_to_connect_again_ends_at_once():
+    entered, release, tries = threading.Event(), threading.Event(), []
+
+    def connect() -> StuckClient:  # fails once the outbox has closed meanwhile
+        tries.append(1)
+        entered.set()
+        assert release.wait(30)
+        raise OSError(111, "Connection refused")
+
+    outbox = Outbox(connect, 30.0)
+    outbox.decline([Decline(_tickets(1), "aborted")])
+    assert entered.wait(30)
+    thread = outbox._thread
+    assert thread is not None
+    outbox.close()  # (waits CLOSE_WAIT_S for the sender, stuck in its try)
+    release.set()
+    thread.join(10)
+    assert not thread.is_alive() and len(tries) == 1  # no further try after the close
