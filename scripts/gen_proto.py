@@ -335,8 +335,12 @@ READ and a notification on both sides).
 - **Registration**: each of the N workers sends its own `RegisterRequest` (its manifest, rank r
   of TP N, its memory) on the shared engine socket; each answer waits, at most
   `--pod-register-timeout`, until all N ranks registered, and all carry one generation. The
-  manifests must agree on everything but the rank (409 naming the field); a rank registered
-  twice is a 409 (`manifest.tp_rank`). An unregister from any rank unregisters the pod.
+  manifests must agree on everything but the rank (409 naming the field). A rank registering
+  again with the same manifest, regions and instance (a worker whose call got no answer) is
+  that register: it waits for the pod's answer with it (a 409 `RegisterInProgressError` while
+  the first still maps the memory), and the rank's slot is let go only once every call of it
+  gave up; a rank registered with other memory or another instance is a 409
+  (`manifest.tp_rank`). An unregister from any rank unregisters the pod.
 - **Holds**: every worker places the hold under the same engine-chosen `hold_id`, naming its
   `HoldRequest.tp_rank`, with the same block ids and tokens (409 naming the field otherwise). It
   is one hold, claimable once every rank placed it: a claim that comes earlier waits for the

@@ -30,6 +30,7 @@ from kvxferd.errors import (
     ManifestError,
     NotRegisteredError,
     PodConflictError,
+    RegisterInProgressError,
     StoreError,
     UnknownHoldError,
 )
@@ -95,14 +96,28 @@ class RankMemory:
     instance: str = ""
 
 
+@dataclass(eq=False)
+class Slot:
+    """One rank's slot: the manifest and what else its register named (``key``: its regions
+    and instance), its memory once mapped, and how many register calls of it wait."""
+
+    manifest: Manifest
+    key: object = None
+    memory: RankMemory | None = None
+    calls: int = 0
+
+
 class PodSlots:
     """The N ranks' registrations: reserved by a register, filled once its memory is mapped."""
 
     def __init__(self, ranks: int) -> None:
         self.ranks = ranks
-        self._manifests: list[Manifest | None] = [None] * ranks
-        self._memory: list[RankMemory | None] = [None] * ranks
+        self._slots: list[Slot | None] = [None] * ranks
         self._round: asyncio.Future[Any] | None = None
+
+    @property
+    def _memory(self) -> list[RankMemory | None]:
+        return [s and s.memory for s in self._slots]
 
     @property
     def complete(self) -> bool:
@@ -118,6 +133,25 @@ class PodSlots:
         """Every rank's memory, rank order (only once complete)."""
         assert self.complete
         return [m for m in self._memory if m is not None]
+
+    def slot(self, rank: int) -> Slot:
+        """A reserved rank's slot."""
+        slot = self._slots[rank]
+        assert slot is not None
+        return slot
+
+    def repeats(self, manifest: Manifest, key: object) -> bool:
+        """Whether ``manifest.tp_rank``'s slot holds this very register (the same manifest and
+        ``key``: a worker's retry after its call got no answer), mapped already;
+        RegisterInProgressError (409, transient) while the first call still maps its memory."""
+        rank = manifest.tp_rank
+        slot = self._slots[rank] if 0 <= rank < self.ranks else None
+        if slot is None or slot.manifest != manifest or slot.key != key:
+            return False
+        if slot.memory is None:
+            raise RegisterInProgressError(f"register: rank {rank}'s earlier register of this "
+                                          "memory is still mapping it; retry")  # fmt: skip
+        return True
 
     def joined(self) -> RankMemory:
         """A complete pod's memory as one registration: rank 0's manifest, bases, sources and
@@ -139,49 +173,60 @@ class PodSlots:
             self._round = asyncio.get_running_loop().create_future()
         return self._round
 
-    def reserve(self, manifest: Manifest) -> int:
-        """Take ``manifest.tp_rank``'s slot (validated manifest): ManifestError (422) unless its
-        ``tp_size`` is the pod's, PodConflictError (409) naming ``manifest.tp_rank`` when the
-        slot is taken or the first field on which it disagrees with a rank already there."""
+    def reserve(self, manifest: Manifest, key: object = None) -> int:
+        """Take ``manifest.tp_rank``'s slot (validated manifest; ``key``: what else a repeat
+        must name alike): ManifestError (422) unless its ``tp_size`` is the pod's,
+        PodConflictError (409) naming ``manifest.tp_rank`` when the slot is taken or the first
+        field on which it disagrees with a rank already there."""
         if manifest.tp_size != self.ranks:
             raise ManifestError("manifest.tp_size", f"{manifest.tp_size}, but this pod sidecar "
                                 f"serves {self.ranks} ranks (--pod-ranks)")  # fmt: skip
         rank = manifest.tp_rank
         if not 0 <= rank < self.ranks:
             raise ManifestError("manifest.tp_rank", f"{rank} is not in 0..{self.ranks - 1}")
-        if self._manifests[rank] is not None:
+        if self._slots[rank] is not None:
             raise PodConflictError("manifest.tp_rank", f"rank {rank} of the pod is registered "
-                                   "(or registering) already")  # fmt: skip
+                                   "(or registering) already, with other memory or another "
+                                   "instance")  # fmt: skip
         ours = _shape(manifest)
-        for other, theirs in enumerate(self._manifests):
+        for other, theirs in enumerate(self._slots):
             if theirs is not None:
-                diff = first_difference(_shape(theirs), ours)
+                diff = first_difference(_shape(theirs.manifest), ours)
                 if diff:
                     raise PodConflictError(diff, f"differs from rank {other}'s manifest (a pod's "
                                            "ranks must agree on all but their rank)")  # fmt: skip
                 break
-        self._manifests[rank] = manifest
+        self._slots[rank] = Slot(manifest, key)
         return rank
 
     def fill(self, memory: RankMemory) -> bool:
         """Put a reserved rank's mapped memory in its slot; True when that completed the pod."""
-        rank = memory.manifest.tp_rank
-        assert self._manifests[rank] is not None and self._memory[rank] is None
-        self._memory[rank] = memory
+        slot = self._slots[memory.manifest.tp_rank]
+        assert slot is not None and slot.memory is None
+        slot.memory = memory
         return self.complete
 
     def vacate(self, rank: int) -> RankMemory | None:
         """Give up ``rank``'s slot (a register that failed or timed out): its memory, if mapped
         (the caller releases it)."""
-        memory, self._memory[rank], self._manifests[rank] = self._memory[rank], None, None
-        return memory
+        slot, self._slots[rank] = self._slots[rank], None
+        return slot and slot.memory
+
+    def leave(self, slot: Slot) -> RankMemory | None:
+        """A register call waiting on ``slot`` failed or gave up: the last one to leave an
+        incomplete pod's slot vacates it (its memory returned: the caller releases it); a
+        slot the pod no longer has (cleared meanwhile) is left alone."""
+        slot.calls -= 1
+        rank = slot.manifest.tp_rank
+        if slot.calls > 0 or self._slots[rank] is not slot or self.complete:
+            return None
+        return self.vacate(rank)
 
     def clear(self) -> list[RankMemory]:
         """Empty every slot (the pod unregistered, or the sidecar closes): the memory that was
         in them (the caller releases it)."""
         out = [m for m in self._memory if m is not None]
-        self._manifests = [None] * self.ranks
-        self._memory = [None] * self.ranks
+        self._slots = [None] * self.ranks
         self._round = None
         return out
 
@@ -298,26 +343,36 @@ class Pod:
         its memory mapped and registered into the one ``agent``, then the pod's answer once every
         rank's memory is there (the last register has ``adopt`` run on a task of its own, which
         a register call cancelled does not stop), at most ``timeout_s`` after it came; else (or
-        if it fails) its slot and memory are let go: NotRegisteredError (503, retry)."""
+        if it fails) its slot and memory are let go: NotRegisteredError (503, retry).
+
+        The same rank registering the same memory (manifest, regions, instance) again, as a
+        worker does whose call got no answer, is that register (:meth:`PodSlots.repeats`): it
+        waits for the pod's answer with it, and the slot is let go only once every call of it
+        failed or gave up."""
         deadline = time.monotonic() + timeout_s
-        rank = self.slots.reserve(req.manifest)
+        key = (req.regions, req.instance)
+        repeat = self.slots.repeats(req.manifest, key)
+        rank = req.manifest.tp_rank if repeat else self.slots.reserve(req.manifest, key)
+        slot = self.slots.slot(rank)
+        slot.calls += 1
         answer = self.slots.round()
         try:
-            mapped = await map_sources(agent, req, sources)
-            if self.slots.fill(RankMemory(req.manifest, *mapped, sources, req.instance)):
-                self.forming = asyncio.create_task(self._form(adopt, answer))
+            if not repeat:
+                mapped = await map_sources(agent, req, sources)
+                if self.slots.fill(RankMemory(req.manifest, *mapped, sources, req.instance)):
+                    self.forming = asyncio.create_task(self._form(adopt, answer))
             with contextlib.suppress(TimeoutError):  # past it: once complete, the test's bound
                 left = max(deadline - time.monotonic(), 0.0)
                 return await asyncio.wait_for(asyncio.shield(answer), left)
             if not self.slots.complete:
                 raise NotRegisteredError(
                     f"register: the pod's ranks {self.slots.missing} did not register within "
-                    f"{timeout_s:g} s (--pod-register-timeout); rank {rank}'s memory was let go: "
-                    "register again"
+                    f"{timeout_s:g} s (--pod-register-timeout); rank {rank}'s memory was let go "
+                    "(unless its register is waiting again): register again"
                 )
             return await answer
         except BaseException:
-            if not self.slots.complete and (left_over := self.slots.vacate(rank)) is not None:
+            if (left_over := self.slots.leave(slot)) is not None:
                 await drop_sources(agent, left_over.registrations, left_over.regions)
             raise
 
@@ -405,5 +460,6 @@ __all__ = [
     "PodPlacements",
     "PodSlots",
     "RankMemory",
+    "Slot",
     "first_difference",
 ]

@@ -14,6 +14,7 @@ from kvxferd.errors import (
     HoldRequestError,
     ManifestError,
     PodConflictError,
+    RegisterInProgressError,
     StaleGenerationError,
     UnknownHoldError,
 )
@@ -98,6 +99,28 @@ def test_a_vacated_slot_can_be_taken_again_and_clear_gives_back_every_memory():
     assert [m.instance for m in slots.clear()] == ["b"]  # rank 1 reserved, not mapped
     assert slots.missing == [0, 1]
     slots.reserve(manifests[1])  # nothing of the old pod is in the way
+
+
+def test_a_repeat_is_the_same_rank_manifest_and_key_once_mapped_and_the_last_call_vacates():
+    slots = PodSlots(2)
+    manifests = ranks(2)
+    assert slots.repeats(manifests[0], "k") is False  # nothing there
+    slots.reserve(manifests[0], "k")
+    with pytest.raises(RegisterInProgressError):  # its first call still maps the memory
+        slots.repeats(manifests[0], "k")
+    slots.fill(memory(manifests[0], "a"))
+    assert slots.repeats(manifests[0], "k") is True
+    assert slots.repeats(manifests[0], "other memory") is False  # reserve refuses it then
+    assert slots.repeats(structs.replace(manifests[0], model="m"), "k") is False
+    slot = slots.slot(0)
+    slot.calls = 2
+    assert slots.leave(slot) is None and slots.missing == [1]  # another call still waits
+    assert slots.leave(slot).instance == "a" and slots.missing == [0, 1]
+    slots.reserve(manifests[0], "k")
+    slots.clear()
+    slots.reserve(manifests[0], "k")  # a new registration in the slot
+    slot.calls = 1
+    assert slots.leave(slot) is None and slots.slot(0) is not slot  # a cleared slot: left alone
 
 
 def test_first_difference_names_the_path():

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from msgspec import structs
 
+from kvxferd.client import SidecarUnreachableError
 from kvxferd.errors import (
     ManifestError,
     NotRegisteredError,
@@ -25,7 +28,7 @@ from kvxferd.errors import (
 from kvxferd.pattern import verify_pattern
 from kvxferd.sidecar.service import Sidecar
 from kvxferd.wire import PullRequest, UnregisterRequest
-from tests.sidecar.harness import plan
+from tests.sidecar.harness import QUIET, plan, start_sidecar
 from tests.sidecar.pods import MODEL, PIDS, PodPools, hold_on_all, register_all, run_pod, until
 
 pytestmark = pytest.mark.nixl
@@ -46,8 +49,10 @@ def test_every_rank_registers_into_its_slot_and_all_answers_carry_one_generation
         assert sidecar.manifest.tp_rank == 0  # rank 0's manifest on top
         assert len(sidecar._regions) == sum(len(m.regions) for m in pools.manifests)
         with pytest.raises(PodConflictError) as again:  # a complete pod: every rank is taken
-            await sidecar.register(pools.request(1))
+            await sidecar.register(pools.request(1, instance="another-engine"))
         assert again.value.field == "manifest.tp_rank"
+        same = await asyncio.wait_for(sidecar.register(pools.request(1)), 30)  # a repeat
+        assert same.generation == answers[0].generation
 
     run_pod(scenario, ranks=4, engine_id="pod-register")
 
@@ -63,9 +68,14 @@ def test_a_taken_rank_another_tp_size_or_a_differing_manifest_is_refused_naming_
     async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
         first = asyncio.create_task(sidecar.register(pools.request(0)))
         await until(lambda: sidecar.pod.slots.missing == [1], "rank 0 in its slot")
-        with pytest.raises(PodConflictError) as taken:
-            await sidecar.register(pools.request(0))
+        with pytest.raises(PodConflictError) as taken:  # another engine's rank 0
+            await sidecar.register(pools.request(0, instance="another-engine"))
         assert taken.value.field == "manifest.tp_rank" and taken.value.status == 409
+        with pytest.raises(PodConflictError) as memory:  # rank 0 with other memory
+            await sidecar.register(
+                structs.replace(pools.request(0), regions=pools.pools[1].specs())
+            )
+        assert memory.value.field == "manifest.tp_rank"
         other_size = plan(MODEL, tp_size=4, tp_rank=1, num_blocks=pools.manifests[1].num_blocks)
         with pytest.raises(ManifestError) as size:
             await sidecar.register(pools.request(1, other_size))
@@ -112,6 +122,41 @@ def test_a_register_cancelled_while_it_waits_for_the_pod_lets_its_slot_and_memor
         assert answers[0].generation == answers[1].generation
 
     run_pod(scenario, ranks=2, engine_id="pod-cancelled")
+
+
+def test_a_repeated_register_waits_with_the_first_and_the_slot_goes_with_the_last_call():
+    """A worker whose register got no answer registers the same memory again: the sidecar's
+    first call may still wait (a server that does not cancel it); the slot and its memory stay
+    while either call waits, and go when both gave up."""
+
+    async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
+        registered, deregistered = spy_registrations(sidecar)
+        slots = sidecar.pod.slots
+
+        async def first_and_repeat() -> tuple[asyncio.Task, asyncio.Task]:
+            dropped = len(deregistered)
+            first = asyncio.create_task(sidecar.register(pools.request(0)))
+            await until(lambda: slots.missing == [1], "rank 0 in its slot")
+            again = asyncio.create_task(sidecar.register(pools.request(0)))
+            await until(lambda: slots.slot(0).calls == 2, "the repeat waiting with it")
+            first.cancel()  # the first call's client gave up
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            assert slots.missing == [1] and len(deregistered) == dropped  # the repeat waits
+            return first, again
+
+        _, again = await first_and_repeat()
+        again.cancel()  # the last call of the slot gave up: it goes, with its memory
+        with pytest.raises(asyncio.CancelledError):
+            await again
+        assert slots.missing == [0, 1]
+        assert registered and sorted(map(id, deregistered)) == sorted(map(id, registered))
+
+        _, again = await first_and_repeat()
+        other = await asyncio.wait_for(sidecar.register(pools.request(1)), 30)
+        assert (await asyncio.wait_for(again, 30)).generation == other.generation
+
+    run_pod(scenario, ranks=2, engine_id="pod-repeat")
 
 
 def spy_registrations(sidecar: Sidecar) -> tuple[list, list]:
@@ -199,3 +244,41 @@ def test_a_pod_sidecar_does_not_pull():
         assert exc.value.field == "tickets"
 
     run_pod(scenario, ranks=2, engine_id="pod-no-pulls", registered=True)
+
+
+def test_a_rank_whose_register_call_timed_out_registers_again_with_the_same_memory():
+    """Over a real ``kvxferd serve --pod-ranks 2``: rank 0's client gives up on its register
+    (its pod incomplete) while the sidecar still holds its slot; the same rank registering the
+    same memory again is that register (it waits for the pod with it), not a conflict, and
+    every answer carries the pod's one generation."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sidecar = start_sidecar(tmp, "pod-retry", "--pod-ranks", "2", env=QUIET)
+        pools = PodPools(2)
+        try:
+            req = pools.request(0)
+            with (
+                sidecar.client(timeout_s=0.5) as c,
+                pytest.raises(SidecarUnreachableError),  # its pod is not complete yet
+            ):
+                c.register(req.manifest, req.regions, instance="engine-a")
+            with sidecar.client() as c:  # the slot is still held: the sidecar took the call
+                assert c.identity().generation == -1
+            with ThreadPoolExecutor(2) as ex:
+                again = ex.submit(_register, sidecar, pools, 0, "engine-a")
+                other = ex.submit(_register, sidecar, pools, 1, "engine-a")
+                answers = [again.result(timeout=60), other.result(timeout=60)]
+            assert answers[0].generation == answers[1].generation >= 0
+            # the same again once the pod is complete: that registration's answer
+            assert _register(sidecar, pools, 0, "engine-a").generation == answers[0].generation
+            with pytest.raises(PodConflictError) as conflict:  # another engine's rank 0
+                _register(sidecar, pools, 0, "engine-b")
+            assert (conflict.value.status, conflict.value.field) == (409, "manifest.tp_rank")
+        finally:
+            assert sidecar.stop() == 0
+            pools.close()
+
+
+def _register(sidecar, pools: PodPools, rank: int, instance: str):  # noqa: ANN001, ANN202
+    req = pools.request(rank)
+    with sidecar.client(timeout_s=60) as c:
+        return c.register(req.manifest, req.regions, instance=instance)
