@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -61,6 +60,7 @@ from kvxferd.proxy.bodies import (
 )
 from kvxferd.proxy.clients import SLOTS, ClientSlots
 from kvxferd.proxy.failures import (
+    BACKEND_ERRORS,
     AnswerTooLarge,
     BackendTimeout,
     bad_backend_reply,
@@ -68,6 +68,8 @@ from kvxferd.proxy.failures import (
     error_response,
     unreachable,
 )
+from kvxferd.proxy.relay import chunks as body_chunks
+from kvxferd.proxy.relay import relay_events
 from kvxferd.proxy.routing import Backend, RoundRobin
 from kvxferd.proxy.transport import UNSENT, KeptBody, KeptTransport
 
@@ -75,7 +77,6 @@ log = logging.getLogger(__name__)
 
 RELEASE_PATH = "/v1/kv/release"
 """Prefill route freeing the KV it holds for a decode that will not read it (kvxferd sim)."""
-_BACKEND_ERRORS = (httpx.HTTPError, TimeoutError, AnswerTooLarge)
 BACKGROUND_CAP = 1024
 """Most releases (each with the prefill answer it waits for) in the background at once. They
 outlive the requests that started them, so the requests in flight do not bound them; past this
@@ -84,10 +85,6 @@ KEEPALIVE_PER_CLIENT = 16
 """Idle connections one backend client keeps (to prefills and decodes together; a client
 serves one request at a time until the proxy has more in flight than clients)."""
 _SSE = "text/event-stream"
-HELD_EVENT_BYTES = 64 << 10
-"""Most bytes of an SSE event held back until it is whole; a longer one is relayed as it comes."""
-_BLANK_LINES = (b"\n\n", b"\r\r", b"\r\n\r\n")
-"""What ends an SSE event, by the line ends a stream uses (LF, CR or CRLF)."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +218,7 @@ def proxy_app(
         try:
             resp, content = await answer
             params = transfer_params(content) if resp.status_code < 400 else None
-        except (*_BACKEND_ERRORS, BodyError):
+        except (*BACKEND_ERRORS, BodyError):
             return
         if params is not None:
             await release(client, prefill, params, headers)
@@ -285,7 +282,7 @@ def proxy_app(
             p_resp, p_content = await prefill_answer(client, prefill, backend_request(
                 "POST", prefill.url + path, prefill_body(body, chat), headers
             ), headers)  # fmt: skip
-        except _BACKEND_ERRORS as exc:
+        except BACKEND_ERRORS as exc:
             log.warning("request %s: prefill %s failed: %s", request_id, prefill.url,
                         describe_failure(exc))  # fmt: skip
             return unreachable(prefill, exc, first_byte, request_id)
@@ -313,7 +310,7 @@ def proxy_app(
         wait = first_byte if streams(body) else generation
         try:
             d_resp = await _send(client, d_req, wait)
-        except _BACKEND_ERRORS as exc:
+        except BACKEND_ERRORS as exc:
             log.warning("request %s: decode %s failed: %s", request_id, decode.url,
                         describe_failure(exc))  # fmt: skip
             release_hold()
@@ -329,7 +326,7 @@ def proxy_app(
                 release_hold()
             try:
                 content = await _read(d_resp, idle, limit)
-            except _BACKEND_ERRORS as exc:
+            except BACKEND_ERRORS as exc:
                 if not refused:
                     release_hold()
                 return unreachable(decode, exc, idle, request_id)
@@ -337,7 +334,7 @@ def proxy_app(
                 await d_resp.aclose()
             return _passthrough(d_resp.status_code, content, d_resp.headers, request_id)
         return StreamingResponse(
-            _stream(d_resp, decode, request_id, idle),
+            relay_events(d_resp, decode, request_id, idle),
             status_code=d_resp.status_code,
             media_type=media,
             headers={"X-Request-Id": request_id},
@@ -360,7 +357,7 @@ def proxy_app(
             resp, content = await _call(
                 client, backend_request("GET", decode.url + "/v1/models"), first_byte, idle, limit
             )
-        except _BACKEND_ERRORS as exc:
+        except BACKEND_ERRORS as exc:
             return unreachable(decode, exc, first_byte)
         finally:
             slots.give(client)
@@ -448,7 +445,7 @@ async def _read(resp: httpx.Response, idle: float, limit: int) -> bytes:
                 raise AnswerTooLarge(limit)
             return whole
     chunks, size = [], 0
-    async for chunk in _chunks(resp, idle):
+    async for chunk in body_chunks(resp, idle):
         size += len(chunk)
         if size > limit:
             raise AnswerTooLarge(limit)
@@ -464,20 +461,6 @@ async def _read_all(resp: httpx.Response, idle: float, limit: int) -> bytes:
         await resp.aclose()
 
 
-async def _chunks(resp: httpx.Response, idle: float) -> AsyncIterator[bytes]:
-    """The response's body chunks as they come; TimeoutError after ``idle`` s of silence."""
-    chunks = resp.aiter_bytes()
-    while True:
-        try:
-            async with asyncio.timeout(idle):
-                chunk = await anext(chunks)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise BackendTimeout("next chunk", idle) from None
-        yield chunk
-
-
 async def _release(
     client: httpx.AsyncBaseTransport,
     request: httpx.Request,
@@ -490,7 +473,7 @@ async def _release(
     the status it answered (None if it did not)."""
     try:
         resp, _ = await _call(client, request, first_byte, idle, limit)
-    except _BACKEND_ERRORS as exc:
+    except BACKEND_ERRORS as exc:
         log.warning("prefill %s: release failed: %s", prefill.url, describe_failure(exc))
         return None
     if resp.status_code >= 400 and resp.status_code != 404:  # 404: no such route (vLLM)
@@ -506,52 +489,9 @@ async def _probe(
     reason."""
     try:
         resp, _ = await _call(client, request, first_byte, idle, limit)
-    except _BACKEND_ERRORS as exc:
+    except BACKEND_ERRORS as exc:
         return describe_failure(exc)
     return "ok" if resp.status_code < 300 else f"HTTP {resp.status_code}"
-
-
-async def _stream(
-    resp: httpx.Response, decode: Backend, request_id: str, idle: float
-) -> AsyncIterator[bytes]:
-    """Relay the decode's SSE events as they come (never cut while bytes keep coming); a broken or
-    silent (``idle`` s) stream ends with an SSE error event. An event goes on once whole (up to
-    ``HELD_EVENT_BYTES``), so the error event never lands inside a cut one: a client's parser
-    would read both as one broken event, and the OpenAI client raised a JSON error instead."""
-    held = b""  # the start of an event not yet whole
-    whole = True  # what went out ends where an event does
-    try:
-        async for chunk in _chunks(resp, idle):  # decoded if the decode compressed
-            if not held and chunk.endswith(b"\n\n"):  # the usual chunk: whole events
-                yield chunk
-                whole = True
-                continue
-            held += chunk
-            end = _events_end(held)
-            if end:
-                yield held[:end]
-                held = held[end:]
-            if len(held) > HELD_EVENT_BYTES:  # not SSE as we know it: relay it as it comes
-                yield held
-                held, whole = b"", False
-            elif end:
-                whole = True
-        if held:
-            yield held
-    except _BACKEND_ERRORS as exc:
-        reason = describe_failure(exc)
-        log.warning("request %s: decode %s stream broke: %s", request_id, decode.url, reason)
-        message = f"decode backend {decode.url} stream broke: {reason}"
-        event = {"error": {"message": message, "type": "bad_gateway", "param": None, "code": 502}}
-        yield (b"" if whole else b"\n\n") + f"data: {json.dumps(event)}\n\n".encode()
-    finally:
-        await resp.aclose()
-
-
-def _events_end(data: bytes) -> int:
-    """Where the last whole SSE event in ``data`` ends (after its blank line), 0 if none does."""
-    ends = (data.rfind(sep) + len(sep) for sep in _BLANK_LINES if sep in data)
-    return max(ends, default=0)
 
 
 def _passthrough(

@@ -41,6 +41,10 @@ class AnswerTooLarge(Exception):
         self.limit = limit
 
 
+BACKEND_ERRORS = (httpx.HTTPError, TimeoutError, AnswerTooLarge)
+"""What a backend call (or the reading of its answer) raises when it fails."""
+
+
 def describe_failure(exc: BaseException) -> str:
     """A short reason for a failed backend call (the exception type says timeout vs refused)."""
     if isinstance(exc, BackendTimeout):

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from kvxferd.api.jsonbody import MAX_KEYS
-from kvxferd.proxy import app as proxy_app_module
+from kvxferd.proxy import relay
 from kvxferd.proxy.bodies import KV_TRANSFER_STUB
 from tests.proxy.fakes import (
     free_port,
@@ -516,22 +516,13 @@ def test_a_stream_cut_mid_event_ends_with_its_error_event_whole(make_rig) -> Non
 def test_an_event_past_the_held_bound_goes_on_as_it_comes_and_the_error_event_after_it(
     make_rig, monkeypatch
 ) -> None:
-    monkeypatch.setattr(proxy_app_module, "HELD_EVENT_BYTES", 8)
+    monkeypatch.setattr(relay, "HELD_EVENT_BYTES", 8)
     rig, resp = _stream_cut_mid_event(make_rig)
     expected = sse_events("D0", "D0 decoded from P0", chat=False)
     half = expected[1][: len(expected[1]) // 2]
     assert resp.content.startswith(expected[0] + half + b"\n\ndata: ")
     error = json.loads(resp.text.split("\n\n")[-2].removeprefix("data: "))["error"]
     assert rig.backends[1].url in error["message"]
-
-
-@pytest.mark.parametrize(
-    ("data", "end"),
-    [(b"data: 1\n\ndata: 2", 9), (b"data: 1\r\n\r\ndata: 2\r\n", 11), (b"data: 1\r\rda", 9),
-     (b"data: 1\r\n", 0), (b"", 0), (b"a\n\nb\n\nc", 6)],
-)  # fmt: skip
-def test_an_sse_event_ends_at_a_blank_line_of_any_line_end(data: bytes, end: int) -> None:
-    assert proxy_app_module._events_end(data) == end
 
 
 def test_a_client_gone_mid_stream_has_the_proxy_hang_up_on_the_decode(make_rig) -> None:
