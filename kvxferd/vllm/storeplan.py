@@ -17,6 +17,7 @@ placeholder tokens, prompt embeddings) are neither looked up nor saved.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -95,14 +96,16 @@ class StoreOptions:
 
 
 def _number(extra: dict[str, Any], key: str, default: Any, kind: type) -> Any:
+    """``extra[key]`` as a finite ``kind`` > 0 (an int: whole), else ConfigError naming it."""
     value = extra.get(key, default)
     try:
-        out = kind(value)
+        out = float(value)
     except (TypeError, ValueError):
-        out = 0
-    if isinstance(value, bool) or out <= 0:
-        raise ConfigError(f"kv_connector_extra_config.{key}: {value!r} is not a number > 0")
-    return out
+        out = 0.0
+    if isinstance(value, bool) or not 0 < out < math.inf or (kind is int and not out.is_integer()):
+        raise ConfigError(f"kv_connector_extra_config.{key}: {value!r:.40} is not a finite "
+                          f"{'whole ' if kind is int else ''}number > 0")  # fmt: skip
+    return kind(out)
 
 
 @dataclass

@@ -30,6 +30,16 @@ def test_options_default_to_off_and_name_the_bad_key():
             StoreOptions.from_extra(extra)
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), "inf", "nan", 1.5])
+def test_a_lookup_timeout_that_is_no_bound_or_a_chunk_not_whole_is_refused_naming_it(value):
+    """Taken, an infinite or NaN timeout made every lookup raise OverflowError or ValueError
+    from the client (not a KvxferdError: out of vLLM's scheduler, stopping the engine). A chunk
+    size is whole tokens: 1.5 was read as 1, not the sidecar's chunk."""
+    key = "store_chunk_tokens" if value == 1.5 else "store_lookup_timeout_s"
+    with pytest.raises(ConfigError, match=f"kv_connector_extra_config.{key}:"):
+        StoreOptions.from_extra({key: value})
+
+
 def test_a_sliding_windows_null_blocks_are_never_saved_as_data():
     """vLLM hands a sliding-window group's evicted blocks over as its null block 0: the save
     names them -1 (not stored), the full-attention group keeps its blocks, Mamba its state."""
