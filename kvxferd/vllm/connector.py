@@ -153,6 +153,9 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._store_options = StoreOptions.from_extra(extra)
+        if not isinstance(extra.get("partial_prefill", False), bool):  # "false" would be on
+            raise ConfigError(f"partial_prefill: expected true or false, got "
+                              f"{extra['partial_prefill']!r:.40}")  # fmt: skip
         self._pod = pods.check_config(extra, tp_size=tp_size,
                                       kv_role=str(self._kv_transfer_config.kv_role))  # fmt: skip
         default = pods.DEFAULT_POD_SOCKET if self._pod else DEFAULT_SOCKET
@@ -175,7 +178,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
                 secret=_secret(extra),
                 identities=lambda: self._read_identities(tp_size),
                 block_size=vllm_config.cache_config.block_size,
-                partial_prefill=bool(extra.get("partial_prefill", hybrid)),
+                partial_prefill=extra.get("partial_prefill", hybrid),
                 group_kinds=_group_kinds(kv_cache_config),
                 store=store,
                 pod=self._pod,

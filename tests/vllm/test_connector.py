@@ -102,3 +102,21 @@ def test_a_failed_pull_of_a_hybrid_model_fails_one_request_not_the_engine(
             assert scheduled == {"d": 300}  # computed here, from its first token
         sched.add_request(request("next", 40, None, bs))
         assert _worker_step(sched, engine).get("next") == 40  # the engine serves on
+
+
+@pytest.mark.parametrize("value", ["false", "true", 0, None])
+def test_a_partial_prefill_setting_that_is_not_true_or_false_is_refused_naming_it(
+    engines, monkeypatch, value
+):
+    """``"false"`` was read as on (any non-empty string is): the prefill dropped the last
+    token of every prompt a remote decode takes over, as if it were a Mamba hybrid's."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    extra = engine.config.kv_transfer_config.kv_connector_extra_config
+    monkeypatch.setitem(extra, "partial_prefill", value)
+    with pytest.raises(ConfigError, match="^partial_prefill: expected true or false, got "):
+        KvxferdConnector(engine.config, KVConnectorRole.SCHEDULER, engine.kv_cache_config)
+    monkeypatch.setitem(extra, "partial_prefill", False)
+    connector = KvxferdConnector(engine.config, KVConnectorRole.SCHEDULER, engine.kv_cache_config)
+    assert connector._sched.partial_prefill is False
