@@ -225,6 +225,9 @@ class Sidecar:
         validate_manifest(req.manifest)
         sources = check_sources(req)
         if self.pod is not None:
+            if self._leaving:  # a repeat would be answered the registration being let go
+                raise RegisterInProgressError("register: the pod is unregistering (its memory "
+                                              "is being let go); retry")  # fmt: skip
             return await self.pod.register(
                 req, sources, agent=self.agent, adopt=self._adopt,
                 timeout_s=self.config.pod_register_timeout_s,
@@ -256,13 +259,9 @@ class Sidecar:
             await self.fabric.run_self_test(self.agent, regions, lambda: self.notifs.poll(holds))
         finally:
             self._registering = False
-        log.info(
-            "registered %s: %d regions, %d groups, %d blocks",
-            self.manifest.model,
-            len(regions),
-            len(self.manifest.groups),
-            self.manifest.num_blocks,
-        )
+        m = self.manifest
+        log.info("registered %s: %d regions, %d groups, %d blocks", m.model, len(regions),
+                 len(m.groups), m.num_blocks)  # fmt: skip
         return RegisterResponse(
             engine_id=self.engine_id,
             epoch=self.epoch,

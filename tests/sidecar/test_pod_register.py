@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -21,13 +22,15 @@ from msgspec import structs
 from kvxferd.client import SidecarUnreachableError
 from kvxferd.errors import (
     ManifestError,
+    MemoryInUseError,
     NotRegisteredError,
     PodConflictError,
+    RegisterInProgressError,
     StaleGenerationError,
 )
 from kvxferd.pattern import verify_pattern
 from kvxferd.sidecar.service import Sidecar
-from kvxferd.wire import PullRequest, UnregisterRequest
+from kvxferd.wire import ClaimRequest, PullRequest, UnregisterRequest
 from tests.sidecar.harness import QUIET, plan, start_sidecar
 from tests.sidecar.pods import MODEL, PIDS, PodPools, hold_on_all, register_all, run_pod, until
 
@@ -159,6 +162,28 @@ def test_a_repeated_register_waits_with_the_first_and_the_slot_goes_with_the_las
     run_pod(scenario, ranks=2, engine_id="pod-repeat")
 
 
+def test_a_repeated_register_while_the_pod_unregisters_is_refused_as_in_progress():
+    """The pod's registration is being let go (an unregister waits for a decode's claim to
+    end): a rank's repeat of its register must not be answered that registration's
+    generation, which ends with the unregister; it is told to retry (409, transient)."""
+
+    async def scenario(sidecar: Sidecar, pools: PodPools) -> None:
+        ticket = hold_on_all(sidecar, pools)
+        claim = ClaimRequest(ticket=ticket, reader="d0", reader_tp_size=1, claim_s=60.0)
+        await asyncio.wait_for(sidecar.claim(claim), 30)  # the decode may READ for a minute
+        generation = sidecar.generation
+        leaving = asyncio.create_task(sidecar.unregister(UnregisterRequest(generation=generation)))
+        await until(lambda: sidecar._leaving, "the unregister under way")
+        with pytest.raises(RegisterInProgressError, match="unregister"):
+            await asyncio.wait_for(sidecar.register(pools.request(0)), 30)
+        with pytest.raises(MemoryInUseError):  # the claim outlasts its wait: still registered
+            await asyncio.wait_for(leaving, 30)
+        again = await asyncio.wait_for(sidecar.register(pools.request(0)), 30)
+        assert again.generation == generation == sidecar.generation
+
+    run_pod(scenario, ranks=2, engine_id="pod-repeat-leaving", registered=True)
+
+
 def spy_registrations(sidecar: Sidecar) -> tuple[list, list]:
     """Every NIXL registration the agent makes, and every one it drops."""
     made, dropped = [], []
@@ -279,6 +304,15 @@ def test_a_rank_whose_register_call_timed_out_registers_again_with_the_same_memo
 
 
 def _register(sidecar, pools: PodPools, rank: int, instance: str):  # noqa: ANN001, ANN202
+    """Rank ``rank``'s register, tried again while the sidecar says an earlier call of it still
+    maps the memory (409, transient: as the vLLM worker does), for at most 30 s."""
     req = pools.request(rank)
+    deadline = time.monotonic() + 30
     with sidecar.client(timeout_s=60) as c:
-        return c.register(req.manifest, req.regions, instance=instance)
+        while True:
+            try:
+                return c.register(req.manifest, req.regions, instance=instance)
+            except RegisterInProgressError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)  # the worker's first pause between tries
