@@ -338,9 +338,9 @@ READ and a notification on both sides).
   manifests must agree on everything but the rank (409 naming the field). A rank registering
   again with the same manifest, regions and instance (a worker whose call got no answer) is
   that register: it waits for the pod's answer with it (a 409 `RegisterInProgressError` while
-  the first still maps the memory, or the pod unregisters), and the rank's slot is let go only once every call of it
-  gave up; a rank registered with other memory or another instance is a 409
-  (`manifest.tp_rank`). An unregister from any rank unregisters the pod.
+  the first still maps the memory, or the pod unregisters), and the rank's slot is let go
+  only once every call of it gave up; a rank registered with other memory or another instance
+  is a 409 (`manifest.tp_rank`). An unregister from any rank unregisters the pod.
 - **Holds**: every worker places the hold under the same engine-chosen `hold_id`, naming its
   `HoldRequest.tp_rank`, with the same block ids and tokens (409 naming the field otherwise). It
   is one hold, claimable once every rank placed it: a claim that comes earlier waits for the

@@ -117,7 +117,7 @@ class PodSlots:
 
     @property
     def _memory(self) -> list[RankMemory | None]:
-        return [s and s.memory for s in self._slots]
+        return [s.memory if s is not None else None for s in self._slots]
 
     @property
     def complete(self) -> bool:
@@ -210,7 +210,7 @@ class PodSlots:
         """Give up ``rank``'s slot (a register that failed or timed out): its memory, if mapped
         (the caller releases it)."""
         slot, self._slots[rank] = self._slots[rank], None
-        return slot and slot.memory
+        return slot.memory if slot is not None else None
 
     def leave(self, slot: Slot) -> RankMemory | None:
         """A register call waiting on ``slot`` failed or gave up: the last one to leave an
