@@ -30,7 +30,7 @@ from kvxferd.errors import (
     StoreError,
 )
 from kvxferd.metrics import STORE_TIERS, Metrics
-from kvxferd.sidecar.expiry import act_by
+from kvxferd.sidecar.clocks import act_by
 from kvxferd.sidecar.hold_request import check_num_tokens, check_store_ids
 from kvxferd.store import Store
 from kvxferd.store.tiers import TierStats

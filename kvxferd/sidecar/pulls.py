@@ -38,7 +38,7 @@ from kvxferd.errors import (
     reason_code,
 )
 from kvxferd.metrics import BYTE_KINDS, PHASES
-from kvxferd.sidecar.expiry import act_by
+from kvxferd.sidecar.clocks import act_by
 from kvxferd.sidecar.finished import FinishedFeed
 from kvxferd.sidecar.peerviews import PeerRead
 from kvxferd.sidecar.pull_request import validate_pull

@@ -36,7 +36,7 @@ from kvxferd.errors import (
 from kvxferd.layout import validate_manifest
 from kvxferd.memory import check_sources, first_shrunk
 from kvxferd.metrics import Metrics
-from kvxferd.sidecar.expiry import act_by
+from kvxferd.sidecar.clocks import act_by, wall_time
 from kvxferd.sidecar.fabric import Fabric
 from kvxferd.sidecar.handshake import mismatch, our_handshake
 from kvxferd.sidecar.hold_request import check_hold_rank
@@ -361,7 +361,7 @@ class Sidecar:
             request_id=req.request_id,
             block_ids=req.block_ids,
             num_tokens=req.num_tokens,
-            expires_at=self._wall(hold.expires_at),
+            expires_at=wall_time(hold.expires_at),
             tp_rank=manifest.tp_rank,
             tp_size=manifest.tp_size,
             peer=self.peer_address,
@@ -462,7 +462,7 @@ class Sidecar:
         self.notifs.claimed(holds)  # progress now: the READ may wait on our UCX worker
         return ClaimResponse(
             hold_id=grant.hold_id,
-            expires_at=self._wall(grant.expires_at),
+            expires_at=wall_time(grant.expires_at),
             expected_readers=readers,
             claim_s=grant.granted_s,
         )
@@ -488,10 +488,6 @@ class Sidecar:
         return out
 
     # ---------------------------------------------------------------- internals
-
-    def _wall(self, mono: float) -> float:
-        """Unix time of a monotonic-clock time (only for the wire)."""
-        return time.time() + (mono - time.monotonic())
 
     async def _await_hold(self, hold_id: str) -> None:
         """Wait (up to ``hold_grace_s``) for a hold that is neither live nor released yet."""
