@@ -50,8 +50,9 @@ _EDGE = {
     401: "Missing or wrong credentials, or a ticket whose HMAC does not match. Carries "
          "WWW-Authenticate.",
     404: "No such thing (or no such route: NotFound).",
-    408: "The request body did not arrive within the server's body timeout; the connection "
-         "is closed.",
+    408: "The request body did not arrive within the server's body timeout (the connection "
+         "is closed); or an engine call came after its ``not_after_ns``: the engine had given "
+         "it up, and nothing was done.",
     409: "The sidecar's state forbids it; for incompatible manifests ``field`` lists the "
          "fields that disagree.",
     410: "The hold's lease ended; its blocks may already be reused.",
