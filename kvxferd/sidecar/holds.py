@@ -214,9 +214,13 @@ class HoldTable:
 
     # -- operations ------------------------------------------------------------------------------
 
-    def hold(self, request: HoldRequest, now: float | None = None) -> Hold:
+    def hold(
+        self, request: HoldRequest, now: float | None = None, *,
+        checked: Callable[[], object] | None = None,
+    ) -> Hold:  # fmt: skip
         """Pin a request's blocks for ``request.lease_s`` (default if None, capped by the max);
-        CapacityError (503) while ``max_holds`` unexpired holds are live.
+        CapacityError (503) while ``max_holds`` unexpired holds are live. ``checked`` runs once
+        the request passed its checks, before anything is touched, and raises to refuse it.
 
         The same hold placed again (its id, request, blocks and tokens) is that hold, lease
         unchanged. A request with another live hold is refused (409) and that hold given up
@@ -229,6 +233,8 @@ class HoldTable:
         lease = self.default_lease_s
         if request.lease_s is not None:
             lease = min(_positive(request.lease_s, "lease_s"), self.max_lease_s)
+        if checked is not None:
+            checked()
         existing = self.find_request(request.request_id)
         if existing is not None and not self._expire_if_due(existing, now):
             if (request.hold_id, request.block_ids, request.num_tokens) == (

@@ -167,8 +167,7 @@ class Offload:
         skipped. Nothing is copied past STORE_SAVE_DEADLINE_S from now: the engine frees the
         blocks once its client gives up, a margin later; nor is an entry whose copy ended past
         the call's ``not_after_ns`` kept."""
-        by = act_by(req.not_after_ns, self.metrics.calls_expired.labels("store_save").inc)
-        stop_at = min(time.monotonic() + STORE_SAVE_DEADLINE_S, by)
+        stop_at = time.monotonic() + STORE_SAVE_DEADLINE_S
         store = self._require()
         manifest, regions = _rank_target(self._target, req.generation, req.tp_rank)
         block_ids, num_tokens, pinned = req.block_ids, req.num_tokens, None
@@ -187,6 +186,8 @@ class Offload:
             block_ids = _prefix_ids(manifest, block_ids, held_tokens, num_tokens)
         else:  # (a hold's ids passed the same checks when it was placed)
             _check_ids(manifest, block_ids, num_tokens)
+        by = act_by(req.not_after_ns, self.metrics.calls_expired.labels("store_save").inc)
+        stop_at = min(stop_at, by)
         stop = threading.Event()  # set by stop(): the engine's memory is being let go
         out = await asyncio.shield(self._track(
             self._running, stop, store.save, manifest, regions, block_ids, req.keys, num_tokens,
@@ -226,10 +227,10 @@ class Offload:
         entry is missing or corrupt."""
         if not (math.isfinite(req.deadline_s) and 0 < req.deadline_s <= MAX_STORE_DEADLINE_S):
             raise StoreError("deadline_s", f"must be in (0, {MAX_STORE_DEADLINE_S:g}]")
-        by = act_by(req.not_after_ns, self.metrics.calls_expired.labels("store_load").inc)
         store = self._require()
         manifest, regions = _rank_target(self._target, req.generation, req.tp_rank)
         _check_ids(manifest, req.block_ids, req.num_tokens)
+        by = act_by(req.not_after_ns, self.metrics.calls_expired.labels("store_load").inc)
         stop_at, stop = min(time.monotonic() + req.deadline_s, by), threading.Event()
         try:
             # Awaited to its end even if our caller gives up: the answer says nothing is written

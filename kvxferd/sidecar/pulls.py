@@ -169,9 +169,9 @@ class PullRunner:
     def start(self, req: PullRequest) -> Pull:
         """Validate ``req`` synchronously (4xx to the engine), then run it in the background;
         CapacityError (503) while ``max_in_flight`` pulls are running."""
-        by = act_by(req.not_after_ns, self._metrics.calls_expired.labels("pull").inc)
         local = self._local()[0]
         validate_pull(req, local, self._max_deadline_s)
+        by = act_by(req.not_after_ns, self._metrics.calls_expired.labels("pull").inc)
         if self._in_flight >= self._max_in_flight:
             raise CapacityError(
                 "max_pulls_in_flight", f"{self._in_flight} pulls are running; retry when one ends"

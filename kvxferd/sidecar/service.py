@@ -335,17 +335,17 @@ class Sidecar:
 
     def hold(self, req: HoldRequest) -> Ticket:
         """Pin a request's blocks under a lease; the ticket authorises one pull of them."""
-        act_by(req.not_after_ns, self.metrics.calls_expired.labels("hold").inc)
         holds, manifest = self._require_memory()
-        check = lambda: self._check_generation(req.generation)  # noqa: E731
+        in_time = lambda: act_by(req.not_after_ns, self.metrics.calls_expired.labels("hold").inc)  # noqa: E731
+        check = lambda: (self._check_generation(req.generation), in_time())  # noqa: E731
         if (pod := self.pod) is None:
             check_hold_rank(req.tp_rank, manifest.tp_rank)
-            check()
+            self._check_generation(req.generation)
         elif ticket := pod.place(req, req.hold_id in holds, self._placements, check):
-            return ticket  # a later rank's placement: the first rank's ticket
+            return ticket  # a later rank's placement (one that came late gives the hold up)
         held = holds.counters.held
         try:
-            hold = holds.hold(req)  # the same hold placed again is that hold
+            hold = holds.hold(req, checked=in_time)  # the same hold placed again is that hold
         except DuplicateHoldError:  # a request placed twice: its live hold was given up
             self._after_release()
             raise
