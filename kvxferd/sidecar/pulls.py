@@ -34,6 +34,7 @@ from kvxferd.errors import (
     HoldExpiredError,
     KvxferdError,
     PeerDisconnectedError,
+    TransferTimeoutError,
     UnknownPullError,
     reason_code,
 )
@@ -58,7 +59,7 @@ from kvxferd.wire import (
 if TYPE_CHECKING:
     from kvxferd.metrics import Metrics
     from kvxferd.sidecar.peers import Peer, PeerTable
-    from kvxferd.transport.base import Transport
+    from kvxferd.transport.base import PostedRead, Transport
 
 LocalLayout = Callable[[], tuple[Manifest, Sequence[int]]]
 """The registered manifest and each region's base address (NotRegisteredError without one)."""
@@ -500,7 +501,7 @@ class PullRunner:
                 descs=int(plan.num_descriptors),
                 deadline=deadline,
                 on_unsettled=functools.partial(_unsettled, pull),
-                post=plan.post(self._transport, peer.agent_name, b""),
+                post=_by(deadline, plan.post(self._transport, peer.agent_name, b"")),
             )
         except PeerDisconnectedError:
             await self._peers.forget(peer.address)
@@ -519,6 +520,21 @@ class PullRunner:
         if wire_s > 0:
             m.transfer_throughput.observe(total / wire_s)
         return finished
+
+
+def _by(deadline: float, post: Callable[[], PostedRead]) -> Callable[[], PostedRead]:
+    """``post``, refused once the pull's ``deadline`` has passed (TransferTimeoutError, nothing
+    posted): checked where it runs, after any wait for a peer's slot or a post thread, and
+    after a stalled loop, which cancels the pull only a turn later. Posted past the deadline,
+    a READ would write blocks the engine no longer counts on (vLLM recomputes them)."""
+
+    def post_by() -> PostedRead:
+        if (late := time.monotonic() - deadline) >= 0:
+            raise TransferTimeoutError(f"the pull's deadline passed {late:.3f} s before its "
+                                       "READ was posted: not posted")  # fmt: skip
+        return post()
+
+    return post_by
 
 
 async def _settle(task: asyncio.Task[Any]) -> None:

@@ -10,6 +10,7 @@ blocks, no byte written. A call whose ``not_after_ns`` has passed is a 408 witho
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -19,13 +20,32 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvxferd.client import EngineClient, SidecarUnreachableError, frames_available
+from kvxferd.config import Config
 from kvxferd.errors import CallExpiredError, UnknownHoldError
 from kvxferd.pattern import write_pattern
+from kvxferd.sidecar.service import Sidecar as InProcessSidecar
+from kvxferd.sidecar.states import PullState
 from kvxferd.store import chunk_keys
-from kvxferd.wire import HoldRequest, PullRequest, StoreLoadRequest, StoreSaveRequest
+from kvxferd.wire import (
+    HoldRequest,
+    PullRequest,
+    RegisterRequest,
+    StoreLoadRequest,
+    StoreSaveRequest,
+)
 from kvxferd.wire import StoreLookupRequest as Lookup
-from tests.sidecar.harness import EnginePool, Sidecar, metric, plan, start_sidecar, wait_until
-from tests.sidecar.ranks import DIDS, PIDS, engine_pair
+from tests.sidecar.harness import (
+    QUIET,
+    SENTINEL,
+    TOKEN,
+    EnginePool,
+    Sidecar,
+    metric,
+    plan,
+    start_sidecar,
+    wait_until,
+)
+from tests.sidecar.ranks import DIDS, PIDS, Engine, engine_pair
 from tests.store.helpers import block_ids
 
 pytestmark = pytest.mark.nixl
@@ -178,3 +198,47 @@ def test_each_call_past_its_not_after_is_a_408_naming_it_and_counted(tmp_path):
     finally:
         assert sidecar.stop() == 0
         pool.close()
+
+
+def test_a_pull_whose_sidecar_stalled_past_its_not_after_before_it_ran_posts_no_read(
+    tmp_path, monkeypatch
+):
+    """An in-process decode sidecar (real NIXL agent) whose loop is blocked from the moment it
+    accepted a pull until past the pull's ``not_after_ns``: the pull then ends FAILED without a
+    READ (its peer already handshaken, nothing else stood between its start and the post)."""
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    prefill = Engine(start_sidecar(str(tmp_path), "prefill", env=QUIET)).register()
+    pool = EnginePool(Engine.plan())
+
+    async def main() -> None:
+        sc = InProcessSidecar(Config(peer_token=TOKEN, engine_id="late-decode"))
+        sc.start()
+        try:
+            await sc.register(RegisterRequest(manifest=pool.manifest, regions=pool.specs()))
+            first = sc.pulls.start(PullRequest(tickets=[await asyncio.to_thread(
+                prefill.hold, "warm")], block_ids=DIDS, deadline_s=20.0))  # fmt: skip
+            async with asyncio.timeout(30):
+                await first.done.wait()
+            assert first.state is PullState.DONE, first.status()  # the peer is cached now
+            for v in pool.views:
+                v[:] = SENTINEL  # what vLLM recomputes once the engine gave the pull up
+            ticket = await asyncio.to_thread(prefill.hold, "late", seed=6)
+            pull = sc.pulls.start(PullRequest(tickets=[ticket], block_ids=DIDS, deadline_s=20.0,
+                                              not_after_ns=_not_after()))  # fmt: skip
+            end = pull.ends_by
+            while time.monotonic() <= end:  # the loop blocked (a stalled sidecar), then goes on
+                pass
+            async with asyncio.timeout(30):
+                await pull.done.wait()
+            assert pull.state is PullState.FAILED, pull.status()
+            assert pull.reason == "deadline", pull.status()
+        finally:
+            await sc.close()
+
+    try:
+        asyncio.run(main())
+        assert all(bool((v == SENTINEL).all()) for v in pool.views)  # before: the prefill's KV
+    finally:
+        pool.close()
+        prefill.close()
+        assert prefill.sidecar.stop() == 0
