@@ -211,10 +211,11 @@ def test_an_engine_refuses_at_start_a_sidecar_of_another_protocol(engines, tmp_p
     with worker_pair(tmp_path, "LBHNC", engine) as (_prefill, _decode, p_side):
         with p_side.client() as c:
             before = c.identity()
-        monkeypatch.setattr(worker_module, "ENGINE_API_VERSION", 2)
-        said = (f"sidecar at {p_side.socket} speaks engine API 1 (kvxferd "
-                f"{kvxferd.__version__}), this connector 2 (kvxferd {kvxferd.__version__}): run "
-                "one kvxferd release in the engine and sidecar images")  # fmt: skip
+        ours = before.engine_api_version + 1
+        monkeypatch.setattr(worker_module, "ENGINE_API_VERSION", ours)
+        said = (f"sidecar at {p_side.socket} speaks engine API {ours - 1} (kvxferd "
+                f"{kvxferd.__version__}), this connector {ours} (kvxferd {kvxferd.__version__}): "
+                "run one kvxferd release in the engine and sidecar images")  # fmt: skip
         with pytest.raises(ConfigError, match="^" + re.escape(said) + "$"):
             Rank(engine, "LBHNC", p_side)
         with p_side.client() as c:
