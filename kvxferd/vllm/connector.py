@@ -51,7 +51,7 @@ from kvxferd.vllm.manifest import ConvGeometry, conv_geometry
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
 from kvxferd.vllm.storeplan import StoreOptions, StorePlanner
 from kvxferd.vllm.weights import fingerprint
-from kvxferd.vllm.worker import WorkerSide
+from kvxferd.vllm.worker import REGISTER_RETRY_S, WorkerSide
 from kvxferd.wire import StoreLookup, StoreLookupRequest
 
 DEFAULT_SOCKET = "/run/kvxferd/engine-{rank}.sock"
@@ -261,7 +261,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
         heads = self._vllm_config.model_config.get_total_num_kv_heads()
-        self._worker.register(kv_caches, self._kv_cache_config, heads)
+        self._worker.register(kv_caches, self._kv_cache_config, heads, no_answer_s=REGISTER_RETRY_S)
 
     def unregister_kv_caches(self) -> None:
         """Before sleep (vLLM has drained transfers): the sidecar lets go of the memory, and

@@ -20,19 +20,22 @@ from typing import Any
 
 import msgspec
 
-from kvxferd.errors import ManifestError
+from kvxferd.errors import ManifestError, MemoryRegionError
 from kvxferd.layout import validate_manifest
 from kvxferd.layout.models import read_mamba_geometry
 from kvxferd.layout.states import ConvSection, mamba_state
+from kvxferd.memory import CudaIpcRegion, shm_segment
 from kvxferd.wire import (
     MODEL_MAX_LENGTH,
     AttentionLayer,
+    CudaRegionSpec,
     Group,
     Layer,
     MambaLayer,
     Manifest,
     Part,
     Region,
+    RegionSpec,
 )
 
 _MAMBA_TYPES = {"MAMBA1": "mamba1", "MAMBA2": "mamba2", "GDN_ATTN": "gdn"}
@@ -350,3 +353,36 @@ def shift_regions(manifest: Manifest, lead: int, mem: str, device: int) -> Manif
         for r in manifest.regions
     ]
     return msgspec.structs.replace(manifest, regions=regions)
+
+
+def describe(
+    kv_caches: Mapping[str, Any], kv_cache_config: Any, heads: int, *, model: str, tp_rank: int,
+    tp_size: int, conv: ConvGeometry | None,
+) -> tuple[Manifest, Any, Any]:  # fmt: skip
+    """What a worker registers for vLLM's one backing allocation: (manifest with offsets from
+    its source's start, source, the CUDA IPC export or None). The export stays open while
+    registered (the caller closes it)."""
+    alloc = backing_allocation(kv_caches)
+    first = next(iter(kv_caches.values()))
+    ipc = None
+    if first.is_cuda:  # GPU: the sidecar maps the allocation by CUDA IPC (untested here)
+        name = f"vllm-kv-r{tp_rank}"
+        ipc = CudaIpcRegion.export(first, name)
+        device = first.device.index or 0
+        source: Any = CudaRegionSpec(
+            handle=ipc.handle.to_bytes(), size_bytes=alloc.size, device_id=device
+        )
+        start, mem = alloc.base, "VRAM"
+    else:
+        seg = shm_segment(alloc.base)
+        if seg is None:
+            raise MemoryRegionError(
+                "the KV cache is not in a /dev/shm segment, so the sidecar cannot map it"
+            )
+        name, start, size = seg
+        source, mem, device = RegionSpec(name=name, size_bytes=size), "DRAM", 0
+    manifest = vllm_manifest(
+        kv_caches, kv_cache_config, model=model, tp_rank=tp_rank, tp_size=tp_size,
+        total_kv_heads=heads, region_prefix=f"{name}-r", conv=conv,
+    )  # fmt: skip
+    return shift_regions(manifest, alloc.base - start, mem, device), source, ipc

@@ -85,3 +85,10 @@ def placed_maybe(exc: KvxferdError) -> bool:
             return False
         cause = cause.__cause__
     return exc.status is None or not 400 <= exc.status < 500
+
+
+def no_answer(exc: KvxferdError) -> bool:
+    """Whether a call that raised ``exc`` got no answer, or one saying to try again (a 5xx the
+    sidecar sent): not a refusal, nor a call that could not connect (no sidecar there)."""
+    status = exc.status if getattr(exc, "body", None) is not None else None  # not raised here
+    return placed_maybe(exc) or (isinstance(status, int) and status >= 500)

@@ -24,27 +24,23 @@ from kvxferd.errors import (
     ConfigError,
     KvxferdError,
     MemoryInUseError,
-    MemoryRegionError,
     NotRegisteredError,
     PathInUseError,
     RegisterInProgressError,
     StaleGenerationError,
     UnknownHoldError,
 )
-from kvxferd.memory import CudaIpcRegion, shm_segment
 from kvxferd.sidecar.reads import QUARANTINE_S, SETTLE_S
-from kvxferd.vllm.manifest import ConvGeometry, backing_allocation, shift_regions, vllm_manifest
+from kvxferd.vllm.manifest import ConvGeometry, describe
 from kvxferd.vllm.outbox import Outbox
 from kvxferd.vllm.pod import check_identity
-from kvxferd.vllm.quiet import QuietClient, placed_maybe
+from kvxferd.vllm.quiet import QuietClient, no_answer, placed_maybe
 from kvxferd.vllm.scheduler import KEEPALIVE_EXTEND_S, StepOrders
 from kvxferd.vllm.storeio import StoreCalls
 from kvxferd.wire import (
     ENGINE_API_VERSION,
-    CudaRegionSpec,
     HoldRequest,
     PullRequest,
-    RegionSpec,
     Ticket,
 )
 
@@ -60,6 +56,9 @@ _UNANSWERED = "?"  # + request id: a pull whose start got no answer (its id unkn
 _WAITING_LOG_S = 30.0  # at most one line this often for a state asked every step (_tell)
 _REGISTER_WAIT_S = 30.0  # longest a register waits for another one the sidecar still sets up
 _REGISTER_PAUSES_S = (0.05, 1.0)  # first and longest pause between those tries (doubling)
+REGISTER_RETRY_S = 120.0
+"""Longest an engine's start or wake-up tries again a register (or identity) call that got no
+answer (timed out, or a 5xx: a pod's other ranks not there in time), from its first try."""
 
 
 @dataclass
@@ -122,31 +121,40 @@ class WorkerSide:
         self.store = StoreCalls(self.client, lambda: self.generation, tp_rank if pod else -1)
         self.asleep = False  # unregistered for vLLM's sleep mode until restore()
 
-    def register(self, kv_caches: dict[str, Any], kv_cache_config: Any, total_heads: int) -> None:
+    def register(self, kv_caches: dict[str, Any], kv_cache_config: Any, total_heads: int, *,
+                 no_answer_s: float = 0.0) -> None:  # fmt: skip
         """Describe the allocation and register it; a sidecar left registered by an earlier
         engine is unregistered first (a restarted engine beside a running sidecar). While the
         sidecar still sets up another engine's register, try again (bounded): that one may end
-        registered, so each try reads the identity and decides afresh."""
+        registered, so each try reads the identity and decides afresh. A call that got no
+        answer is tried again for up to ``no_answer_s`` (logged): a pod answers the same
+        register repeated as that register, a one-rank sidecar's identity names it if it
+        was taken (replaced then, as at any start)."""
         self._registration = (kv_caches, kv_cache_config, total_heads)
-        manifest, source = self._describe(kv_caches, kv_cache_config, total_heads)
-        deadline, pause = time.monotonic() + _REGISTER_WAIT_S, _REGISTER_PAUSES_S[0]
+        self._close_ipc()  # an earlier export names memory that may since have moved
+        manifest, source, self._ipc = describe(
+            kv_caches, kv_cache_config, total_heads, model=self.model, tp_rank=self.tp_rank,
+            tp_size=self.tp_size, conv=self.conv,
+        )  # fmt: skip
+        start = time.monotonic()
+        deadline, pause = start + _REGISTER_WAIT_S, _REGISTER_PAUSES_S[0]
         took: bool | None = None  # whether this call took the engine lock (None: not tried)
+        taken_maybe = False  # a register of ours got no answer: the sidecar may have taken it
+        retry = _REGISTER_PAUSES_S[0]  # pause before trying a call that got no answer again
         while True:
-            ident = self.client.identity()
-            if not self._may_register(ident):
-                return
-            if took is None:
-                took = self._lock is None and self._lock_sidecar()
-            if ident.generation >= 0:
-                if ident.instance not in ("", self.instance) and not took:
-                    # Unless this engine took the engine lock just now (the engine registered
-                    # there has exited), that engine runs without the lock and may be live.
-                    log.warning("sidecar at %s: replacing the registration of another engine "
-                                "of TP rank %d (instance %s); if that engine still runs, it "
-                                "shares this sidecar and its KV transfers stop",
-                                self.socket_path, ident.tp_rank, ident.instance)  # fmt: skip
-                self._unregister(ident.generation, ident.max_claim_s)
+            sent = False
             try:
+                # A pod answers our register repeated with the pod's answer: not unregistered
+                # (that would take every rank's memory from under them).
+                if not (self.pod and taken_maybe):
+                    ident = self.client.identity()
+                    if not self._may_register(ident):
+                        return
+                    if took is None:
+                        took = self._lock is None and self._lock_sidecar()
+                    if ident.generation >= 0:
+                        self._replace(ident, took)
+                sent = True
                 resp = self.client.register(manifest, [source], instance=self.instance)
                 break
             except RegisterInProgressError as exc:  # transient, unlike an engine registered
@@ -163,44 +171,38 @@ class WorkerSide:
                              _REGISTER_WAIT_S)  # fmt: skip
                 time.sleep(min(pause, left))  # a retry's backoff
                 pause = min(2 * pause, _REGISTER_PAUSES_S[1])
+            except AlreadyRegisteredError:  # (a one-rank sidecar) ours, taken after no answer?
+                if not taken_maybe or time.monotonic() - start >= no_answer_s:
+                    raise  # else the identity names it, replaced as at any start
+            except KvxferdError as exc:
+                if not no_answer(exc):
+                    raise
+                left = no_answer_s - (time.monotonic() - start)
+                if left <= 0:
+                    raise
+                taken_maybe = taken_maybe or sent
+                deadline = max(deadline, time.monotonic() + _REGISTER_WAIT_S)  # ours may be it
+                log.warning("sidecar at %s: %s got no answer (%s); trying again for up to "
+                            "%.0f s", self.socket_path, "register" if sent else "identity",
+                            exc, left)  # fmt: skip
+                time.sleep(min(retry, left))
+                retry = min(2 * retry, _REGISTER_PAUSES_S[1])
         self._given_up_to = None
         self.manifest = manifest
         self.generation, self.epoch = resp.generation, resp.epoch
         self._cursor = 0  # each registration's released-holds feed counts from the start
         self._stale = True  # a new generation: tickets minted before it can no longer be claimed
 
-    def _describe(self, kv_caches: Any, kv_cache_config: Any, heads: int) -> tuple[Any, Any]:
-        """(manifest, source) of vLLM's one backing allocation (offsets from the source's)."""
-        alloc = backing_allocation(kv_caches)
-        first = next(iter(kv_caches.values()))
-        if first.is_cuda:  # GPU: the sidecar maps the allocation by CUDA IPC (untested here)
-            self._close_ipc()  # an earlier export names memory that may since have moved
-            name = f"vllm-kv-r{self.tp_rank}"
-            self._ipc = CudaIpcRegion.export(first, name)
-            device = first.device.index or 0
-            source: Any = CudaRegionSpec(
-                handle=self._ipc.handle.to_bytes(), size_bytes=alloc.size, device_id=device
-            )
-            start, mem = alloc.base, "VRAM"
-        else:
-            seg = shm_segment(alloc.base)
-            if seg is None:
-                raise MemoryRegionError(
-                    "the KV cache is not in a /dev/shm segment, so the sidecar cannot map it"
-                )
-            name, start, size = seg
-            source, mem, device = RegionSpec(name=name, size_bytes=size), "DRAM", 0
-        manifest = vllm_manifest(
-            kv_caches,
-            kv_cache_config,
-            model=self.model,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            total_kv_heads=heads,
-            region_prefix=f"{name}-r",
-            conv=self.conv,
-        )
-        return shift_regions(manifest, alloc.base - start, mem, device), source
+    def _replace(self, ident: Any, took: bool) -> None:
+        """Unregister the registration ``ident`` names, so that this engine's takes its place."""
+        if ident.instance not in ("", self.instance) and not took:
+            # Unless this engine took the engine lock just now (the engine registered there
+            # has exited), that engine runs without the lock and may be live.
+            log.warning("sidecar at %s: replacing the registration of another engine of TP "
+                        "rank %d (instance %s); if that engine still runs, it shares this "
+                        "sidecar and its KV transfers stop", self.socket_path, ident.tp_rank,
+                        ident.instance)  # fmt: skip
+        self._unregister(ident.generation, ident.max_claim_s)
 
     def _may_register(self, ident: Any) -> bool:
         """Whether this engine may register at the sidecar that answered ``ident``: ConfigError
@@ -298,7 +300,7 @@ class WorkerSide:
         re-reads identities before minting the next ticket). Idempotent."""
         if not self.asleep or self._registration is None:
             return
-        self.register(*self._registration)
+        self.register(*self._registration, no_answer_s=REGISTER_RETRY_S)
         self.asleep = False
 
     def run(self, orders: StepOrders) -> None:
@@ -521,7 +523,7 @@ class WorkerSide:
         # socket: its lock goes only with its process).
         self._give_up_registration()
         try:
-            self.register(*self._registration)
+            self.register(*self._registration)  # inside a step: no answer is not waited out
         except KvxferdError as exc:  # still down: the next refused call tries again
             log.warning("registering again failed: %s", exc)
 

@@ -7,6 +7,7 @@ loads its own rank's blocks through the pod; what is still refused, and why."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import time
@@ -17,10 +18,12 @@ import msgspec
 import pytest
 
 from kvxferd import pattern
+from kvxferd.client import EngineClient
 from kvxferd.errors import ConfigError, NotRegisteredError, PathInUseError
 from kvxferd.sidecar.tickets import verify_ticket
 from kvxferd.store.tiers import parse_filename
 from kvxferd.vllm import pdcheck
+from kvxferd.vllm import worker as worker_module
 from kvxferd.vllm.connector import KvxferdConnector
 from kvxferd.vllm.scheduler import StepOrders
 from kvxferd.wire import Identity, Ticket
@@ -484,3 +487,43 @@ def test_a_pod_scheduler_mints_one_ticket_from_its_one_identity_and_none_from_a_
                           tp_rank=0, tp_size=2, default_lease_s=30.0)  # fmt: skip
     sched = prefill_side(lambda: [rank_ident], 128, tp_size=2, pod=True)
     assert finish(sched, "r2", [[1, 2, 3]], N) == (False, None)  # the workers refuse it anyway
+
+
+@pytest.mark.nixl
+def test_a_pod_worker_whose_register_gets_no_answer_tries_the_same_register_again(
+    engines, monkeypatch, tmp_path, caplog
+):
+    """Rank 0 registers long before rank 1 (its client gives up after 1 s here): its register
+    gets no answer while the pod waits for rank 1. The worker sends the same register again
+    (logged), which the pod counts as that register, and the engine starts once rank 1 came,
+    both ranks on the pod's one registration."""
+    monkeypatch.setenv("KVXFERD_PEER_TOKEN", TOKEN)
+    monkeypatch.setattr(worker_module, "EngineClient",
+                        functools.partial(EngineClient, timeout_s=1.0))  # fmt: skip
+    engine = engines("dense", "LBHNC", num_blocks=24, tp_size=2)
+    monkeypatch.setitem(engine.config.kv_transfer_config.kv_connector_extra_config, "pod", True)
+    (pod,) = start_sidecars(str(tmp_path), ["pod"], "--pod-ranks", "2")
+    caplog.set_level("INFO", logger="kvxferd.vllm.worker")
+    ranks = [Rank(engine, "LBHNC", pod, r, register=False) for r in range(2)]
+
+    def no_answer() -> bool:
+        return any("register got no answer" in r.getMessage() for r in caplog.records)
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(ranks[0].register)
+            wait_until(lambda: no_answer() or first.done(), 30, "rank 0's register to time out")
+            ranks[1].register()
+            first.result(timeout=60)  # before: SidecarUnreachableError, no answer
+        with pod.client() as c:
+            ident = c.identity()
+        assert ident.generation >= 0
+        assert {r.connector._worker.generation for r in ranks} == {ident.generation}
+        sched = prefill_side(lambda: [ident], 128, tp_size=2, pod=True)
+        finish(sched, "r1", [[1, 2, 3]], N)
+        orders = sched.take_orders()
+        assert [r.step(orders) for r in ranks] == [(None, None)] * 2  # held by both ranks
+    finally:
+        for rank in ranks:
+            rank.close()
+        pod.stop()

@@ -5,6 +5,7 @@ waited for nor taken over."""
 
 from __future__ import annotations
 
+import functools
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -144,3 +145,40 @@ def test_a_registration_that_names_no_instance_is_another_engines(
             first.close()
         side.stop()
         tool.close()
+
+
+def test_an_engine_whose_register_gets_no_answer_tries_again_and_starts(
+    engines, tmp_path, caplog, monkeypatch
+):
+    """The sidecar sets a register up for longer than the worker's client waits (1 s here, 30 s
+    in vLLM): the call gets no answer, yet the sidecar may take it. vLLM's start does not fail:
+    the worker tries again (logged), is told the first register is still in progress, then
+    finds it in and named by its own instance, replaces it as at any start, and serves."""
+    engine = engines("dense", "LBHNC", num_blocks=24)
+    gate_path = str(tmp_path / "gate")
+    side = start_held_sidecar(str(tmp_path), "p", gate_path)
+    short = functools.partial(EngineClient, timeout_s=1.0)  # the worker's client gives up
+    monkeypatch.setattr(worker_module, "EngineClient", short)
+    caplog.set_level("INFO", logger="kvxferd.vllm.worker")
+    rank = None
+
+    def no_answer() -> bool:
+        return any("register got no answer" in r.getMessage() for r in caplog.records)
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            with gate(gate_path):
+                starting = pool.submit(Rank, engine, "LBHNC", side)
+                side.child.wait_line(HELD, 30)  # the register is in, and held
+                wait_until(lambda: no_answer() or starting.done(), 30,
+                           "the engine's register to get no answer")  # fmt: skip
+            rank = starting.result(timeout=60)  # before: SidecarUnreachableError, no answer
+        worker = rank.connector._worker
+        with side.client() as c:
+            ident = c.identity()
+        assert (ident.generation, ident.instance) == (worker.generation, worker.instance)
+        assert _held(_scheduler(side.socket), rank, "r1", [1, 2, 3]) == (None, None)
+    finally:
+        if rank is not None:
+            rank.close()
+        side.stop()
