@@ -13,7 +13,7 @@ from kvxferd.pattern import verify_pattern, write_pattern
 from kvxferd.sidecar.peers import Peer, PeerTable
 from kvxferd.sidecar.signing import PeerKeys
 from kvxferd.wire import ClaimRequest, HoldRequest, PullRequest
-from tests.sidecar.harness import TOKEN, EnginePool, metric, plan, start_sidecar
+from tests.sidecar.harness import TOKEN, EnginePool, metric, plan, start_sidecar, wait_until
 
 pytestmark = pytest.mark.nixl
 
@@ -110,3 +110,43 @@ def test_a_framed_port_that_cannot_be_opened_sends_claims_over_http_until_the_ne
     finally:
         assert p.stop() == 0
         ppool.close()
+
+
+def _closed_at_once(port: int) -> bool:
+    """Whether the framed port closes a new connection before it sends anything (at its cap)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5.0) as s:
+        try:
+            return s.recv(1) == b""
+        except TimeoutError:  # kept open: below its cap
+            return False
+
+
+def test_a_framed_port_at_its_connection_cap_gets_each_claim_over_http_granted_once(tmp_path):
+    """The prefill's framed port holds its cap of connections (two idle ones here, its
+    peer_max_connections 2): it closes the decode's claim connection unread (FrameRefusedError),
+    nothing taken, and each claim goes over HTTP instead. Every pull moves every byte, and each
+    hold is released by its one reader's one notification: no claim was counted twice."""
+    port = _closed_port()
+    env = {"KVXFERD_PEER_FRAMES_PORT": str(port), "KVXFERD_PEER_MAX_CONNECTIONS": "2"}
+    p = start_sidecar(str(tmp_path), "prefill", env=env)
+    d = start_sidecar(str(tmp_path), "decode")
+    pm, dm = plan("llama-3.1-8b", num_blocks=8), plan("llama-3.1-8b", num_blocks=8)
+    ppool, dpool = EnginePool(pm), EnginePool(dm)
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5.0) for _ in range(2)]
+    try:
+        wait_until(lambda: _closed_at_once(port), what="the framed port at its cap")
+        with p.client() as pc, d.client() as dc:
+            pc.register(pm, ppool.specs())
+            dc.register(dm, dpool.specs())
+        _pull_three(p, d, pm, dm, ppool, dpool)
+        framed = metric(d.peer, "kvxferd_peer_calls_total", call="claim", wire="frames")
+        http = metric(d.peer, "kvxferd_peer_calls_total", call="claim", wire="http")
+        assert (framed, http) == (0.0, 3.0)
+        assert metric(p.peer, "kvxferd_holds_released_total", reason="notified") == 3
+    finally:
+        for s in idle:
+            s.close()
+        for s in (p, d):
+            assert s.stop() == 0
+        ppool.close()
+        dpool.close()
