@@ -32,22 +32,32 @@ def _pull_three(p, d, pm, dm, ppool, dpool) -> None:  # noqa: ANN001
             assert verify_pattern(dm, dpool.views, DST, seed=40 + i) is None
 
 
+def _pair(tmp_path, env: dict[str, str]):  # noqa: ANN001, ANN202
+    """A prefill sidecar (``env``) and a decode one, each with a registered 8-block pool."""
+    p = start_sidecar(str(tmp_path), "prefill", env=env)
+    d = start_sidecar(str(tmp_path), "decode")
+    pm, dm = plan("llama-3.1-8b", num_blocks=8), plan("llama-3.1-8b", num_blocks=8)
+    ppool, dpool = EnginePool(pm), EnginePool(dm)
+    with p.client() as pc, d.client() as dc:
+        pc.register(pm, ppool.specs())
+        dc.register(dm, dpool.specs())
+    return p, d, pm, dm, ppool, dpool
+
+
+def _claims(d) -> tuple[float, float]:  # noqa: ANN001
+    """The decode's claims so far: (over frames, over HTTP)."""
+    return tuple(metric(d.peer, "kvxferd_peer_calls_total", call="claim", wire=wire)
+                 for wire in ("frames", "http"))  # type: ignore[return-value]  # fmt: skip
+
+
 @pytest.mark.parametrize("frames_port", ["0", "-1"], ids=["framed", "framed-port-off"])
 def test_claims_go_framed_where_the_prefill_serves_frames_and_over_http_otherwise(
     tmp_path, frames_port
 ):
-    p = start_sidecar(str(tmp_path), "prefill", env={"KVXFERD_PEER_FRAMES_PORT": frames_port})
-    d = start_sidecar(str(tmp_path), "decode")
-    pm, dm = plan("llama-3.1-8b", num_blocks=8), plan("llama-3.1-8b", num_blocks=8)
-    ppool, dpool = EnginePool(pm), EnginePool(dm)
+    p, d, pm, dm, ppool, dpool = _pair(tmp_path, {"KVXFERD_PEER_FRAMES_PORT": frames_port})
     try:
-        with p.client() as pc, d.client() as dc:
-            pc.register(pm, ppool.specs())
-            dc.register(dm, dpool.specs())
         _pull_three(p, d, pm, dm, ppool, dpool)
-        framed = metric(d.peer, "kvxferd_peer_calls_total", call="claim", wire="frames")
-        http = metric(d.peer, "kvxferd_peer_calls_total", call="claim", wire="http")
-        assert (framed, http) == ((3.0, 0.0) if frames_port == "0" else (0.0, 3.0))
+        assert _claims(d) == ((3.0, 0.0) if frames_port == "0" else (0.0, 3.0))
         assert metric(p.peer, "kvxferd_holds_released_total", reason="notified") == 3
     finally:
         for s in (p, d):
@@ -128,20 +138,12 @@ def test_a_framed_port_at_its_connection_cap_gets_each_claim_over_http_granted_o
     hold is released by its one reader's one notification: no claim was counted twice."""
     port = _closed_port()
     env = {"KVXFERD_PEER_FRAMES_PORT": str(port), "KVXFERD_PEER_MAX_CONNECTIONS": "2"}
-    p = start_sidecar(str(tmp_path), "prefill", env=env)
-    d = start_sidecar(str(tmp_path), "decode")
-    pm, dm = plan("llama-3.1-8b", num_blocks=8), plan("llama-3.1-8b", num_blocks=8)
-    ppool, dpool = EnginePool(pm), EnginePool(dm)
+    p, d, pm, dm, ppool, dpool = _pair(tmp_path, env)
     idle = [socket.create_connection(("127.0.0.1", port), timeout=5.0) for _ in range(2)]
     try:
         wait_until(lambda: _closed_at_once(port), what="the framed port at its cap")
-        with p.client() as pc, d.client() as dc:
-            pc.register(pm, ppool.specs())
-            dc.register(dm, dpool.specs())
         _pull_three(p, d, pm, dm, ppool, dpool)
-        framed = metric(d.peer, "kvxferd_peer_calls_total", call="claim", wire="frames")
-        http = metric(d.peer, "kvxferd_peer_calls_total", call="claim", wire="http")
-        assert (framed, http) == (0.0, 3.0)
+        assert _claims(d) == (0.0, 3.0)
         assert metric(p.peer, "kvxferd_holds_released_total", reason="notified") == 3
     finally:
         for s in idle:
