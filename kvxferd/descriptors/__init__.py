@@ -22,6 +22,7 @@ from kvxferd.descriptors.reblock import (
     token_blocks,
 )
 from kvxferd.descriptors.reference import reference_descriptor_count
+from kvxferd.descriptors.staging import StagedPlan, scatter, stage_plans
 from kvxferd.descriptors.tpslice import (
     expected_readers,
     owned_units,
@@ -39,6 +40,7 @@ __all__ = [
     "ReadGeometry",
     "ReadPlan",
     "ReblockGeometry",
+    "StagedPlan",
     "Views",
     "reblock_fields",
     "build_views",
@@ -58,6 +60,8 @@ __all__ = [
     "read_geometry",
     "reblock_geometry",
     "reference_descriptor_count",
+    "scatter",
+    "stage_plans",
     "source_ranks",
     "token_blocks",
     "unit_holders",
