@@ -148,6 +148,15 @@ class Config:
     speed, two moved 1.7-1.9x that on 2 cores (scripts/bench_lanes.py). VRAM READs go whole.
     With 2 or more, a smaller DRAM READ goes on a stripe that never notifies, so it needs no
     progress of the prefill and a pull sends its claim first. 1: one agent; at most 8."""
+    staging_bytes: int = 64 << 20
+    """Bytes of the decode's staging buffer (registered on first use): a READ of at least
+    staging_min_descriptors descriptors into host memory is read as whole runs of each prefill
+    rank's blocks into it and scattered locally, where that cuts its descriptors 8x or more
+    (prefill TP 8 into TP 1: 304 -> 16; scripts/bench_staging.py). A pull that finds no room
+    reads direct. 0: never staged."""
+    staging_min_descriptors: int = 128
+    """Descriptors a READ must have before it is staged (fewer: direct; staging costs a local
+    copy, which measured a loss at 76 and a win from 152 on: docs/benchmarks.md)."""
     require_transport: str = "any"
     """READ transport readiness requires: ``rdma`` (an RDMA device, and no READ over TCP; else
     /readyz answers 503 naming why) or ``any``."""
@@ -187,6 +196,12 @@ class Config:
         if not 0 < self.pod_register_timeout_s < math.inf:
             raise ConfigError(
                 f"pod_register_timeout_s: must be > 0 and finite, got {self.pod_register_timeout_s}"
+            )
+        if not 0 <= self.staging_bytes <= 1 << 40:
+            raise ConfigError(f"staging_bytes: must be in [0, 2**40], got {self.staging_bytes}")
+        if self.staging_min_descriptors < 1:
+            raise ConfigError(
+                f"staging_min_descriptors: must be >= 1, got {self.staging_min_descriptors}"
             )
         if not 1 <= self.read_stripes <= 8:
             raise ConfigError(f"read_stripes: must be in [1, 8], got {self.read_stripes}")

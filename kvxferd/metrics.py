@@ -113,8 +113,9 @@ class Metrics:
         )
         self.reads = Counter(
             "kvxferd_reads",
-            "READs posted, by path: prepped (indices into a peer's prepared lists) or tables "
-            "(coalesced descriptor tables)",
+            "READs posted, by path: prepped (indices into a peer's prepared lists), tables "
+            "(coalesced descriptor tables) or staged (whole runs into the staging buffer, "
+            "then scattered)",
             ["path"],
             registry=r,
         )

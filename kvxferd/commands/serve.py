@@ -93,6 +93,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    dest="prepped_reads",
                    help="post fragmented READs by index into per-peer prepared lists "
                         "(default: off)")  # fmt: skip
+    p.add_argument("--staging-bytes", type=int, metavar="N", dest="staging_bytes",
+                   help="bytes of the buffer fan-in READs are staged in before a local scatter "
+                        "(0: off; default 64 MiB)")  # fmt: skip
+    p.add_argument("--staging-min-descriptors", type=int, metavar="N",
+                   dest="staging_min_descriptors",
+                   help="descriptors a READ must have to be staged (default 128)")  # fmt: skip
     p.add_argument(
         "--read-stripes",
         type=int,
@@ -198,6 +204,8 @@ def _load(args: argparse.Namespace) -> Config:
             "store_chunk_tokens": args.store_chunk_tokens,
             "require_transport": args.require_transport,
             "prepped_reads": args.prepped_reads,
+            "staging_bytes": args.staging_bytes,
+            "staging_min_descriptors": args.staging_min_descriptors,
             "ucx_proto_log": args.ucx_proto_log,
             "event_loop": args.event_loop,
             "http": args.http,

@@ -97,6 +97,15 @@ def memory_of(manifest: Manifest) -> Memory:
 
 
 @dataclass(frozen=True, eq=False)
+class StagedRead:
+    """A READ's staged form: ``plan``'s runs, read from ``remote`` (their addresses at the
+    peer) into a staging lease, then scattered into place."""
+
+    plan: descriptors.StagedPlan
+    remote: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
 class PeerRead:
     """What one prefill rank's READ moves, and how it is posted: by index into the peer's
     prepared lists (``prepped``), or as coalesced descriptor tables (``tables``)."""
@@ -110,14 +119,26 @@ class PeerRead:
     """``(local list, local indices, remote list, remote indices)`` of the prepped path."""
     memory: tuple[Memory, Memory] = (DRAM, DRAM)
     """``(local, remote)`` memory of the plain path's tables (prepped lists carry their own)."""
+    staged: StagedRead | None = None
+    """The tables' staged form, posted instead of them when a staging lease is free."""
 
     @property
     def total_bytes(self) -> int:
         """Bytes this READ moves."""
         return self.kv_bytes + self.state_bytes
 
-    def post(self, transport: Transport, remote: str, notif: bytes) -> Callable[[], PostedRead]:
-        """The call that posts this READ from agent ``remote`` (run by ``Reads``)."""
+    def post(
+        self, transport: Transport, remote: str, notif: bytes, stage_at: int | None = None
+    ) -> Callable[[], PostedRead]:
+        """The call that posts this READ from agent ``remote`` (run by ``Reads``); with
+        ``stage_at`` (a staging lease's address), its staged form's runs into the lease."""
+        if stage_at is not None:
+            assert self.staged is not None
+            plan, (_, (rmem, rdev)) = self.staged.plan, self.memory
+            local = (plan.run_at + stage_at, plan.run_length)
+            return functools.partial(transport.read, remote, local,
+                                     (self.staged.remote, plan.run_length), notif,
+                                     remote_mem=rmem, remote_device_id=rdev)  # fmt: skip
         if self.prepped is not None:
             return functools.partial(transport.read_prepped, *self.prepped, notif)
         assert self.tables is not None

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import numpy as np
 
+from kvxferd.descriptors.staging import scatter
 from kvxferd.errors import (
     CapacityError,
     ClaimTimeoutError,
@@ -36,6 +38,7 @@ from kvxferd.errors import (
     PeerDisconnectedError,
     TransferTimeoutError,
     UnknownPullError,
+    UnsettledReadError,
     reason_code,
 )
 from kvxferd.metrics import BYTE_KINDS, PHASES
@@ -45,6 +48,7 @@ from kvxferd.sidecar.peerviews import PeerRead
 from kvxferd.sidecar.pull_request import validate_pull
 from kvxferd.sidecar.readplans import ReadPlanner
 from kvxferd.sidecar.reads import SETTLE_S, Reads, run_to_end
+from kvxferd.sidecar.staging import StagingPool
 from kvxferd.sidecar.states import PullState, advance
 from kvxferd.wire import (
     ClaimRequest,
@@ -63,6 +67,8 @@ if TYPE_CHECKING:
 
 LocalLayout = Callable[[], tuple[Manifest, Sequence[int]]]
 """The registered manifest and each region's base address (NotRegisteredError without one)."""
+LocalViews = Callable[[], Sequence[np.ndarray] | None]
+"""A uint8 host view of each registered region (None: not host memory), for staged READs."""
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +153,12 @@ class PullRunner:
         max_deadline_s: float = 600.0,
         guard: Callable[[], None] = lambda: None,
         reads_over_tcp: Callable[[], bool] = lambda: False,
+        local_views: LocalViews | None = None,
+        staging_bytes: int = 0,
+        staging_min_descriptors: int = 0,
     ) -> None:
         self._local = local
+        self._local_views = local_views  # None: READs are never staged (nothing to scatter to)
         self._reads_over_tcp = reads_over_tcp  # whether READs were seen going over TCP
         self._guard = guard  # raises once the local memory may not be touched (shrunk)
         self._transport = transport
@@ -164,7 +174,11 @@ class PullRunner:
         self._phase = {p: metrics.phase_duration.labels(p) for p in PHASES}
         self._bytes = {k: metrics.transfer_bytes.labels(k) for k in BYTE_KINDS}
         self.reads = Reads(transport, on_stuck=peers.forget)
-        self.planner = ReadPlanner(transport, prepped_reads=prepped_reads)
+        self.staging = StagingPool(transport, staging_bytes if local_views else 0)
+        self.planner = ReadPlanner(
+            transport, prepped_reads=prepped_reads, staging_min_descriptors=staging_min_descriptors,
+            staging_max_bytes=self.staging.nbytes,
+        )  # fmt: skip
         self.feed = FinishedFeed()
 
     def start(self, req: PullRequest) -> Pull:
@@ -247,6 +261,7 @@ class PullRunner:
         await self.stop()
         await self.reads.close()
         self.planner.close()
+        await self.staging.close()
 
     async def _run(self, pull: Pull) -> None:
         m = self._metrics
@@ -357,7 +372,7 @@ class PullRunner:
         rank once the READ settled (it can no longer write).
         """
         pull.advance(PullState.CLAIMING)
-        read: asyncio.Task[float] | None = None
+        read: asyncio.Task[tuple[float, int]] | None = None
         # A READ that waits on the prefill goes out before the claim: its completion needs one
         # progress of the prefill's UCX worker (our last notification to it is on that
         # endpoint, or the READ goes over TCP), which the claim's arrival gives
@@ -378,10 +393,10 @@ class PullRunner:
             if read is not None:
                 if not read.done():  # the prefill progressed its UCX worker as the claim came
                     self.reads.poller.kick()
-                done = await self._within_claim(pull, peer, read, claim_end, deadline)
+                done, posted = await self._within_claim(pull, peer, read, claim_end, deadline)
                 pull.kv_bytes += int(plan.kv_bytes)
                 pull.state_bytes += int(plan.state_bytes)
-                pull.descriptors += int(plan.num_descriptors)
+                pull.descriptors += posted
                 self._bytes["kv"].inc(plan.kv_bytes)  # bytes that count (claimed)
                 self._bytes["state"].inc(plan.state_bytes)
                 self._phase["notify"].observe(time.monotonic() - done)
@@ -421,10 +436,11 @@ class PullRunner:
         return time.monotonic() + (claim.expires_at - time.time())
 
     async def _within_claim(
-        self, pull: Pull, peer: Peer, read: asyncio.Task[float], claim_end: float,
+        self, pull: Pull, peer: Peer, read: asyncio.Task[tuple[float, int]], claim_end: float,
         deadline: float,
-    ) -> float:  # fmt: skip
-        """Wait for ``read`` no longer than the claim lasts; when it completed (monotonic).
+    ) -> tuple[float, int]:  # fmt: skip
+        """Wait for ``read`` no longer than the claim lasts; when it completed (monotonic) and
+        the descriptors it posted.
 
         HoldExpiredError if it did not complete by the claim's end: the hold may have expired
         under it (a READ that completed before the claim answered is checked too).
@@ -438,13 +454,13 @@ class PullRunner:
                 raise HoldExpiredError(
                     f"the claim at {peer.address} ended before the READ completed"
                 )
-        finished = await read
+        finished, posted = await read
         if finished > claim_end:
             raise HoldExpiredError(
                 f"the claim at {peer.address} ended {finished - claim_end:.3f} s before the "
                 "READ completed"
             )
-        return finished
+        return finished, posted
 
     async def _release_unread(self, ticket: Ticket, reader_tp_size: int) -> None:
         """Release the hold of a prefill rank that no decode rank reads, before its expiry.
@@ -482,13 +498,25 @@ class PullRunner:
 
     async def _transfer(
         self, pull: Pull, peer: Peer, plan: PeerRead, deadline: float, *, yield_: bool = False
-    ) -> float:
+    ) -> tuple[float, int]:
         """Post ``plan``'s READ (no notification: that waits for the claim) and wait for it
         until the pull's deadline; when its completion was seen (monotonic; it completed no
-        later). ``yield_``: let the loop round end first (a claim written in it leaves then,
-        kvxferd.aio.Cork)."""
+        later) and the descriptors posted. Staged where ``plan`` has a staged form and a
+        staging lease is free: the runs are read into the lease, then scattered into place
+        before this returns (never once the READ failed or may still write). ``yield_``: let
+        the loop round end first (a claim written in it leaves then, kvxferd.aio.Cork)."""
         if yield_:
             await asyncio.sleep(0)
+        staged = plan.staged
+        views = None  # where a staged READ scatters to (None: no host view, read direct)
+        if staged is not None and self._local_views is not None:
+            views = self._local_views()
+        lease = self.staging.acquire(staged.plan.nbytes) if staged and views else None
+        path = "prepped" if plan.prepped is not None else "tables"
+        if lease is not None and staged is not None:
+            path, nbytes, descs = "staged", staged.plan.nbytes, staged.plan.num_runs
+        else:
+            nbytes, descs = int(plan.kv_bytes + plan.state_bytes), int(plan.num_descriptors)
         tables = plan.tables or (None, None)
         t0 = time.monotonic()
         try:
@@ -497,15 +525,33 @@ class PullRunner:
                 peer.agent_name,
                 *tables,
                 b"",
-                nbytes=int(plan.kv_bytes + plan.state_bytes),
-                descs=int(plan.num_descriptors),
+                nbytes=nbytes,
+                descs=descs,
                 deadline=deadline,
                 on_unsettled=functools.partial(_unsettled, pull),
-                post=_by(deadline, plan.post(self._transport, peer.agent_name, b"")),
+                post=_by(
+                    deadline,
+                    plan.post(
+                        self._transport, peer.agent_name, b"", None if lease is None else lease.addr
+                    ),
+                ),
             )
+            if lease is not None and staged is not None:  # DONE: nothing writes the lease now
+                if time.monotonic() > deadline:  # no write into the blocks past the deadline
+                    raise TransferTimeoutError("staged READ completed past the pull's deadline")
+                self._guard()  # the memory is still whole (a shrunk segment fails the pull)
+                scatter(lease.view, views, staged.plan)
+        except UnsettledReadError:
+            if lease is not None:  # the READ may still write its pages: never reused
+                self.staging.retire(lease)
+                lease = None
+            raise
         except PeerDisconnectedError:
             await self._peers.forget(peer.address)
             raise
+        finally:
+            if lease is not None:
+                self.staging.release(lease)
         finished = time.monotonic()
         telemetry = transfer.telemetry() or {}
         wire_s = float(telemetry.get("wall_s", finished - t0))
@@ -515,11 +561,11 @@ class PullRunner:
         self._phase["post"].observe(posted - t0)
         self._phase["wire"].observe(wire_s)
         m.transfer_duration.observe(finished - t0)
-        m.transfer_descriptors.observe(plan.num_descriptors)
-        m.reads.labels("prepped" if plan.prepped is not None else "tables").inc()
+        m.transfer_descriptors.observe(descs)
+        m.reads.labels(path).inc()
         if wire_s > 0:
             m.transfer_throughput.observe(total / wire_s)
-        return finished
+        return finished, descs
 
 
 def _by(deadline: float, post: Callable[[], PostedRead]) -> Callable[[], PostedRead]:

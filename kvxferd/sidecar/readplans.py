@@ -3,23 +3,39 @@
 A pull reads from each prefill rank its tickets name (one READ per rank's sidecar), or, from a
 pod sidecar that serves every rank, one READ: every rank's descriptor tables joined, since one
 agent owns all of their memory. Read geometries are cached per peer epoch, registration and
-rank; the stacked (fan-in) geometry of ranks read together per set of geometries.
+rank; the stacked (fan-in) geometry of ranks read together per set of geometries. A table READ
+of at least ``staging_min_descriptors`` rows into DRAM also gets its staged form (whole runs into
+a staging buffer, then scattered: kvxferd.descriptors.staging), posted when a staging lease is
+free and the form pays.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvxferd import descriptors
 from kvxferd.descriptors.fanin import FanInGeometry, fan_in_geometry
+from kvxferd.descriptors.staging import stage_plans
 from kvxferd.errors import HandshakeError
-from kvxferd.sidecar.peerviews import PeerRead, PeerViews, RankPlans, joined, memory_of, table_read
+from kvxferd.sidecar.peerviews import (
+    PeerRead,
+    PeerViews,
+    RankPlans,
+    StagedRead,
+    joined,
+    memory_of,
+    table_read,
+)
 from kvxferd.wire import Manifest, PullRequest, Ticket
 
 if TYPE_CHECKING:
     from kvxferd.sidecar.peers import Peer
+    from kvxferd.sidecar.peerviews import Memory
     from kvxferd.transport.base import Transport
 
 _KEEP_GEOMETRIES = 256  # per-peer read geometries cached (keyed by peer epoch)
@@ -30,7 +46,10 @@ class ReadPlanner:
     """Plans a pull's READs: per rank, or one for a pod (``prepped_reads``: post by index into
     per-peer prepared lists where that moves fewer descriptors; never for a pod)."""
 
-    def __init__(self, transport: Transport, *, prepped_reads: bool = False) -> None:
+    def __init__(
+        self, transport: Transport, *, prepped_reads: bool = False,
+        staging_min_descriptors: int = 0, staging_max_bytes: int = 0,
+    ) -> None:  # fmt: skip
         self._geometries: OrderedDict[
             tuple[str, str, int, int, int, int], tuple[Manifest, descriptors.ReadGeometry]
         ] = OrderedDict()
@@ -39,6 +58,8 @@ class ReadPlanner:
         ] = OrderedDict()
         self.rank_plans = RankPlans()
         self.views = PeerViews(transport, enabled=prepped_reads)
+        self._stage_min = staging_min_descriptors
+        self._stage_max = staging_max_bytes  # 0: never staged
 
     def close(self) -> None:
         """Release the prepared lists."""
@@ -56,8 +77,28 @@ class ReadPlanner:
             raise HandshakeError(f"peer {peer.address} serves {peer.ranks} ranks, the ticket "
                                  f"spans {ticket.ranks}")  # fmt: skip
         views = [peer.rank(r) for r in sources]
-        return joined(self.ranks(req, views, [ticket] * len(views), local, bases,
-                                 local_checked=local_checked, tables=True))  # fmt: skip
+        plans = self._plans(req, views, [ticket] * len(views), local, local_checked)
+        memory = memory_of(local)
+        read = joined([table_read(p, bases, v, memory) for p, v in zip(plans, views, strict=True)])
+        return self._staged(read, plans, views, memory)
+
+    def _staged(
+        self, read: PeerRead, plans: Sequence[descriptors.ReadPlan], peers: Sequence[Peer],
+        memory: Memory,
+    ) -> PeerRead:  # fmt: skip
+        """``read`` with its staged form where that pays (kvxferd.descriptors.staging): a DRAM
+        destination and at least ``staging_min_descriptors`` rows."""
+        if (not self._stage_max or memory.mem != "DRAM" or read.tables is None
+                or read.num_descriptors < self._stage_min):  # fmt: skip
+            return read
+        counts = [len(p.region_bases) for p in peers]
+        staged = stage_plans(plans, counts, min_descriptors=self._stage_min,
+                             max_bytes=self._stage_max)  # fmt: skip
+        if staged is None:
+            return read
+        bases = np.concatenate([np.asarray(p.region_bases, dtype=np.int64) for p in peers])
+        remote = bases[staged.run_key] + staged.run_offset
+        return dataclasses.replace(read, staged=StagedRead(staged, remote))
 
     def ranks(
         self, req: PullRequest, peers: list[Peer], tickets: list[Ticket], local: Manifest,
@@ -67,22 +108,12 @@ class ReadPlanner:
         remote ids and share a geometry (kvxferd.descriptors.fanin), else one plan per rank.
         ``tables``: every READ as descriptor tables (never by index into prepared lists);
         ``local_checked``: the pull's local ids were checked against ``local`` already."""
-        geometries = tuple(self._geometry(local, p) for p in peers)
         memory = memory_of(local)
-        if len(peers) > 1 and (tables or not self.views.enabled):
-            ids = tickets[0].block_ids
-            fan = self._fan_in(geometries) if all(t.block_ids == ids for t in tickets) else None
-            if fan is not None:
-                plans = fan.plan(req.block_ids, ids, local_checked=local_checked)
-                return [table_read(p, bases, peer, memory)
-                        for p, peer in zip(plans, peers, strict=True)]  # fmt: skip
-        if tables:
-            return [
-                table_read(descriptors.plan_pull(geometry, req.block_ids, ticket.block_ids,
-                                                 req.num_tokens, ticket.num_tokens,
-                                                 local_checked=local_checked), bases, peer, memory)
-                for peer, ticket, geometry in zip(peers, tickets, geometries, strict=True)
-            ]  # fmt: skip
+        if tables or not self.views.enabled:
+            plans = self._plans(req, peers, tickets, local, local_checked)
+            return [self._staged(table_read(p, bases, peer, memory), [p], [peer], memory)
+                    for p, peer in zip(plans, peers, strict=True)]  # fmt: skip
+        geometries = tuple(self._geometry(local, p) for p in peers)
         return [
             self.views.plan(
                 peer,
@@ -97,6 +128,24 @@ class ReadPlanner:
             )
             for peer, ticket, geometry in zip(peers, tickets, geometries, strict=True)
         ]
+
+    def _plans(
+        self, req: PullRequest, peers: Sequence[Peer], tickets: Sequence[Ticket],
+        local: Manifest, local_checked: bool,
+    ) -> list[descriptors.ReadPlan]:  # fmt: skip
+        """Every source rank's coalesced plan: stacked where the ranks read the same remote ids
+        and share a geometry (kvxferd.descriptors.fanin), else rank by rank."""
+        geometries = tuple(self._geometry(local, p) for p in peers)
+        if len(peers) > 1:
+            ids = tickets[0].block_ids
+            fan = self._fan_in(geometries) if all(t.block_ids == ids for t in tickets) else None
+            if fan is not None:
+                return list(fan.plan(req.block_ids, ids, local_checked=local_checked))
+        return [
+            descriptors.plan_pull(geometry, req.block_ids, ticket.block_ids, req.num_tokens,
+                                  ticket.num_tokens, local_checked=local_checked)
+            for ticket, geometry in zip(tickets, geometries, strict=True)
+        ]  # fmt: skip
 
     def _geometry(self, local: Manifest, peer: Peer) -> descriptors.ReadGeometry:
         """Per-peer read geometry (checks and per-layer work done once per peer epoch, rank and

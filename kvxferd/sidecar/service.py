@@ -114,6 +114,7 @@ class Sidecar:
         self._regions: list[Any] = []
         self._bases: list[int] = []
         self._sources: list[int] = []  # source (allocation) index of each manifest region
+        self._views: tuple[Manifest, list[Any]] | None = None  # host views for staged READs
         self.holds: HoldTable | None = None
         self.keys = PeerKeys.of(config.peer_token, config.peer_token_previous) if (
             config.peer_token) else None  # fmt: skip
@@ -132,6 +133,8 @@ class Sidecar:
             prepped_reads=config.prepped_reads, max_in_flight=config.max_pulls_in_flight,
             max_deadline_s=config.max_pull_deadline_s, guard=self._check_memory,
             reads_over_tcp=lambda: self.fabric.reads_over_tcp(time.monotonic()),
+            local_views=self._host_views, staging_bytes=config.staging_bytes,
+            staging_min_descriptors=config.staging_min_descriptors,
         )  # fmt: skip
         self._tasks: list[asyncio.Task[None]] = []
         self._secret = config.peer_token.encode()
@@ -202,6 +205,7 @@ class Sidecar:
         await asyncio.to_thread(self.agent.close)
         self._retired.close()  # no UCX worker left to serve a late READ of them
         self.fabric.close()
+        self._views = None
         if not copying:  # else left mapped: no store copy reads or writes memory let go of
             close_sources(self._regions)
         if self.pod is not None and self.manifest is None:  # ranks of a pod still forming
@@ -304,6 +308,7 @@ class Sidecar:
             claims = [h.claimed_until - time.monotonic() for h in holds.live()]
             check_let_go(claims, self.pulls.reads.quarantined, copying)
             await self.pulls.close()
+            self._views = None  # no view keeps the memory mapped past its release
             await release_sources(self.agent, self._registrations, self._regions, self._retired)
             self._regions, self._registrations, self._bases = [], [], []
             if self.pod is not None:  # every rank's memory went above: a fresh pod forms next
@@ -563,6 +568,16 @@ class Sidecar:
     def region_bases(self) -> list[int]:
         """Base address of each registered region in this process."""
         return self._bases
+
+    def _host_views(self) -> list[Any] | None:
+        """A uint8 host view of each registered region (what a staged READ scatters into), made
+        once per registration; None for VRAM and for a pod (its READs are never staged)."""
+        _, manifest = self._require_engine()
+        if self.pod is not None or (manifest.regions and manifest.regions[0].mem != "DRAM"):
+            return None
+        if self._views is None or self._views[0] is not manifest:
+            self._views = (manifest, host_views(self._regions, self._sources, manifest))
+        return self._views[1]
 
     def _local_layout(self) -> tuple[Manifest, list[int]]:
         """The registered manifest and region bases (what a pull reads into)."""

@@ -135,7 +135,7 @@ def _pull_and_verify(rank: Rank, ticket: Ticket, ids: list[list[int]], seed: int
 
 def _reads(rank: Rank) -> float:
     return sum(metric(rank.sidecar.peer, "kvxferd_reads_total", path=p)
-               for p in ("tables", "prepped"))  # fmt: skip
+               for p in ("tables", "prepped", "staged"))  # fmt: skip
 
 
 def _claims(rank: Rank) -> float:

@@ -1,0 +1,169 @@
+"""The staging buffer staged READs land in (kvxferd.descriptors.staging), registered once.
+
+One anonymous DRAM mapping of ``staging_bytes``, registered with the transport on the first
+pull that wants it (on a thread; pulls read direct meanwhile) and cut into 64 KiB pages. A pull
+takes contiguous pages for its runs and gives them back once its READ can no longer write
+(kvxferd.sidecar.reads); one that finds no room reads direct. Pages under a READ that could not
+be confirmed stopped (unsettled, quarantined) are never handed out again: they stay retired
+until the pool closes, and the mapping then stays mapped for the life of the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import mmap
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxferd.errors import KvxferdError
+from kvxferd.sidecar.reads import run_to_end
+from kvxferd.transport.base import Transport
+
+log = logging.getLogger(__name__)
+
+PAGE = 64 << 10
+"""Bytes of one staging page (a pull takes whole, contiguous pages)."""
+
+
+class _Mapping:
+    """Anonymous DRAM as a :class:`kvxferd.memory.RegionSource` (private to this process)."""
+
+    mem = "DRAM"
+    device_id = 0
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = size
+        self._mmap: mmap.mmap | None = mmap.mmap(-1, size)
+        self.view = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.base_addr = int(self.view.ctypes.data)
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+    def host_view(self) -> np.ndarray:
+        return self.view
+
+    def backed_bytes(self) -> int:
+        return self.size
+
+    def close(self) -> None:
+        mapping, self._mmap = self._mmap, None
+        if mapping is not None:
+            del self.view
+            try:
+                mapping.close()
+            except BufferError:  # a view is still referenced: unmapped when it is dropped
+                log.debug("staging buffer still has views; unmapped when they are dropped")
+
+
+@dataclass(eq=False)
+class Lease:
+    """Pages of the staging buffer one pull holds: its bytes at ``addr`` (view: ``view``)."""
+
+    first: int
+    pages: int
+    addr: int
+    view: np.ndarray
+
+
+class StagingPool:
+    """Bounded staging memory for the pulls of one sidecar (``nbytes``; 0: never staged)."""
+
+    def __init__(self, transport: Transport, nbytes: int, name: str = "kvxferd-staging") -> None:
+        self._transport = transport
+        self.nbytes = nbytes // PAGE * PAGE
+        self._name = name
+        self._mapping: _Mapping | None = None
+        self._registration: object | None = None
+        self._opening: asyncio.Task[None] | None = None
+        self._used = np.zeros(self.nbytes // PAGE, dtype=bool)
+        self._leases = 0
+        self.retired = 0
+        """Pages never handed out again (under a READ that may still write them)."""
+        self.staged = 0
+        """Leases handed out (pulls staged)."""
+        self.no_room = 0
+        """Pulls that wanted staging and found no room (read direct)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether pulls may stage at all (a nonzero size)."""
+        return self.nbytes > 0
+
+    def acquire(self, nbytes: int) -> Lease | None:
+        """Contiguous pages for ``nbytes``, or None (read direct): the buffer not registered
+        yet (this starts its registration), or no room now."""
+        if not self.enabled or nbytes > self.nbytes:
+            return None
+        mapping = self._mapping
+        if mapping is None or self._registration is None:
+            if self._opening is None:
+                self._opening = asyncio.get_running_loop().create_task(self._open())
+            return None
+        need = -(-nbytes // PAGE)
+        free = np.r_[0, np.cumsum(~self._used)]
+        fits = np.flatnonzero(free[need:] - free[:-need] == need)
+        if fits.size == 0:
+            self.no_room += 1
+            return None
+        first = int(fits[0])
+        self._used[first : first + need] = True
+        self._leases += 1
+        self.staged += 1
+        at = first * PAGE
+        return Lease(first, need, mapping.base_addr + at, mapping.view[at : at + need * PAGE])
+
+    def release(self, lease: Lease) -> None:
+        """Give ``lease`` back: its READ can no longer write."""
+        self._used[lease.first : lease.first + lease.pages] = False
+        self._leases -= 1
+
+    def retire(self, lease: Lease) -> None:
+        """Keep ``lease``'s pages out of use until the pool closes (its READ may still write)."""
+        self._leases -= 1
+        self.retired += lease.pages
+        log.warning("staging pages %d-%d retired: a READ into them was not confirmed stopped",
+                    lease.first, lease.first + lease.pages - 1)  # fmt: skip
+
+    async def _open(self) -> None:
+        mapping = _Mapping(self._name, self.nbytes)
+        try:
+            (reg,) = await asyncio.to_thread(self._transport.register, mapping)
+        except (KvxferdError, OSError) as exc:
+            mapping.close()
+            log.warning("no staging buffer (pulls read direct): %s", exc)
+            return  # _opening stays set: not retried until the pool closes
+        except BaseException:
+            mapping.close()
+            raise
+        self._mapping, self._registration = mapping, reg
+
+    async def close(self) -> None:
+        """Deregister and unmap (after every pull ended; reusable afterwards: the next pull
+        that wants staging registers afresh). Retired pages keep the mapping mapped."""
+        opening, self._opening = self._opening, None
+        if opening is not None:  # a registration on its thread ends first (not cancelled:
+            with contextlib.suppress(Exception):  # its thread would register all the same)
+                await run_to_end(opening)
+        mapping, reg = self._mapping, self._registration
+        self._mapping = self._registration = None
+        if reg is not None:
+            deregister = getattr(self._transport, "deregister", None)
+            if deregister is not None:
+                try:
+                    deregister(reg)
+                except KvxferdError as exc:
+                    log.warning("could not deregister the staging buffer: %s", exc)
+        if mapping is not None:
+            if self.retired or self._leases:
+                log.warning("staging buffer left mapped: %d pages retired, %d leases out",
+                            self.retired, self._leases)  # fmt: skip
+            else:
+                mapping.close()
+        self._used[:] = False
+        self._leases = self.retired = 0
