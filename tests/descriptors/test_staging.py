@@ -102,8 +102,10 @@ def test_the_bench_fan_in_from_tp8_stages_one_run_per_rank_region_and_few_copies
     assert rows == 304
     assert staged is not None
     assert staged.num_runs == 16  # 8 ranks x 2 regions
-    assert len(staged.count) == 48  # per rank and region: attention, 2 Mamba pieces
-    assert int((staged.count * staged.length).sum()) == sum(p.total_bytes for p in plans)
+    # per region: the attention heads of all 8 ranks in one copy, the Mamba pieces in three
+    assert len(staged.copies) == 8
+    moved = sum(n * c * oc for _, _, _, n, c, _, _, oc, _, _ in staged.copies)
+    assert moved == sum(p.total_bytes for p in plans)
     sizes = [r.size_bytes for r in local.regions]
     rng = np.random.default_rng(8)
     remotes = [[rng.integers(0, 256, g.size_bytes, dtype=np.uint8) for g in m.regions]
