@@ -96,13 +96,19 @@ def memory_of(manifest: Manifest) -> Memory:
     return Memory(region.mem, region.device_id)
 
 
+Tables = tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+"""``((local addrs, lens), (remote addrs, lens))``: a READ's descriptor tables."""
+
+
 @dataclass(frozen=True, eq=False)
 class StagedRead:
     """A READ's staged form: ``plan``'s runs, read from ``remote`` (their addresses at the
-    peer) into a staging lease, then scattered into place."""
+    peer) into a staging lease, then scattered into place; ``direct`` builds the READ's
+    descriptor tables, for a pull that finds no staging room (most never need them)."""
 
     plan: descriptors.StagedPlan
     remote: np.ndarray
+    direct: Callable[[], Tables]
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,8 +119,9 @@ class PeerRead:
     kv_bytes: int
     state_bytes: int
     num_descriptors: int
-    tables: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
-    """``((local addrs, lens), (remote addrs, lens))`` of the plain path."""
+    tables: Tables | None = None
+    """``((local addrs, lens), (remote addrs, lens))`` of the plain path (None with a staged
+    form: built by it when needed)."""
     prepped: tuple[Any, np.ndarray, Any, np.ndarray] | None = None
     """``(local list, local indices, remote list, remote indices)`` of the prepped path."""
     memory: tuple[Memory, Memory] = (DRAM, DRAM)
@@ -141,9 +148,11 @@ class PeerRead:
                                      remote_mem=rmem, remote_device_id=rdev)  # fmt: skip
         if self.prepped is not None:
             return functools.partial(transport.read_prepped, *self.prepped, notif)
-        assert self.tables is not None
+        tables = self.tables if self.tables is not None or self.staged is None else (
+            self.staged.direct())  # fmt: skip
+        assert tables is not None
         (mem, dev), (remote_mem, remote_dev) = self.memory
-        return functools.partial(transport.read, remote, *self.tables, notif, mem=mem,
+        return functools.partial(transport.read, remote, *tables, notif, mem=mem,
                                  device_id=dev, remote_mem=remote_mem,
                                  remote_device_id=remote_dev)  # fmt: skip
 

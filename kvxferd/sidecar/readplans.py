@@ -11,7 +11,6 @@ free and the form pays.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -27,6 +26,7 @@ from kvxferd.sidecar.peerviews import (
     PeerViews,
     RankPlans,
     StagedRead,
+    Tables,
     joined,
     memory_of,
     table_read,
@@ -78,27 +78,41 @@ class ReadPlanner:
                                  f"spans {ticket.ranks}")  # fmt: skip
         views = [peer.rank(r) for r in sources]
         plans = self._plans(req, views, [ticket] * len(views), local, local_checked)
-        memory = memory_of(local)
-        read = joined([table_read(p, bases, v, memory) for p, v in zip(plans, views, strict=True)])
-        return self._staged(read, plans, views, memory)
+        return self._read(plans, views, bases, memory_of(local))
 
-    def _staged(
-        self, read: PeerRead, plans: Sequence[descriptors.ReadPlan], peers: Sequence[Peer],
+    def _read(
+        self, plans: Sequence[descriptors.ReadPlan], peers: Sequence[Peer], bases: Sequence[int],
         memory: Memory,
     ) -> PeerRead:  # fmt: skip
-        """``read`` with its staged form where that pays (kvxferd.descriptors.staging): a DRAM
-        destination and at least ``staging_min_descriptors`` rows."""
-        if (not self._stage_max or memory.mem != "DRAM" or read.tables is None
-                or read.num_descriptors < self._stage_min):  # fmt: skip
-            return read
+        """One READ of ``plans`` (one per peer, all from one agent): descriptor tables, or its
+        staged form where that pays (kvxferd.descriptors.staging: a DRAM destination and at
+        least ``staging_min_descriptors`` rows), the tables then built only if needed."""
+
+        def direct() -> PeerRead:
+            return joined([table_read(p, bases, v, memory)
+                           for p, v in zip(plans, peers, strict=True)])  # fmt: skip
+
+        rows = sum(p.num_descriptors for p in plans)
+        if not self._stage_max or memory.mem != "DRAM" or rows < self._stage_min:
+            return direct()
         counts = [len(p.region_bases) for p in peers]
         staged = stage_plans(plans, counts, min_descriptors=self._stage_min,
                              max_bytes=self._stage_max)  # fmt: skip
         if staged is None:
-            return read
-        bases = np.concatenate([np.asarray(p.region_bases, dtype=np.int64) for p in peers])
-        remote = bases[staged.run_key] + staged.run_offset
-        return dataclasses.replace(read, staged=StagedRead(staged, remote))
+            return direct()
+        rbases = np.concatenate([np.asarray(p.region_bases, dtype=np.int64) for p in peers])
+        remote = rbases[staged.run_key] + staged.run_offset
+
+        def tables() -> Tables:
+            read = direct()
+            assert read.tables is not None
+            return read.tables
+
+        return PeerRead(
+            sum(p.kv_bytes for p in plans), sum(p.state_bytes for p in plans), rows,
+            memory=(memory, memory_of(peers[0].manifest)),
+            staged=StagedRead(staged, remote, tables),
+        )  # fmt: skip
 
     def ranks(
         self, req: PullRequest, peers: list[Peer], tickets: list[Ticket], local: Manifest,
@@ -111,7 +125,7 @@ class ReadPlanner:
         memory = memory_of(local)
         if tables or not self.views.enabled:
             plans = self._plans(req, peers, tickets, local, local_checked)
-            return [self._staged(table_read(p, bases, peer, memory), [p], [peer], memory)
+            return [self._read([p], [peer], bases, memory)
                     for p, peer in zip(plans, peers, strict=True)]  # fmt: skip
         geometries = tuple(self._geometry(local, p) for p in peers)
         return [
