@@ -160,6 +160,7 @@ async def measure(rig: Rig, inflight: int, args: argparse.Namespace, prof: Profi
         cpu = {k: 0.0 for k in ranks}
         me = 0.0
         phases0 = rig.decode.sidecar.phase_sums()
+        paths0 = rig.decode.sidecar.reads_by_path()
         profiles: dict[str, str] = {}
         with prof.window(ranks, tag, profiles):
             for _ in range(args.rounds):
@@ -177,6 +178,8 @@ async def measure(rig: Rig, inflight: int, args: argparse.Namespace, prof: Profi
                 lat += a
                 sc += b
         phases = phase_means(phases0, rig.decode.sidecar.phase_sums())
+        paths = rig.decode.sidecar.reads_by_path()
+        reads = {k: v - paths0.get(k, 0) for k, v in paths.items() if v - paths0.get(k, 0)}
     finally:
         for c in (dc, *pcs):
             await c.aclose()
@@ -196,6 +199,7 @@ async def measure(rig: Rig, inflight: int, args: argparse.Namespace, prof: Profi
         "prefill_cpu_ms_per_pull": prefill_cpu * 1e3 / n,
         "client_cpu_ms_per_pull": me * 1e3 / n,
         "decode_phase_mean_ms": phases,
+        "decode_reads_by_path": reads,
         "verified_pulls": verified,
         "load_average": os.getloadavg()[0],
     }
@@ -239,12 +243,13 @@ def prefill_engine(tp: int, num_blocks: int, tmp: str, prof: Profiler, pod: bool
 def print_rows(title: str, rows: list[dict], key: str) -> None:
     print(f"\n{title}")
     print(f"{key:>10} {'pulls/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'side p50':>8} "
-          f"{'D cpu ms':>8} {'P cpu ms':>8} {'cost':>5}")  # fmt: skip
+          f"{'D cpu ms':>8} {'P cpu ms':>8} {'cost':>5}  decode READs")  # fmt: skip
     for r in rows:
+        paths = " ".join(f"{k} {v}" for k, v in sorted(r["decode_reads_by_path"].items()))
         print(f"{r[key]:>10} {r['pulls_per_s']:8.1f} {r['p50_ms']:7.2f} {r['p99_ms']:7.2f} "
               f"{r['sidecar_p50_ms']:8.2f} {r['decode_cpu_ms_per_pull']:8.2f} "
               f"{r['prefill_cpu_ms_per_pull']:8.2f} "
-              f"{report.fmt(r.get('cost_vs_tp1'), '5.2f')}")  # fmt: skip
+              f"{report.fmt(r.get('cost_vs_tp1'), '5.2f')}  {paths}")  # fmt: skip
 
 
 def targets(result: dict) -> dict:

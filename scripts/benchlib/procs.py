@@ -95,6 +95,14 @@ class SidecarProcess:
                     slot[1] = int(s.value)
         return {k: (v[0], int(v[1])) for k, v in out.items()}
 
+    def reads_by_path(self) -> dict[str, int]:
+        """READs posted so far by path (kvxferd_reads_total: tables, prepped, staged)."""
+        text = httpx.get(f"http://{self.peer}/metrics", timeout=30).text
+        return {s.labels.get("path", ""): int(s.value)
+                for family in text_string_to_metric_families(text)
+                if family.name == "kvxferd_reads" for s in family.samples
+                if s.name == "kvxferd_reads_total"}  # fmt: skip
+
     def stop(self) -> int:
         """SIGTERM, then SIGKILL after 30 s; returns the exit status."""
         if self.proc.poll() is None:
