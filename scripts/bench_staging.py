@@ -9,8 +9,8 @@ model's 16-block slots (``benchlib.pullrig``) from a pod sidecar serving prefill
 - ``direct``: one READ of every rank's coalesced plan, joined (what a pod pull posts today);
 - ``staged``: one READ of each prefill rank's run of blocks whole per region (few, large
   descriptors) into a registered staging buffer, then the planned descriptors copied from it
-  into the decode blocks, one strided ``np.copyto`` per progression (rows of one rank's run,
-  local region and length whose offsets step evenly on both sides);
+  into the decode blocks (kvxferd.descriptors.staging: its ``stage_plans`` and ``scatter``, as
+  the sidecar stages a READ);
 - ``tp1``: one READ of the same bytes from one prefill rank (the fan-in target's baseline).
 
 Each timed pull includes building its descriptor tables from the plans (planning itself is the
@@ -88,6 +88,7 @@ class SlotPlan:
 
     rank: np.ndarray
     plan: descriptors.ReadPlan
+    plans: list[descriptors.ReadPlan]
 
 
 def slot_plan(dm: Manifest, src: Source, ids: list[list[int]]) -> SlotPlan:
@@ -97,7 +98,7 @@ def slot_plan(dm: Manifest, src: Source, ids: list[list[int]]) -> SlotPlan:
     fields = ("local_region", "local_offset", "remote_region", "remote_offset", "length")
     cat = [np.concatenate([getattr(p, f) for p in plans]) for f in fields]
     total = sum(p.total_bytes for p in plans)
-    return SlotPlan(rank, descriptors.ReadPlan(*cat, total, 0))
+    return SlotPlan(rank, descriptors.ReadPlan(*cat, total, 0), plans)
 
 
 class Reader:
@@ -126,66 +127,19 @@ class Reader:
             x.wait(60.0)
 
     def staged(self, src: Source, sp: SlotPlan, stage_at: int, copy: bool = True) -> None:
-        p = sp.plan
-        # One run per (rank, remote region): from its first byte read to its last.
-        key = sp.rank * 64 + p.remote_region
-        order = np.lexsort((p.remote_offset, key))
-        k, ro, ln = key[order], p.remote_offset[order], p.length[order]
-        first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
-        lo = ro[first]
-        hi = np.maximum.reduceat(ro + ln, first)
-        runs = hi - lo
-        run_at = stage_at + np.r_[0, np.cumsum(runs)[:-1]]
-        rbase = _remote_bases(src, sp)[order][first]
-        local = self.stage.base_addr + run_at
-        with self.agent.read(src.remote, (local, runs), (rbase + lo, runs), NOTIF) as x:
+        """kvxferd's staged form (kvxferd.descriptors.staging): its runs READ into the staging
+        buffer at ``stage_at``, then its scatter (``copy``)."""
+        st = descriptors.stage_plans(sp.plans, [len(b) for b in src.bases], min_descriptors=1,
+                                     max_bytes=1 << 40)  # fmt: skip
+        assert st is not None
+        remote = np.concatenate(src.bases)[st.run_key] + st.run_offset
+        local = self.stage.base_addr + stage_at + st.run_at
+        with self.agent.read(src.remote, (local, st.run_length), (remote, st.run_length),
+                             NOTIF) as x:  # fmt: skip
             x.wait(60.0)
-        if not copy:
-            return
-        # Scatter: staging offset of each planned descriptor, copied progression by progression.
-        run_of = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(k)]))
-        s_off = run_at[run_of] + ro - lo[run_of]
-        scatter(
-            self.pool.views,
-            self.stage_view,
-            run_of,
-            p.local_region[order],
-            p.local_offset[order],
-            s_off,
-            ln,
-        )
-
-
-def progressions(group: np.ndarray, lreg: np.ndarray, loff: np.ndarray, soff: np.ndarray,
-                 ln: np.ndarray) -> tuple[np.ndarray, ...]:  # fmt: skip
-    """Rows grouped into runs of equal group, region and length whose local and staging offsets
-    step by constant strides: (first row's lreg, loff, soff, len, count, local stride, staging
-    stride) per run."""
-    order = np.lexsort((soff, ln, lreg, group))
-    group, lreg, loff, soff, ln = group[order], lreg[order], loff[order], soff[order], ln[order]
-    n = len(ln)
-    key = np.r_[True, (group[1:] != group[:-1]) | (lreg[1:] != lreg[:-1]) | (ln[1:] != ln[:-1])]
-    dl = np.r_[0, np.diff(loff)]
-    ds = np.r_[0, np.diff(soff)]
-    same = np.r_[False, (dl[1:] == dl[:-1]) & (ds[1:] == ds[:-1])]
-    start = key | (~same & ~np.r_[False, key[:-1]])
-    starts = np.flatnonzero(start)
-    count = np.diff(np.r_[starts, n])
-    nxt = np.minimum(starts + 1, n - 1)
-    lstride = np.where(count > 1, dl[nxt], 0)
-    sstride = np.where(count > 1, ds[nxt], 0)
-    return lreg[starts], loff[starts], soff[starts], ln[starts], count, lstride, sstride
-
-
-def scatter(views: list[np.ndarray], stage: np.ndarray, group: np.ndarray, lreg: np.ndarray,
-            loff: np.ndarray, soff: np.ndarray, ln: np.ndarray) -> None:  # fmt: skip
-    """Copy staging rows into the local regions: one strided numpy copy per progression."""
-    prog = progressions(group, lreg, loff, soff, ln)
-    for r, lo, so, n, c, dl, ds in zip(*(a.tolist() for a in prog),
-                                       strict=True):  # fmt: skip
-        dst = np.ndarray((c, n), np.uint8, views[r], lo, (dl, 1))
-        src = np.ndarray((c, n), np.uint8, stage, so, (ds, 1))
-        np.copyto(dst, src)
+        if copy:
+            descriptors.scatter(self.stage_view[stage_at : stage_at + st.nbytes],
+                                self.pool.views, st)  # fmt: skip
 
 
 def _remote_bases(src: Source, sp: SlotPlan) -> np.ndarray:
@@ -193,14 +147,11 @@ def _remote_bases(src: Source, sp: SlotPlan) -> np.ndarray:
     return table[sp.rank, sp.plan.remote_region]
 
 
-def staging_bytes(sp: SlotPlan) -> int:
-    p = sp.plan
-    total = 0
-    for r in np.unique(sp.rank).tolist():
-        for rr in np.unique(p.remote_region[sp.rank == r]).tolist():
-            m = (sp.rank == r) & (p.remote_region == rr)
-            total += int((p.remote_offset[m] + p.length[m]).max() - p.remote_offset[m].min())
-    return total
+def staging_bytes(sp: SlotPlan, src: Source) -> int:
+    st = descriptors.stage_plans(sp.plans, [len(b) for b in src.bases], min_descriptors=1,
+                                 max_bytes=1 << 40)  # fmt: skip
+    assert st is not None
+    return st.nbytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
             probe_src = Source("", manifests["pod"], [p.bases for p in pools["pod"]])
-            per_slot = staging_bytes(slot_plan(dm, probe_src, ids[0]))
+            per_slot = staging_bytes(slot_plan(dm, probe_src, ids[0]), probe_src)
             reader = Reader(dm, per_slot * args.slots)
             srcs = {
                 "tp1": handshake(reader.agent, reader.name, dm, reader.pool.bases, one.peer),
@@ -284,11 +235,14 @@ def main(argv: list[str] | None = None) -> int:
                 for p in ps:
                     p.close()
     descs = {"direct": len(plans["pod"][0].plan.length), "tp1": len(plans["tp1"][0].plan.length)}
+    st = descriptors.stage_plans(plans["pod"][0].plans, [len(b) for b in srcs["pod"].bases],
+                                 min_descriptors=1, max_bytes=1 << 40)  # fmt: skip
+    assert st is not None
     result = {
         "tp": args.tp, "slots": args.slots, "batch": args.batch, "rounds": args.rounds,
         "bytes_per_pull": int(plans["pod"][0].plan.kv_bytes),
         "staging_bytes_per_pull": per_slot,
-        "descriptors": {**descs, "staged_read": 2 * args.tp, "staged_copies": descs["direct"]},
+        "descriptors": {**descs, "staged_read": st.num_runs, "staged_copies": len(st.copies)},
         "wall_us": {k: statistics.median(v) for k, v in wall.items()},
         "cpu_us": {k: statistics.median(v) for k, v in cpu.items()},
         "wall_us_rounds": {k: [round(x, 1) for x in v] for k, v in wall.items()},
@@ -300,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     w, c = result["wall_us"], result["cpu_us"]
     print(f"prefill TP {args.tp} pod -> decode TP 1, {result['bytes_per_pull']} B per pull, "
           f"{args.rounds} x {args.batch} pulls per kind, interleaved")  # fmt: skip
-    print(f"descriptors: direct {descs['direct']}, staged {2 * args.tp} READ + "
-          f"{descs['direct']} copies, TP 1 {descs['tp1']}")  # fmt: skip
+    print(f"descriptors: direct {descs['direct']}, staged {st.num_runs} READ + "
+          f"{len(st.copies)} copies, TP 1 {descs['tp1']}")  # fmt: skip
     for k in kinds:
         print(f"{k:>7}: {w[k]:7.1f} us wall, {c[k]:7.1f} us CPU per pull (medians of rounds)")
     print(f"staged / direct: wall {w['staged'] / w['direct']:.2f}, "
