@@ -156,7 +156,8 @@ class Config:
     reads direct. 0: never staged."""
     staging_min_descriptors: int = 128
     """Descriptors a READ must have before it is staged (fewer: direct; staging costs a local
-    copy, which measured a loss at 76 and a win from 152 on: docs/benchmarks.md)."""
+    copy: 0.87-1.22x the direct READ's time at 76 descriptors, 0.61-0.70x at 152, 0.44-0.47x
+    at 304; docs/benchmarks.md)."""
     require_transport: str = "any"
     """READ transport readiness requires: ``rdma`` (an RDMA device, and no READ over TCP; else
     /readyz answers 503 naming why) or ``any``."""
