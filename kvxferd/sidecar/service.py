@@ -114,7 +114,6 @@ class Sidecar:
         self._regions: list[Any] = []
         self._bases: list[int] = []
         self._sources: list[int] = []  # source (allocation) index of each manifest region
-        self._views: tuple[Manifest, list[Any]] | None = None  # host views for staged READs
         self.holds: HoldTable | None = None
         self.keys = PeerKeys.of(config.peer_token, config.peer_token_previous) if (
             config.peer_token) else None  # fmt: skip
@@ -205,7 +204,6 @@ class Sidecar:
         await asyncio.to_thread(self.agent.close)
         self._retired.close()  # no UCX worker left to serve a late READ of them
         self.fabric.close()
-        self._views = None
         if not copying:  # else left mapped: no store copy reads or writes memory let go of
             close_sources(self._regions)
         if self.pod is not None and self.manifest is None:  # ranks of a pod still forming
@@ -308,7 +306,6 @@ class Sidecar:
             claims = [h.claimed_until - time.monotonic() for h in holds.live()]
             check_let_go(claims, self.pulls.reads.quarantined, copying)
             await self.pulls.close()
-            self._views = None  # no view keeps the memory mapped past its release
             await release_sources(self.agent, self._registrations, self._regions, self._retired)
             self._regions, self._registrations, self._bases = [], [], []
             if self.pod is not None:  # every rank's memory went above: a fresh pod forms next
@@ -570,14 +567,12 @@ class Sidecar:
         return self._bases
 
     def _host_views(self) -> list[Any] | None:
-        """A uint8 host view of each registered region (what a staged READ scatters into), made
-        once per registration; None for VRAM and for a pod (its READs are never staged)."""
+        """A uint8 host view of each registered region, for a staged READ's scatter (None for
+        VRAM and for a pod, whose READs are never staged)."""
         _, manifest = self._require_engine()
-        if self.pod is not None or (manifest.regions and manifest.regions[0].mem != "DRAM"):
+        if self.pod is not None or any(r.mem != "DRAM" for r in manifest.regions):
             return None
-        if self._views is None or self._views[0] is not manifest:
-            self._views = (manifest, host_views(self._regions, self._sources, manifest))
-        return self._views[1]
+        return host_views(self._regions, self._sources, manifest)
 
     def _local_layout(self) -> tuple[Manifest, list[int]]:
         """The registered manifest and region bases (what a pull reads into)."""
