@@ -2,7 +2,7 @@
 into the staging buffer and scattered into place, byte-exact, over real NIXL.
 
 One pod sidecar (``serve --pod-ranks 8``) serves prefill TP 8 of scripts/bench_pulls.py's
-hybrid (8 KV heads, 6 Mamba2 layers); decode TP 1 sidecars read from it: one with the default
+hybrid (8 KV heads, 6 Mamba2 layers); decode TP 1 sidecars read from it: two with the default
 staging buffer, one with staging off (``--staging-bytes 0``), one whose buffer holds one pull.
 Every byte of every layer of every block read is checked, and nothing outside those blocks
 (padding, other blocks) changed.
@@ -51,7 +51,7 @@ HYBRID = {
     "mamba_d_state": 16,
     "mamba_n_groups": 1,
 }
-ONE_PULL = 16 * (64 << 10)  # a staging buffer of one pull's runs (16 runs of 32 KiB)
+ONE_PULL = 16 * (32 << 10)  # a staging buffer of one pull: its 16 runs of 32 KiB, no more
 
 
 def _plan(tp_size: int, tp_rank: int) -> Manifest:
@@ -66,6 +66,7 @@ class Cluster:
     staged: EngineRank  # default staging buffer
     direct: EngineRank  # --staging-bytes 0
     small: EngineRank  # a buffer of one pull
+    fresh: EngineRank  # default staging buffer, for one test only
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +80,9 @@ def cluster(tmp_path_factory):
             *start_sidecars(tmp, ["staged"], env=QUIET),
             *start_sidecars(tmp, ["direct"], "--staging-bytes", "0", env=QUIET),
             *start_sidecars(tmp, ["small"], "--staging-bytes", str(ONE_PULL), env=QUIET),
+            *start_sidecars(tmp, ["fresh"], env=QUIET),
         ]
-        manifests = [_plan(TP, r) for r in range(TP)] + [_plan(1, 0) for _ in range(3)]
+        manifests = [_plan(TP, r) for r in range(TP)] + [_plan(1, 0) for _ in range(4)]
         pools = [EnginePool(m) for m in manifests]
         ranks = [EngineRank(s, m, p) for s, m, p in
                  zip([pod_sidecar] * TP + sidecars[1:], manifests, pools, strict=True)]  # fmt: skip
@@ -170,6 +172,15 @@ def test_a_pull_from_eight_pod_ranks_is_staged_and_every_byte_lands_in_place(clu
     status = _staged_pull(cluster, cluster.staged, _slot(0), _slot(1), seed=100)
     assert status.descriptors == TP * 2  # one run per rank and region, not 304 rows
     wait_no_handles(cluster.staged.sidecar, cluster.pod[0].sidecar)
+
+
+def test_the_first_pull_reads_direct_while_the_staging_buffer_registers(cluster):
+    fresh = cluster.fresh
+    status = _pull(cluster, fresh, _slot(0), _slot(1), seed=150)  # its tables built on demand
+    assert status.descriptors == 304
+    assert (_reads(fresh, "tables"), _reads(fresh, "staged")) == (1, 0)
+    status = _staged_pull(cluster, fresh, _slot(2), _slot(3), seed=160)
+    assert status.descriptors == TP * 2
 
 
 def test_a_staged_pull_scatters_into_fragmented_decode_blocks(cluster):
