@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 
-from kvxferd.descriptors.staging import scatter
 from kvxferd.errors import (
     CapacityError,
     ClaimTimeoutError,
@@ -540,7 +539,7 @@ class PullRunner:
                 if time.monotonic() > deadline:  # no write into the blocks past the deadline
                     raise TransferTimeoutError("staged READ completed past the pull's deadline")
                 self._guard()  # the memory is still whole (a shrunk segment fails the pull)
-                scatter(lease.view, views, staged.plan)
+                await self.staging.scatter(lease, views, staged.plan)
         except UnsettledReadError:
             if lease is not None:  # the READ may still write its pages: never reused
                 self.staging.retire(lease)

@@ -5,7 +5,9 @@ pull that wants it (on a thread; pulls read direct meanwhile) and cut into 64 Ki
 takes contiguous pages for its runs and gives them back once its READ can no longer write
 (kvxferd.sidecar.reads); one that finds no room reads direct. Pages under a READ that could not
 be confirmed stopped (unsettled, quarantined) are never handed out again: they stay retired
-until the pool closes, and the mapping then stays mapped for the life of the process.
+until the pool closes, and the mapping then stays mapped for the life of the process. A large
+scatter (over INLINE_BYTES) runs on the pool's own thread, awaited to its end even when the
+pull is cancelled meanwhile, so a pull never reports while its scatter still writes.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import asyncio
 import contextlib
 import logging
 import mmap
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
+from kvxferd.descriptors.staging import StagedPlan, scatter
 from kvxferd.errors import KvxferdError
-from kvxferd.sidecar.reads import run_to_end
+from kvxferd.sidecar.reads import INLINE_BYTES, run_to_end
 from kvxferd.transport.base import Transport
 
 log = logging.getLogger(__name__)
@@ -89,6 +94,7 @@ class StagingPool:
         """Leases handed out (pulls staged)."""
         self.no_room = 0
         """Pulls that wanted staging and found no room (read direct)."""
+        self._executor: ThreadPoolExecutor | None = None
 
     @property
     def enabled(self) -> bool:
@@ -130,6 +136,17 @@ class StagingPool:
         log.warning("staging pages %d-%d retired: a READ into them was not confirmed stopped",
                     lease.first, lease.first + lease.pages - 1)  # fmt: skip
 
+    async def scatter(self, lease: Lease, views: Sequence[np.ndarray], plan: StagedPlan) -> None:
+        """Copy ``plan``'s rows from ``lease`` into ``views``: on the loop when small, else on
+        the pool's thread, awaited to its end even if the caller is cancelled meanwhile."""
+        if plan.nbytes <= INLINE_BYTES:
+            scatter(lease.view, views, plan)
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvxferd-scatter")
+        loop = asyncio.get_running_loop()
+        await run_to_end(loop.run_in_executor(self._executor, scatter, lease.view, views, plan))
+
     async def _open(self) -> None:
         mapping = _Mapping(self._name, self.nbytes)
         try:
@@ -150,6 +167,9 @@ class StagingPool:
         if opening is not None:  # a registration on its thread ends first (not cancelled:
             with contextlib.suppress(Exception):  # its thread would register all the same)
                 await run_to_end(opening)
+        executor, self._executor = self._executor, None
+        if executor is not None:  # every pull ended: no scatter runs
+            executor.shutdown(wait=True)
         mapping, reg = self._mapping, self._registration
         self._mapping = self._registration = None
         if reg is not None:

@@ -1,15 +1,21 @@
 """The staging buffer: registered once on first demand, bounded, pages handed out contiguously
 and back; pages under an unsettled READ are never handed out again; closing deregisters.
 
-A real NIXL agent (in process) registers the buffer; leases are pure bookkeeping over it.
+A real NIXL agent (in process) registers the buffer; leases are pure bookkeeping over it. A
+large scatter runs on the pool's thread and is awaited to its end, even when cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
+import numpy as np
 import pytest
 
+from kvxferd.descriptors import ReadPlan, stage_plans
+from kvxferd.sidecar import staging as staging_mod
+from kvxferd.sidecar.reads import INLINE_BYTES
 from kvxferd.sidecar.staging import PAGE, StagingPool
 from kvxferd.transport import Agent
 
@@ -81,6 +87,73 @@ def test_a_pool_of_zero_bytes_never_stages_nor_registers():
         await asyncio.sleep(0)
         await pool.close()
         assert agent.live_handles().registrations == 0
+
+    with Agent("staging-test", progress_thread=False) as agent:
+        asyncio.run(main(agent))
+
+
+def _large_plan():
+    """64 rows of 80 KiB, one contiguous remote run (5 MiB: a threaded scatter), written to the
+    local region in reverse order."""
+    rows, n = 64, 80 << 10
+    idx = np.arange(rows, dtype=np.int64)
+    z = np.zeros(rows, dtype=np.int64)
+    plan = ReadPlan(z, (rows - 1 - idx) * n, z, idx * n, np.full(rows, n, dtype=np.int64),
+                    rows * n, 0)  # fmt: skip
+    staged = stage_plans([plan], [1], min_descriptors=1, max_bytes=1 << 30)
+    assert staged is not None and staged.nbytes > INLINE_BYTES
+    return plan, staged
+
+
+def test_a_large_scatter_is_copied_whole_off_the_loop():
+    plan, staged = _large_plan()
+
+    async def main(agent: Agent) -> None:
+        pool = StagingPool(agent, 8 << 20)
+        lease = await _opened(pool, staged.nbytes)
+        lease.view[: staged.nbytes] = np.random.default_rng(3).integers(
+            0, 256, staged.nbytes, dtype=np.uint8
+        )
+        want = np.zeros(plan.total_bytes, dtype=np.uint8)
+        for lo, ro, n in zip(plan.local_offset.tolist(), plan.remote_offset.tolist(),
+                             plan.length.tolist(), strict=True):  # fmt: skip
+            want[lo : lo + n] = lease.view[ro : ro + n]  # one run from 0: staging = remote
+        local = np.zeros(plan.total_bytes, dtype=np.uint8)
+        await pool.scatter(lease, [local], staged)
+        np.testing.assert_array_equal(local, want)
+        pool.release(lease)
+        await pool.close()
+        assert agent.live_handles().registrations == 0
+
+    with Agent("staging-test", progress_thread=False) as agent:
+        asyncio.run(main(agent))
+
+
+def test_a_cancelled_pull_is_told_only_once_its_threaded_scatter_ended(monkeypatch):
+    _, staged = _large_plan()
+    gate, ended = threading.Event(), threading.Event()
+
+    def held(stage, views, plan) -> None:  # noqa: ANN001 - the copy, held until the gate opens
+        gate.wait(30)
+        ended.set()
+
+    monkeypatch.setattr(staging_mod, "scatter", held)
+
+    async def main(agent: Agent) -> None:
+        pool = StagingPool(agent, 8 << 20)
+        lease = await _opened(pool, staged.nbytes)
+        task = asyncio.create_task(pool.scatter(lease, [np.zeros(1, dtype=np.uint8)], staged))
+        await asyncio.sleep(0)  # on the pool's thread now
+        task.cancel()
+        for _ in range(50):  # loop turns in which a cancellation would have been delivered
+            await asyncio.sleep(0)
+        assert not task.done()  # still waiting: the copy may still write
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert ended.is_set()
+        pool.release(lease)
+        await pool.close()
 
     with Agent("staging-test", progress_thread=False) as agent:
         asyncio.run(main(agent))
