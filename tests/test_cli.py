@@ -66,6 +66,23 @@ def test_serve_help_shows_the_default_of_each_setting_flag():
         assert shown.split(" --", 1)[0].endswith(f"(default: {default})"), flag
 
 
+def test_every_serve_flag_named_after_a_setting_reaches_the_config(monkeypatch):
+    """A flag parsed and never handed on is ignored in silence (``--read-stripes`` was)."""
+    from dataclasses import fields
+
+    from kvxferd.cli import _parser
+    from kvxferd.commands import serve
+    from kvxferd.config import Config
+
+    handed: dict = {}
+    monkeypatch.setattr(serve, "load_config", lambda given: handed.update(given) or Config())
+    serve._load(_parser().parse_args(["serve"]))
+    settings = {f.name for f in fields(Config)}
+    sub = next(a for a in _parser()._subparsers._group_actions if "serve" in a.choices)  # noqa: SLF001
+    dests = {a.dest for a in sub.choices["serve"]._actions} & settings  # noqa: SLF001
+    assert dests - set(handed) == set()
+
+
 def test_serve_without_a_token_refuses_in_one_line(tmp_path):
     line = _one_error_line(kvxferd("serve", "--engine-socket", str(tmp_path / "s.sock")))
     assert "KVXFERD_PEER_TOKEN" in line

@@ -204,6 +204,7 @@ def _load(args: argparse.Namespace) -> Config:
             "store_chunk_tokens": args.store_chunk_tokens,
             "require_transport": args.require_transport,
             "prepped_reads": args.prepped_reads,
+            "read_stripes": args.read_stripes,
             "staging_bytes": args.staging_bytes,
             "staging_min_descriptors": args.staging_min_descriptors,
             "ucx_proto_log": args.ucx_proto_log,
