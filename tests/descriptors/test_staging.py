@@ -11,6 +11,7 @@ from hypothesis import given
 from kvxferd.descriptors import plan_pull, read_geometry, source_ranks
 from kvxferd.descriptors.staging import scatter, stage_plans
 from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
+from tests.sidecar.harness import SMALL_HYBRID
 
 from .layouts import hybrid_spec, num_groups, render
 from .test_tpslice import SETTINGS, hetero_cases
@@ -71,23 +72,8 @@ def test_a_staged_read_writes_exactly_what_the_direct_read_writes(case):
             np.testing.assert_array_equal(g, w, err_msg=f"local region {r}")
 
 
-BENCH_HYBRID = {
-    "hidden_size": 128,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "head_dim": 16,
-    "layer_types": ["mamba"] * 3 + ["attention"] + ["mamba"] * 3 + ["attention"],
-    "mamba_n_heads": 16,
-    "mamba_d_head": 16,
-    "mamba_d_state": 16,
-    "mamba_n_groups": 1,
-}
-"""scripts/bench_pulls.py's model: 6 Mamba2 layers and 2 attention layers of 8 KV heads."""
-
-
 def _bench(tp: int, rank: int):
-    config = {**load_hf_config("granite-4.0-h-tiny"), **BENCH_HYBRID}
+    config = {**load_hf_config("granite-4.0-h-tiny"), **SMALL_HYBRID}
     return plan_manifest(config, PlanOptions(tp_size=tp, tp_rank=rank, num_blocks=64))
 
 

@@ -56,6 +56,21 @@ def start_sidecar(
     return start_sidecars(tmp_dir, [name], *extra, port=port, env=env)[0]
 
 
+SMALL_HYBRID = {
+    "hidden_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 16,
+    "layer_types": ["mamba"] * 3 + ["attention"] + ["mamba"] * 3 + ["attention"],
+    "mamba_n_heads": 16,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 1,
+}
+"""granite-4.0-h-tiny cut down (on top of its config): 6 Mamba2 layers and 2 attention layers of
+8 KV heads, so TP 1-8 all shard it (scripts/bench_pulls.py's model, kept there for the bench)."""
+
 ONE_KV_HEAD = "llama-1kv"
 """A config name :func:`plan` knows beside the HF ones: llama-3.1-8b cut to 4 layers with a single
 KV head, which every rank of a TP 2 engine holds (replicated: decode TP 1 reads it from rank 0

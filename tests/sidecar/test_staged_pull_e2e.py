@@ -23,6 +23,7 @@ from kvxferd.pattern import verify_pattern, write_pattern
 from kvxferd.wire import HoldRequest, Manifest, PullRequest, PullStatus, Ticket
 from tests.sidecar.harness import (
     QUIET,
+    SMALL_HYBRID,
     EnginePool,
     EngineRank,
     ReleasedFeed,
@@ -39,25 +40,13 @@ TP = 8
 SLOT = [1, 1, 1, 13]  # blocks per group of one pull (3 Mamba groups, 1 attention group)
 SLOTS = 4
 NUM_BLOCKS = 1 + SLOTS * sum(SLOT)
-HYBRID = {
-    "hidden_size": 128,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "head_dim": 16,
-    "layer_types": ["mamba"] * 3 + ["attention"] + ["mamba"] * 3 + ["attention"],
-    "mamba_n_heads": 16,
-    "mamba_d_head": 16,
-    "mamba_d_state": 16,
-    "mamba_n_groups": 1,
-}
 ONE_PULL = 16 * (32 << 10)  # a staging buffer of one pull: its 16 runs of 32 KiB, no more
 
 
 def _plan(tp_size: int, tp_rank: int) -> Manifest:
     opts = PlanOptions(tp_size=tp_size, tp_rank=tp_rank, num_blocks=NUM_BLOCKS,
                        engine_id=f"t{uuid.uuid4().hex[:8]}")  # fmt: skip
-    return plan_manifest({**load_hf_config("granite-4.0-h-tiny"), **HYBRID}, opts)
+    return plan_manifest({**load_hf_config("granite-4.0-h-tiny"), **SMALL_HYBRID}, opts)
 
 
 @dataclass
