@@ -152,8 +152,8 @@ class Config:
     """Bytes of the decode's staging buffer (registered on first use): a READ of at least
     staging_min_descriptors descriptors into host memory is read as whole runs of each prefill
     rank's blocks into it and scattered locally, where that cuts its descriptors 8x or more
-    (prefill TP 8 into TP 1: 304 -> 16; scripts/bench_staging.py). A pull that finds no room
-    reads direct. 0: never staged."""
+    and copies under 16 KiB per descriptor saved (prefill TP 8 into TP 1: 304 -> 16;
+    scripts/bench_staging.py). A pull that finds no room reads direct. 0: never staged."""
     staging_min_descriptors: int = 128
     """Descriptors a READ must have before it is staged (fewer: direct; staging costs a local
     copy: 0.87-1.22x the direct READ's time at 76 descriptors, 0.61-0.70x at 152, 0.44-0.47x

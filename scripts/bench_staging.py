@@ -161,14 +161,17 @@ def main(argv: list[str] | None = None) -> int:
                     "flight in bench_pulls)")  # fmt: skip
     ap.add_argument("--batch", type=int, default=200, help="pulls per timed batch")
     ap.add_argument("--rounds", type=int, default=10, help="interleaved batches of each kind")
+    ap.add_argument("--scale", type=int, default=1, help="head sizes times this (rows and "
+                    "bytes per pull grow with it; default 1: ~0.5 MB per pull)")  # fmt: skip
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     load0 = os.getloadavg()
-    probe = plan(1, 0, 4)
+    probe = plan(1, 0, 4, args.scale)
     ids, num_blocks, _ = slot_ids(probe, args.slots)
-    dm = plan(1, 0, num_blocks)
+    dm = plan(1, 0, num_blocks, args.scale)
     engines = {"tp1": 1, "pod": args.tp}
-    manifests = {k: [plan(tp, r, num_blocks) for r in range(tp)] for k, tp in engines.items()}
+    manifests = {k: [plan(tp, r, num_blocks, args.scale) for r in range(tp)]
+                 for k, tp in engines.items()}  # fmt: skip
     pools = {k: [Pool(m) for m in ms] for k, ms in manifests.items()}
     for ps in pools.values():
         for p in ps:
@@ -239,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                                  min_descriptors=1, max_bytes=1 << 40)  # fmt: skip
     assert st is not None
     result = {
-        "tp": args.tp, "slots": args.slots, "batch": args.batch, "rounds": args.rounds,
+        "tp": args.tp, "scale": args.scale, "slots": args.slots, "batch": args.batch,
+        "rounds": args.rounds,
         "bytes_per_pull": int(plans["pod"][0].plan.kv_bytes),
         "staging_bytes_per_pull": per_slot,
         "descriptors": {**descs, "staged_read": st.num_runs, "staged_copies": len(st.copies)},

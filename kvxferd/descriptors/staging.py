@@ -28,6 +28,11 @@ MAX_WASTE = 2
 """A staged READ moves at most this many times the plan's bytes (else it is not staged)."""
 MIN_CUT = 8
 """Staging must cut the descriptors at least this many times."""
+MAX_COPY_PER_SAVED = 16 << 10
+"""Bytes a staged READ may copy locally per descriptor it saves (else it is not staged). A post
+saved is worth about 2 us here and the copy runs at about 10 GB/s, so past ~20 KB per saved
+descriptor the copy costs more than the posts it saves (scripts/bench_staging.py --scale:
+staged / direct 0.55 at 6.7 KB, 0.77 at 13 KB, 1.08 at 27 KB)."""
 
 Copy = tuple[int, int, int, int, int, int, int, int, int, int]
 """One strided copy of :attr:`StagedPlan.copies`."""
@@ -63,11 +68,13 @@ class StagedPlan:
 def stage_plans(
     plans: Sequence[ReadPlan], regions: Sequence[int], *, min_descriptors: int, max_bytes: int,
     min_cut: float = MIN_CUT, max_waste: float = MAX_WASTE,
+    max_copy_per_saved: float = MAX_COPY_PER_SAVED,
 ) -> StagedPlan | None:  # fmt: skip
     """The staged form of one READ made of ``plans`` (one per remote rank; ``regions[i]``: the
     remote regions plan ``i`` numbers), or None where staging does not pay: fewer than
-    ``min_descriptors`` rows, a cut of fewer than ``min_cut`` times, more than ``max_waste``
-    times the plan's bytes, or more than ``max_bytes`` of staging."""
+    ``min_descriptors`` rows, a cut of fewer than ``min_cut`` times, more than
+    ``max_copy_per_saved`` bytes to copy per descriptor saved, more than ``max_waste`` times
+    the plan's bytes, or more than ``max_bytes`` of staging."""
     rows = sum(p.num_descriptors for p in plans)
     if rows < max(1, min_descriptors):
         return None
@@ -83,7 +90,7 @@ def stage_plans(
     new = np.ones(rows, dtype=bool)
     new[1:] = (key[1:] != key[:-1]) | (roff[1:] > end[:-1] + MAX_GAP)
     starts = np.flatnonzero(new)
-    if len(starts) * min_cut > rows:
+    if len(starts) * min_cut > rows or int(ln.sum()) > max_copy_per_saved * (rows - len(starts)):
         return None
     run_lo = roff[starts]
     run_len = np.maximum.reduceat(end, starts) - run_lo

@@ -54,15 +54,19 @@ class BenchError(RuntimeError):
     not released by its reader's notification)."""
 
 
-def hybrid_config() -> dict:
-    return {**load_hf_config("granite-4.0-h-tiny"), **HYBRID}
+def hybrid_config(scale: int = 1) -> dict:
+    """The bench model; ``scale`` multiplies its head sizes (attention and Mamba), so each
+    block's rows (and a pull's bytes) grow ``scale`` times."""
+    heads = {k: HYBRID[k] * scale for k in ("head_dim", "mamba_d_head", "hidden_size")}
+    return {**load_hf_config("granite-4.0-h-tiny"), **HYBRID, **heads}
 
 
-def plan(tp_size: int, tp_rank: int, num_blocks: int) -> Manifest:
-    """A manifest of the bench model with region (shm) names unique to this run."""
+def plan(tp_size: int, tp_rank: int, num_blocks: int, scale: int = 1) -> Manifest:
+    """A manifest of the bench model (``hybrid_config(scale)``) with region (shm) names unique
+    to this run."""
     opts = PlanOptions(tp_size=tp_size, tp_rank=tp_rank, num_blocks=num_blocks,
                        engine_id=f"b{uuid.uuid4().hex[:8]}")  # fmt: skip
-    return plan_manifest(hybrid_config(), opts)
+    return plan_manifest(hybrid_config(scale), opts)
 
 
 def slot_ids(m: Manifest, slots: int) -> tuple[list[list[list[int]]], int, int]:

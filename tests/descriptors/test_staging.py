@@ -60,7 +60,8 @@ def test_a_staged_read_writes_exactly_what_the_direct_read_writes(case):
     for lr in range(tp_l):
         local, plans, remotes = _fan_in(spec, tp_l, lr, tp_r, lids, rids, nb_l, nb_r)
         staged = stage_plans(plans, [len(r) for r in remotes], min_descriptors=1,
-                             max_bytes=1 << 40, min_cut=0, max_waste=math.inf)  # fmt: skip
+                             max_bytes=1 << 40, min_cut=0, max_waste=math.inf,
+                             max_copy_per_saved=math.inf)  # fmt: skip
         if sum(p.num_descriptors for p in plans) == 0:
             assert staged is None
             continue
@@ -72,8 +73,10 @@ def test_a_staged_read_writes_exactly_what_the_direct_read_writes(case):
             np.testing.assert_array_equal(g, w, err_msg=f"local region {r}")
 
 
-def _bench(tp: int, rank: int):
-    config = {**load_hf_config("granite-4.0-h-tiny"), **SMALL_HYBRID}
+def _bench(tp: int, rank: int, scale: int = 1):
+    """The bench model; ``scale`` multiplies its head sizes (rows grow, their count does not)."""
+    heads = {k: SMALL_HYBRID[k] * scale for k in ("head_dim", "mamba_d_head", "hidden_size")}
+    config = {**load_hf_config("granite-4.0-h-tiny"), **SMALL_HYBRID, **heads}
     return plan_manifest(config, PlanOptions(tp_size=tp, tp_rank=rank, num_blocks=64))
 
 
@@ -119,3 +122,17 @@ def test_staging_is_refused_where_it_does_not_pay():
     plans = [plan_pull(read_geometry(small, m), sids, sids) for m in ms]
     assert stage_plans(plans, [len(m.regions) for m in ms], min_descriptors=1,
                        max_bytes=1 << 30) is None  # fmt: skip
+
+
+def test_staging_is_refused_where_its_copy_costs_more_than_the_posts_it_saves():
+    """The same 304-row fan-in with rows 4x and 16x as long: 6.7 KB to copy per descriptor
+    saved is staged, 27 KB is not (measured: staged / direct 0.55 and 1.08)."""
+    ids = [[1], [2], [3], list(range(4, 17))]
+    for scale, staged in ((4, True), (16, False)):
+        local = _bench(1, 0, scale)
+        ms = [_bench(8, r, scale) for r in source_ranks(local, 8)]
+        plans = [plan_pull(read_geometry(local, m), ids, ids) for m in ms]
+        assert sum(p.num_descriptors for p in plans) == 304
+        got = stage_plans(plans, [len(m.regions) for m in ms], min_descriptors=128,
+                          max_bytes=1 << 30)  # fmt: skip
+        assert (got is not None) is staged, f"scale {scale}"

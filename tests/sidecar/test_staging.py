@@ -8,6 +8,7 @@ large scatter runs on the pool's thread and is awaited to its end, even when can
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 
 import numpy as np
@@ -100,7 +101,9 @@ def _large_plan():
     z = np.zeros(rows, dtype=np.int64)
     plan = ReadPlan(z, (rows - 1 - idx) * n, z, idx * n, np.full(rows, n, dtype=np.int64),
                     rows * n, 0)  # fmt: skip
-    staged = stage_plans([plan], [1], min_descriptors=1, max_bytes=1 << 30)
+    staged = stage_plans(
+        [plan], [1], min_descriptors=1, max_bytes=1 << 30, max_copy_per_saved=math.inf
+    )  # the pool's threaded copy, not the rule
     assert staged is not None and staged.nbytes > INLINE_BYTES
     return plan, staged
 
