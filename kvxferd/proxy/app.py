@@ -14,7 +14,9 @@ for a non-streaming decode whose first byte is its whole answer, the generation 
 When the decode call fails or is refused, the prefill is told (``POST /v1/kv/release`` with the
 ``kv_transfer_params`` it returned, best effort, in the background) so it frees the blocks it
 holds for that decode now, not at lease expiry; a server without that route just answers 404,
-and is not asked again.
+and is not asked again for ``release_retry_s`` (a kvxferd prefill answers a request it does not
+know with ``{"released": 0}``, never a 404, so a 404 means no route; it is asked again later
+because the route may appear: a server still starting, or replaced at the same address).
 So is it when the client goes away after the prefill answered but before a byte of the decode
 request went out (the decode's connection still opening, or a kept one that failed its write
 being replaced), or once the prefill may have the request but before its answer has all come
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
@@ -109,6 +112,9 @@ class ProxySettings:
     """Tell the prefill (``POST /v1/kv/release``) when its decode call fails or is refused, or
     the client went away while the prefill call was in flight or before a byte of the decode
     request went out. Off, a gone client's prefill call is cancelled."""
+    release_retry_s: float = 60.0
+    """How long a prefill that answered a release 404 (no release route: vLLM) is not asked to
+    release, and has a gone client's call ended instead; then the next release asks again."""
     max_answer_bytes: int = 256 << 20
     """Largest backend answer the proxy reads whole (a prefill's, a non-streaming decode's,
     /health, /v1/models); a larger one is a 502. Streamed (SSE) answers are relayed, not held."""
@@ -143,7 +149,21 @@ def proxy_app(
     first_byte, idle, generation = settings.first_byte, settings.idle, settings.generation
     limit = settings.max_answer_bytes
     releases: set[asyncio.Task[None]] = set()
-    no_release: set[str] = set()  # prefills whose release route is a 404 (vLLM); <= backends
+    # Prefills whose release route was a 404 (vLLM), each until when it is not asked; <= backends
+    no_release: dict[str, float] = {}
+
+    def releases_to(prefill: Backend) -> bool:
+        """Whether ``prefill`` is told to release: on, and no 404 from it in the last
+        ``release_retry_s``."""
+        if not settings.release_on_failure:
+            return False
+        until = no_release.get(prefill.url)
+        if until is None:
+            return True
+        if time.monotonic() < until:
+            return False
+        del no_release[prefill.url]  # the route may be there now: the next release asks
+        return True
 
     # Reads are bounded per phase below (first byte, idle); the transport bounds connect and
     # writes. Backend calls go straight to the transport: an httpx client would add a cookie
@@ -189,7 +209,7 @@ def proxy_app(
         """Ask ``prefill`` to free what it holds under ``params``: no decode will read it."""
         ask = backend_request("POST", prefill.url + RELEASE_PATH, release_body(params), headers)
         if await _release(client, ask, prefill, first_byte, idle, limit) == 404:
-            no_release.add(prefill.url)
+            no_release[prefill.url] = time.monotonic() + settings.release_retry_s
 
     async def prefill_answer(
         client: httpx.AsyncBaseTransport, prefill: Backend, request: httpx.Request,
@@ -204,8 +224,7 @@ def proxy_app(
         except asyncio.CancelledError:  # the client has gone (_unless_gone)
             # UNSENT: its connection still opening, the prefill has nothing to hold. One without
             # the release route (vLLM) aborts a request whose caller hangs up: let it.
-            keep = settings.release_on_failure and prefill.url not in no_release
-            keep = keep and request.extensions.get(UNSENT) is not True
+            keep = releases_to(prefill) and request.extensions.get(UNSENT) is not True
             if not (keep and in_background(release_when_read(client, prefill, answer, headers))):
                 answer.cancel()
             raise
@@ -301,8 +320,8 @@ def proxy_app(
 
         def release_hold() -> None:
             """The decode will not read what the prefill holds: tell the prefill (not one that
-            answered a release 404 before: it has no such route, its holds end on its own)."""
-            if settings.release_on_failure and prefill.url not in no_release:
+            answered a release 404 lately: it has no such route, its holds end on its own)."""
+            if releases_to(prefill):
                 in_background(release(client, prefill, params, headers))
 
         decode = decodes.next()

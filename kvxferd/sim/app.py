@@ -69,7 +69,8 @@ def sim_app(engine: SimEngine, served_model: str) -> DirectApp:
     @app.post(RELEASE_PATH)
     async def release(request: Request) -> Response:
         """A prefill's holds for a decode that will not read them (the proxy says so): abort
-        them now. Body: ``{"kv_transfer_params": <what this prefill answered>}``."""
+        them now. Body: ``{"kv_transfer_params": <what this prefill answered>}``. A request it
+        does not know is ``{"released": 0}``, never a 404: the proxy reads a 404 as no route."""
         try:
             params = release_params(await request.body())
             ranks = await engine.give_up(params)

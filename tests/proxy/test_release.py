@@ -177,6 +177,27 @@ def test_a_prefill_that_answered_a_release_404_is_not_asked_again(make_rig) -> N
     assert len(release_bodies(prefill)) == 1  # the first refusal's release only
 
 
+def test_a_prefill_that_answered_a_release_404_is_asked_again_once_release_retry_s_passed(
+    make_rig,
+) -> None:
+    """A 404 need not last (a server still starting, or replaced at that address by one with the
+    route): past ``release_retry_s`` the next refused decode's release goes to the prefill."""
+    rig = make_rig(release_retry_s=0.2)
+    prefill = rig.prefills[0]
+    with rig.client() as c:
+        _refused_and_told_404(rig, c)
+        prefill.release_status = 200  # the route is there now
+
+        def asked_again() -> bool:
+            assert c.post("/v1/completions", json=completion()).status_code == 400
+            wait_until(lambda: not rig.app.state.background, 30.0, "the release to end")
+            return len(release_bodies(prefill)) == 2
+
+        wait_until(asked_again, 30.0, "a refusal's release reaching the prefill again")
+    [_, body] = release_bodies(prefill)
+    assert body == {"kv_transfer_params": prefill.answered[-1]}
+
+
 def test_a_client_gone_before_the_prefill_had_the_request_ends_the_call(make_rig) -> None:
     """While the prefill's connection is still opening, no byte of the request went out: nothing
     is held, so the proxy gives the call up rather than make the prefill compute for nobody."""

@@ -139,6 +139,14 @@ def test_release_needs_the_requests_tickets_and_happens_once(sims):
     assert p.post("/v1/kv/release", {"kv_transfer_params": params}).json() == {"released": 0}
 
 
+def test_a_release_of_a_request_the_prefill_does_not_know_releases_nothing_and_is_no_404(sims):
+    """The proxy reads a release 404 as "no release route" (vLLM) and stops asking for a while:
+    a request this prefill never had (or forgot) is a 200 releasing nothing."""
+    params = {**STUB, "remote_request_id": "never-seen", "kvxferd_tickets": [{"hold_id": "h"}]}
+    resp = sims["prefill"].post("/v1/kv/release", {"kv_transfer_params": params})
+    assert (resp.status_code, resp.json()) == (200, {"released": 0})
+
+
 def test_a_release_without_params_is_a_400_naming_them(sims):
     resp = sims["prefill"].post("/v1/kv/release", {"nope": 1})
     assert resp.status_code == 400
