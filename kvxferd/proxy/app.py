@@ -369,18 +369,43 @@ def proxy_app(
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        decode = decodes.backends[0]
+        """The first decode's list (every decode serves the model) that answers 2xx, in the order
+        given: all are asked at once, so a down or hung one costs one call's bounds, not each."""
         slots: ClientSlots[httpx.AsyncBaseTransport] = request.app.state.clients
         client = slots.take()
+        asks = [
+            asyncio.ensure_future(_call(client, backend_request("GET", d.url + "/v1/models"),
+                                        first_byte, idle, limit))
+            for d in decodes.backends
+        ]  # fmt: skip
+        answers: list[tuple[httpx.Response, bytes]] = []
+        failures: list[str] = []
         try:
-            resp, content = await _call(
-                client, backend_request("GET", decode.url + "/v1/models"), first_byte, idle, limit
-            )
-        except BACKEND_ERRORS as exc:
-            return unreachable(decode, exc, first_byte)
+            for decode, ask in zip(decodes.backends, asks, strict=True):
+                try:
+                    resp, content = await ask
+                except BACKEND_ERRORS as exc:
+                    failures.append(f"{decode.url}: {describe_failure(exc)}")
+                    continue
+                if resp.status_code < 300:
+                    return _passthrough(resp.status_code, content, resp.headers, None)
+                answers.append((resp, content))
+                failures.append(f"{decode.url}: HTTP {resp.status_code}")
         finally:
+            for ask in asks:
+                ask.cancel()
+            if asks:  # their connections given back before the client is
+                await asyncio.wait(asks)
+            for ask in asks:  # a failure nobody awaited is not logged as never retrieved
+                if not ask.cancelled():
+                    ask.exception()
             slots.give(client)
-        return _passthrough(resp.status_code, content, resp.headers, None)
+        if answers:  # a decode's own refusal (e.g. 401) says more than a 502
+            resp, content = answers[0]
+            return _passthrough(resp.status_code, content, resp.headers, None)
+        return error_response(
+            502, "no decode backend answered /v1/models: " + "; ".join(failures), "bad_gateway"
+        )
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -41,6 +41,7 @@ def rig_maker() -> Iterator[Callable[..., Rig]]:
         n_decode: int = 1,
         timeout_s: float = 10.0,
         extra_prefill: str = "",
+        first_decode: str = "",
         transport: Callable[[int, int], Any] | None = None,
         **options: Any,
     ) -> Rig:
@@ -49,7 +50,7 @@ def rig_maker() -> Iterator[Callable[..., Rig]]:
         backends = [serve_app(fake_app(f)) for f in prefills + decodes]
         started.extend(backends)
         p_urls = [b.url for b in backends[:n_prefill]] + ([extra_prefill] if extra_prefill else [])
-        d_urls = [b.url for b in backends[n_prefill:]]
+        d_urls = ([first_decode] if first_decode else []) + [b.url for b in backends[n_prefill:]]
         settings = ProxySettings(tuple(p_urls), tuple(d_urls), timeout_s, **options)
         made = transport(backends[0].port, backends[n_prefill].port) if transport else None
         app = proxy_app(settings, made)

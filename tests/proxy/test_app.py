@@ -403,6 +403,24 @@ def test_models_come_from_the_first_decode(make_rig: Callable[..., Rig]) -> None
     assert [m["id"] for m in resp.json()["data"]] == ["D0"]
 
 
+def test_models_come_from_the_next_decode_when_the_first_is_down(
+    make_rig: Callable[..., Rig],
+) -> None:
+    """Every decode serves the same model: a client listing models gets the list while any
+    decode answers (in the order given), not a 502 because the first one is down."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    rig = make_rig(first_decode=dead)
+    with rig.client() as c:
+        listed = c.get("/v1/models")
+        rig.backends[1].stop()
+        none = c.get("/v1/models")
+    assert listed.status_code == 200
+    assert [m["id"] for m in listed.json()["data"]] == ["D0"]
+    assert none.status_code == 502  # naming every decode and why it did not answer
+    message = none.json()["error"]["message"]
+    assert dead in message and rig.backends[1].url in message and "ConnectError" in message
+
+
 def test_the_openai_client_works_through_the_proxy(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig()
     client = openai.OpenAI(base_url=rig.proxy.url + "/v1", api_key="none", max_retries=0,
