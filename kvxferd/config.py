@@ -103,6 +103,9 @@ class Config:
     """Most live holds; a new hold past it is refused (503 naming the limit)."""
     handshake_timeout_s: float = 5.0
     """Bound on one handshake or claim HTTP call."""
+    shutdown_grace_s: float = 5.0
+    """Seconds from SIGINT/SIGTERM the calls in flight and the store's copies get to end, all
+    together; then calls are cancelled, and store I/O still blocked makes exit status 3."""
     log_level: str = "info"
     """Logging level name."""
     engine_max_connections: int = 256
@@ -183,6 +186,8 @@ class Config:
                      "released_feed_bytes", "handshake_timeout_s", *_LIMITS):  # fmt: skip
             if not 0 < getattr(self, name) < math.inf:  # nan and inf too: every wait ends
                 raise ConfigError(f"{name}: must be > 0 and finite, got {getattr(self, name)}")
+        if not 0 <= self.shutdown_grace_s <= 600:
+            raise ConfigError(f"shutdown_grace_s: must be in [0, 600], got {self.shutdown_grace_s}")
         if not 0 <= self.hold_grace_s < math.inf:
             raise ConfigError(f"hold_grace_s: must be >= 0 and finite, got {self.hold_grace_s}")
         if self.default_lease_s > self.max_lease_s:

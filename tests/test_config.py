@@ -89,6 +89,9 @@ def test_an_advertised_host_a_ticket_could_not_carry_is_refused_at_start(overrid
         ({"KVXFERD_HTTP": "h3"}, "http"),
         ({"KVXFERD_HANDSHAKE_TIMEOUT_S": "nan"}, "handshake_timeout_s"),
         ({"KVXFERD_HANDSHAKE_TIMEOUT_S": "0"}, "handshake_timeout_s"),
+        ({"KVXFERD_SHUTDOWN_GRACE_S": "nan"}, "shutdown_grace_s"),  # SIGTERM must end it
+        ({"KVXFERD_SHUTDOWN_GRACE_S": "-1"}, "shutdown_grace_s"),
+        ({"KVXFERD_SHUTDOWN_GRACE_S": "601"}, "shutdown_grace_s"),
         ({"KVXFERD_ENGINE_ID": "a\nb"}, "engine_id"),  # a forged log or ready line
         ({"KVXFERD_ENGINE_ID": "kvx-1\n"}, "engine_id"),
         ({"KVXFERD_ENGINE_ID": "a b"}, "engine_id"),

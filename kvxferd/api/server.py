@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 import uvicorn
 from fastapi import FastAPI
@@ -43,9 +44,10 @@ from kvxferd.sidecar.service import Sidecar
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 10.0
-"""Seconds the calls still running at SIGINT/SIGTERM get to answer (HTTP and frames alike)
-before they are cancelled: a call waiting on a hung disk must not hold shutdown up."""
+SHUTDOWN_GRACE_S = Config.shutdown_grace_s
+"""Default seconds the calls still running at SIGINT/SIGTERM (HTTP and frames alike) and the
+store's copies get to end, together (``--shutdown-grace``), before calls are cancelled: a call
+waiting on a hung disk or a frozen peer must not hold shutdown up."""
 
 
 class _Server(uvicorn.Server):
@@ -92,7 +94,7 @@ def _uvicorn_config(
         access_log=False,
         lifespan="off",
         timeout_keep_alive=HTTP_SERVER_KEEPALIVE_S,
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        timeout_graceful_shutdown=config.shutdown_grace_s,
         **uvicorn_limits(limits, listener),
     )
 
@@ -230,11 +232,13 @@ async def _serve(config: Config) -> None:
         await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
     finally:
+        # One grace for everything still running (calls on every listener, store copies), not
+        # one after another: SIGTERM ends the process within it plus the teardown.
+        grace = config.shutdown_grace_s
+        sidecar.offload.begin_shutdown(time.monotonic() + grace)
         for srv, _ in servers:
             srv.should_exit = True
-        for framed in (frames, peer_frames):
-            if framed is not None:
-                await framed.close(SHUTDOWN_GRACE_S)
+        await asyncio.gather(*(f.close(grace) for f in (frames, peer_frames) if f is not None))
         if peer_frames_sock is not None:
             peer_frames_sock.close()
         if frames_sock is not None:

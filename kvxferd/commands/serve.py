@@ -107,6 +107,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="agents a large DRAM READ is split across, posted at once; with 2 or more, small "
         "READs use one that never notifies, so a pull claims while it reads (default 2)",
     )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        metavar="S",
+        dest="shutdown_grace_s",
+        help="seconds from SIGINT/SIGTERM the calls in flight and the store's copies get to "
+        "end, together; then calls are cancelled and the process exits",
+    )
     p.add_argument("--require-transport", choices=("rdma", "any"), dest="require_transport",
                    help="refuse readiness unless READs can use RDMA (never TCP)")  # fmt: skip
     p.add_argument("--event-loop", choices=EVENT_LOOPS, dest="event_loop",
@@ -196,6 +204,7 @@ def _load(args: argparse.Namespace) -> Config:
             "max_pull_deadline_s": args.max_pull_deadline_s,
             "max_pulls_in_flight": args.max_pulls_in_flight,
             "max_holds": args.max_holds,
+            "shutdown_grace_s": args.shutdown_grace_s,
             "log_level": args.log_level,
             "store_dir": args.store_dir,
             "store_dram_bytes": args.store_dram_bytes,

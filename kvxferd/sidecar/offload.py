@@ -50,7 +50,11 @@ log = logging.getLogger(__name__)
 MAX_STORE_DEADLINE_S = 600.0
 """Longest ``StoreLoadRequest.deadline_s`` accepted."""
 STOP_S = 5.0
-"""Seconds :meth:`Offload.stop` waits for the loads and saves on the engine's memory to end."""
+"""Seconds :meth:`Offload.stop` waits for the loads and saves on the engine's memory to end, and
+:meth:`Offload.shutdown` for everything of the store, all steps together."""
+CLOSE_MIN_S = 1.0
+"""Seconds :meth:`Offload.shutdown` gives the store's own close even once its time is up: with
+nothing blocked it takes milliseconds, so only a hung disk runs past it (exit status 3)."""
 EXIT_STORE_STUCK = 3
 """``kvxferd serve``'s exit status when shutdown left store I/O blocked (a hung disk): see
 :meth:`Offload.exit_if_stuck`."""
@@ -161,6 +165,7 @@ class Offload:
         self._lookups: dict[asyncio.Future[Any], None] = {}  # lookups (no engine memory)
         self.stuck = ""
         """What of the store :meth:`shutdown` left blocked in I/O ("" when nothing)."""
+        self._shutdown_by = math.inf  # monotonic; set by begin_shutdown (SIGINT/SIGTERM)
 
     async def save(self, req: StoreSaveRequest) -> StoreSaved:
         """Copy a request's blocks (or a live hold's) into the store; entries already there are
@@ -188,7 +193,7 @@ class Offload:
             _check_ids(manifest, block_ids, num_tokens)
         by = act_by(req.not_after_ns, self.metrics.calls_expired.labels("store_save").inc)
         stop_at = min(stop_at, by)
-        stop = threading.Event()  # set by stop(): the engine's memory is being let go
+        stop = self._stop_event()  # set by stop(): the engine's memory is being let go
         out = await asyncio.shield(self._track(
             self._running, stop, store.save, manifest, regions, block_ids, req.keys, num_tokens,
             self._guard, pinned,  # a hold let go during a copy: that entry is not kept
@@ -231,7 +236,7 @@ class Offload:
         manifest, regions = _rank_target(self._target, req.generation, req.tp_rank)
         _check_ids(manifest, req.block_ids, req.num_tokens)
         by = act_by(req.not_after_ns, self.metrics.calls_expired.labels("store_load").inc)
-        stop_at, stop = min(time.monotonic() + req.deadline_s, by), threading.Event()
+        stop_at, stop = min(time.monotonic() + req.deadline_s, by), self._stop_event()
         try:
             # Awaited to its end even if our caller gives up: the answer says nothing is written
             # any more (the thread checks ``stop_at`` and ``stop`` between entries).
@@ -268,14 +273,27 @@ class Offload:
             await asyncio.wait(running, timeout=timeout_s)
         return sum(not work.done() for work in running)
 
+    def begin_shutdown(self, deadline: float) -> None:
+        """SIGINT/SIGTERM: the loads and saves running stop before their next entry now (one
+        started later at once), and :meth:`shutdown` waits for nothing past ``deadline``
+        (monotonic) but the store's close (``CLOSE_MIN_S``)."""
+        self._shutdown_by = deadline
+        for stop in self._running.values():
+            stop.set()
+
     async def shutdown(self, timeout_s: float = STOP_S) -> int:
         """:meth:`stop`, then, once no load or save runs, the lookups waited for and
-        :meth:`close` waited for, each for at most ``timeout_s``: how many loads and saves still
-        copy the engine's memory. While any does, the store stays open (the copy's entry goes
-        on to the store) and the caller must not unmap the memory. Whatever still blocks a
-        thread (a hung disk) is named in ``stuck``: the process must not wait for it at exit
-        (:meth:`exit_if_stuck`)."""
-        copying = await self.stop(timeout_s)
+        :meth:`close` waited for, within ``timeout_s`` (and the :meth:`begin_shutdown`
+        deadline) all together: how many loads and saves still copy the engine's memory. While
+        any does, the store stays open (the copy's entry goes on to the store) and the caller
+        must not unmap the memory. Whatever still blocks a thread (a hung disk) is named in
+        ``stuck``: the process must not wait for it at exit (:meth:`exit_if_stuck`)."""
+        by = min(time.monotonic() + timeout_s, self._shutdown_by)
+
+        def left() -> float:
+            return max(0.0, by - time.monotonic())
+
+        copying = await self.stop(left())
         if copying:
             log.warning("shutdown: %d store loads or saves still copy the engine's memory after "
                         "%g s: it stays mapped and the store open until they end", copying,
@@ -284,14 +302,14 @@ class Offload:
             return copying
         lookups = list(self._lookups)
         if lookups:
-            await asyncio.wait(lookups, timeout=timeout_s)
+            await asyncio.wait(lookups, timeout=left())
         looking = sum(not work.done() for work in lookups)
         if looking:
             log.warning("shutdown: %d store lookups did not end in %g s (a hung disk?)", looking,
                         timeout_s)  # fmt: skip
             self.stuck = f"{looking} store lookups"
         try:
-            await asyncio.wait_for(asyncio.to_thread(self.close), timeout_s)
+            await asyncio.wait_for(asyncio.to_thread(self.close), max(left(), CLOSE_MIN_S))
         except TimeoutError:
             log.warning("shutdown: the store's I/O threads did not end in %g s (a hung disk?)",
                         timeout_s)  # fmt: skip
@@ -331,6 +349,13 @@ class Offload:
         """Stop the store's I/O threads (calls in progress finish first)."""
         if self.store is not None:
             self.store.close()
+
+    def _stop_event(self) -> threading.Event:
+        """A load's or save's stop event: set already once shutdown began (nothing copied)."""
+        stop = threading.Event()
+        if self._shutdown_by < math.inf:
+            stop.set()
+        return stop
 
     def _track(
         self, registry: dict[asyncio.Future[Any], V], value: V, fn: Callable[..., T], *args: Any
