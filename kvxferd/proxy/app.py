@@ -371,11 +371,15 @@ def proxy_app(
     async def models(request: Request) -> Response:
         """The first decode's list (every decode serves the model) that answers 2xx, in the order
         given: all are asked at once, so a down or hung one costs one call's bounds, not each."""
+        auth = request.headers.get("authorization")  # a vLLM with --api-key asks for it
+        headers = {"Authorization": auth.encode("latin-1")} if auth else None
         slots: ClientSlots[httpx.AsyncBaseTransport] = request.app.state.clients
         client = slots.take()
         asks = [
-            asyncio.ensure_future(_call(client, backend_request("GET", d.url + "/v1/models"),
-                                        first_byte, idle, limit))
+            asyncio.ensure_future(_call(
+                client, backend_request("GET", d.url + "/v1/models", headers=headers),
+                first_byte, idle, limit,
+            ))
             for d in decodes.backends
         ]  # fmt: skip
         answers: list[tuple[httpx.Response, bytes]] = []

@@ -168,7 +168,8 @@ def fake_app(fake: FakeBackend) -> FastAPI:
         return JSONResponse({"released": 1}, status_code=fake.release_status)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        fake.seen.append(Seen(request.url.path, {}, dict(request.headers)))
         return {"object": "list", "data": [{"id": fake.name, "object": "model", "created": 0,
                                             "owned_by": "fake"}]}  # fmt: skip
 

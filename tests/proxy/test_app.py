@@ -403,6 +403,17 @@ def test_models_come_from_the_first_decode(make_rig: Callable[..., Rig]) -> None
     assert [m["id"] for m in resp.json()["data"]] == ["D0"]
 
 
+def test_models_carry_the_clients_authorization_to_the_decode(
+    make_rig: Callable[..., Rig],
+) -> None:
+    """A vLLM decode started with --api-key refuses /v1/models without the client's key."""
+    rig = make_rig()
+    with rig.client() as c:
+        assert c.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+    [seen] = rig.decodes[0].seen
+    assert seen.headers["authorization"] == "Bearer k"
+
+
 def test_models_come_from_the_next_decode_when_the_first_is_down(
     make_rig: Callable[..., Rig],
 ) -> None:
