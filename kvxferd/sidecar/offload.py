@@ -166,6 +166,7 @@ class Offload:
         self.stuck = ""
         """What of the store :meth:`shutdown` left blocked in I/O ("" when nothing)."""
         self._shutdown_by = math.inf  # monotonic; set by begin_shutdown (SIGINT/SIGTERM)
+        self._shutdown_from = math.inf  # when begin_shutdown was called
 
     async def save(self, req: StoreSaveRequest) -> StoreSaved:
         """Copy a request's blocks (or a live hold's) into the store; entries already there are
@@ -277,7 +278,7 @@ class Offload:
         """SIGINT/SIGTERM: the loads and saves running stop before their next entry now (one
         started later at once), and :meth:`shutdown` waits for nothing past ``deadline``
         (monotonic) but the store's close (``CLOSE_MIN_S``)."""
-        self._shutdown_by = deadline
+        self._shutdown_by, self._shutdown_from = deadline, time.monotonic()
         for stop in self._running.values():
             stop.set()
 
@@ -288,16 +289,20 @@ class Offload:
         any does, the store stays open (the copy's entry goes on to the store) and the caller
         must not unmap the memory. Whatever still blocks a thread (a hung disk) is named in
         ``stuck``: the process must not wait for it at exit (:meth:`exit_if_stuck`)."""
-        by = min(time.monotonic() + timeout_s, self._shutdown_by)
+        now = time.monotonic()
+        by, start = min(now + timeout_s, self._shutdown_by), min(now, self._shutdown_from)
 
         def left() -> float:
             return max(0.0, by - time.monotonic())
 
+        def waited() -> str:
+            return f"{time.monotonic() - start:.1f}"
+
         copying = await self.stop(left())
         if copying:
             log.warning("shutdown: %d store loads or saves still copy the engine's memory after "
-                        "%g s: it stays mapped and the store open until they end", copying,
-                        timeout_s)  # fmt: skip
+                        "%s s: it stays mapped and the store open until they end", copying,
+                        waited())  # fmt: skip
             self.stuck = f"{copying} store loads or saves"
             return copying
         lookups = list(self._lookups)
@@ -305,14 +310,14 @@ class Offload:
             await asyncio.wait(lookups, timeout=left())
         looking = sum(not work.done() for work in lookups)
         if looking:
-            log.warning("shutdown: %d store lookups did not end in %g s (a hung disk?)", looking,
-                        timeout_s)  # fmt: skip
+            log.warning("shutdown: %d store lookups did not end in %s s (a hung disk?)", looking,
+                        waited())  # fmt: skip
             self.stuck = f"{looking} store lookups"
         try:
             await asyncio.wait_for(asyncio.to_thread(self.close), max(left(), CLOSE_MIN_S))
         except TimeoutError:
-            log.warning("shutdown: the store's I/O threads did not end in %g s (a hung disk?)",
-                        timeout_s)  # fmt: skip
+            log.warning("shutdown: the store's I/O threads did not end in %s s (a hung disk?)",
+                        waited())  # fmt: skip
             self.stuck = self.stuck or "the store's I/O threads"
         return 0
 
