@@ -13,9 +13,11 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 
 from kvxferd.proxy import ProxySettings, proxy_app
-from tests.proxy.fakes import HeadWatch, UnopenedDecode, serve_app
+from tests.proxy.fakes import FakeBackend, HeadWatch, UnopenedDecode, fake_app, serve_app
 from tests.sidecar.harness import wait_until
 from tests.sim.procs import STUB, Sim, running_sims
 
@@ -124,6 +126,66 @@ def test_a_client_gone_before_the_prefill_answered_leaves_no_hold(sims):
     after = p.stats()
     assert after["holds_given_up"] == before["holds_given_up"] + 1  # by the proxy's release
     assert after["holds_expired"] == before["holds_expired"]
+
+
+def _front(target: str, mounted: threading.Event) -> FastAPI:
+    """One address for the sim at ``target`` whose release route answers 404 (as a server
+    without it does) until ``mounted``: a prefill still starting, or replaced at its address."""
+    app = FastAPI()
+
+    @app.post("/{path:path}")
+    async def forward(path: str, request: Request) -> Response:
+        if path == "v1/kv/release" and not mounted.is_set():
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        headers = {"Content-Type": "application/json",
+                   "X-Request-Id": request.headers.get("x-request-id", "r")}  # fmt: skip
+        async with httpx.AsyncClient(timeout=BOUND_S) as client:
+            resp = await client.post(f"{target}/{path}", content=await request.body(),
+                                     headers=headers)  # fmt: skip
+        return Response(resp.content, resp.status_code, media_type="application/json")
+
+    return app
+
+
+def test_a_release_404_from_a_prefill_stops_its_releases_only_for_release_retry_s(sims):
+    """The proxy reads a release 404 as "no release route" (vLLM) and stops asking that prefill,
+    but not for good: once the route is there and ``release_retry_s`` passed, a refused
+    decode's release reaches the sim again and frees its hold (given up, not expired)."""
+    p = sims["prefill"]
+    wait_until(lambda: _all_free(p), BOUND_S, "earlier holds to end")
+    before = p.stats()
+    mounted = threading.Event()
+    decode = FakeBackend("D0", "decode")
+    decode.fail_status = 400  # refuses every request: the prefill's hold is the proxy's to free
+    backends = [serve_app(_front(p.url, mounted)), serve_app(fake_app(decode))]
+    settings = ProxySettings((backends[0].url,), (backends[1].url,), timeout_s=BOUND_S,
+                             release_retry_s=0.2)  # fmt: skip
+    app = proxy_app(settings)
+    backends.append(serve_app(app))
+    body = {"prompt": PROMPT, "max_tokens": 4}
+    try:
+        with httpx.Client(base_url=backends[2].url, timeout=BOUND_S) as client:
+
+            def refused() -> None:
+                assert client.post("/v1/completions", json=body).status_code == 400
+                wait_until(lambda: not app.state.background, BOUND_S, "the proxy's release")
+
+            refused()  # its release answered 404: the hold is left to its lease
+            assert p.stats()["holds_given_up"] == before["holds_given_up"]
+            mounted.set()
+
+            def given_up() -> bool:
+                refused()
+                return p.stats()["holds_given_up"] > before["holds_given_up"]
+
+            wait_until(given_up, BOUND_S, "a refused decode's release reaching the sim again")
+            assert p.stats()["holds_given_up"] == before["holds_given_up"] + 1
+    finally:
+        for served in reversed(backends):
+            served.stop()
+        for seen in decode.seen:  # the holds left to their lease: freed for the next tests
+            p.post("/v1/kv/release", {"kv_transfer_params": seen.body["kv_transfer_params"]})
+    wait_until(lambda: _all_free(p), BOUND_S, "every hold released")
 
 
 def test_release_needs_the_requests_tickets_and_happens_once(sims):
