@@ -119,6 +119,13 @@ class Metrics:
             ["path"],
             registry=r,
         )
+        self.staging_retired_bytes = Gauge(
+            "kvxferd_staging_retired_bytes",
+            "Bytes of the staging buffer retired: under READs that could not be confirmed "
+            "stopped, never handed out again until the buffer is released (staged READs that "
+            "find no room read direct)",
+            registry=r,
+        )
         self.notification_polls_failed = Counter(
             "kvxferd_notification_polls_failed",
             "Reads of NIXL notifications that failed (a sender's agent name not UTF-8): the "

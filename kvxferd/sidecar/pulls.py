@@ -261,6 +261,7 @@ class PullRunner:
         await self.reads.close()
         self.planner.close()
         await self.staging.close()
+        self._metrics.staging_retired_bytes.set(self.staging.retired_bytes)
 
     async def _run(self, pull: Pull) -> None:
         m = self._metrics
@@ -543,6 +544,7 @@ class PullRunner:
         except UnsettledReadError:
             if lease is not None:  # the READ may still write its pages: never reused
                 self.staging.retire(lease)
+                self._metrics.staging_retired_bytes.set(self.staging.retired_bytes)
                 lease = None
             raise
         except PeerDisconnectedError:

@@ -101,6 +101,11 @@ class StagingPool:
         """Whether pulls may stage at all (a nonzero size)."""
         return self.nbytes > 0
 
+    @property
+    def retired_bytes(self) -> int:
+        """Bytes of the retired pages (at ``nbytes``: no pull is staged until the pool closes)."""
+        return self.retired * PAGE
+
     def acquire(self, nbytes: int) -> Lease | None:
         """Contiguous pages for ``nbytes``, or None (read direct): the buffer not registered
         yet (this starts its registration), or no room now."""
@@ -133,8 +138,9 @@ class StagingPool:
         """Keep ``lease``'s pages out of use until the pool closes (its READ may still write)."""
         self._leases -= 1
         self.retired += lease.pages
-        log.warning("staging pages %d-%d retired: a READ into them was not confirmed stopped",
-                    lease.first, lease.first + lease.pages - 1)  # fmt: skip
+        log.warning("staging pages %d-%d retired (%d of %d now): a READ into them was not "
+                    "confirmed stopped", lease.first, lease.first + lease.pages - 1,
+                    self.retired, self._used.size)  # fmt: skip
 
     async def scatter(self, lease: Lease, views: Sequence[np.ndarray], plan: StagedPlan) -> None:
         """Copy ``plan``'s rows from ``lease`` into ``views``: on the loop when small, else on

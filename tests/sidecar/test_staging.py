@@ -65,12 +65,13 @@ def test_pages_of_an_unsettled_read_are_never_handed_out_again():
         b = pool.acquire(PAGE)
         pool.retire(a)  # its READ may still write these pages
         pool.release(b)
-        assert pool.retired == 1
+        assert (pool.retired, pool.retired_bytes) == (1, PAGE)  # kvxferd_staging_retired_bytes
         got = [pool.acquire(PAGE) for _ in range(2)]
         assert got[0] is not None and got[0].first == 1 and got[1] is None
         pool.release(got[0])
         await pool.close()  # deregistered; the mapping stays (a late write lands in it)
         assert agent.live_handles().registrations == 0
+        assert pool.retired_bytes == 0  # the next buffer starts with none retired
         again = await _opened(pool, 2 * PAGE)  # a fresh buffer, all of it free
         assert again.pages == 2
         pool.release(again)
