@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
 import secrets
@@ -37,7 +36,6 @@ from kvxferd.errors import (
     PeerDisconnectedError,
     TransferTimeoutError,
     UnknownPullError,
-    UnsettledReadError,
     reason_code,
 )
 from kvxferd.metrics import BYTE_KINDS, PHASES
@@ -518,6 +516,13 @@ class PullRunner:
         else:
             nbytes, descs = int(plan.kv_bytes + plan.state_bytes), int(plan.num_descriptors)
         tables = plan.tables or (None, None)
+        quarantined = False  # set once the READ could not be confirmed stopped
+
+        def on_unsettled(why: str) -> None:  # called even when this task is cancelled meanwhile
+            nonlocal quarantined
+            quarantined = True
+            pull.unsettled = why  # this reason wins (Pull.unsettled)
+
         t0 = time.monotonic()
         try:
             transfer = await self.reads.read(
@@ -528,7 +533,7 @@ class PullRunner:
                 nbytes=nbytes,
                 descs=descs,
                 deadline=deadline,
-                on_unsettled=functools.partial(_unsettled, pull),
+                on_unsettled=on_unsettled,
                 post=_by(
                     deadline,
                     plan.post(
@@ -541,17 +546,16 @@ class PullRunner:
                     raise TransferTimeoutError("staged READ completed past the pull's deadline")
                 self._guard()  # the memory is still whole (a shrunk segment fails the pull)
                 await self.staging.scatter(lease, views, staged.plan)
-        except UnsettledReadError:
-            if lease is not None:  # the READ may still write its pages: never reused
-                self.staging.retire(lease)
-                self._metrics.staging_retired_bytes.set(self.staging.retired_bytes)
-                lease = None
-            raise
         except PeerDisconnectedError:
             await self._peers.forget(peer.address)
             raise
         finally:
-            if lease is not None:
+            # Retired by the report, not the error: a READ quarantined while this task was being
+            # cancelled ends it in CancelledError, not UnsettledReadError (reads.run_to_end).
+            if lease is not None and quarantined:  # it may still write its pages: never reused
+                self.staging.retire(lease)
+                self._metrics.staging_retired_bytes.set(self.staging.retired_bytes)
+            elif lease is not None:
                 self.staging.release(lease)
         finished = time.monotonic()
         telemetry = transfer.telemetry() or {}
@@ -591,8 +595,3 @@ async def _settle(task: asyncio.Task[Any]) -> None:
         task.cancel()
     with contextlib.suppress(Exception, asyncio.CancelledError):
         await run_to_end(task)
-
-
-def _unsettled(pull: Pull, why: str) -> None:
-    """Record on ``pull`` that one of its READs could not be confirmed stopped."""
-    pull.unsettled = why

@@ -1,0 +1,298 @@
+"""A staged READ that fails never writes the decode's blocks: one that could not be confirmed
+stopped has its pages retired, never handed out again.
+
+One pod sidecar (``serve --pod-ranks 8``) serves prefill TP 8; decode TP 1 sidecars with a
+staging buffer of one pull read from it over UCX's TCP transport, where the prefill's worker
+sends every byte of a READ: a prefill frozen by SIGSTOP (its peer already cached, so no
+handshake is needed) stalls the READ deterministically until it is resumed. Where the order of
+two events on the decode's loop decides, the decode runs in-process (a real NIXL agent) and the
+test fixes that order. The decode's blocks hold a sentinel; every byte is checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+
+from kvxferd.config import Config
+from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
+from kvxferd.pattern import verify_pattern, write_pattern
+from kvxferd.sidecar import pulls
+from kvxferd.sidecar.service import Sidecar as InProcessSidecar
+from kvxferd.sidecar.staging import PAGE
+from kvxferd.sidecar.states import PullState
+from kvxferd.wire import HoldRequest, Manifest, PullRequest, PullStatus, RegisterRequest, Ticket
+from tests.sidecar.harness import (
+    QUIET,
+    SENTINEL,
+    SMALL_HYBRID,
+    TOKEN,
+    EnginePool,
+    EngineRank,
+    ReleasedFeed,
+    changed_outside,
+    metric,
+    start_sidecars,
+    wait_no_handles,
+)
+
+pytestmark = pytest.mark.nixl
+
+TP = 8
+SLOT = [1, 1, 1, 13]  # blocks per group of one pull (3 Mamba groups, 1 attention group)
+SLOTS = 4
+NUM_BLOCKS = 1 + SLOTS * sum(SLOT)
+ONE_PULL = 16 * (32 << 10)  # a staging buffer of one pull: its 16 runs of 32 KiB, no more
+TCP = {**QUIET, "UCX_TLS": "tcp"}  # the prefill's worker moves every byte: a freeze stalls it
+DEADLINE_S = 1.0
+
+
+def _plan(tp_size: int, tp_rank: int) -> Manifest:
+    opts = PlanOptions(tp_size=tp_size, tp_rank=tp_rank, num_blocks=NUM_BLOCKS,
+                       engine_id=f"t{uuid.uuid4().hex[:8]}")  # fmt: skip
+    return plan_manifest({**load_hf_config("granite-4.0-h-tiny"), **SMALL_HYBRID}, opts)
+
+
+@dataclass
+class Cluster:
+    pod: list[EngineRank]
+    retiring: EngineRank  # a buffer of one pull, retired by an unsettled READ
+    late: EngineRank  # a buffer of one pull, whose READ completes past the deadline
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("stagedfail"))
+    sidecars = start_sidecars(tmp, ["pod"], "--pod-ranks", str(TP), env=TCP)
+    pools: list[EnginePool] = []
+    try:
+        sidecars += start_sidecars(tmp, ["retiring", "late"], "--staging-bytes", str(ONE_PULL),
+                                   env=TCP)  # fmt: skip
+        manifests = [_plan(TP, r) for r in range(TP)] + [_plan(1, 0) for _ in range(2)]
+        pools = [EnginePool(m) for m in manifests]
+        ranks = [EngineRank(s, m, p) for s, m, p in
+                 zip([sidecars[0]] * TP + sidecars[1:], manifests, pools, strict=True)]  # fmt: skip
+        with ThreadPoolExecutor(TP) as workers:  # a pod rank's register waits for the rest
+            list(workers.map(_register, ranks[:TP]))
+        for rank in ranks[TP:]:
+            _register(rank)
+        yield Cluster(ranks[:TP], *ranks[TP:])
+    finally:
+        codes = [s.stop() for s in sidecars]
+        for pool in pools:
+            pool.close()
+    assert codes == [0] * len(sidecars)
+
+
+def _register(rank: EngineRank) -> None:
+    with rank.sidecar.client() as c:
+        c.register(rank.manifest, rank.pool.specs())
+
+
+def _slot(s: int) -> list[list[int]]:
+    out, start = [], 1 + s * sum(SLOT)
+    for n in SLOT:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def _hold(cluster: Cluster, ids: list[list[int]], seed: int, lease_s: float = 30.0) -> Ticket:
+    hold_id = f"h-{uuid.uuid4().hex[:8]}"
+    tickets = []
+    for r, rank in enumerate(cluster.pod):
+        write_pattern(rank.manifest, rank.pool.views, ids, seed=seed)
+        with rank.sidecar.client() as c:
+            tickets.append(c.hold(HoldRequest(request_id=hold_id, block_ids=ids, num_tokens=416,
+                                              hold_id=hold_id, tp_rank=r,
+                                              lease_s=lease_s)))  # fmt: skip
+    assert all(t == tickets[0] for t in tickets)
+    return tickets[0]
+
+
+def _reads(rank: EngineRank, path: str) -> float:
+    return metric(rank.sidecar.peer, "kvxferd_reads_total", path=path)
+
+
+def _pull(cluster: Cluster, decode: EngineRank, ids, pids, seed: int) -> PullStatus:
+    """One pull of ``pids`` on the pod into ``ids`` on ``decode``: DONE, every byte in place,
+    nothing else written, the hold notified."""
+    ticket = _hold(cluster, pids, seed)
+    before = decode.pool.snapshot()
+    with decode.sidecar.client() as c:
+        accepted = c.pull(PullRequest(tickets=[ticket], block_ids=ids, deadline_s=60))
+        status = c.wait_pull(accepted.pull_id, timeout_s=90)
+    assert status.state == "done", status
+    assert verify_pattern(decode.manifest, decode.pool.views, ids, seed=seed) is None
+    assert changed_outside(before, decode.pool.views, decode.manifest, ids) == 0
+    assert ReleasedFeed(cluster.pod[0].sidecar).wait_for(ticket.hold_id) == {
+        ticket.hold_id: "notified"
+    }
+    return status
+
+
+def _staged_pull(cluster: Cluster, decode: EngineRank, ids, pids, seed: int) -> None:
+    """Pulls until one is staged (the buffer registers on the first pull that wants it, which
+    reads direct meanwhile; the peer is cached from then on); every pull verified. Bounded."""
+    for attempt in range(20):
+        staged = _reads(decode, "staged")
+        _pull(cluster, decode, ids, pids, seed + attempt)
+        if _reads(decode, "staged") == staged + 1:
+            return
+    raise AssertionError("no pull was staged in 20")
+
+
+@contextmanager
+def _frozen(cluster: Cluster) -> Iterator[None]:
+    """The pod sidecar stopped (SIGSTOP) for the block's duration, resumed however it ends."""
+    pid = cluster.pod[0].sidecar.child.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _sentinel(decode: EngineRank) -> None:
+    for view in decode.pool.views:
+        view[:] = SENTINEL
+
+
+def _untouched(decode: EngineRank) -> int:
+    """Bytes of the decode's pool that are no longer the sentinel."""
+    return sum(int((v != SENTINEL).sum()) for v in decode.pool.views)
+
+
+def test_an_unsettled_staged_read_retires_its_pages_and_never_writes_the_decode_blocks(cluster):
+    """The prefill frozen under a staged READ: the pull ends FAILED ``unsettled`` without one
+    byte of the decode's pool written, then or after the prefill resumed and the READ landed
+    (in the retired pages). The one-pull buffer is then all retired (reported): later pulls read
+    direct, byte-exact, and none is staged into the pages the READ wrote."""
+    d = cluster.retiring
+    _staged_pull(cluster, d, _slot(0), _slot(1), seed=10)
+    ticket = _hold(cluster, _slot(3), seed=11, lease_s=5.0)
+    staged = _reads(d, "staged")
+    _sentinel(d)
+    with _frozen(cluster), d.sidecar.client() as c:
+        accepted = c.pull(PullRequest(tickets=[ticket], block_ids=_slot(2),
+                                      deadline_s=DEADLINE_S))  # fmt: skip
+        status = c.wait_pull(accepted.pull_id, timeout_s=60)
+        assert (status.state, status.reason) == ("failed", "unsettled"), status
+        assert _untouched(d) == 0
+        assert metric(d.sidecar.peer, "kvxferd_nixl_handles") >= 1  # quarantined
+    ReleasedFeed(cluster.pod[0].sidecar).wait_for(ticket.hold_id)  # its claim ended
+    wait_no_handles(d.sidecar, cluster.pod[0].sidecar)  # resumed: the READ ended and was released
+    assert _untouched(d) == 0  # it landed in the retired pages, scattered nowhere
+    tables = _reads(d, "tables")
+    for s in range(3):  # the buffer is all retired: direct READs, every byte in place
+        _pull(cluster, d, _slot(s), _slot((s + 1) % SLOTS), seed=20 + s)
+    assert (_reads(d, "staged"), _reads(d, "tables")) == (staged, tables + 3)
+    assert metric(d.sidecar.peer, "kvxferd_staging_retired_bytes") == ONE_PULL // PAGE * PAGE
+
+
+class InProcess:
+    """A decode sidecar in this process (real NIXL agent over TCP, a one-pull staging buffer)
+    and its engine's pool, its own pattern and sentinel helpers."""
+
+    def __init__(self, cluster: Cluster, sidecar: InProcessSidecar) -> None:
+        self.cluster = cluster
+        self.sc = sidecar
+        self.manifest = _plan(1, 0)
+        self.pool = EnginePool(self.manifest)
+
+    async def pull(self, ids, pids, seed: int, deadline_s: float = 60.0, *,
+                   frozen: bool = False) -> pulls.Pull:  # fmt: skip
+        """One pull of ``pids`` into ``ids``, ended; ``frozen``: the pod stopped meanwhile."""
+        ticket = await asyncio.to_thread(_hold, self.cluster, pids, seed, 5.0)
+        with _frozen(self.cluster) if frozen else contextlib.nullcontext():
+            pull = self.sc.pulls.start(PullRequest(tickets=[ticket], block_ids=ids,
+                                                   deadline_s=deadline_s))  # fmt: skip
+            async with asyncio.timeout(60):
+                await pull.done.wait()
+        return pull
+
+    async def staged(self, ids, pids, seed: int) -> None:
+        """Pulls until one is staged (the peer cached, the buffer registered), each verified."""
+        for attempt in range(20):
+            staged = self.sc.pulls.staging.staged
+            pull = await self.pull(ids, pids, seed + attempt)
+            assert pull.state is PullState.DONE, pull.status()
+            assert verify_pattern(self.manifest, self.pool.views, ids, seed=seed + attempt) is None
+            if self.sc.pulls.staging.staged == staged + 1:
+                return
+        raise AssertionError("no pull was staged in 20")
+
+    def untouched(self) -> int:
+        return sum(int((v != SENTINEL).sum()) for v in self.pool.views)
+
+
+def _in_process(cluster: Cluster, monkeypatch, test) -> None:  # noqa: ANN001
+    """Run ``test(decode)`` against a registered in-process decode sidecar, then close it."""
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    monkeypatch.setenv("UCX_TLS", "tcp")
+
+    async def main() -> None:
+        sc = InProcessSidecar(Config(peer_token=TOKEN, engine_id=f"inproc-{uuid.uuid4().hex[:6]}",
+                                     staging_bytes=ONE_PULL))  # fmt: skip
+        sc.start()
+        decode = InProcess(cluster, sc)
+        try:
+            await sc.register(RegisterRequest(manifest=decode.manifest,
+                                              regions=decode.pool.specs()))  # fmt: skip
+            await test(decode)
+        finally:
+            await sc.close()
+            decode.pool.close()
+
+    asyncio.run(main())
+
+
+def test_an_unsettled_staged_read_cancelled_while_it_settles_still_retires_its_pages(
+    cluster, monkeypatch
+):
+    """The READ's own deadline ends its wait and, before its settle bound is out, its task is
+    cancelled (what the pull's deadline does one loop turn later): the READ stays in flight, so
+    its pages are retired all the same, and the next pull finds no room and reads direct."""
+
+    async def test(d: InProcess) -> None:
+        await d.staged(_slot(0), _slot(1), seed=40)
+        reads = d.sc.pulls.reads
+        settle, read = reads._settle, reads.read
+        task: list[asyncio.Task] = []
+
+        async def read_here(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+            task.append(asyncio.current_task())
+            return await read(*args, **kw)
+
+        async def cancelled_settle(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+            task[0].cancel()  # the READ's task, now waiting on this settle (run_to_end)
+            return await settle(*args, **kw)
+
+        monkeypatch.setattr(reads, "read", read_here)
+        monkeypatch.setattr(reads, "_settle", cancelled_settle)
+        for v in d.pool.views:
+            v[:] = SENTINEL
+        pull = await d.pull(_slot(2), _slot(3), seed=41, deadline_s=DEADLINE_S, frozen=True)
+        monkeypatch.undo()
+        assert (pull.state, pull.reason) == (PullState.FAILED, "unsettled"), pull.status()
+        assert d.sc.pulls.staging.retired_bytes == ONE_PULL
+        async with asyncio.timeout(30):  # resumed: the quarantined READ ends and is released
+            while reads.quarantined:
+                await asyncio.sleep(0.01)
+        assert d.untouched() == 0  # it landed in the retired pages
+        staged = d.sc.pulls.staging.staged
+        pull = await d.pull(_slot(0), _slot(1), seed=42)
+        assert pull.state is PullState.DONE, pull.status()
+        assert verify_pattern(d.manifest, d.pool.views, _slot(0), seed=42) is None
+        assert d.sc.pulls.staging.staged == staged  # no room: read direct
+
+    _in_process(cluster, monkeypatch, test)
