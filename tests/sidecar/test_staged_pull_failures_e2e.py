@@ -1,5 +1,6 @@
-"""A staged READ that fails never writes the decode's blocks: one that could not be confirmed
-stopped has its pages retired, never handed out again.
+"""A staged READ that fails never writes the decode's blocks: neither one that could not be
+confirmed stopped (its pages are retired, never handed out again) nor one that completed past
+the pull's deadline (nothing is scattered).
 
 One pod sidecar (``serve --pod-ranks 8``) serves prefill TP 8; decode TP 1 sidecars with a
 staging buffer of one pull read from it over UCX's TCP transport, where the prefill's worker
@@ -15,6 +16,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +45,7 @@ from tests.sidecar.harness import (
     metric,
     start_sidecars,
     wait_no_handles,
+    wait_until,
 )
 
 pytestmark = pytest.mark.nixl
@@ -199,6 +202,34 @@ def test_an_unsettled_staged_read_retires_its_pages_and_never_writes_the_decode_
     assert metric(d.sidecar.peer, "kvxferd_staging_retired_bytes") == ONE_PULL // PAGE * PAGE
 
 
+def test_a_staged_read_that_completes_past_the_deadline_scatters_nothing(cluster):
+    """The prefill frozen under a staged READ until the pull's deadline has passed, then
+    resumed: the READ completes within its settle bound, but past the deadline, so the pull
+    ends FAILED ``deadline`` and not one byte of the decode's pool changed. Its pages come back
+    (it is DONE): the next pull is staged into them, byte-exact."""
+    d = cluster.late
+    _staged_pull(cluster, d, _slot(0), _slot(1), seed=30)
+    ticket = _hold(cluster, _slot(3), seed=31, lease_s=5.0)
+    staged = _reads(d, "staged")
+    _sentinel(d)
+    with d.sidecar.client() as c:
+        with _frozen(cluster):
+            accepted = c.pull(PullRequest(tickets=[ticket], block_ids=_slot(2),
+                                          deadline_s=DEADLINE_S))  # fmt: skip
+            # The sidecar started the pull before it answered: its deadline is before this.
+            past = time.monotonic() + DEADLINE_S
+            wait_until(lambda: time.monotonic() > past, 10, "the pull's deadline passed")
+            assert c.pull_status(accepted.pull_id).state in ("claiming", "transferring")
+        status = c.wait_pull(accepted.pull_id, timeout_s=60)
+    assert (status.state, status.reason) == ("failed", "deadline"), status
+    ReleasedFeed(cluster.pod[0].sidecar).wait_for(ticket.hold_id)
+    wait_no_handles(d.sidecar, cluster.pod[0].sidecar)
+    assert _untouched(d) == 0
+    assert metric(d.sidecar.peer, "kvxferd_staging_retired_bytes") == 0
+    _pull(cluster, d, _slot(0), _slot(1), seed=32)
+    assert _reads(d, "staged") == staged + 1
+
+
 class InProcess:
     """A decode sidecar in this process (real NIXL agent over TCP, a one-pull staging buffer)
     and its engine's pool, its own pattern and sentinel helpers."""
@@ -294,5 +325,46 @@ def test_an_unsettled_staged_read_cancelled_while_it_settles_still_retires_its_p
         assert pull.state is PullState.DONE, pull.status()
         assert verify_pattern(d.manifest, d.pool.views, _slot(0), seed=42) is None
         assert d.sc.pulls.staging.staged == staged  # no room: read direct
+
+    _in_process(cluster, monkeypatch, test)
+
+
+class _Clock:
+    """``time`` for kvxferd.sidecar.pulls alone: its monotonic clock ``skew`` seconds ahead."""
+
+    def __init__(self) -> None:
+        self.skew = 0.0
+        self.time = time.time
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.skew
+
+
+def test_a_staged_read_seen_done_only_past_the_deadline_is_not_scattered(cluster, monkeypatch):
+    """The READ is DONE, but by the pull's clock its deadline passed as the completion was
+    seen (a stalled loop): nothing is scattered, the pull ends FAILED ``deadline`` and the
+    pages come back (the next pull is staged)."""
+
+    async def test(d: InProcess) -> None:
+        await d.staged(_slot(0), _slot(1), seed=50)
+        reads, clock = d.sc.pulls.reads, _Clock()
+        read = reads.read
+
+        async def read_then_late(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+            done = await read(*args, **kw)
+            clock.skew = 3600.0  # seen DONE an hour past the deadline
+            return done
+
+        monkeypatch.setattr(reads, "read", read_then_late)
+        monkeypatch.setattr(pulls, "time", clock)
+        for v in d.pool.views:
+            v[:] = SENTINEL
+        pull = await d.pull(_slot(2), _slot(3), seed=51)
+        monkeypatch.undo()
+        assert d.untouched() == 0  # nothing scattered
+        assert (pull.state, pull.reason) == (PullState.FAILED, "deadline"), pull.status()
+        staged = d.sc.pulls.staging.staged
+        await d.staged(_slot(0), _slot(1), seed=52)
+        assert d.sc.pulls.staging.staged == staged + 1  # its pages came back
 
     _in_process(cluster, monkeypatch, test)
