@@ -154,15 +154,18 @@ class StagingPool:
         await run_to_end(loop.run_in_executor(self._executor, scatter, lease.view, views, plan))
 
     async def _open(self) -> None:
-        mapping = _Mapping(self._name, self.nbytes)
-        try:
+        mapping: _Mapping | None = None
+        try:  # the mapping too: a size the host cannot map (no overcommit of it) is said so
+            mapping = _Mapping(self._name, self.nbytes)
             (reg,) = await asyncio.to_thread(self._transport.register, mapping)
         except (KvxferdError, OSError) as exc:
-            mapping.close()
+            if mapping is not None:
+                mapping.close()
             log.warning("no staging buffer (pulls read direct): %s", exc)
             return  # _opening stays set: not retried until the pool closes
         except BaseException:
-            mapping.close()
+            if mapping is not None:
+                mapping.close()
             raise
         self._mapping, self._registration = mapping, reg
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import mmap
 import threading
 
 import numpy as np
@@ -87,6 +88,55 @@ def test_a_pool_of_zero_bytes_never_stages_nor_registers():
         pool = StagingPool(agent, 0)
         assert not pool.enabled and pool.acquire(1) is None
         await asyncio.sleep(0)
+        await pool.close()
+        assert agent.live_handles().registrations == 0
+
+    with Agent("staging-test", progress_thread=False) as agent:
+        asyncio.run(main(agent))
+
+
+async def _given_up(pool: StagingPool, nbytes: int) -> None:
+    """The first acquire starts the buffer's opening; wait (bounded) until it ended."""
+    assert pool.acquire(nbytes) is None
+    opening = pool._opening
+    assert opening is not None
+    async with asyncio.timeout(10):
+        await asyncio.wait({opening})
+
+
+def test_a_buffer_the_transport_refuses_is_warned_once_and_pulls_read_direct(caplog):
+    async def main(agent: Agent) -> None:
+        pool = StagingPool(agent, 2 * PAGE)
+        agent.close()  # registering now fails (TransportError)
+        await _given_up(pool, PAGE)
+        assert "no staging buffer (pulls read direct)" in caplog.text
+        assert [pool.acquire(PAGE) for _ in range(3)] == [None] * 3  # never retried
+        assert pool._opening is not None and pool._opening.done()
+        await pool.close()
+
+    agent = Agent("staging-test", progress_thread=False)
+    try:
+        asyncio.run(main(agent))
+    finally:
+        agent.close()
+
+
+def test_a_buffer_the_host_cannot_map_is_warned_and_pulls_read_direct(caplog):
+    """``--staging-bytes`` is accepted up to 1 TiB; a host that cannot map that much (no
+    overcommit of it) leaves the sidecar without a staging buffer, said so, not failing."""
+    size = 1 << 40
+    try:
+        mmap.mmap(-1, size).close()
+        pytest.skip("this host maps 1 TiB of anonymous memory")
+    except OSError:
+        pass
+
+    async def main(agent: Agent) -> None:
+        pool = StagingPool(agent, size)
+        await _given_up(pool, PAGE)
+        assert "no staging buffer (pulls read direct)" in caplog.text
+        assert pool._opening is not None and pool._opening.exception() is None
+        assert pool.acquire(PAGE) is None
         await pool.close()
         assert agent.live_handles().registrations == 0
 
