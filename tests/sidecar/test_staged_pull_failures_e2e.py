@@ -70,6 +70,7 @@ class Cluster:
     pod: list[EngineRank]
     retiring: EngineRank  # a buffer of one pull, retired by an unsettled READ
     late: EngineRank  # a buffer of one pull, whose READ completes past the deadline
+    short: EngineRank  # a buffer of half a pull: never staged
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,9 @@ def cluster(tmp_path_factory):
     try:
         sidecars += start_sidecars(tmp, ["retiring", "late"], "--staging-bytes", str(ONE_PULL),
                                    env=TCP)  # fmt: skip
-        manifests = [_plan(TP, r) for r in range(TP)] + [_plan(1, 0) for _ in range(2)]
+        sidecars += start_sidecars(tmp, ["short"], "--staging-bytes", str(ONE_PULL // 2),
+                                   env=TCP)  # fmt: skip
+        manifests = [_plan(TP, r) for r in range(TP)] + [_plan(1, 0) for _ in range(3)]
         pools = [EnginePool(m) for m in manifests]
         ranks = [EngineRank(s, m, p) for s, m, p in
                  zip([sidecars[0]] * TP + sidecars[1:], manifests, pools, strict=True)]  # fmt: skip
@@ -228,6 +231,14 @@ def test_a_staged_read_that_completes_past_the_deadline_scatters_nothing(cluster
     assert metric(d.sidecar.peer, "kvxferd_staging_retired_bytes") == 0
     _pull(cluster, d, _slot(0), _slot(1), seed=32)
     assert _reads(d, "staged") == staged + 1
+
+
+def test_a_staging_buffer_smaller_than_one_read_leaves_every_pull_direct(cluster):
+    d = cluster.short
+    for s in range(2):  # the first would register a buffer if the READ could ever fit it
+        status = _pull(cluster, d, _slot(s), _slot(s + 1), seed=60 + s)
+        assert status.descriptors == 304
+    assert (_reads(d, "staged"), _reads(d, "tables")) == (0, 2)
 
 
 class InProcess:
