@@ -40,6 +40,7 @@ An empty cell (st. = status) is inherited from the parent class.
     │   └── HoldRequestError       422                    a hold/claim argument is invalid
     │       └── DuplicateHoldError 409                    the request id has a live hold
     ├── AuthError                  401  auth              a wrong or missing token or signature
+    │   ├── SignedBeforeStartError                        signed before this process may trust it
     │   └── ClaimMismatchError     409                    a signed ticket not binding to its hold
     ├── NotRegisteredError         503                    no engine has registered yet
     ├── AlreadyRegisteredError     409                    this sidecar already has an engine
@@ -258,6 +259,16 @@ class AuthError(KvxferdError):
 
     status = 401
     code = "auth"
+
+
+class SignedBeforeStartError(AuthError):
+    """A signed peer request whose ``ts`` is before ``not_before``: the process that may have
+    seen its nonce is gone (a restart), so it cannot be proven unseen. Sign again at a ts of at
+    least ``not_before``."""
+
+    def __init__(self, detail: str, not_before: int = 0) -> None:
+        super().__init__(detail)
+        self.not_before = not_before
 
 
 class ClaimMismatchError(AuthError):

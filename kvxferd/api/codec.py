@@ -166,3 +166,12 @@ def problem_response(exc: Exception, wire: Negotiated = JSON_ONLY) -> Response:
     return JSONResponse(
         msgspec.to_builtins(problem.body), status_code=problem.status, headers=headers
     )
+
+
+def auth_problem(exc: errors.AuthError) -> ErrorBody:
+    """The 401 body of a refused signature (a SignedBeforeStartError names ``ts`` and the
+    earliest one accepted)."""
+    if isinstance(exc, errors.SignedBeforeStartError):
+        return ErrorBody(error="SignedBeforeStartError", detail=str(exc),
+                         field="Authorization.ts", not_before=exc.not_before)  # fmt: skip
+    return ErrorBody(error="AuthError", detail=str(exc))

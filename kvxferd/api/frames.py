@@ -35,7 +35,7 @@ import msgspec
 
 from kvxferd.aio import Cork
 from kvxferd.api.bodybudget import DEFAULT_BODIES, BodyBudget
-from kvxferd.api.codec import HTTPProblem, Negotiated
+from kvxferd.api.codec import HTTPProblem, Negotiated, auth_problem
 from kvxferd.api.operations import Gate, Operation, failed, invoke
 from kvxferd.errors import AuthError
 from kvxferd.wire import ErrorBody, FrameAnswer, FrameRequest
@@ -310,7 +310,7 @@ def _verify(gate: Gate, req: FrameRequest) -> None:
     try:
         gate.verify(method, target, bytes(req.body), req.auth)
     except AuthError as exc:
-        raise HTTPProblem(401, ErrorBody(error="AuthError", detail=str(exc))) from None
+        raise HTTPProblem(401, auth_problem(exc)) from None
 
 
 def _unrouted(exc: Exception) -> HTTPProblem:

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import make_asgi_app
 from starlette.routing import Route
 
-from kvxferd.api.codec import HTTPProblem, StructResponse
+from kvxferd.api.codec import HTTPProblem, StructResponse, auth_problem
 from kvxferd.api.openapi import HEALTH, document, install_openapi
 from kvxferd.api.operations import Gate, Operation, mount
 from kvxferd.errors import AuthError
@@ -20,7 +20,6 @@ from kvxferd.wire import (
     ClaimResponse,
     DeclineRequest,
     DeclineResponse,
-    ErrorBody,
     Handshake,
     Heartbeat,
     HeartbeatResponse,
@@ -147,23 +146,26 @@ def signature_check(verifier: RequestVerifier | None) -> Callable[[Request], Awa
             )
             verifier.verify(request.method, target, body, request.headers.get("authorization"))
         except AuthError as exc:
-            raise HTTPProblem(401, ErrorBody(error="AuthError", detail=str(exc))) from None
+            raise HTTPProblem(401, auth_problem(exc)) from None
 
     return authorize
 
 
-def peer_verifier(config: Any) -> RequestVerifier | None:
-    """The request verifier of a sidecar's config (None when it has no secret)."""
+def peer_verifier(config: Any, started: float | None = None) -> RequestVerifier | None:
+    """The request verifier of a sidecar's config (None when it has no secret); ``started``:
+    when the sidecar started (Unix s), before which no signature is trusted after a restart."""
     if not config.peer_token:
         return None
     keys = PeerKeys.of(config.peer_token, getattr(config, "peer_token_previous", ""))
-    return RequestVerifier(keys, skew_s=getattr(config, "auth_skew_s", 30.0))
+    return RequestVerifier(keys, skew_s=getattr(config, "auth_skew_s", 30.0), started=started)
 
 
 def peer_gate(sidecar: Sidecar) -> Gate:
     """The peer API's gate, for HTTP and frames alike: one verifier, so a nonce seen on either
-    listener is refused on both."""
-    verifier = peer_verifier(sidecar.config)
+    listener is refused on both. Its signatures date from the sidecar's start (its epoch, ns):
+    the nonces a process before it saw are gone."""
+    epoch = getattr(sidecar, "epoch", None)  # None: a test's stand-in, not a process
+    verifier = peer_verifier(sidecar.config, None if epoch is None else epoch / 1e9)
 
     def verify(method: str, target: str, body: bytes, signature: str) -> None:
         if verifier is None:

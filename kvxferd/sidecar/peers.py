@@ -147,6 +147,8 @@ class PeerTable:
         self._http_only: set[str] = set()  # cached peers whose framed port refused connecting
         # cached peers whose framed connect timed out: (timeouts in a row, when to try again)
         self._frames_wait: dict[str, tuple[int, float]] = {}
+        # per address: the earliest ts a peer that restarted accepts (its 401 named it)
+        self._not_before: dict[str, int] = {}
         self._clock = clock
         # address -> (lock, callers using it); an entry lives only while someone uses it.
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
@@ -319,11 +321,39 @@ class PeerTable:
         keys = self._keys
 
         def sign() -> dict[str, str]:  # each attempt: a fresh nonce, never a replay
-            return {"Authorization": sign_request(keys, "POST", path, body)}
+            return {"Authorization": self._sign(keys, address, path, body)}
 
         async with self._clients.client(address) as client:  # one small pool per peer
-            return await client.post(path, body, {"Content-Type": "application/json"}, sign,
-                                     resend=path != "/v1/claims")  # fmt: skip
+            for _ in range(2):  # again after a restarted peer refused our ts (nothing was done)
+                reply = await client.post(path, body, {"Content-Type": "application/json"},
+                                          sign, resend=path != "/v1/claims")  # fmt: skip
+                if not self._refused_ts(address, reply.status_code, reply.content, msgspec.json):
+                    break
+            return reply
+
+    def _sign(self, keys: PeerKeys, address: str, path: str, body: bytes) -> str:
+        """A signature at our clock's time, or at the earliest a restarted peer accepts."""
+        now = time.time()
+        floor = self._not_before.get(address, 0)
+        if floor <= now:
+            self._not_before.pop(address, None)
+        return sign_request(keys, "POST", path, body, now=max(now, floor))
+
+    def _refused_ts(self, address: str, status: int, content: bytes, codec: Any) -> bool:
+        """Whether a 401 says the peer restarted after our signature's ts: then sign again at
+        the ts it names (true only when that is later than we signed at: one retry)."""
+        if status != AuthError.status:
+            return False
+        try:
+            floor = codec.decode(content, type=ErrorBody).not_before
+        except (msgspec.MsgspecError, RecursionError):
+            return False
+        if floor <= self._not_before.get(address, 0):
+            return False  # not such a 401 (0), or we signed at that floor already
+        if len(self._not_before) >= _KEEP_EPOCHS:
+            self._not_before.clear()  # bounded: a lost floor costs one more 401 and retry
+        self._not_before[address] = floor
+        return True
 
     async def _call(
         self, address: str, path: str, request: object, answer: type[T], what: str
@@ -393,9 +423,12 @@ class PeerTable:
         if self._keys is None:
             raise ConfigError("peer_token: no peer secret configured; cannot sign peer calls")
         body = msgspec.msgpack.encode(request)
-        auth = sign_request(self._keys, "POST", path, body)
-        async with self._clients.framed(address, port) as conn:
-            status, raw = await conn.call(f"POST {path}", None, msgspec.Raw(body), auth=auth)
+        for _ in range(2):  # again after a restarted peer refused our ts (nothing was done)
+            auth = self._sign(self._keys, address, path, body)
+            async with self._clients.framed(address, port) as conn:
+                status, raw = await conn.call(f"POST {path}", None, msgspec.Raw(body), auth=auth)
+            if not self._refused_ts(address, status, bytes(raw), msgspec.msgpack):
+                break
         return status, bytes(raw)
 
     async def forget(self, address: str) -> None:
@@ -403,6 +436,7 @@ class PeerTable:
         peer = self._peers.pop(address, None)
         self._http_only.discard(address)
         self._frames_wait.pop(address, None)
+        self._not_before.pop(address, None)
         if peer is not None:
             if self._on_change is not None:
                 self._on_change(len(self._peers), False)

@@ -6,7 +6,9 @@ A request carries ``Authorization: KVX1 key=<key id>, ts=<unix s>, nonce=<hex>, 
 accepts it when the key id names one of its keys (the current one, or a second one during a
 rollover), ``ts`` is within ``skew_s`` of its clock (and of the latest time that clock showed,
 so a clock stepping back reopens no replay), the signature matches (constant-time) and the nonce
-was not seen within the window (a replay is refused). A key id is an HMAC of a fixed label
+was not seen within the window (a replay is refused). Nonces live in memory, so a process refuses
+any ``ts`` its predecessor (before a restart) could have accepted: a 401 naming ``not_before``,
+which our own client answers by signing again at that ts. A key id is an HMAC of a fixed label
 under the key: it names the key without revealing it.
 """
 
@@ -23,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvxferd.errors import AuthError, ConfigError
+from kvxferd.errors import AuthError, ConfigError, SignedBeforeStartError
 
 SCHEME = "KVX1"
 DEFAULT_SKEW_S = 30.0
@@ -121,13 +123,20 @@ class RequestVerifier:
     are refused for about ``X - skew_s`` s, until it catches up with the mark; a forward step of
     ``D`` that is then undone refuses honest calls for about ``D - skew_s`` s after the return
     (and while the clock is ahead, as any skew beyond the window does). Steps of at most
-    ``skew_s`` cost nothing. The mark lives in memory, like the nonces: a restart, or a VM
-    restored from a snapshot with this process in it, resets both (no in-process check helps).
+    ``skew_s`` cost nothing. The mark lives in memory, like the nonces: a VM restored from a
+    snapshot with this process in it resets both (no in-process check helps).
+
+    A restart also forgets the nonces, so the verifier of a process that ``started`` (Unix s)
+    refuses every ``ts`` below ``not_before``, the first whole second after ``started +
+    skew_s``: a process before it accepted only ``ts`` within ``skew_s`` of a clock that showed
+    less than that start, so nothing it saw can be replayed. An honest peer, whatever its
+    clock, signs again at ``not_before`` (always inside the window, so no wait). Without
+    ``started`` (a verifier that outlives no process: tests) there is no such floor.
     """
 
     def __init__(
         self, keys: PeerKeys, *, skew_s: float = DEFAULT_SKEW_S, max_nonces: int = MAX_NONCES,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.time, started: float | None = None,
     ) -> None:  # fmt: skip
         if not (math.isfinite(skew_s) and skew_s > 0):
             raise ConfigError(f"auth_skew_s: must be > 0, got {skew_s!r}")
@@ -140,6 +149,8 @@ class RequestVerifier:
         self._seen: set[str] = set()
         self._expiry: list[tuple[float, str]] = []  # (time the nonce may be forgotten, nonce)
         self._latest = -math.inf  # the latest time the clock showed: never moves back
+        self.not_before = 0 if started is None else math.floor(started + self.skew_s) + 1
+        """The earliest ``ts`` accepted: later than any a predecessor process accepted."""
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -156,7 +167,9 @@ class RequestVerifier:
         now = self._clock()
         self._latest = latest = max(self._latest, now)
         ts = int(p["ts"])
-        if abs(now - ts) > self.skew_s:
+        # The earliest ts accepted is always within the window (a retry signed at it is never
+        # refused, though not_before is up to a second more than skew_s ahead at the start).
+        if now - ts > self.skew_s or (ts - now > self.skew_s and ts != self.not_before):
             raise AuthError(
                 f"Authorization: ts is {now - ts:+.0f} s from our clock (window ±{self.skew_s:g} s)"
             )
@@ -169,6 +182,13 @@ class RequestVerifier:
                 f"Authorization: ts is older than the replay window: our clock stepped back "
                 f"{latest - now:.1f} s and ts is {latest - ts:.0f} s before the latest time it "
                 f"showed (window ±{self.skew_s:g} s); refused until the clock catches up"
+            )
+        if ts < self.not_before:
+            raise SignedBeforeStartError(
+                f"Authorization: ts {ts} is before {self.not_before}, the earliest this sidecar "
+                f"accepts since it (re)started: a request signed earlier may have been seen "
+                f"before the restart; sign it again with ts >= {self.not_before}",
+                self.not_before,
             )
         want = hmac.new(key, _message(method, target, body, p["ts"], p["nonce"], p["key"]),
                         hashlib.sha256).hexdigest()  # fmt: skip

@@ -130,3 +130,6 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
     """Human-readable message."""
     field: str = ""
     """The offending request field, when one is to blame."""
+    not_before: int = 0
+    """A 401 SignedBeforeStartError's: the earliest signed ``ts`` (Unix s) this sidecar accepts
+    since it started; sign the request again with a ts at least this (0: not such a 401)."""

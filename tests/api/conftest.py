@@ -44,11 +44,16 @@ def signed(method: str, path: str, body: bytes, keys: PeerKeys = KEYS, **kw: Any
 
 
 def post(client: TestClient, path: str, body: object, keys: PeerKeys = KEYS, **kw: Any):
-    """POST ``body`` (a Struct, builtins, or raw bytes) signed with ``keys``."""
+    """POST ``body`` (a Struct, builtins, or raw bytes) signed with ``keys`` (again at the ts a
+    401 names, as a peer sidecar does, unless ``now`` is given)."""
     import msgspec
 
     raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
-    return client.post(path, content=raw, headers=signed("POST", path, raw, keys, **kw))
+    resp = client.post(path, content=raw, headers=signed("POST", path, raw, keys, **kw))
+    floor = resp.json().get("not_before", 0) if resp.status_code == 401 else 0
+    if floor and "now" not in kw:  # a sidecar started lately: signed again at the ts it names
+        resp = client.post(path, content=raw, headers=signed("POST", path, raw, keys, now=floor))
+    return resp
 
 
 class FakeSidecar:

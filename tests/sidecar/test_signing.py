@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvxferd.errors import AuthError, ConfigError
+from kvxferd.errors import AuthError, ConfigError, SignedBeforeStartError
 from kvxferd.sidecar.signing import (
     PeerKeys,
     RequestVerifier,
@@ -216,3 +216,33 @@ def test_over_a_long_run_with_small_steps_back_nonces_age_out_and_none_is_accept
     clock.t += 36
     call(v, header(clock))
     assert len(v) == 1
+
+
+def test_after_a_restart_any_ts_its_predecessor_could_have_accepted_is_refused_naming_the_floor():
+    """The predecessor accepted ts up to its clock plus skew_s, its clock below our start."""
+    clock = Clock()
+    v = RequestVerifier(KEYS, clock=clock, skew_s=30.0, started=clock.t - 0.5)
+    assert v.not_before == int(clock.t) + 30  # the first whole second after start + skew_s
+    # What the predecessor accepted just before it stopped, from a peer whose clock ran ahead:
+    captured = sign_request(KEYS, "POST", "/v1/heartbeat", BODY, now=clock.t + 29)
+    with pytest.raises(SignedBeforeStartError, match="sign it again") as refused:
+        v.verify("POST", "/v1/heartbeat", BODY, captured)
+    assert refused.value.not_before == v.not_before
+
+
+@pytest.mark.parametrize("offset", [-30.0, 0.0, 30.0], ids=["behind", "on-time", "ahead"])
+def test_a_peer_whatever_its_clock_gets_in_by_signing_again_at_the_floor(offset):
+    clock = Clock()
+    v = RequestVerifier(KEYS, clock=clock, skew_s=30.0, started=clock.t - 0.25)
+    ts = max(clock.t + offset, v.not_before)  # what our client signs at after the 401
+    assert v.verify("POST", "/v1/heartbeat", BODY, header(Clock(ts))) == key_id(SECRET.encode())
+
+
+def test_the_floor_is_no_way_around_the_replay_window_once_it_passed():
+    clock = Clock()
+    v = RequestVerifier(KEYS, clock=clock, skew_s=30.0, started=clock.t)
+    h = header(Clock(v.not_before))
+    v.verify("POST", "/v1/heartbeat", BODY, h)
+    clock.t = v.not_before + 31  # the nonce is forgotten now: its ts must be refused as stale
+    with pytest.raises(AuthError, match="from our clock"):
+        v.verify("POST", "/v1/heartbeat", BODY, h)
