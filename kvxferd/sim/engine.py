@@ -2,7 +2,8 @@
 
 Prefill writes the verification pattern into freshly allocated blocks on every rank, holds them
 through every rank's sidecar (after answering, with tickets it minted, once it may: see
-kvxferd.sim.minting) and frees them when every sidecar reports the hold released.
+kvxferd.sim.minting) and frees them when every sidecar reports the hold released (a hold that
+got no answer, nor did its abort, waits for one: kvxferd.sim.unanswered).
 Decode reuses full attention blocks from its prefix cache, pulls the rest on every rank,
 verifies every byte and generates. Colocated (and any request without kv_transfer_params)
 writes the pattern locally. The generated text is a pure function of the request's KV bytes.
@@ -49,6 +50,7 @@ from kvxferd.sim.minting import Minter
 from kvxferd.sim.pulls import pull_all
 from kvxferd.sim.stats import SimStats
 from kvxferd.sim.tokens import generate, prompt_seed
+from kvxferd.sim.unanswered import UnansweredHolds, abort_placement
 from kvxferd.wire import (
     DECLINE_REASON_MAX_LENGTH,
     HoldRequest,
@@ -84,6 +86,10 @@ class EngineSettings:
     """Interval of the released-holds poll while holds are outstanding."""
     decline_timeout_s: float = 10.0
     """Bound on one decline call to the sidecar (it runs in the background)."""
+    unanswered_retry_s: float = 1.0
+    """Interval of the aborts retried for holds whose placement and abort got no answer."""
+    unanswered_bound_s: float = 600.0
+    """How long such a hold's blocks wait for a sidecar answer before they are freed anyway."""
     store_chunk_tokens: int = 0
     """Prefill: use the sidecars' store as a prefix-cache tier with chunks of this many tokens
     (:mod:`kvxferd.sim.storecache`); 0: no store."""
@@ -160,6 +166,9 @@ class SimEngine:
         self._declines: set[asyncio.Task[None]] = set()
         self.minter = Minter(self.clients, secret, settings.lease_s)  # prefill: tickets minted here
         self._placing: set[asyncio.Task[None]] = set()  # holds of minted tickets being placed
+        self.unanswered = UnansweredHolds(self.clients, self._settle,
+                                          retry_s=settings.unanswered_retry_s,
+                                          bound_s=settings.unanswered_bound_s)  # fmt: skip
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -170,6 +179,7 @@ class SimEngine:
                 asyncio.create_task(self._poll_released(r, c), name=f"released-{r}")
                 for r, c in enumerate(self.clients)
             ]
+            self._tasks.append(asyncio.create_task(self.unanswered.run(), name="unanswered"))
 
     async def close(self) -> None:
         """Finish pending declines (bounded), stop the pollers and close the sidecar clients."""
@@ -192,6 +202,7 @@ class SimEngine:
         s = self.stats
         s.blocks_free, s.blocks_total = self.blocks.free_count, self.blocks.total
         s.blocks_cached, s.holds_outstanding = len(self.prefix), len(self._held)
+        s.holds_abandoned = self.unanswered.abandoned
         return s.as_dict()
 
     # -- requests -----------------------------------------------------------------------------
@@ -535,15 +546,25 @@ class SimEngine:
             self.stats.holds_failed += 1
             log.warning("request %s: the sidecar of rank %d did not place its hold (%s); giving "
                         "it up on every rank", request_id, *failed[0])  # fmt: skip
-        for c in self.clients:  # also where it was not placed: a later hold call is refused
-            with contextlib.suppress(KvxferdError, httpx.HTTPError):
-                await c.abort(hold_ids[0])
+        keep, unanswered = await abort_placement(self.clients, results, hold_ids)
         held = self._held.get(request_id)  # again: the aborts awaited
         if held is None or held.hold_ids != hold_ids:
             return  # released already (every rank that placed it)
-        held.pending &= {r for r, t in enumerate(results) if isinstance(t, Ticket)}
+        held.pending &= keep
+        for rank in unanswered:
+            if rank in held.pending:
+                self.stats.holds_unanswered += 1
+                self.unanswered.add(request_id, rank, hold_ids[rank])
         if not held.pending:
             self._free_held(request_id, held)
+
+    def _settle(self, request_id: str, rank: int) -> None:
+        """``rank`` does not hold the request (any more): free its blocks once no rank does."""
+        held = self._held.get(request_id)
+        if held is not None and rank in held.pending:
+            held.pending.discard(rank)
+            if not held.pending:
+                self._free_held(request_id, held)
 
     async def _poll_released(self, rank: int, client: AsyncEngineClient) -> None:
         """Follow one rank's released-holds feed; free a request's blocks once all ranks did."""

@@ -54,6 +54,11 @@ class SimStats:
     holds_failed: int = 0
     """Prefill requests answered with tickets minted here whose hold some rank then did not
     place (given up on every rank; their decodes recompute or fail)."""
+    holds_unanswered: int = 0
+    """Of those, ranks whose hold call and abort both got no answer: the blocks stay until the
+    sidecar answers a later abort or its released feed reports the hold (kvxferd.sim.unanswered)."""
+    holds_abandoned: int = 0
+    """Of those, ranks whose sidecar stayed silent past the bound: blocks freed unconfirmed."""
     declined: int = 0
     """Decode requests refused or failed before reading, whose tickets were declined (the
     prefill holds released at once instead of at lease expiry)."""
