@@ -402,7 +402,11 @@ outside (requests and their `kv_transfer_params`, hence tickets) is untrusted.
   replay: a `ts` older than it is refused ("older than the replay window: our clock stepped
   back") even where the clock now says it is within ±30 s. This fails closed: after a step back
   of X > 30 s (or a forward step of X that is then undone) honest calls are refused for about
-  X − 30 s. A missing, malformed, stale, replayed, tampered or foreign-key request answers 401
+  X − 30 s. Nonces live in memory, so a sidecar that (re)started at S refuses every `ts` below
+  `not_before` (the first whole second after S + 30 s: its predecessor accepted no later one),
+  answering 401 `SignedBeforeStartError` (field `Authorization.ts`) with that `not_before` in
+  the ErrorBody; sign the call again with `ts` = `not_before`, which is always inside the
+  window. A missing, malformed, stale, replayed, tampered or foreign-key request answers 401
   with `WWW-Authenticate: KVX1`.
   `/healthz`, `/readyz`, `/metrics` and `/openapi.json` need no signature. What this does not
   cover: answers are not signed and nothing is encrypted, and a signature does not name the
