@@ -42,7 +42,7 @@ async def confirm(client: AsyncEngineClient, hold_id: str) -> Outcome:
     except HoldExpiredError:
         return "placed"
     except (KvxferdError, httpx.HTTPError, TimeoutError) as exc:
-        log.warning("abort of hold %s got no usable answer: %s", hold_id, exc)
+        log.debug("abort of hold %s got no usable answer: %s", hold_id, exc)
         return "unknown"
     return "placed"
 
@@ -99,6 +99,9 @@ class UnansweredHolds:
 
     def add(self, request_id: str, rank: int, hold_id: str) -> None:
         """Retry the abort of ``rank``'s hold of ``request_id`` until the sidecar answers."""
+        log.warning("hold %s of request %s: rank %d's sidecar answered neither the hold nor its "
+                    "abort; its blocks wait for an answer (at most %g s)", hold_id, request_id,
+                    rank, self.bound_s)  # fmt: skip
         self._entries.append(_Entry(request_id, rank, hold_id, self._clock()))
         self._wake.set()
 
