@@ -149,7 +149,7 @@ class RequestVerifier:
         self._seen: set[str] = set()
         self._expiry: list[tuple[float, str]] = []  # (time the nonce may be forgotten, nonce)
         self._latest = -math.inf  # the latest time the clock showed: never moves back
-        self.not_before = 0 if started is None else math.floor(started + self.skew_s) + 1
+        self.not_before = 0 if started is None else not_before(started, self.skew_s)
         """The earliest ``ts`` accepted: later than any a predecessor process accepted."""
 
     def __len__(self) -> int:
@@ -209,6 +209,12 @@ class RequestVerifier:
         expiry = self._expiry
         while expiry and expiry[0][0] < latest:
             self._seen.discard(heapq.heappop(expiry)[1])
+
+
+def not_before(started: float, skew_s: float) -> int:
+    """The earliest ``ts`` the verifier of a process that started at ``started`` (Unix s)
+    accepts: the first whole second after ``started + skew_s``."""
+    return math.floor(started + skew_s) + 1
 
 
 def request_target(path: str, query: bytes | str = b"") -> str:

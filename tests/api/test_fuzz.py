@@ -32,8 +32,8 @@ from schemathesis.specs.openapi.checks import (
 
 from kvxferd.api.engine import engine_document
 from kvxferd.api.peer import peer_document
-from kvxferd.sidecar.signing import PeerKeys, request_target, sign_request
-from tests.sidecar.harness import TOKEN, EnginePool, plan, start_sidecar
+from kvxferd.sidecar.signing import request_target
+from tests.sidecar.harness import EnginePool, Sidecar, peer_signature, plan, start_sidecar
 
 pytestmark = pytest.mark.nixl
 
@@ -62,10 +62,10 @@ def _cases() -> list[tuple[str, str, str, GenerationMode]]:
     return out
 
 
-def peer_auth(method: str, target: str, body: bytes) -> dict[str, str]:
-    """Headers that authenticate a peer request: a KVX1 signature over ``method``, ``target``
-    (path and query) and ``body``, as a peer sidecar signs it."""
-    return {"Authorization": sign_request(PeerKeys.of(TOKEN), method, target, body)}
+def peer_auth(proc: Sidecar, method: str, target: str, body: bytes) -> dict[str, str]:
+    """Headers that authenticate a peer request to ``proc``: a KVX1 signature over ``method``,
+    ``target`` (path and query) and ``body``, as a peer sidecar signs it."""
+    return {"Authorization": peer_signature(proc, method, target, body)}
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +89,7 @@ def sidecar(tmp_path_factory) -> Iterator[SimpleNamespace]:
                 engine=(engine, "http://kvxferd"),
                 peer=(peer, f"http://{proc.peer}"),
                 reregister=reregister,
+                proc=proc,
             )
         finally:
             engine.close()
@@ -98,7 +99,9 @@ def sidecar(tmp_path_factory) -> Iterator[SimpleNamespace]:
         pool.close()
 
 
-def _send(client: httpx.Client, base_url: str, api: str, case: Any) -> httpx.Response:
+def _send(
+    client: httpx.Client, base_url: str, api: str, case: Any, proc: Sidecar
+) -> httpx.Response:
     """Send a generated case the way schemathesis would (its transport kwargs), with httpx."""
     kwargs = case.as_transport_kwargs(base_url=base_url)
     request = client.build_request(
@@ -111,7 +114,7 @@ def _send(client: httpx.Client, base_url: str, api: str, case: Any) -> httpx.Res
     )
     if api == "peer" and "authorization" in request.headers:  # absent: a negative case's point
         target = request_target(request.url.path, request.url.query)
-        request.headers.update(peer_auth(request.method, target, request.read()))
+        request.headers.update(peer_auth(proc, request.method, target, request.read()))
     return client.send(request)
 
 
@@ -125,7 +128,7 @@ def test_no_5xx_and_every_answer_conforms(sidecar, api, path, method, mode):
     client, base_url = getattr(sidecar, api)
 
     def one(case: Any) -> None:
-        resp = _send(client, base_url, api, case)
+        resp = _send(client, base_url, api, case, sidecar.proc)
         _check(case, resp, CHECKS[mode])
         if path == "/v1/unregister" and resp.status_code == 204:
             sidecar.reregister()

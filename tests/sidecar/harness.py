@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 
 from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
+from kvxferd.sidecar.signing import PeerKeys, not_before, sign_request
 from kvxferd.sim import sidecars as launcher
 from kvxferd.sim.kvpool import RankPool
 from kvxferd.sim.sidecars import SidecarProcess
@@ -135,6 +136,15 @@ QUIET = {"KVXFERD_PROGRESS_THREAD": "false"}
 """Env for sidecars without NIXL's UCX progress thread, which spins a full core per process
 even when idle; the sidecar's notification poller progresses the worker instead (every 1 ms
 while a hold is claimed). Used where a test runs three or more sidecars on CI's 2 cores."""
+
+
+def peer_signature(sidecar: Sidecar, method: str, target: str, body: bytes,
+                   keys: PeerKeys | None = None, skew_s: float = 30.0) -> str:  # fmt: skip
+    """A KVX1 Authorization value for a call to ``sidecar``'s peer API, signed as a peer sidecar
+    signs it: at its ``not_before`` while that is later than now (it started lately)."""
+    floor = not_before(sidecar.epoch / 1e9, skew_s)
+    return sign_request(keys or PeerKeys.of(TOKEN), method, target, body,
+                        now=max(time.time(), floor))  # fmt: skip
 
 
 def scrape(peer: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -21,14 +21,18 @@ import pytest
 
 from kvxferd.errors import MemoryInUseError
 from kvxferd.pattern import verify_pattern
-from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.transport import Agent, TransferState
 from kvxferd.wire import PROTOCOL_VERSION, ClaimRequest, ClaimResponse, Handshake, Ticket
-from tests.sidecar.harness import TOKEN, EnginePool, changed_outside, wait_no_handles
+from tests.sidecar.harness import (
+    EnginePool,
+    Sidecar,
+    changed_outside,
+    peer_signature,
+    wait_no_handles,
+)
 from tests.sidecar.ranks import DIDS, PIDS, Engine, engine_pair
 
 pytestmark = pytest.mark.nixl
-KEYS = PeerKeys.of(TOKEN)
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +41,11 @@ def pair(tmp_path_factory):
         yield ranks
 
 
-def _peer_post(peer: str, path: str, body: object) -> httpx.Response:
+def _peer_post(prefill: Sidecar, path: str, body: object) -> httpx.Response:
     raw = msgspec.json.encode(body)
-    headers = {"Authorization": sign_request(KEYS, "POST", path, raw),
+    headers = {"Authorization": peer_signature(prefill, "POST", path, raw),
                "Content-Type": "application/json"}  # fmt: skip
-    return httpx.post(f"http://{peer}{path}", content=raw, headers=headers, timeout=30)
+    return httpx.post(f"http://{prefill.peer}{path}", content=raw, headers=headers, timeout=30)
 
 
 class Reader:
@@ -52,7 +56,7 @@ class Reader:
         self.agent = Agent(f"reader-{uuid.uuid4().hex[:8]}", progress_thread=False)
         self.bases = [r.base_addr for r in self.agent.register(self.pool.segments)]
 
-    def handshake(self, peer: str) -> Handshake:
+    def handshake(self, peer: Sidecar) -> Handshake:
         mine = Handshake(
             protocol_version=PROTOCOL_VERSION, engine_id=f"e{uuid.uuid4().hex[:8]}", epoch=1,
             agent_name=self.agent.name, agent_metadata=self.agent.get_agent_metadata(),
@@ -66,7 +70,7 @@ class Reader:
         assert self.agent.add_remote(theirs.agent_metadata) == theirs.agent_name
         return theirs
 
-    def claim(self, peer: str, ticket: Ticket, claim_s: float) -> None:
+    def claim(self, peer: Sidecar, ticket: Ticket, claim_s: float) -> None:
         """Claim ``ticket``'s hold for this reader over the signed peer API (200 expected)."""
         claim = ClaimRequest(ticket=ticket, reader=self.agent.name, reader_tp_size=1,
                              claim_s=claim_s)  # fmt: skip
@@ -113,8 +117,8 @@ def _claimed(
     ticket = p.hold(request_id, seed=seed)
     reader = Reader()
     try:
-        theirs = reader.handshake(p.sidecar.peer)
-        reader.claim(p.sidecar.peer, ticket, claim_s)
+        theirs = reader.handshake(p.sidecar)
+        reader.claim(p.sidecar, ticket, claim_s)
         yield ticket, reader, theirs
     finally:
         reader.close()

@@ -35,6 +35,7 @@ from tests.sidecar.harness import (
     TOKEN,
     changed_outside,
     metric,
+    peer_signature,
     start_sidecar,
     wait_no_handles,
     wait_until,
@@ -252,7 +253,7 @@ def test_incompatible_manifests_are_409_naming_the_fields(pair, tmp_path):
         hs = Handshake(protocol_version=PROTOCOL_VERSION, engine_id="x", epoch=1, agent_name="x",
                        agent_metadata=b"", manifest=other.manifest, region_bases=[0])  # fmt: skip
         body = msgspec.json.encode(hs)
-        auth = sign_request(PeerKeys.of(TOKEN), "POST", "/v1/handshake", body)
+        auth = peer_signature(p.sidecar, "POST", "/v1/handshake", body)
         resp = httpx.post(f"http://{p.sidecar.peer}/v1/handshake", content=body,
                           headers={"Authorization": auth}, timeout=10)  # fmt: skip
         assert resp.status_code == 409, resp.text

@@ -16,10 +16,9 @@ import msgspec
 import pytest
 
 from kvxferd.pattern import verify_pattern
-from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.transport import Agent
 from kvxferd.wire import PROTOCOL_VERSION, Handshake
-from tests.sidecar.harness import TOKEN, metric, wait_until
+from tests.sidecar.harness import Sidecar, metric, peer_signature, wait_until
 from tests.sidecar.ranks import DIDS, Engine, engine_pair
 
 pytestmark = pytest.mark.nixl
@@ -27,7 +26,7 @@ NOT_UTF8 = b"stranger-\xff\xfe"
 """An agent name NIXL accepts (any bytes) that is no UTF-8."""
 
 
-def _prefill_handshake(peer: str, agent: Agent, engine: Engine) -> Handshake:
+def _prefill_handshake(prefill: Sidecar, agent: Agent, engine: Engine) -> Handshake:
     """The prefill's handshake answer (its agent metadata), asked for with a signed call."""
     mine = Handshake(
         protocol_version=PROTOCOL_VERSION, engine_id=f"e{uuid.uuid4().hex[:8]}", epoch=1,
@@ -36,9 +35,10 @@ def _prefill_handshake(peer: str, agent: Agent, engine: Engine) -> Handshake:
         tcp_tx_seg_bytes=agent.tcp_segments[0], tcp_rx_seg_bytes=agent.tcp_segments[1],
     )  # fmt: skip
     raw = msgspec.json.encode(mine)
-    headers = {"Authorization": sign_request(PeerKeys.of(TOKEN), "POST", "/v1/handshake", raw),
+    headers = {"Authorization": peer_signature(prefill, "POST", "/v1/handshake", raw),
                "Content-Type": "application/json"}  # fmt: skip
-    resp = httpx.post(f"http://{peer}/v1/handshake", content=raw, headers=headers, timeout=30)
+    resp = httpx.post(f"http://{prefill.peer}/v1/handshake", content=raw, headers=headers,
+                      timeout=30)  # fmt: skip
     assert resp.status_code == 200, resp.text
     return msgspec.json.decode(resp.content, type=Handshake)
 
@@ -47,7 +47,7 @@ def test_a_sender_named_in_no_utf8_is_counted_and_notifications_go_on_releasing(
     with engine_pair(str(tmp_path)) as (p, d):
         stranger = Agent(NOT_UTF8, progress_thread=False)  # type: ignore[arg-type]
         try:
-            theirs = _prefill_handshake(p.sidecar.peer, stranger, d)
+            theirs = _prefill_handshake(p.sidecar, stranger, d)
             stranger.send_notif(stranger.add_remote(theirs.agent_metadata), b"no-such-hold")
 
             def counted() -> bool:

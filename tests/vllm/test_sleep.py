@@ -18,12 +18,16 @@ import pytest
 import kvxferd
 from kvxferd import pattern
 from kvxferd.errors import ConfigError, MemoryInUseError, NotRegisteredError, PathInUseError
-from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.vllm import worker as worker_module
 from kvxferd.vllm.connector import KvxferdConnector
 from kvxferd.vllm.scheduler import SchedulerSide, StepOrders
 from kvxferd.wire import ClaimRequest, Ticket
-from tests.sidecar.harness import TOKEN, changed_outside, start_sidecars, wait_until
+from tests.sidecar.harness import (
+    changed_outside,
+    peer_signature,
+    start_sidecars,
+    wait_until,
+)
 from tests.vllm.ranks import Rank, finish, prefill_side, step_until, worker_pair
 
 pytestmark = pytest.mark.nixl
@@ -64,7 +68,7 @@ def _claim(p_side, params: dict) -> None:  # noqa: ANN001
     ticket = msgspec.convert(params["kvxferd_tickets"][0], Ticket)
     claim = ClaimRequest(ticket=ticket, reader="slow-decode", reader_tp_size=1, claim_s=8.0)
     raw = msgspec.json.encode(claim)
-    headers = {"Authorization": sign_request(PeerKeys.of(TOKEN), "POST", "/v1/claims", raw),
+    headers = {"Authorization": peer_signature(p_side, "POST", "/v1/claims", raw),
                "Content-Type": "application/json"}  # fmt: skip
     resp = httpx.post(f"http://{p_side.peer}/v1/claims", content=raw, headers=headers,
                       timeout=30)  # fmt: skip
