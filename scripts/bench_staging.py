@@ -43,13 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx  # noqa: E402
 import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
+from benchlib.faults.peerauth import peer_headers  # noqa: E402
 from benchlib.procs import SENTINEL, TOKEN, Pool, SidecarProcess  # noqa: E402
 from benchlib.pullrig import SEED0, Rank, plan, slot_ids  # noqa: E402
 
 from kvxferd import descriptors  # noqa: E402
 from kvxferd.memory import SharedMemoryRegion  # noqa: E402
 from kvxferd.pattern import verify_pattern, write_pattern  # noqa: E402
-from kvxferd.sidecar.signing import PeerKeys, sign_request  # noqa: E402
 from kvxferd.transport import Agent  # noqa: E402
 from kvxferd.wire import PROTOCOL_VERSION, Handshake, Manifest  # noqa: E402
 
@@ -70,8 +70,8 @@ def handshake(agent: Agent, name: str, dm: Manifest, dbases: np.ndarray, peer: s
                      agent_name=name, agent_metadata=agent.get_agent_metadata(), manifest=dm,
                      region_bases=[int(b) for b in dbases])  # fmt: skip
     body = msgspec.json.encode(mine)
-    auth = sign_request(PeerKeys.of(TOKEN), "POST", "/v1/handshake", body)
-    headers = {"Authorization": auth, "Content-Type": "application/json"}
+    headers = {**peer_headers("POST", "/v1/handshake", body, TOKEN),
+               "Content-Type": "application/json"}  # fmt: skip
     resp = httpx.post(f"http://{peer}/v1/handshake", content=body, timeout=60, headers=headers)
     resp.raise_for_status()
     theirs = msgspec.json.decode(resp.content, type=Handshake)

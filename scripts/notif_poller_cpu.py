@@ -24,9 +24,9 @@ import time
 
 import httpx
 import msgspec
+from benchlib.faults.peerauth import peer_headers
 
 from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
-from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.sim.kvpool import RankPool
 from kvxferd.sim.sidecars import start_sidecars
 from kvxferd.wire import ClaimRequest, HoldRequest
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                                             num_tokens=32, lease_s=600))  # fmt: skip
             claim = ClaimRequest(ticket=ticket, reader="nobody", reader_tp_size=1, claim_s=600)
             body = msgspec.json.encode(claim)
-            auth = sign_request(PeerKeys.of(TOKEN), "POST", "/v1/claims", body)
             resp = httpx.post(f"http://{s.peer}/v1/claims", content=body,
-                              headers={"Authorization": auth}, timeout=10)  # fmt: skip
+                              headers=peer_headers("POST", "/v1/claims", body, TOKEN),
+                              timeout=10)  # fmt: skip
             if resp.status_code != 200:
                 print(f"claim refused: {resp.status_code} {resp.text}", file=sys.stderr)
                 return 1

@@ -18,10 +18,10 @@ import msgspec
 import numpy as np
 
 from kvxferd.descriptors import ReadPlan
-from kvxferd.sidecar.signing import PeerKeys, sign_request
 from kvxferd.transport import Agent
 from kvxferd.wire import PROTOCOL_VERSION, Handshake, Manifest
 
+from .faults.peerauth import peer_headers
 from .procs import TOKEN, Pool
 
 
@@ -47,7 +47,7 @@ class RawReader:
                 region_bases=[int(b) for b in pool.bases],
             )
             body = msgspec.json.encode(mine)
-            auth = sign_request(PeerKeys.of(TOKEN), "POST", "/v1/handshake", body)
+            auth = peer_headers("POST", "/v1/handshake", body, TOKEN)["Authorization"]
             resp = httpx.post(
                 f"http://{peer}/v1/handshake",
                 content=body,
