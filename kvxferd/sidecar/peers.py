@@ -52,7 +52,7 @@ from kvxferd.frameconn import FrameConnectError, FrameConnectTimeoutError, Frame
 from kvxferd.sidecar.peer_clients import PeerClients
 from kvxferd.sidecar.peer_http import Reply
 from kvxferd.sidecar.pull_request import ReaderCounts
-from kvxferd.sidecar.signing import PeerKeys, sign_request
+from kvxferd.sidecar.signing import PeerKeys, SignFloors, sign_request
 from kvxferd.transport import ucxenv
 from kvxferd.wire import (
     PROTOCOL_VERSION,
@@ -147,8 +147,7 @@ class PeerTable:
         self._http_only: set[str] = set()  # cached peers whose framed port refused connecting
         # cached peers whose framed connect timed out: (timeouts in a row, when to try again)
         self._frames_wait: dict[str, tuple[int, float]] = {}
-        # per address: the earliest ts a peer that restarted accepts (its 401 named it)
-        self._not_before: dict[str, int] = {}
+        self._floors = SignFloors()  # the earliest ts each restarted peer accepts
         self._clock = clock
         # address -> (lock, callers using it); an entry lives only while someone uses it.
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
@@ -333,27 +332,18 @@ class PeerTable:
 
     def _sign(self, keys: PeerKeys, address: str, path: str, body: bytes) -> str:
         """A signature at our clock's time, or at the earliest a restarted peer accepts."""
-        now = time.time()
-        floor = self._not_before.get(address, 0)
-        if floor <= now:
-            self._not_before.pop(address, None)
-        return sign_request(keys, "POST", path, body, now=max(now, floor))
+        return sign_request(keys, "POST", path, body, now=self._floors.ts(address))
 
     def _refused_ts(self, address: str, status: int, content: bytes, codec: Any) -> bool:
         """Whether a 401 says the peer restarted after our signature's ts: then sign again at
-        the ts it names (true only when that is later than we signed at: one retry)."""
+        the ts it names (once: true only for a floor we did not sign at yet)."""
         if status != AuthError.status:
             return False
         try:
             floor = codec.decode(content, type=ErrorBody).not_before
         except (msgspec.MsgspecError, RecursionError):
             return False
-        if floor <= self._not_before.get(address, 0):
-            return False  # not such a 401 (0), or we signed at that floor already
-        if len(self._not_before) >= _KEEP_EPOCHS:
-            self._not_before.clear()  # bounded: a lost floor costs one more 401 and retry
-        self._not_before[address] = floor
-        return True
+        return self._floors.learn(address, floor)
 
     async def _call(
         self, address: str, path: str, request: object, answer: type[T], what: str
@@ -436,7 +426,7 @@ class PeerTable:
         peer = self._peers.pop(address, None)
         self._http_only.discard(address)
         self._frames_wait.pop(address, None)
-        self._not_before.pop(address, None)
+        self._floors.forget(address)
         if peer is not None:
             if self._on_change is not None:
                 self._on_change(len(self._peers), False)

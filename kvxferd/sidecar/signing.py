@@ -217,6 +217,38 @@ def not_before(started: float, skew_s: float) -> int:
     return math.floor(started + skew_s) + 1
 
 
+class SignFloors:
+    """The earliest ``ts`` each peer that restarted lately accepts (its 401 named it), so the
+    next calls sign at it instead of each taking a 401 first; at most ``limit`` peers (a floor
+    lost costs one more 401 and signing again)."""
+
+    def __init__(self, limit: int = 4096, clock: Callable[[], float] = time.time) -> None:
+        self._floors: dict[str, int] = {}
+        self._limit = limit
+        self._clock = clock
+
+    def ts(self, address: str) -> float:
+        """The time to sign a call to ``address`` at: now, or its floor while that is later."""
+        now = self._clock()
+        floor = self._floors.get(address, 0)
+        if floor <= now:
+            self._floors.pop(address, None)
+        return max(now, floor)
+
+    def learn(self, address: str, floor: int) -> bool:
+        """Remember a floor ``address`` named; whether it is new (then sign the call again)."""
+        if floor <= self._floors.get(address, 0):
+            return False  # not such a 401 (0), or one we signed at already
+        if len(self._floors) >= self._limit:
+            self._floors.clear()
+        self._floors[address] = floor
+        return True
+
+    def forget(self, address: str) -> None:
+        """Drop ``address``'s floor (the peer was dropped)."""
+        self._floors.pop(address, None)
+
+
 def request_target(path: str, query: bytes | str = b"") -> str:
     """The signed target of a request: its path, plus ``?query`` when there is one."""
     q = query.decode("latin-1") if isinstance(query, bytes) else query

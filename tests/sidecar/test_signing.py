@@ -9,6 +9,7 @@ from kvxferd.errors import AuthError, ConfigError, SignedBeforeStartError
 from kvxferd.sidecar.signing import (
     PeerKeys,
     RequestVerifier,
+    SignFloors,
     key_id,
     parse_header,
     request_target,
@@ -246,3 +247,17 @@ def test_the_floor_is_no_way_around_the_replay_window_once_it_passed():
     clock.t = v.not_before + 31  # the nonce is forgotten now: its ts must be refused as stale
     with pytest.raises(AuthError, match="from our clock"):
         v.verify("POST", "/v1/heartbeat", BODY, h)
+
+
+def test_our_client_signs_at_a_restarted_peers_floor_until_its_clock_passes_it():
+    clock = Clock(100.0)
+    floors = SignFloors(limit=2, clock=clock)
+    assert floors.ts("p:1") == 100.0
+    assert floors.learn("p:1", 130) and not floors.learn("p:1", 130)  # signed again once
+    assert not floors.learn("p:1", 0)  # not a restart's 401
+    assert floors.ts("p:1") == 130 and floors.ts("q:1") == 100.0
+    clock.t = 131.0
+    assert floors.ts("p:1") == 131.0
+    assert floors.learn("p:1", 160)
+    floors.forget("p:1")
+    assert floors.ts("p:1") == 131.0
