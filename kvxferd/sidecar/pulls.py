@@ -16,12 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -42,14 +40,14 @@ from kvxferd.metrics import BYTE_KINDS, PHASES
 from kvxferd.sidecar.clocks import act_by
 from kvxferd.sidecar.finished import FinishedFeed
 from kvxferd.sidecar.peerviews import PeerRead
+from kvxferd.sidecar.pull_record import Pull
 from kvxferd.sidecar.pull_request import validate_pull
 from kvxferd.sidecar.readplans import ReadPlanner
 from kvxferd.sidecar.reads import SETTLE_S, Reads, run_to_end
 from kvxferd.sidecar.staging import StagingPool
-from kvxferd.sidecar.states import PullState, advance
+from kvxferd.sidecar.states import PullState
 from kvxferd.wire import (
     ClaimRequest,
-    FinishedPull,
     FinishedPulls,
     Manifest,
     PullRequest,
@@ -70,68 +68,6 @@ LocalViews = Callable[[], Sequence[np.ndarray] | None]
 log = logging.getLogger(__name__)
 
 _KEEP_FINISHED = 4096  # finished pulls remembered for status queries
-
-
-@dataclass
-class Pull:
-    """One pull's record; ``done`` is set when it reaches DONE or FAILED."""
-
-    pull_id: str
-    request: PullRequest | None
-    """The engine's request while the pull runs; dropped once it ended (its status needs none
-    of it, and up to ``_KEEP_FINISHED`` finished pulls are kept)."""
-    started: float = field(default_factory=time.monotonic)
-    ends_by: float = math.inf
-    """Monotonic time the pull ends by: its deadline, counted from the engine's call when the
-    call said when that was (``not_after_ns``), never from a late arrival."""
-    state: PullState = PullState.PENDING
-    reason: str = ""
-    detail: str = ""
-    kv_bytes: int = 0
-    state_bytes: int = 0
-    descriptors: int = 0
-    duration_s: float = 0.0
-    unsettled: str = ""  # why a READ could not be confirmed stopped: this reason wins
-    validated: Manifest | None = None  # the registration validate_pull checked the ids against
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def advance(self, new: PullState) -> None:
-        """Move forward through ``states.advance``; a live state another rank of this pull
-        already passed is no move (ranks progress concurrently). Out of DONE/FAILED raises."""
-        if not self.state.terminal and not new.terminal and new <= self.state:
-            return
-        self.state = advance(self.state, new)
-
-    def fail(self, reason: str, detail: str) -> None:
-        """End FAILED with a reason code (StateError if it had already ended)."""
-        self.advance(PullState.FAILED)
-        self.reason, self.detail = reason, detail
-
-    def finished(self) -> FinishedPull:
-        """The finished-feed entry of an ended pull: its local ids are invalid unless DONE."""
-        req = self.request
-        assert req is not None  # dropped only after this entry was made
-        done = self.state is PullState.DONE
-        return FinishedPull(
-            pull_id=self.pull_id,
-            request_id=req.request_id,
-            state="done" if done else "failed",
-            reason=self.reason,
-            failed_block_ids=[] if done else [[b for b in g if b >= 0] for g in req.block_ids],
-        )
-
-    def status(self) -> PullStatus:
-        """The wire view."""
-        return PullStatus(
-            pull_id=self.pull_id,
-            state=self.state.wire_name,
-            reason=self.reason,
-            detail=self.detail,
-            kv_bytes=self.kv_bytes,
-            state_bytes=self.state_bytes,
-            descriptors=self.descriptors,
-            duration_s=self.duration_s,
-        )
 
 
 class PullRunner:
