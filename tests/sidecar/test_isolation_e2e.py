@@ -92,9 +92,11 @@ def test_a_stopped_prefill_does_not_slow_pulls_from_a_healthy_one(tmp_path):
                 still = [dc.pull_status(p).state for p in pending]
                 assert status.state == "done", status
                 assert verify_pattern(dm, dpool.views, hdids, seed=2) is None
-                # The healthy pull finished while stalled READs were still in flight (one whose
-                # completion was already under way when the stop landed may have finished).
-                assert still.count("transferring") >= 1, still
+                # The healthy pull finished while stalled READs were still in flight. A READ
+                # whose completion was already under way when the stop landed may have finished
+                # since: with none left in flight, this run did not set the case up.
+                if "transferring" not in still:
+                    pytest.skip(f"the stalled READs in flight at SIGSTOP all ended: {still}")
             finally:
                 os.kill(stalled.child.pid, signal.SIGCONT)
             finals = [dc.wait_pull(p, 150) for p in pulls]
