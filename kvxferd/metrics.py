@@ -122,8 +122,8 @@ class Metrics:
         self.staging_retired_bytes = Gauge(
             "kvxferd_staging_retired_bytes",
             "Bytes of the staging buffer retired: under READs that could not be confirmed "
-            "stopped, never handed out again until the buffer is released (staged READs that "
-            "find no room read direct)",
+            "stopped, handed out again once the READ ended, or, for one given up, once the "
+            "buffer is released (staged READs that find no room read direct)",
             registry=r,
         )
         self.notification_polls_failed = Counter(

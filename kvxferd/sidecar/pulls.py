@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -107,7 +108,8 @@ class PullRunner:
         self._phase = {p: metrics.phase_duration.labels(p) for p in PHASES}
         self._bytes = {k: metrics.transfer_bytes.labels(k) for k in BYTE_KINDS}
         self.reads = Reads(transport, on_stuck=peers.forget)
-        self.staging = StagingPool(transport, staging_bytes if local_views else 0)
+        self.staging = StagingPool(transport, staging_bytes if local_views else 0,
+                                   on_retired=metrics.staging_retired_bytes.set)  # fmt: skip
         self.planner = ReadPlanner(
             transport, prepped_reads=prepped_reads, staging_min_descriptors=staging_min_descriptors,
             staging_max_bytes=self.staging.nbytes,
@@ -195,7 +197,6 @@ class PullRunner:
         await self.reads.close()
         self.planner.close()
         await self.staging.close()
-        self._metrics.staging_retired_bytes.set(self.staging.retired_bytes)
 
     async def _run(self, pull: Pull) -> None:
         m = self._metrics
@@ -470,6 +471,7 @@ class PullRunner:
                 descs=descs,
                 deadline=deadline,
                 on_unsettled=on_unsettled,
+                on_ended=None if lease is None else functools.partial(self.staging.restore, lease),
                 post=_by(
                     deadline,
                     plan.post(
@@ -488,9 +490,8 @@ class PullRunner:
         finally:
             # Retired by the report, not the error: a READ quarantined while this task was being
             # cancelled ends it in CancelledError, not UnsettledReadError (reads.run_to_end).
-            if lease is not None and quarantined:  # it may still write its pages: never reused
-                self.staging.retire(lease)
-                self._metrics.staging_retired_bytes.set(self.staging.retired_bytes)
+            if lease is not None and quarantined:  # it may still write its pages: retired
+                self.staging.retire(lease)  # until the READ ends (on_ended), if it ever does
             elif lease is not None:
                 self.staging.release(lease)
         finished = time.monotonic()

@@ -14,10 +14,12 @@ own. One that does not (its peer is frozen and the READ needs the peer to progre
 confirmed stopped: ``read`` raises UnsettledReadError (pull reason ``unsettled``: the
 destination blocks may still change and must not be reused while the sidecar reports live
 NIXL handles), and the transfer is quarantined -- kept, polled slowly until it ends on its own
-(the peer resumes, or UCX declares it dead), then released. After ``QUARANTINE_S`` it is given
-up: the peer is forgotten and the handle released, logged as an error. On the loopback/CMA path
-the bytes are copied inside the post itself (process_vm_readv), so what can stay in flight
-there is the completion notification, not data; over RDMA the NIC serves a frozen process.
+(the peer resumes, or UCX declares it dead), then released and reported to ``on_ended`` (its
+destination can be reused). After ``QUARANTINE_S`` it is given up: the peer is forgotten and the
+handle released, logged as an error, and ``on_ended`` is never called (its bytes may still
+land). On the loopback/CMA path the bytes are copied inside the post itself (process_vm_readv),
+so what can stay in flight there is the completion notification, not data; over RDMA the NIC
+serves a frozen process.
 
 Small READs are posted inline on the loop (microseconds); large ones on a small dedicated
 executor (never asyncio's default pool). Completion is awaited on the loop (CompletionPoller),
@@ -164,13 +166,15 @@ class Reads:
         descs: int,
         deadline: float,
         on_unsettled: Callable[[str], None] | None = None,
+        on_ended: Callable[[], None] | None = None,
         post: Callable[[], PostedRead] | None = None,
     ) -> PostedRead:
         """Post a READ from agent ``remote`` (at ``address``) and wait for it until ``deadline``
         (``time.monotonic()``). Returns the DONE transfer, released; raises otherwise, but
         only once the READ can no longer write (see the module docstring). A READ that stays
         in flight is quarantined and reported to ``on_unsettled`` (even when the caller was
-        cancelled meanwhile), then UnsettledReadError is raised. ``post`` replaces the plain
+        cancelled meanwhile), then UnsettledReadError is raised; ``on_ended`` is called once it
+        ends on its own (DONE or FAILED: it can no longer write). ``post`` replaces the plain
         READ of the descriptor tables (a prepped READ by index; the tables are then unused)."""
         if post is None:
             post = functools.partial(self._agent.read, remote, local_descs, remote_descs, notif)
@@ -187,12 +191,17 @@ class Reads:
                 if transfer is not None and transfer.state is not TransferState.POSTED:
                     _release(transfer)  # DONE or FAILED: it can no longer write
                 elif transfer is not None:
-                    why = await run_to_end(self._settle(transfer, address, on_unsettled))
+                    settle = self._settle(transfer, address, on_unsettled, on_ended)
+                    why = await run_to_end(settle)
                     if why:
                         raise UnsettledReadError(why)
 
     async def _settle(
-        self, transfer: PostedRead, address: str, on_unsettled: Callable[[str], None] | None
+        self,
+        transfer: PostedRead,
+        address: str,
+        on_unsettled: Callable[[str], None] | None,
+        on_ended: Callable[[], None] | None = None,
     ) -> str:
         """Bring ``transfer`` to a terminal state (bounded) and release it; if it stayed in
         flight, quarantine it instead and return why (reported to ``on_unsettled`` too)."""
@@ -202,7 +211,7 @@ class Reads:
             except TransferTimeoutError:
                 why = (f"{transfer!r} still in flight {SETTLE_S:g} s after its wait ended: "
                        "its destination blocks may still change")  # fmt: skip
-                self._quarantined(transfer, address)
+                self._quarantined(transfer, address, on_ended)
                 if on_unsettled is not None:
                     on_unsettled(why)
                 return why
@@ -211,17 +220,23 @@ class Reads:
         _release(transfer)
         return ""
 
-    def _quarantined(self, transfer: PostedRead, address: str) -> None:
+    def _quarantined(
+        self, transfer: PostedRead, address: str, on_ended: Callable[[], None] | None
+    ) -> None:
         self.unsettled += 1
         log.warning("%r unsettled: quarantined until it ends (at most %g s)", transfer,
                     QUARANTINE_S)  # fmt: skip
-        task = asyncio.get_running_loop().create_task(self._keep(transfer, address))
+        task = asyncio.get_running_loop().create_task(self._keep(transfer, address, on_ended))
         self._quarantine.add(task)
         task.add_done_callback(self._quarantine.discard)
 
-    async def _keep(self, transfer: PostedRead, address: str) -> None:
-        """Poll a quarantined READ slowly until it ends; give it up after QUARANTINE_S."""
+    async def _keep(
+        self, transfer: PostedRead, address: str, on_ended: Callable[[], None] | None
+    ) -> None:
+        """Poll a quarantined READ slowly until it ends (then ``on_ended``); give it up after
+        QUARANTINE_S (``on_ended`` not called: it may still write)."""
         end = time.monotonic() + QUARANTINE_S
+        ended = False
         try:
             while transfer.poll() is TransferState.POSTED:
                 if time.monotonic() > end:
@@ -230,8 +245,12 @@ class Reads:
                     await self._on_stuck(address)
                     break
                 await asyncio.sleep(QUARANTINE_POLL_S)
+            else:
+                ended = True  # DONE or FAILED, seen here: it can no longer write
         finally:
             _release(transfer)
+        if ended and on_ended is not None:
+            on_ended()
 
     async def close(self) -> None:
         """Stop polling, quarantine and the post threads (pulls were cancelled before). Ending

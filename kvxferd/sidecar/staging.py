@@ -4,8 +4,9 @@ One anonymous DRAM mapping of ``staging_bytes``, registered with the transport o
 pull that wants it (on a thread; pulls read direct meanwhile) and cut into 64 KiB pages. A pull
 takes contiguous pages for its runs and gives them back once its READ can no longer write
 (kvxferd.sidecar.reads); one that finds no room reads direct. Pages under a READ that could not
-be confirmed stopped (unsettled, quarantined) are never handed out again: they stay retired
-until the pool closes, and the mapping then stays mapped for the life of the process. A large
+be confirmed stopped (unsettled, quarantined) are retired: never handed out while it may write,
+restored once it ends on its own (DONE or FAILED); one given up keeps them retired until the
+pool closes, and the mapping then stays mapped for the life of the process. A large
 scatter (over INLINE_BYTES) runs on the pool's own thread, awaited to its end even when the
 pull is cancelled meanwhile, so a pull never reports while its scatter still writes.
 """
@@ -16,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -74,13 +75,26 @@ class Lease:
     pages: int
     addr: int
     view: np.ndarray
+    opening: int
+    """The pool's opening it came from (a lease of an earlier one is never restored)."""
+    retired: bool = False
+    """Out of use, its pages not given back (its READ may still write)."""
+    ended: bool = False
+    """Its quarantined READ was seen ended (it can no longer write)."""
 
 
 class StagingPool:
     """Bounded staging memory for the pulls of one sidecar (``nbytes``; 0: never staged)."""
 
-    def __init__(self, transport: Transport, nbytes: int, name: str = "kvxferd-staging") -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        nbytes: int,
+        name: str = "kvxferd-staging",
+        on_retired: Callable[[int], None] | None = None,
+    ) -> None:
         self._transport = transport
+        self._on_retired = on_retired  # told retired_bytes on each change (the gauge)
         self.nbytes = nbytes // PAGE * PAGE
         self._name = name
         self._mapping: _Mapping | None = None
@@ -88,6 +102,7 @@ class StagingPool:
         self._opening: asyncio.Task[None] | None = None
         self._used = np.zeros(self.nbytes // PAGE, dtype=bool)
         self._leases = 0
+        self._opening_no = 0  # bumped on close: leases of an earlier opening are stale
         self.retired = 0
         """Pages never handed out again (under a READ that may still write them)."""
         self.staged = 0
@@ -127,7 +142,8 @@ class StagingPool:
         self._leases += 1
         self.staged += 1
         at = first * PAGE
-        return Lease(first, need, mapping.base_addr + at, mapping.view[at : at + need * PAGE])
+        view = mapping.view[at : at + need * PAGE]
+        return Lease(first, need, mapping.base_addr + at, view, self._opening_no)
 
     def release(self, lease: Lease) -> None:
         """Give ``lease`` back: its READ can no longer write."""
@@ -135,12 +151,36 @@ class StagingPool:
         self._leases -= 1
 
     def retire(self, lease: Lease) -> None:
-        """Keep ``lease``'s pages out of use until the pool closes (its READ may still write)."""
+        """Keep ``lease``'s pages out of use until :meth:`restore` or the pool closes (its
+        READ may still write). One whose READ was already seen ended is released instead."""
+        if lease.ended:  # restore() came first: the quarantine saw it end before this report
+            self.release(lease)
+            return
         self._leases -= 1
         self.retired += lease.pages
+        lease.retired = True
+        self._report()
         log.warning("staging pages %d-%d retired (%d of %d now): a READ into them was not "
                     "confirmed stopped", lease.first, lease.first + lease.pages - 1,
                     self.retired, self._used.size)  # fmt: skip
+
+    def restore(self, lease: Lease) -> None:
+        """``lease``'s quarantined READ ended (it can no longer write): its retired pages come
+        back (not retired yet: :meth:`retire` releases it). A lease from before the pool last
+        closed is left alone (its pages were reset then)."""
+        lease.ended = True
+        if not lease.retired or lease.opening != self._opening_no:
+            return
+        lease.retired = False
+        self._used[lease.first : lease.first + lease.pages] = False
+        self.retired -= lease.pages
+        self._report()
+        log.info("staging pages %d-%d back (%d retired now): the READ into them ended",
+                 lease.first, lease.first + lease.pages - 1, self.retired)  # fmt: skip
+
+    def _report(self) -> None:
+        if self._on_retired is not None:
+            self._on_retired(self.retired_bytes)
 
     async def scatter(self, lease: Lease, views: Sequence[np.ndarray], plan: StagedPlan) -> None:
         """Copy ``plan``'s rows from ``lease`` into ``views``: on the loop when small, else on
@@ -196,3 +236,5 @@ class StagingPool:
                 mapping.close()
         self._used[:] = False
         self._leases = self.retired = 0
+        self._opening_no += 1
+        self._report()

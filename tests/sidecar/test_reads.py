@@ -64,11 +64,12 @@ class _Agent:
         self.live -= 1
 
 
-def _read(reads: Reads, big: bool, deadline_in: float = 30.0, address: str = "p:1"):
+def _read(reads: Reads, big: bool, deadline_in: float = 30.0, address: str = "p:1",
+          on_ended=None):  # noqa: ANN001 # fmt: skip
     loop = asyncio.get_running_loop()
     size = reads_mod.INLINE_BYTES + 1 if big else 1
     return reads.read(address, "peer", None, None, b"n", nbytes=size, descs=1,
-                      deadline=loop.time() + deadline_in)  # fmt: skip
+                      deadline=loop.time() + deadline_in, on_ended=on_ended)  # fmt: skip
 
 
 def test_cancelled_mid_post_the_read_ends_only_after_the_post_and_its_settling():
@@ -114,31 +115,39 @@ def test_cancelled_mid_wait_the_transfer_is_settled_before_the_cancellation_surf
     asyncio.run(main())
 
 
-def test_a_read_that_does_not_settle_is_reported_unsettled_and_kept_until_it_ends(monkeypatch):
+def test_a_read_that_does_not_settle_is_reported_unsettled_kept_and_reported_when_it_ends(
+    monkeypatch,
+):
     monkeypatch.setattr(reads_mod, "SETTLE_S", 0.05)
     monkeypatch.setattr(reads_mod, "QUARANTINE_POLL_S", 0.001)
     agent = _Agent()
+    ended: list[int] = []  # the live handles as on_ended was called
 
     async def main() -> None:
         reads = Reads(agent, on_stuck=_never)  # type: ignore[arg-type]
         with pytest.raises(UnsettledReadError, match="may still change"):
-            await _read(reads, big=False, deadline_in=0.01)
+            await _read(reads, big=False, deadline_in=0.01,
+                        on_ended=lambda: ended.append(agent.live))  # fmt: skip
         # Not released: a handle that may still write stays counted (quarantined).
-        assert reads.unsettled == 1 and agent.live == 1
+        assert reads.unsettled == 1 and agent.live == 1 and ended == []
         agent.nixl.finish = True  # it ends on its own (the peer resumed)
         await _until(lambda: agent.live == 0)
         assert agent.transfers[0].state is TransferState.DONE
+        assert ended == [0]  # once, when it was terminal and released: its memory is free
         await reads.close()
 
     asyncio.run(main())
 
 
-def test_a_quarantined_read_that_never_ends_is_given_up_with_its_peer(monkeypatch):
+def test_a_quarantined_read_that_never_ends_is_given_up_with_its_peer_and_not_reported_ended(
+    monkeypatch,
+):
     monkeypatch.setattr(reads_mod, "SETTLE_S", 0.01)
     monkeypatch.setattr(reads_mod, "QUARANTINE_S", 0.05)
     monkeypatch.setattr(reads_mod, "QUARANTINE_POLL_S", 0.001)
     agent = _Agent()
     cut: list[str] = []
+    ended: list[str] = []
 
     async def on_stuck(address: str) -> None:
         cut.append(address)
@@ -146,10 +155,30 @@ def test_a_quarantined_read_that_never_ends_is_given_up_with_its_peer(monkeypatc
     async def main() -> None:
         reads = Reads(agent, on_stuck=on_stuck)  # type: ignore[arg-type]
         with pytest.raises(UnsettledReadError):
-            await _read(reads, big=False, deadline_in=0.01, address="frozen:1")
-        await _until(lambda: agent.live == 0)
+            await _read(reads, big=False, deadline_in=0.01, address="frozen:1",
+                        on_ended=lambda: ended.append("ended"))  # fmt: skip
+        await _until(lambda: agent.live == 0 and reads.quarantined == 0)
         assert cut == ["frozen:1"]
+        assert ended == []  # it may still write: never reported ended
         await reads.close()
+
+    asyncio.run(main())
+
+
+def test_a_quarantined_read_still_in_flight_at_close_is_not_reported_ended(monkeypatch):
+    monkeypatch.setattr(reads_mod, "SETTLE_S", 0.01)
+    agent = _Agent()
+    ended: list[str] = []
+
+    async def main() -> None:
+        reads = Reads(agent, on_stuck=_never)  # type: ignore[arg-type]
+        with pytest.raises(UnsettledReadError):
+            await _read(reads, big=False, deadline_in=0.01,
+                        on_ended=lambda: ended.append("ended"))  # fmt: skip
+        assert reads.quarantined == 1
+        await reads.close()
+        assert reads.quarantined == 0 and agent.live == 0
+        assert ended == []  # released in flight, it may still write: never reported ended
 
     asyncio.run(main())
 

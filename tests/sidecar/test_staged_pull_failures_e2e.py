@@ -1,6 +1,6 @@
 """A staged READ that fails never writes the decode's blocks: neither one that could not be
-confirmed stopped (its pages are retired, never handed out again) nor one that completed past
-the pull's deadline (nothing is scattered).
+confirmed stopped (its pages are retired until it ends, for good when it is given up) nor one
+that completed past the pull's deadline (nothing is scattered).
 
 One pod sidecar (``serve --pod-ranks 8``) serves prefill TP 8; decode TP 1 sidecars with a
 staging buffer of one pull read from it over UCX's TCP transport, where the prefill's worker
@@ -29,6 +29,7 @@ from kvxferd.config import Config
 from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
 from kvxferd.pattern import verify_pattern, write_pattern
 from kvxferd.sidecar import pulls
+from kvxferd.sidecar import reads as reads_mod
 from kvxferd.sidecar.service import Sidecar as InProcessSidecar
 from kvxferd.sidecar.staging import PAGE
 from kvxferd.sidecar.states import PullState
@@ -178,11 +179,13 @@ def _untouched(decode: EngineRank) -> int:
     return sum(int((v != SENTINEL).sum()) for v in decode.pool.views)
 
 
-def test_an_unsettled_staged_read_retires_its_pages_and_never_writes_the_decode_blocks(cluster):
+def test_an_unsettled_staged_read_retires_its_pages_only_until_it_ends_never_writing_the_blocks(
+    cluster,
+):
     """The prefill frozen under a staged READ: the pull ends FAILED ``unsettled`` without one
-    byte of the decode's pool written, then or after the prefill resumed and the READ landed
-    (in the retired pages). The one-pull buffer is then all retired (reported): later pulls read
-    direct, byte-exact, and none is staged into the pages the READ wrote."""
+    byte of the decode's pool written, and the one-pull buffer is retired (reported) while the
+    READ may still write it. The prefill resumed, the READ ends on its own (in the retired
+    pages, scattered nowhere): its pages come back, and the next pull is staged, byte-exact."""
     d = cluster.retiring
     _staged_pull(cluster, d, _slot(0), _slot(1), seed=10)
     ticket = _hold(cluster, _slot(3), seed=11, lease_s=5.0)
@@ -195,14 +198,17 @@ def test_an_unsettled_staged_read_retires_its_pages_and_never_writes_the_decode_
         assert (status.state, status.reason) == ("failed", "unsettled"), status
         assert _untouched(d) == 0
         assert metric(d.sidecar.peer, "kvxferd_nixl_handles") >= 1  # quarantined
+        assert _retired(d) == ONE_PULL // PAGE * PAGE  # the whole buffer: pulls read direct
     ReleasedFeed(cluster.pod[0].sidecar).wait_for(ticket.hold_id)  # its claim ended
     wait_no_handles(d.sidecar, cluster.pod[0].sidecar)  # resumed: the READ ended and was released
     assert _untouched(d) == 0  # it landed in the retired pages, scattered nowhere
-    tables = _reads(d, "tables")
-    for s in range(3):  # the buffer is all retired: direct READs, every byte in place
-        _pull(cluster, d, _slot(s), _slot((s + 1) % SLOTS), seed=20 + s)
-    assert (_reads(d, "staged"), _reads(d, "tables")) == (staged, tables + 3)
-    assert metric(d.sidecar.peer, "kvxferd_staging_retired_bytes") == ONE_PULL // PAGE * PAGE
+    wait_until(lambda: _retired(d) == 0, 30, "the ended READ's pages back")
+    _pull(cluster, d, _slot(0), _slot(1), seed=20)  # every byte in place, nothing else written
+    assert _reads(d, "staged") == staged + 1  # staged into the pages the READ held
+
+
+def _retired(rank: EngineRank) -> float:
+    return metric(rank.sidecar.peer, "kvxferd_staging_retired_bytes")
 
 
 def test_a_staged_read_that_completes_past_the_deadline_scatters_nothing(cluster):
@@ -303,7 +309,8 @@ def test_an_unsettled_staged_read_cancelled_while_it_settles_still_retires_its_p
 ):
     """The READ's own deadline ends its wait and, before its settle bound is out, its task is
     cancelled (what the pull's deadline does one loop turn later): the READ stays in flight, so
-    its pages are retired all the same, and the next pull finds no room and reads direct."""
+    its pages are retired all the same. Once it ended on its own, they come back: the next
+    pull is staged into them."""
 
     async def test(d: InProcess) -> None:
         await d.staged(_slot(0), _slot(1), seed=40)
@@ -326,16 +333,50 @@ def test_an_unsettled_staged_read_cancelled_while_it_settles_still_retires_its_p
         pull = await d.pull(_slot(2), _slot(3), seed=41, deadline_s=DEADLINE_S, frozen=True)
         monkeypatch.undo()
         assert (pull.state, pull.reason) == (PullState.FAILED, "unsettled"), pull.status()
-        assert d.sc.pulls.staging.retired_bytes == ONE_PULL
+        assert d.sc.pulls.staging.retired_bytes == ONE_PULL  # the whole buffer
+        staged = d.sc.pulls.staging.staged
         async with asyncio.timeout(30):  # resumed: the quarantined READ ends and is released
             while reads.quarantined:
                 await asyncio.sleep(0.01)
         assert d.untouched() == 0  # it landed in the retired pages
-        staged = d.sc.pulls.staging.staged
+        assert d.sc.pulls.staging.retired_bytes == 0  # and they came back
         pull = await d.pull(_slot(0), _slot(1), seed=42)
         assert pull.state is PullState.DONE, pull.status()
         assert verify_pattern(d.manifest, d.pool.views, _slot(0), seed=42) is None
-        assert d.sc.pulls.staging.staged == staged  # no room: read direct
+        assert d.sc.pulls.staging.staged == staged + 1  # staged into them
+
+    _in_process(cluster, monkeypatch, test)
+
+
+def test_a_staged_read_given_up_in_quarantine_keeps_its_pages_retired(cluster, monkeypatch):
+    """The prefill frozen past the quarantine's bound (shortened): the READ is given up, its
+    peer forgotten, while it may still write its pages, so they stay retired once the prefill
+    resumed. Later pulls read direct, byte-exact; the failed pull's blocks keep the sentinel."""
+
+    async def test(d: InProcess) -> None:
+        await d.staged(_slot(0), _slot(1), seed=70)
+        reads, staging = d.sc.pulls.reads, d.sc.pulls.staging
+        monkeypatch.setattr(reads_mod, "QUARANTINE_S", 0.5)
+        ticket = await asyncio.to_thread(_hold, cluster, _slot(3), 71, 5.0)
+        for v in d.pool.views:
+            v[:] = SENTINEL
+        before = d.pool.snapshot()
+        with _frozen(cluster):
+            failed = d.sc.pulls.start(
+                PullRequest(tickets=[ticket], block_ids=_slot(2), deadline_s=DEADLINE_S)
+            )
+            async with asyncio.timeout(60):
+                await failed.done.wait()
+                assert (failed.state, failed.reason) == (PullState.FAILED, "unsettled")
+                while reads.quarantined:  # given up while the prefill is still frozen
+                    await asyncio.sleep(0.01)
+        assert staging.retired_bytes == ONE_PULL and d.untouched() == 0
+        staged = staging.staged
+        pull = await d.pull(_slot(0), _slot(1), seed=72)  # a fresh handshake: the peer was cut
+        assert pull.state is PullState.DONE, pull.status()
+        assert verify_pattern(d.manifest, d.pool.views, _slot(0), seed=72) is None
+        assert changed_outside(before, d.pool.views, d.manifest, _slot(0)) == 0
+        assert staging.staged == staged and staging.retired_bytes == ONE_PULL  # read direct
 
     _in_process(cluster, monkeypatch, test)
 

@@ -1,5 +1,6 @@
 """The staging buffer: registered once on first demand, bounded, pages handed out contiguously
-and back; pages under an unsettled READ are never handed out again; closing deregisters.
+and back; pages under an unsettled READ are not handed out again until it ended (or ever, when
+it was given up); closing deregisters.
 
 A real NIXL agent (in process) registers the buffer; leases are pure bookkeeping over it. A
 large scatter runs on the pool's thread and is awaited to its end, even when cancelled.
@@ -76,6 +77,36 @@ def test_pages_of_an_unsettled_read_are_never_handed_out_again():
         again = await _opened(pool, 2 * PAGE)  # a fresh buffer, all of it free
         assert again.pages == 2
         pool.release(again)
+        await pool.close()
+        assert agent.live_handles().registrations == 0
+
+    with Agent("staging-test", progress_thread=False) as agent:
+        asyncio.run(main(agent))
+
+
+def test_retired_pages_come_back_once_their_read_ended_and_the_gauge_follows():
+    async def main(agent: Agent) -> None:
+        gauge: list[int] = []  # kvxferd_staging_retired_bytes, as told
+        pool = StagingPool(agent, 2 * PAGE, on_retired=gauge.append)
+        a = await _opened(pool, 2 * PAGE)
+        pool.retire(a)  # its READ may still write: no room for anyone
+        assert pool.acquire(PAGE) is None and gauge == [2 * PAGE]
+        pool.restore(a)  # the quarantined READ ended: it can no longer write
+        assert (pool.retired, gauge) == (0, [2 * PAGE, 0])
+        b = pool.acquire(2 * PAGE)
+        assert b is not None and b.first == 0
+        pool.restore(b)  # ended before its pull retired it (the quarantine polled first)
+        pool.retire(b)  # released instead: never retired
+        assert pool.retired == 0 and gauge == [2 * PAGE, 0]
+        c = pool.acquire(2 * PAGE)
+        assert c is not None
+        pool.retire(c)
+        await pool.close()  # its READ given up meanwhile: the pool starts afresh
+        assert gauge[-1] == 0
+        d = await _opened(pool, PAGE)
+        pool.restore(c)  # a lease of the buffer before: nothing of the new one is touched
+        assert pool.acquire(2 * PAGE) is None  # d still holds its page
+        pool.release(d)
         await pool.close()
         assert agent.live_handles().registrations == 0
 
