@@ -44,7 +44,8 @@ from kvxferd.pattern import (
     write_token_pattern,
 )
 from kvxferd.sim import storecache
-from kvxferd.sim.blocks import BlockAllocator, PrefixCache, PrefixKey
+from kvxferd.sim.blocks import BlockAllocator, PrefixCache
+from kvxferd.sim.decodeblocks import DecodeBlocks, return_blocks, take_blocks
 from kvxferd.sim.kvpool import RankPool
 from kvxferd.sim.minting import Minter
 from kvxferd.sim.pulls import pull_all
@@ -125,17 +126,6 @@ class _Held:
     reasons: set[str] = field(default_factory=set)
     placing: bool = False
     """Minted here, its holds still being placed (an abort now refuses the placement)."""
-
-
-@dataclass
-class _DecodeBlocks:
-    """A decode request's local blocks: cache hits (-1 in the pull) and fresh ones."""
-
-    ids: list[list[int]]
-    pull_ids: list[list[int]]
-    hits: list[PrefixKey]
-    fresh_full: list[tuple[PrefixKey, int]]
-    fresh_other: list[int]
 
 
 class SimEngine:
@@ -280,7 +270,8 @@ class SimEngine:
         try:
             need = self._need(prompt)
             self._check_tickets(tickets, need, n)
-            lease = self._take_blocks(seed, need, n)
+            lease = take_blocks(self.manifest, self.prefix, self._allocate, seed, need, n)
+            self.stats.prefix_hits += len(lease.hits)
         except BaseException as exc:  # refused before reading: the prefill holds are useless
             self.decline(tickets, "aborted" if isinstance(exc, asyncio.CancelledError) else
                          f"rejected: {type(exc).__name__}")  # fmt: skip
@@ -307,7 +298,7 @@ class SimEngine:
                 keep = True
             digest = await self._digest(lease.ids, n)
         finally:
-            self._return_blocks(lease, keep, settled)
+            return_blocks(lease, self.prefix, self.blocks, keep, settled)
         return Generation(generate(digest, prompt.max_tokens), len(prompt.tokens))
 
     # -- holds a decode will not read ----------------------------------------------------------
@@ -409,54 +400,6 @@ class SimEngine:
             start += n
         return out
 
-    def _take_blocks(self, seed: int, need: list[int], num_tokens: int) -> _DecodeBlocks:
-        """Local blocks for a decode: prefix-cache hits for full attention blocks, else fresh."""
-        lease = _DecodeBlocks([], [], [], [], [])
-        slots: list[tuple[int, int, PrefixKey | None]] = []  # (group, position, cache key)
-        for g, n in enumerate(need):
-            group = self.manifest.groups[g]
-            full = num_tokens // group.block_size if group.kind == "full_attention" else 0
-            lease.ids.append([-1] * n)
-            lease.pull_ids.append([-1] * n)
-            for o in range(n):
-                key = (seed, g, o) if o < full else None
-                hit = self.prefix.acquire(key) if key is not None else None
-                if hit is not None:
-                    assert key is not None
-                    lease.hits.append(key)
-                    lease.ids[g][o] = hit
-                else:
-                    slots.append((g, o, key))
-        try:
-            fresh = self._allocate(len(slots))
-        except BaseException:
-            for key in lease.hits:
-                self.prefix.release(key)
-            raise
-        for (g, o, key), b in zip(slots, fresh, strict=True):
-            lease.ids[g][o] = lease.pull_ids[g][o] = b
-            if key is None:
-                lease.fresh_other.append(b)
-            else:
-                lease.fresh_full.append((key, b))
-        self.stats.prefix_hits += len(lease.hits)
-        return lease
-
-    def _return_blocks(self, lease: _DecodeBlocks, keep: bool, settled: bool) -> None:
-        """Unpin hits; cache fresh full blocks whose bytes are right (``keep``); free the rest.
-        Blocks of an unsettled pull are never reused (a sidecar may still write them)."""
-        for key in lease.hits:
-            self.prefix.release(key)
-        if not settled:
-            n = len(lease.fresh_full) + len(lease.fresh_other)
-            log.error("quarantining %d blocks of an unsettled pull", n)
-            return
-        free = list(lease.fresh_other)
-        for key, b in lease.fresh_full:
-            if not (keep and self.prefix.insert(key, b)):
-                free.append(b)
-        self.blocks.free(free)
-
     def _check_tickets(self, tickets: list[Ticket], need: list[int], num_tokens: int) -> None:
         remote = [len(g) for g in tickets[0].block_ids]
         # Other counts for the same tokens are a prefill with other block sizes (re-blocking:
@@ -496,7 +439,7 @@ class SimEngine:
         self.stats.verified_ok += 1
         return True
 
-    def _count_pull(self, kv: int, state: int, seconds: float, lease: _DecodeBlocks) -> None:
+    def _count_pull(self, kv: int, state: int, seconds: float, lease: DecodeBlocks) -> None:
         s = self.stats
         s.pulls_ok += 1
         s.kv_bytes += kv
