@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
@@ -171,14 +172,13 @@ def test_a_release_404_from_a_prefill_stops_its_releases_only_for_release_retry_
                 wait_until(lambda: not app.state.background, BOUND_S, "the proxy's release")
 
             refused()  # its release answered 404: the hold is left to its lease
+            paused_until = time.monotonic() + settings.release_retry_s  # set before this
             assert p.stats()["holds_given_up"] == before["holds_given_up"]
             mounted.set()
-
-            def given_up() -> bool:
-                refused()
-                return p.stats()["holds_given_up"] > before["holds_given_up"]
-
-            wait_until(given_up, BOUND_S, "a refused decode's release reaching the sim again")
+            # One request per state, not one per poll: each refused request leaves the sim a
+            # hold while releases pause, and a full pool answers 503.
+            wait_until(lambda: time.monotonic() > paused_until, BOUND_S, "release_retry_s")
+            refused()
             assert p.stats()["holds_given_up"] == before["holds_given_up"] + 1
     finally:
         for served in reversed(backends):
