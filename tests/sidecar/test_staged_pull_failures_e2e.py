@@ -19,25 +19,22 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
 
 from kvxferd.config import Config
-from kvxferd.layout import PlanOptions, load_hf_config, plan_manifest
-from kvxferd.pattern import verify_pattern, write_pattern
+from kvxferd.pattern import verify_pattern
 from kvxferd.sidecar import pulls
 from kvxferd.sidecar import reads as reads_mod
 from kvxferd.sidecar.service import Sidecar as InProcessSidecar
 from kvxferd.sidecar.staging import PAGE
 from kvxferd.sidecar.states import PullState
-from kvxferd.wire import HoldRequest, Manifest, PullRequest, PullStatus, RegisterRequest, Ticket
+from kvxferd.wire import PullRequest, RegisterRequest
 from tests.sidecar.harness import (
     QUIET,
     SENTINEL,
-    SMALL_HYBRID,
     TOKEN,
     EnginePool,
     EngineRank,
@@ -48,22 +45,12 @@ from tests.sidecar.harness import (
     wait_no_handles,
     wait_until,
 )
+from tests.sidecar.stagedpod import ONE_PULL, TP, hold, plan, pull, ranks, reads, slot, staged_pull
 
 pytestmark = pytest.mark.nixl
 
-TP = 8
-SLOT = [1, 1, 1, 13]  # blocks per group of one pull (3 Mamba groups, 1 attention group)
-SLOTS = 4
-NUM_BLOCKS = 1 + SLOTS * sum(SLOT)
-ONE_PULL = 16 * (32 << 10)  # a staging buffer of one pull: its 16 runs of 32 KiB, no more
 TCP = {**QUIET, "UCX_TLS": "tcp"}  # the prefill's worker moves every byte: a freeze stalls it
 DEADLINE_S = 1.0
-
-
-def _plan(tp_size: int, tp_rank: int) -> Manifest:
-    opts = PlanOptions(tp_size=tp_size, tp_rank=tp_rank, num_blocks=NUM_BLOCKS,
-                       engine_id=f"t{uuid.uuid4().hex[:8]}")  # fmt: skip
-    return plan_manifest({**load_hf_config("granite-4.0-h-tiny"), **SMALL_HYBRID}, opts)
 
 
 @dataclass
@@ -84,78 +71,13 @@ def cluster(tmp_path_factory):
                                    env=TCP)  # fmt: skip
         sidecars += start_sidecars(tmp, ["short"], "--staging-bytes", str(ONE_PULL // 2),
                                    env=TCP)  # fmt: skip
-        manifests = [_plan(TP, r) for r in range(TP)] + [_plan(1, 0) for _ in range(3)]
-        pools = [EnginePool(m) for m in manifests]
-        ranks = [EngineRank(s, m, p) for s, m, p in
-                 zip([sidecars[0]] * TP + sidecars[1:], manifests, pools, strict=True)]  # fmt: skip
-        with ThreadPoolExecutor(TP) as workers:  # a pod rank's register waits for the rest
-            list(workers.map(_register, ranks[:TP]))
-        for rank in ranks[TP:]:
-            _register(rank)
-        yield Cluster(ranks[:TP], *ranks[TP:])
+        pod, decodes = ranks(sidecars[0], sidecars[1:], pools)
+        yield Cluster(pod, *decodes)
     finally:
         codes = [s.stop() for s in sidecars]
         for pool in pools:
             pool.close()
     assert codes == [0] * len(sidecars)
-
-
-def _register(rank: EngineRank) -> None:
-    with rank.sidecar.client() as c:
-        c.register(rank.manifest, rank.pool.specs())
-
-
-def _slot(s: int) -> list[list[int]]:
-    out, start = [], 1 + s * sum(SLOT)
-    for n in SLOT:
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
-def _hold(cluster: Cluster, ids: list[list[int]], seed: int, lease_s: float = 30.0) -> Ticket:
-    hold_id = f"h-{uuid.uuid4().hex[:8]}"
-    tickets = []
-    for r, rank in enumerate(cluster.pod):
-        write_pattern(rank.manifest, rank.pool.views, ids, seed=seed)
-        with rank.sidecar.client() as c:
-            tickets.append(c.hold(HoldRequest(request_id=hold_id, block_ids=ids, num_tokens=416,
-                                              hold_id=hold_id, tp_rank=r,
-                                              lease_s=lease_s)))  # fmt: skip
-    assert all(t == tickets[0] for t in tickets)
-    return tickets[0]
-
-
-def _reads(rank: EngineRank, path: str) -> float:
-    return metric(rank.sidecar.peer, "kvxferd_reads_total", path=path)
-
-
-def _pull(cluster: Cluster, decode: EngineRank, ids, pids, seed: int) -> PullStatus:
-    """One pull of ``pids`` on the pod into ``ids`` on ``decode``: DONE, every byte in place,
-    nothing else written, the hold notified."""
-    ticket = _hold(cluster, pids, seed)
-    before = decode.pool.snapshot()
-    with decode.sidecar.client() as c:
-        accepted = c.pull(PullRequest(tickets=[ticket], block_ids=ids, deadline_s=60))
-        status = c.wait_pull(accepted.pull_id, timeout_s=90)
-    assert status.state == "done", status
-    assert verify_pattern(decode.manifest, decode.pool.views, ids, seed=seed) is None
-    assert changed_outside(before, decode.pool.views, decode.manifest, ids) == 0
-    assert ReleasedFeed(cluster.pod[0].sidecar).wait_for(ticket.hold_id) == {
-        ticket.hold_id: "notified"
-    }
-    return status
-
-
-def _staged_pull(cluster: Cluster, decode: EngineRank, ids, pids, seed: int) -> None:
-    """Pulls until one is staged (the buffer registers on the first pull that wants it, which
-    reads direct meanwhile; the peer is cached from then on); every pull verified. Bounded."""
-    for attempt in range(20):
-        staged = _reads(decode, "staged")
-        _pull(cluster, decode, ids, pids, seed + attempt)
-        if _reads(decode, "staged") == staged + 1:
-            return
-    raise AssertionError("no pull was staged in 20")
 
 
 @contextmanager
@@ -187,12 +109,12 @@ def test_an_unsettled_staged_read_retires_its_pages_only_until_it_ends_never_wri
     READ may still write it. The prefill resumed, the READ ends on its own (in the retired
     pages, scattered nowhere): its pages come back, and the next pull is staged, byte-exact."""
     d = cluster.retiring
-    _staged_pull(cluster, d, _slot(0), _slot(1), seed=10)
-    ticket = _hold(cluster, _slot(3), seed=11, lease_s=5.0)
-    staged = _reads(d, "staged")
+    staged_pull(cluster.pod, d, slot(0), slot(1), seed=10)
+    ticket = hold(cluster.pod, slot(3), seed=11, lease_s=5.0)
+    staged = reads(d, "staged")
     _sentinel(d)
     with _frozen(cluster), d.sidecar.client() as c:
-        accepted = c.pull(PullRequest(tickets=[ticket], block_ids=_slot(2),
+        accepted = c.pull(PullRequest(tickets=[ticket], block_ids=slot(2),
                                       deadline_s=DEADLINE_S))  # fmt: skip
         status = c.wait_pull(accepted.pull_id, timeout_s=60)
         assert (status.state, status.reason) == ("failed", "unsettled"), status
@@ -203,8 +125,8 @@ def test_an_unsettled_staged_read_retires_its_pages_only_until_it_ends_never_wri
     wait_no_handles(d.sidecar, cluster.pod[0].sidecar)  # resumed: the READ ended and was released
     assert _untouched(d) == 0  # it landed in the retired pages, scattered nowhere
     wait_until(lambda: _retired(d) == 0, 30, "the ended READ's pages back")
-    _pull(cluster, d, _slot(0), _slot(1), seed=20)  # every byte in place, nothing else written
-    assert _reads(d, "staged") == staged + 1  # staged into the pages the READ held
+    pull(cluster.pod, d, slot(0), slot(1), seed=20)  # every byte in place, nothing else written
+    assert reads(d, "staged") == staged + 1  # staged into the pages the READ held
 
 
 def _retired(rank: EngineRank) -> float:
@@ -217,13 +139,13 @@ def test_a_staged_read_that_completes_past_the_deadline_scatters_nothing(cluster
     ends FAILED ``deadline`` and not one byte of the decode's pool changed. Its pages come back
     (it is DONE): the next pull is staged into them, byte-exact."""
     d = cluster.late
-    _staged_pull(cluster, d, _slot(0), _slot(1), seed=30)
-    ticket = _hold(cluster, _slot(3), seed=31, lease_s=5.0)
-    staged = _reads(d, "staged")
+    staged_pull(cluster.pod, d, slot(0), slot(1), seed=30)
+    ticket = hold(cluster.pod, slot(3), seed=31, lease_s=5.0)
+    staged = reads(d, "staged")
     _sentinel(d)
     with d.sidecar.client() as c:
         with _frozen(cluster):
-            accepted = c.pull(PullRequest(tickets=[ticket], block_ids=_slot(2),
+            accepted = c.pull(PullRequest(tickets=[ticket], block_ids=slot(2),
                                           deadline_s=DEADLINE_S))  # fmt: skip
             # The sidecar started the pull before it answered: its deadline is before this.
             past = time.monotonic() + DEADLINE_S
@@ -235,16 +157,16 @@ def test_a_staged_read_that_completes_past_the_deadline_scatters_nothing(cluster
     wait_no_handles(d.sidecar, cluster.pod[0].sidecar)
     assert _untouched(d) == 0
     assert metric(d.sidecar.peer, "kvxferd_staging_retired_bytes") == 0
-    _pull(cluster, d, _slot(0), _slot(1), seed=32)
-    assert _reads(d, "staged") == staged + 1
+    pull(cluster.pod, d, slot(0), slot(1), seed=32)
+    assert reads(d, "staged") == staged + 1
 
 
 def test_a_staging_buffer_smaller_than_one_read_leaves_every_pull_direct(cluster):
     d = cluster.short
     for s in range(2):  # the first would register a buffer if the READ could ever fit it
-        status = _pull(cluster, d, _slot(s), _slot(s + 1), seed=60 + s)
+        status = pull(cluster.pod, d, slot(s), slot(s + 1), seed=60 + s)
         assert status.descriptors == 304
-    assert (_reads(d, "staged"), _reads(d, "tables")) == (0, 2)
+    assert (reads(d, "staged"), reads(d, "tables")) == (0, 2)
 
 
 class InProcess:
@@ -254,13 +176,13 @@ class InProcess:
     def __init__(self, cluster: Cluster, sidecar: InProcessSidecar) -> None:
         self.cluster = cluster
         self.sc = sidecar
-        self.manifest = _plan(1, 0)
+        self.manifest = plan(1, 0)
         self.pool = EnginePool(self.manifest)
 
     async def pull(self, ids, pids, seed: int, deadline_s: float = 60.0, *,
                    frozen: bool = False) -> pulls.Pull:  # fmt: skip
         """One pull of ``pids`` into ``ids``, ended; ``frozen``: the pod stopped meanwhile."""
-        ticket = await asyncio.to_thread(_hold, self.cluster, pids, seed, 5.0)
+        ticket = await asyncio.to_thread(hold, self.cluster.pod, pids, seed, 5.0)
         with _frozen(self.cluster) if frozen else contextlib.nullcontext():
             pull = self.sc.pulls.start(PullRequest(tickets=[ticket], block_ids=ids,
                                                    deadline_s=deadline_s))  # fmt: skip
@@ -313,7 +235,7 @@ def test_an_unsettled_staged_read_cancelled_while_it_settles_still_retires_its_p
     pull is staged into them."""
 
     async def test(d: InProcess) -> None:
-        await d.staged(_slot(0), _slot(1), seed=40)
+        await d.staged(slot(0), slot(1), seed=40)
         reads = d.sc.pulls.reads
         settle, read = reads._settle, reads.read
         task: list[asyncio.Task] = []
@@ -330,7 +252,7 @@ def test_an_unsettled_staged_read_cancelled_while_it_settles_still_retires_its_p
         monkeypatch.setattr(reads, "_settle", cancelled_settle)
         for v in d.pool.views:
             v[:] = SENTINEL
-        pull = await d.pull(_slot(2), _slot(3), seed=41, deadline_s=DEADLINE_S, frozen=True)
+        pull = await d.pull(slot(2), slot(3), seed=41, deadline_s=DEADLINE_S, frozen=True)
         monkeypatch.undo()
         assert (pull.state, pull.reason) == (PullState.FAILED, "unsettled"), pull.status()
         assert d.sc.pulls.staging.retired_bytes == ONE_PULL  # the whole buffer
@@ -340,9 +262,9 @@ def test_an_unsettled_staged_read_cancelled_while_it_settles_still_retires_its_p
                 await asyncio.sleep(0.01)
         assert d.untouched() == 0  # it landed in the retired pages
         assert d.sc.pulls.staging.retired_bytes == 0  # and they came back
-        pull = await d.pull(_slot(0), _slot(1), seed=42)
+        pull = await d.pull(slot(0), slot(1), seed=42)
         assert pull.state is PullState.DONE, pull.status()
-        assert verify_pattern(d.manifest, d.pool.views, _slot(0), seed=42) is None
+        assert verify_pattern(d.manifest, d.pool.views, slot(0), seed=42) is None
         assert d.sc.pulls.staging.staged == staged + 1  # staged into them
 
     _in_process(cluster, monkeypatch, test)
@@ -354,16 +276,16 @@ def test_a_staged_read_given_up_in_quarantine_keeps_its_pages_retired(cluster, m
     resumed. Later pulls read direct, byte-exact; the failed pull's blocks keep the sentinel."""
 
     async def test(d: InProcess) -> None:
-        await d.staged(_slot(0), _slot(1), seed=70)
+        await d.staged(slot(0), slot(1), seed=70)
         reads, staging = d.sc.pulls.reads, d.sc.pulls.staging
         monkeypatch.setattr(reads_mod, "QUARANTINE_S", 0.5)
-        ticket = await asyncio.to_thread(_hold, cluster, _slot(3), 71, 5.0)
+        ticket = await asyncio.to_thread(hold, cluster.pod, slot(3), 71, 5.0)
         for v in d.pool.views:
             v[:] = SENTINEL
         before = d.pool.snapshot()
         with _frozen(cluster):
             failed = d.sc.pulls.start(
-                PullRequest(tickets=[ticket], block_ids=_slot(2), deadline_s=DEADLINE_S)
+                PullRequest(tickets=[ticket], block_ids=slot(2), deadline_s=DEADLINE_S)
             )
             async with asyncio.timeout(60):
                 await failed.done.wait()
@@ -372,10 +294,10 @@ def test_a_staged_read_given_up_in_quarantine_keeps_its_pages_retired(cluster, m
                     await asyncio.sleep(0.01)
         assert staging.retired_bytes == ONE_PULL and d.untouched() == 0
         staged = staging.staged
-        pull = await d.pull(_slot(0), _slot(1), seed=72)  # a fresh handshake: the peer was cut
+        pull = await d.pull(slot(0), slot(1), seed=72)  # a fresh handshake: the peer was cut
         assert pull.state is PullState.DONE, pull.status()
-        assert verify_pattern(d.manifest, d.pool.views, _slot(0), seed=72) is None
-        assert changed_outside(before, d.pool.views, d.manifest, _slot(0)) == 0
+        assert verify_pattern(d.manifest, d.pool.views, slot(0), seed=72) is None
+        assert changed_outside(before, d.pool.views, d.manifest, slot(0)) == 0
         assert staging.staged == staged and staging.retired_bytes == ONE_PULL  # read direct
 
     _in_process(cluster, monkeypatch, test)
@@ -398,7 +320,7 @@ def test_a_staged_read_seen_done_only_past_the_deadline_is_not_scattered(cluster
     pages come back (the next pull is staged)."""
 
     async def test(d: InProcess) -> None:
-        await d.staged(_slot(0), _slot(1), seed=50)
+        await d.staged(slot(0), slot(1), seed=50)
         reads, clock = d.sc.pulls.reads, _Clock()
         read = reads.read
 
@@ -411,12 +333,12 @@ def test_a_staged_read_seen_done_only_past_the_deadline_is_not_scattered(cluster
         monkeypatch.setattr(pulls, "time", clock)
         for v in d.pool.views:
             v[:] = SENTINEL
-        pull = await d.pull(_slot(2), _slot(3), seed=51)
+        pull = await d.pull(slot(2), slot(3), seed=51)
         monkeypatch.undo()
         assert d.untouched() == 0  # nothing scattered
         assert (pull.state, pull.reason) == (PullState.FAILED, "deadline"), pull.status()
         staged = d.sc.pulls.staging.staged
-        await d.staged(_slot(0), _slot(1), seed=52)
+        await d.staged(slot(0), slot(1), seed=52)
         assert d.sc.pulls.staging.staged == staged + 1  # its pages came back
 
     _in_process(cluster, monkeypatch, test)
