@@ -247,7 +247,8 @@ def _sim(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_sim_with_sane_numbers_gets_to_start():
-    proc = _sim("--pull-timeout", "5", "--sidecar-timeout", "9", "--lease", "3", "--port", "0")
+    proc = _sim("--pull-timeout", "5", "--sidecar-timeout", "9", "--lease", "3", "--port", "0",
+                "--unanswered-retry", "2", "--unanswered-bound", "2")  # fmt: skip
     assert (proc.returncode, proc.stdout.strip()) == (0, "started"), proc.stderr
 
 
@@ -261,7 +262,13 @@ def test_sim_with_sane_numbers_gets_to_start():
      ("--lease", "nan", "--lease: must be > 0 and finite, got nan"),
      ("--port", "70000", "--port: 70000 is not a TCP port"),
      ("--pool-blocks", "0", "--pool-blocks: must be >= 2, got 0"),
-     ("--store-chunk-tokens", "0", "--store-chunk-tokens: must be >= 1, got 0")],
+     ("--store-chunk-tokens", "0", "--store-chunk-tokens: must be >= 1, got 0"),
+     ("--unanswered-retry", "nan", "--unanswered-retry: must be > 0 and finite, got nan"),
+     ("--unanswered-retry", "0", "--unanswered-retry: must be > 0 and finite, got 0.0"),
+     ("--unanswered-bound", "inf", "--unanswered-bound: must be > 0 and finite, got inf"),
+     ("--unanswered-bound", "-5", "--unanswered-bound: must be > 0 and finite, got -5.0"),
+     ("--unanswered-retry", "700",
+      "--unanswered-retry: must be at most --unanswered-bound (600 s), got 700")],
 )  # fmt: skip
 def test_sim_number_flags_out_of_range_fail_in_one_line_before_anything_starts(flag, value, line):
     assert line in _one_error_line(_sim(flag, value))

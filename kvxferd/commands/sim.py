@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
 
 from kvxferd.commands.edge import (
     add_event_loop_flag,
@@ -15,6 +16,9 @@ from kvxferd.commands.edge import (
 )
 from kvxferd.errors import ConfigError
 from kvxferd.layout import preset_names
+
+if TYPE_CHECKING:
+    from kvxferd.sim.server import SimOptions
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -64,6 +68,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--pull-timeout", type=float, default=30.0, metavar="S",
                    help="decode: deadline of one request's pull in seconds "
                    "(default 30)")  # fmt: skip
+    p.add_argument("--unanswered-retry", type=float, default=1.0, metavar="S",
+                   help="prefill: interval, in seconds, of the aborts retried for a hold whose "
+                   "placement and abort both got no answer from a sidecar (its blocks stay "
+                   "held until one is answered; default 1)")  # fmt: skip
+    p.add_argument("--unanswered-bound", type=float, default=600.0, metavar="S",
+                   help="prefill: how long, in seconds, such a hold's blocks wait for the "
+                   "sidecar to answer before they are freed unconfirmed (counted "
+                   "holds_abandoned; default 600)")  # fmt: skip
     p.add_argument("--kv-cache-dtype", default="auto", metavar="D",
                    help="auto, bfloat16, float16, fp8...")  # fmt: skip
     p.add_argument("--attn-pack-size", type=int, default=1, metavar="N",
@@ -92,35 +104,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM."""
     from kvxferd.cli import setup_logging
-    from kvxferd.sim.server import SimOptions, run_sim
+    from kvxferd.sim.server import run_sim
 
     _check(args)
-    limits = limits_from_args(args)
     setup_logging(args.log_level)
     if logging.getLogger().level <= logging.INFO:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per sidecar call
-    return run_sim(
-        SimOptions(
-            role=args.role,
-            config=args.config,
-            tp=args.tp,
-            host=args.host,
-            port=args.port,
-            pool_blocks=args.pool_blocks,
-            served_model_name=args.served_model_name,
-            on_pull_failure=args.on_pull_failure,
-            lease_s=args.lease,
-            pull_timeout_s=args.pull_timeout,
-            kv_cache_dtype=args.kv_cache_dtype,
-            attn_pack_size=args.attn_pack_size,
-            log_level=args.log_level,
-            sidecar_timeout_s=args.sidecar_timeout,
-            sidecar_sockets=tuple(args.sidecar_sockets),
-            store_dir=args.store,
-            store_chunk_tokens=args.store_chunk_tokens,
-            limits=limits,
-            event_loop=event_loop_from_args(args),
-        )
+    return run_sim(options(args))
+
+
+def options(args: argparse.Namespace) -> SimOptions:
+    """The SimOptions of parsed ``kvxferd sim`` flags (checked: ``_check``)."""
+    from kvxferd.sim.server import SimOptions
+
+    return SimOptions(
+        role=args.role,
+        config=args.config,
+        tp=args.tp,
+        host=args.host,
+        port=args.port,
+        pool_blocks=args.pool_blocks,
+        served_model_name=args.served_model_name,
+        on_pull_failure=args.on_pull_failure,
+        lease_s=args.lease,
+        pull_timeout_s=args.pull_timeout,
+        unanswered_retry_s=args.unanswered_retry,
+        unanswered_bound_s=args.unanswered_bound,
+        kv_cache_dtype=args.kv_cache_dtype,
+        attn_pack_size=args.attn_pack_size,
+        log_level=args.log_level,
+        sidecar_timeout_s=args.sidecar_timeout,
+        sidecar_sockets=tuple(args.sidecar_sockets),
+        store_dir=args.store,
+        store_chunk_tokens=args.store_chunk_tokens,
+        limits=limits_from_args(args),
+        event_loop=event_loop_from_args(args),
     )
 
 
@@ -130,9 +148,16 @@ def _check(args: argparse.Namespace) -> None:
 
     check_port(args.port)
     for flag, value in (("--lease", args.lease), ("--pull-timeout", args.pull_timeout),
-                        ("--sidecar-timeout", args.sidecar_timeout)):  # fmt: skip
+                        ("--sidecar-timeout", args.sidecar_timeout),
+                        ("--unanswered-retry", args.unanswered_retry),
+                        ("--unanswered-bound", args.unanswered_bound)):  # fmt: skip
         if value is not None:
             check_finite_positive(value, flag)
+    if args.unanswered_retry > args.unanswered_bound:  # the bound would pass before one retry
+        raise ConfigError(
+            f"--unanswered-retry: must be at most --unanswered-bound "
+            f"({args.unanswered_bound:g} s), got {args.unanswered_retry:g}"
+        )
     if args.pool_blocks is not None and args.pool_blocks < 2:  # 0 is not "the default"
         raise ConfigError(f"--pool-blocks: must be >= 2, got {args.pool_blocks}")
     if args.store_chunk_tokens < 1:

@@ -65,6 +65,10 @@ class SimOptions:
     on_pull_failure: PullFailurePolicy = "recompute"
     lease_s: float | None = None
     pull_timeout_s: float = 30.0
+    unanswered_retry_s: float = 1.0
+    """Prefill: interval of the aborts retried for holds no sidecar answered (EngineSettings)."""
+    unanswered_bound_s: float = 600.0
+    """Prefill: how long such a hold's blocks wait for an answer before they are freed."""
     kv_cache_dtype: str = "auto"
     attn_pack_size: int = 1
     log_level: str = "info"
@@ -216,16 +220,24 @@ def _child_level(level: str) -> str:
     return "debug" if level.lower() == "debug" else "warning"
 
 
+def engine_settings(opts: SimOptions, engine_id: str) -> EngineSettings:
+    """How the engine of ``opts`` behaves."""
+    settings = EngineSettings(role=opts.role, engine_id=engine_id,
+                              on_pull_failure=opts.on_pull_failure, lease_s=opts.lease_s,
+                              pull_timeout_s=opts.pull_timeout_s,
+                              unanswered_retry_s=opts.unanswered_retry_s,
+                              unanswered_bound_s=opts.unanswered_bound_s)  # fmt: skip
+    if opts.store_dir and opts.role == "prefill":
+        settings = replace(settings, store_chunk_tokens=opts.store_chunk_tokens)
+    return settings
+
+
 async def _serve(
     opts: SimOptions, engine_id: str, model: str, pools: list[RankPool],
     sidecars: list[RankSidecar], token: str,
 ) -> None:  # fmt: skip
     sock = bind_tcp(opts.host, opts.port, "--port")
-    settings = EngineSettings(role=opts.role, engine_id=engine_id,
-                              on_pull_failure=opts.on_pull_failure, lease_s=opts.lease_s,
-                              pull_timeout_s=opts.pull_timeout_s)  # fmt: skip
-    if opts.store_dir and opts.role == "prefill":
-        settings = replace(settings, store_chunk_tokens=opts.store_chunk_tokens)
+    settings = engine_settings(opts, engine_id)
 
     def alive() -> str:
         return "; ".join(p for p in (s.problem() for s in sidecars) if p)

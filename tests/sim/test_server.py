@@ -36,3 +36,19 @@ def test_a_pull_timeout_past_the_sidecars_default_bound_raises_their_bound(monke
         opts = SimOptions(role="decode", config="llama-3.1-8b", pull_timeout_s=timeout)
         args = _parser().parse_args(["serve", *sidecar_args(opts)])
         assert _load(args).max_pull_deadline_s >= timeout
+
+
+def test_the_unanswered_hold_flags_set_the_engines_retry_interval_and_bound():
+    from kvxferd.cli import _parser
+    from kvxferd.commands.sim import options
+    from kvxferd.sim.engine import EngineSettings
+    from kvxferd.sim.server import engine_settings
+
+    argv = ["sim", "--role", "prefill", "--config", "llama-3.1-8b"]
+    given = engine_settings(options(_parser().parse_args(
+        [*argv, "--unanswered-retry", "0.25", "--unanswered-bound", "30"])), "e")  # fmt: skip
+    assert (given.unanswered_retry_s, given.unanswered_bound_s) == (0.25, 30.0)
+    default = engine_settings(options(_parser().parse_args(argv)), "e")
+    engine = EngineSettings(role="prefill", engine_id="e")
+    assert (default.unanswered_retry_s, default.unanswered_bound_s) == (
+        engine.unanswered_retry_s, engine.unanswered_bound_s)  # fmt: skip
