@@ -113,9 +113,17 @@ class Metrics:
         )
         self.reads = Counter(
             "kvxferd_reads",
-            "READs posted, by path: prepped (indices into a peer's prepared lists), tables "
+            "READs completed, by path: prepped (indices into a peer's prepared lists), tables "
             "(coalesced descriptor tables) or staged (whole runs into the staging buffer, "
             "then scattered)",
+            ["path"],
+            registry=r,
+        )
+        self.read_failures = Counter(
+            "kvxferd_read_failures",
+            "READs that failed, by path as kvxferd_reads: errored, not completed by the pull's "
+            "deadline, their peer gone, not confirmed stopped, or (staged) not scattered; not "
+            "one its pull gave up earlier (its claim failed or ended, another rank failed)",
             ["path"],
             registry=r,
         )

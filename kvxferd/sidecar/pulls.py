@@ -484,8 +484,13 @@ class PullRunner:
                     raise TransferTimeoutError("staged READ completed past the pull's deadline")
                 self._guard()  # the memory is still whole (a shrunk segment fails the pull)
                 await self.staging.scatter(lease, views, staged.plan)
-        except PeerDisconnectedError:
-            await self._peers.forget(peer.address)
+        except BaseException as exc:
+            # Cancelled before the deadline: its pull gave it up (the claim failed or ended
+            # first, another rank failed), not its path. Past it, whichever timer fired first.
+            if not isinstance(exc, asyncio.CancelledError) or time.monotonic() >= deadline:
+                self._metrics.read_failures.labels(path).inc()
+            if isinstance(exc, PeerDisconnectedError):
+                await self._peers.forget(peer.address)
             raise
         finally:
             # Retired by the report, not the error: a READ quarantined while this task was being

@@ -89,6 +89,11 @@ def reads(rank: EngineRank, path: str) -> float:
     return metric(rank.sidecar.peer, "kvxferd_reads_total", path=path)
 
 
+def read_failures(rank: EngineRank, path: str) -> float:
+    """READs of ``rank``'s sidecar by ``path`` that failed."""
+    return metric(rank.sidecar.peer, "kvxferd_read_failures_total", path=path)
+
+
 def want_bytes(decode: EngineRank, pod: Sequence[EngineRank], ids, pids) -> int:
     own = [np.asarray(g, dtype=np.int64) for g in ids]
     theirs = [np.asarray(g, dtype=np.int64) for g in pids]

@@ -45,7 +45,18 @@ from tests.sidecar.harness import (
     wait_no_handles,
     wait_until,
 )
-from tests.sidecar.stagedpod import ONE_PULL, TP, hold, plan, pull, ranks, reads, slot, staged_pull
+from tests.sidecar.stagedpod import (
+    ONE_PULL,
+    TP,
+    hold,
+    plan,
+    pull,
+    ranks,
+    read_failures,
+    reads,
+    slot,
+    staged_pull,
+)
 
 pytestmark = pytest.mark.nixl
 
@@ -106,12 +117,13 @@ def test_an_unsettled_staged_read_retires_its_pages_only_until_it_ends_never_wri
 ):
     """The prefill frozen under a staged READ: the pull ends FAILED ``unsettled`` without one
     byte of the decode's pool written, and the one-pull buffer is retired (reported) while the
-    READ may still write it. The prefill resumed, the READ ends on its own (in the retired
-    pages, scattered nowhere): its pages come back, and the next pull is staged, byte-exact."""
+    READ may still write it, counted as a failed staged READ. The prefill resumed, the READ
+    ends on its own (in the retired pages, scattered nowhere): its pages come back, and the
+    next pull is staged, byte-exact."""
     d = cluster.retiring
     staged_pull(cluster.pod, d, slot(0), slot(1), seed=10)
     ticket = hold(cluster.pod, slot(3), seed=11, lease_s=5.0)
-    staged = reads(d, "staged")
+    staged, failed = reads(d, "staged"), read_failures(d, "staged")
     _sentinel(d)
     with _frozen(cluster), d.sidecar.client() as c:
         accepted = c.pull(PullRequest(tickets=[ticket], block_ids=slot(2),
@@ -121,12 +133,14 @@ def test_an_unsettled_staged_read_retires_its_pages_only_until_it_ends_never_wri
         assert _untouched(d) == 0
         assert metric(d.sidecar.peer, "kvxferd_nixl_handles") >= 1  # quarantined
         assert _retired(d) == ONE_PULL // PAGE * PAGE  # the whole buffer: pulls read direct
+        assert (reads(d, "staged"), read_failures(d, "staged")) == (staged, failed + 1)
     ReleasedFeed(cluster.pod[0].sidecar).wait_for(ticket.hold_id)  # its claim ended
     wait_no_handles(d.sidecar, cluster.pod[0].sidecar)  # resumed: the READ ended and was released
     assert _untouched(d) == 0  # it landed in the retired pages, scattered nowhere
     wait_until(lambda: _retired(d) == 0, 30, "the ended READ's pages back")
     pull(cluster.pod, d, slot(0), slot(1), seed=20)  # every byte in place, nothing else written
     assert reads(d, "staged") == staged + 1  # staged into the pages the READ held
+    assert read_failures(d, "staged") == failed + 1
 
 
 def _retired(rank: EngineRank) -> float:
@@ -136,12 +150,12 @@ def _retired(rank: EngineRank) -> float:
 def test_a_staged_read_that_completes_past_the_deadline_scatters_nothing(cluster):
     """The prefill frozen under a staged READ until the pull's deadline has passed, then
     resumed: the READ completes within its settle bound, but past the deadline, so the pull
-    ends FAILED ``deadline`` and not one byte of the decode's pool changed. Its pages come back
-    (it is DONE): the next pull is staged into them, byte-exact."""
+    ends FAILED ``deadline`` and not one byte of the decode's pool changed: a failed staged
+    READ. Its pages come back (it is DONE): the next pull is staged into them, byte-exact."""
     d = cluster.late
     staged_pull(cluster.pod, d, slot(0), slot(1), seed=30)
     ticket = hold(cluster.pod, slot(3), seed=31, lease_s=5.0)
-    staged = reads(d, "staged")
+    staged, failed = reads(d, "staged"), read_failures(d, "staged")
     _sentinel(d)
     with d.sidecar.client() as c:
         with _frozen(cluster):
@@ -157,8 +171,9 @@ def test_a_staged_read_that_completes_past_the_deadline_scatters_nothing(cluster
     wait_no_handles(d.sidecar, cluster.pod[0].sidecar)
     assert _untouched(d) == 0
     assert metric(d.sidecar.peer, "kvxferd_staging_retired_bytes") == 0
+    assert read_failures(d, "staged") == failed + 1
     pull(cluster.pod, d, slot(0), slot(1), seed=32)
-    assert reads(d, "staged") == staged + 1
+    assert (reads(d, "staged"), read_failures(d, "staged")) == (staged + 1, failed + 1)
 
 
 def test_a_staging_buffer_smaller_than_one_read_leaves_every_pull_direct(cluster):
@@ -167,6 +182,7 @@ def test_a_staging_buffer_smaller_than_one_read_leaves_every_pull_direct(cluster
         status = pull(cluster.pod, d, slot(s), slot(s + 1), seed=60 + s)
         assert status.descriptors == 304
     assert (reads(d, "staged"), reads(d, "tables")) == (0, 2)
+    assert read_failures(d, "tables") == read_failures(d, "staged") == 0
 
 
 class InProcess:
