@@ -44,11 +44,6 @@ from kvxferd.sidecar.service import Sidecar
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = Config.shutdown_grace_s
-"""Default seconds the calls still running at SIGINT/SIGTERM (HTTP and frames alike) and the
-store's copies get to end, together (``--shutdown-grace``), before calls are cancelled: a call
-waiting on a hung disk or a frozen peer must not hold shutdown up."""
-
 
 class _Server(uvicorn.Server):
     """uvicorn.Server that leaves signal handling to us (two servers share one process)."""

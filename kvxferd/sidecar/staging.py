@@ -198,15 +198,13 @@ class StagingPool:
         try:  # the mapping too: a size the host cannot map (no overcommit of it) is said so
             mapping = _Mapping(self._name, self.nbytes)
             (reg,) = await asyncio.to_thread(self._transport.register, mapping)
-        except (KvxferdError, OSError) as exc:
+        except BaseException as exc:
             if mapping is not None:
                 mapping.close()
+            if not isinstance(exc, (KvxferdError, OSError)):
+                raise
             log.warning("no staging buffer (pulls read direct): %s", exc)
             return  # _opening stays set: not retried until the pool closes
-        except BaseException:
-            if mapping is not None:
-                mapping.close()
-            raise
         self._mapping, self._registration = mapping, reg
 
     async def close(self) -> None:
